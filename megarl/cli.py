@@ -1,0 +1,40 @@
+"""`megarl` command line: parse, then dispatch (the work lives elsewhere)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megarl.config import ConfigError, load_config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="megarl", description="RL post-training of LLMs on megatron-core + vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="run PPO/GRPO from a recipe")
+    tr.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny_cpu.yaml")
+    tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 run.dir=runs/x")
+    pl = sub.add_parser("plan", help="resolve and print a recipe without running it")
+    pl.add_argument("recipe")
+    pl.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as err:
+        print(f"megarl: config error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "plan":
+        from omegaconf import OmegaConf
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return 0
+    from megarl.train import train
+    try:
+        train(cfg)
+    except ConfigError as err:
+        print(f"megarl: config error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Recipe loading: schema defaults <- recipe chain (`defaults:`) <- command-line `key=value`.
+
+Every layer is merged onto the structured schema, so an unknown key or a value of the wrong
+type fails here, before any rank or engine starts, with the key, the value and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from megarl.config.schema import ConfigError, RootConfig
+
+
+def _known_keys(cls=RootConfig, prefix="") -> list[str]:
+    out = []
+    for f in fields(cls):
+        t = f.default_factory if is_dataclass(getattr(f, "default_factory", None)) else None
+        if t is not None:
+            out += _known_keys(t, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        near = difflib.get_close_matches(str(key), _known_keys(), n=3)
+        hint = f"did you mean {', '.join(near)}?" if near else "see megarl/config/schema.py for the keys"
+        return ConfigError(f"unknown config key '{key}' (from {source}): {hint}")
+    if isinstance(err, ValidationError):
+        first_line = str(err).splitlines()[0]
+        return ConfigError(f"{key}: {first_line} (from {source}); give a value of the type "
+                           f"declared in megarl/config/schema.py")
+    return ConfigError(f"{key}: {err} (from {source})")
+
+
+def _recipe_layers(path: Path, seen: tuple = ()) -> list[tuple[str, object]]:
+    """Flatten a recipe and its `defaults:` chain, parents first."""
+    if not path.is_file():
+        raise ConfigError(f"recipe '{path}' does not exist: pass a YAML file, e.g. recipes/tiny_cpu.yaml")
+    if path.resolve() in seen:
+        raise ConfigError(f"recipe '{path}' includes itself through `defaults:`")
+    raw = OmegaConf.load(path)
+    parents = raw.pop("defaults", []) if "defaults" in raw else []
+    if isinstance(parents, str) or not OmegaConf.is_list(parents) and not isinstance(parents, list):
+        parents = [parents]
+    layers = []
+    for parent in parents:
+        layers += _recipe_layers(path.parent / str(parent), seen + (path.resolve(),))
+    layers.append((str(path), raw))
+    return layers
+
+
+def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RootConfig:
+    """Resolve a recipe + `key=value` overrides into a validated RootConfig."""
+    cfg = OmegaConf.structured(RootConfig)
+    layers = _recipe_layers(Path(recipe)) if recipe else []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value: write e.g. train.steps=10")
+    if overrides:
+        layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as err:
+            raise _explain(err, source) from None
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise _explain(err, "the merged config") from None
+
+
+def save_config(cfg: RootConfig, path: str | Path) -> None:
+    """Write the fully resolved config (every default spelled out) next to the run's outputs."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(cfg), path)

@@ -1,0 +1,219 @@
+"""The one place megarl's config defaults live.
+
+Recipes (YAML) only override fields declared here. Each field's docstring-comment gives its
+meaning and unit; `__post_init__` checks what can be checked without knowing the world size
+(`validate_world` does the rest once the ranks are up). Errors name the key, the value and the
+fix, and are raised before anything expensive starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A recipe or command-line override that cannot run; the message says how to fix it."""
+
+
+def _require(ok: bool, key: str, value, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def _one_of(key: str, value, allowed) -> None:
+    _require(value in allowed, key, value, f"must be one of {sorted(allowed)}")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"          # run directory: metrics.jsonl, tensorboard/, config.yaml
+    seed: int = 0                      # seeds data order, model init, sampling and dropout
+    name: str = "megarl"               # shown in logs and TensorBoard
+
+
+@dataclass
+class ModelConfig:
+    path: str = "artifacts/tiny_countdown"  # HF checkpoint dir (config.json, safetensors, tokenizer)
+    dtype: str = "float32"             # trainer parameter dtype: float32 | bfloat16
+    make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
+
+    def __post_init__(self):
+        _one_of("model.dtype", self.dtype, {"float32", "bfloat16"})
+        _require(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
+                 self.make_vocab_size_divisible_by, "must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1                        # tensor-parallel size of the trainer
+    pp: int = 1                        # pipeline-parallel size of the trainer
+    backend: str = "auto"              # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    timeout_s: int = 600               # collective timeout: a hung rank fails loudly after this
+
+    def __post_init__(self):
+        _require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
+        _require(self.pp >= 1, "parallel.pp", self.pp, "must be >= 1")
+        _one_of("parallel.backend", self.backend, {"auto", "gloo", "nccl"})
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "ppo"                  # ppo (GAE with a critic) | grpo (group-normalised, no critic)
+    gamma: float = 1.0                 # discount per token
+    lam: float = 0.95                  # GAE lambda
+    clip_low: float = 0.2              # PPO ratio clip below: r >= 1 - clip_low
+    clip_high: float = 0.2             # PPO ratio clip above: r <= 1 + clip_high ("clip-higher")
+    dual_clip: Optional[float] = None  # cap the loss of negative-advantage tokens at dual_clip*|A| (> 1)
+    value_clip: Optional[float] = 0.2  # clip the critic's new values to old +- this; null: no clip
+    value_coef: float = 1.0            # weight of the value loss (the critic has its own optimizer)
+    kl_coef: float = 0.0               # weight of the KL to the reference policy
+    kl_mode: str = "reward"            # reward: per-token penalty in the reward | loss: term in the actor loss
+    kl_kind: str = "k1"                # estimator: k1 | k2 | k3 | abs
+    entropy_coef: float = 0.0          # entropy bonus in the actor loss
+    whiten_advantages: bool = True     # normalise PPO advantages over the batch's tokens
+    grpo_std_normalize: bool = True    # GRPO: divide by the group's std (Dr.GRPO sets this false)
+    loss_agg: str = "token-mean"       # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    is_mode: str = "tis"               # behaviour correction: tis (truncate) | mask | none
+    is_level: str = "token"            # token | sequence | geo_sequence
+    is_cap: float = 2.0                # TIS truncation C for w = exp(l_old - l_mu)
+    is_low: float = 0.5                # mask mode: keep tokens with is_low <= w <= is_high
+    is_high: float = 2.0
+
+    def __post_init__(self):
+        _one_of("algo.name", self.name, {"ppo", "grpo"})
+        _one_of("algo.kl_mode", self.kl_mode, {"reward", "loss"})
+        _one_of("algo.kl_kind", self.kl_kind, {"k1", "k2", "k3", "abs"})
+        _one_of("algo.loss_agg", self.loss_agg,
+                {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum"})
+        _one_of("algo.is_mode", self.is_mode, {"tis", "mask", "none"})
+        _one_of("algo.is_level", self.is_level, {"token", "sequence", "geo_sequence"})
+        _require(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "must be in [0, 1]")
+        _require(0 <= self.lam <= 1, "algo.lam", self.lam, "must be in [0, 1]")
+        _require(self.clip_low > 0 and self.clip_high > 0, "algo.clip_low/clip_high",
+                 (self.clip_low, self.clip_high), "both must be > 0")
+        _require(self.dual_clip is None or self.dual_clip > 1, "algo.dual_clip", self.dual_clip,
+                 "must be > 1 (or null to disable)")
+        _require(self.is_low <= 1 <= self.is_high, "algo.is_low/is_high",
+                 (self.is_low, self.is_high), "need is_low <= 1 <= is_high")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60                    # optimizer steps of the RL loop (one rollout round each)
+    groups_per_step: int = 16          # prompts per step; each has rollout.n samples
+    ppo_epochs: int = 1                # passes over each step's data
+    mini_batches: int = 1              # optimizer updates per epoch
+    micro_batch_size: int = 8          # sequences per forward/backward (gradient accumulation)
+    actor_lr: float = 1e-4
+    critic_lr: float = 5e-4
+    lr_warmup_steps: int = 0           # linear warm-up of both learning rates, in optimizer updates
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0             # clip the global gradient norm (0: off)
+    critic_warmup_steps: int = 0       # steps that train only the critic (PPO)
+
+    def __post_init__(self):
+        _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _require(self.groups_per_step >= 1, "train.groups_per_step", self.groups_per_step, "must be >= 1")
+        _require(self.ppo_epochs >= 1, "train.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _require(self.mini_batches >= 1, "train.mini_batches", self.mini_batches, "must be >= 1")
+        _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        _require(self.actor_lr > 0 and self.critic_lr > 0, "train.actor_lr/critic_lr",
+                 (self.actor_lr, self.critic_lr), "learning rates must be > 0")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 4                         # samples per prompt (a group)
+    max_new_tokens: int = 56           # response budget in tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int = 256           # engine context (prompt + response), tokens
+    engines: int = 1                   # number of vLLM engines
+    engine_tp: int = 1                 # tensor-parallel size of each engine
+    multiprocess: bool = True          # run the vLLM engine core in its own process (false: in-process)
+    kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
+
+    def __post_init__(self):
+        _require(self.n >= 1, "rollout.n", self.n, "must be >= 1")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature,
+                 "must be > 0: PPO needs sampled tokens with their logprobs")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.engines >= 1, "rollout.engines", self.engines, "must be >= 1")
+        _require(self.kv_cache_mb >= 16, "rollout.kv_cache_mb", self.kv_cache_mb, "must be >= 16")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "artifacts/tiny_countdown/prompts.jsonl"  # jsonl with a "prompt" (text) per line
+    prompt_key: str = "prompt"         # field of each record holding the prompt text
+    shuffle: bool = True               # reshuffle each epoch (seeded by run.seed)
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "countdown"              # rule-based verifier name (see megarl.rewards)
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 512               # tensors per push are grouped into buckets of about this size
+    staging_dir: str = "/dev/shm"      # CPU route: where the safetensors buckets are staged
+    verify: bool = False               # after each push, compare engine and trainer logprobs
+
+    def __post_init__(self):
+        _require(self.bucket_mb >= 1, "weight_sync.bucket_mb", self.bucket_mb, "must be >= 1")
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True           # write TensorBoard event files under <run.dir>/tensorboard
+    progress: bool = True              # one console line per step
+
+
+@dataclass
+class RootConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self):
+        if self.algo.name == "grpo":
+            _require(self.rollout.n >= 2, "rollout.n", self.rollout.n,
+                     "algo.name=grpo normalises within a group: use rollout.n >= 2")
+
+    @property
+    def samples_per_step(self) -> int:
+        """Sequences trained per step = train.groups_per_step * rollout.n."""
+        return self.train.groups_per_step * self.rollout.n
+
+
+def validate_world(cfg: RootConfig, world_size: int) -> int:
+    """Check the parallel layout against the launched ranks; return the data-parallel size.
+
+    dp = world_size / (tp * pp); each DP rank's share of a mini-batch must split into
+    micro-batches.
+    """
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    _require(world_size % (tp * pp) == 0, "parallel.tp x parallel.pp", f"{tp}x{pp}",
+             f"must divide the world size {world_size}: launch a multiple of {tp * pp} ranks "
+             f"or change parallel.tp/parallel.pp")
+    dp = world_size // (tp * pp)
+    per_mini = cfg.samples_per_step // cfg.train.mini_batches
+    _require(cfg.samples_per_step % cfg.train.mini_batches == 0, "train.mini_batches",
+             cfg.train.mini_batches,
+             f"must divide the samples per step ({cfg.samples_per_step} = groups_per_step x rollout.n)")
+    _require(per_mini % (dp * cfg.train.micro_batch_size) == 0, "train.micro_batch_size",
+             cfg.train.micro_batch_size,
+             f"a mini-batch of {per_mini} sequences over dp={dp} ranks must split into "
+             f"micro-batches of this size: pick a divisor of {per_mini // dp if per_mini % dp == 0 else per_mini}")
+    return dp

@@ -1,0 +1,404 @@
+"""Declarative HF <-> megatron-core GPTModel parameter tables, one per architecture.
+
+A table row (`ParamMapping`) names one megatron parameter, the HF parameter(s) it holds and
+how it is laid out over tensor parallelism (`kind`). `ArchMapping` applies the rows with the
+pure ops in `megarl.conversion.ops`; it is used by the trainer -> vLLM weight sync (one
+gathered parameter at a time: `partition_dim`, `megatron_to_hf`) and by the checkpoint
+conversion tools (whole state dicts: `hf_to_megatron`, `megatron_shards_to_hf`).
+
+Megatron layer indices are local to the pipeline stage ("decoder.layers.{i}" with i from 0 on
+every stage); HF indices are global (local + the stage's layer offset). The embedding lives on
+the first stage, the final norm and output layer on the last. With tied embeddings and PP > 1
+megatron keeps a duplicate `output_layer.weight` on the last stage (kept equal to the
+embedding by an all-reduce); it is written on HF -> megatron and ignored on megatron -> HF,
+where the first stage's embedding is the source.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from megarl.conversion import ops
+
+Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
+
+# The dim TP splits for each kind (None: every TP rank holds the full tensor).
+_PARTITION_DIM: dict[str, int | None] = {
+    "replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0}
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One megatron parameter and the HF parameter(s) it holds.
+
+    `megatron` and `hf` are name templates; "{i}" is the layer index (stage-local for megatron,
+    global for HF). `hf` has 3 names (q, k, v) for kind "qkv", 2 (gate, up) for "gate_up", else 1.
+    """
+    megatron: str
+    hf: tuple[str, ...]
+    kind: Kind
+
+    def __post_init__(self):
+        n = {"qkv": 3, "gate_up": 2}.get(self.kind, 1)
+        if self.kind not in _PARTITION_DIM or len(self.hf) != n:
+            raise ValueError(f"bad mapping row {self}: kind {self.kind!r} needs {n} HF names")
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.megatron
+
+    @property
+    def partition_dim(self) -> int | None:
+        return _PARTITION_DIM[self.kind]
+
+
+_L, _HL = "decoder.layers.{i}.", "model.layers.{i}."
+
+LLAMA_TABLE: tuple[ParamMapping, ...] = (
+    ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    ParamMapping(_L + "input_layernorm.weight", (_HL + "input_layernorm.weight",), "replicated"),
+    ParamMapping(_L + "self_attention.linear_qkv.weight",
+                 (_HL + "self_attn.q_proj.weight", _HL + "self_attn.k_proj.weight",
+                  _HL + "self_attn.v_proj.weight"), "qkv"),
+    ParamMapping(_L + "self_attention.linear_proj.weight", (_HL + "self_attn.o_proj.weight",), "row"),
+    ParamMapping(_L + "pre_mlp_layernorm.weight", (_HL + "post_attention_layernorm.weight",),
+                 "replicated"),
+    ParamMapping(_L + "mlp.linear_fc1.weight",
+                 (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"), "gate_up"),
+    ParamMapping(_L + "mlp.linear_fc2.weight", (_HL + "mlp.down_proj.weight",), "row"),
+    ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab"),
+)
+QWEN2_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE + (
+    ParamMapping(_L + "self_attention.linear_qkv.bias",
+                 (_HL + "self_attn.q_proj.bias", _HL + "self_attn.k_proj.bias",
+                  _HL + "self_attn.v_proj.bias"), "qkv"),
+)
+MISTRAL_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE
+
+TABLES: dict[str, tuple[ParamMapping, ...]] = {
+    "LlamaForCausalLM": LLAMA_TABLE,
+    "Qwen2ForCausalLM": QWEN2_TABLE,
+    "MistralForCausalLM": MISTRAL_TABLE,
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM"}
+
+# The Transformer Engine spec fuses the norms into the following linear layer.
+TE_NAMES = {
+    _L + "input_layernorm.weight": _L + "self_attention.linear_qkv.layer_norm_weight",
+    _L + "pre_mlp_layernorm.weight": _L + "mlp.linear_fc1.layer_norm_weight",
+}
+
+# HF keys that carry no weights (non-persistent buffers saved by old transformers versions).
+_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_OUTPUT = "output_layer.weight"
+_TIED_OUTPUT = ParamMapping(_OUTPUT, ("model.embed_tokens.weight",), "vocab")
+_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+|\{i\})\.(.+)$")
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocab: `vocab` rounded up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def is_extra_state(name: str) -> bool:
+    """True for megatron/TE `_extra_state` keys (fp8 metadata), which hold no weights."""
+    return name.endswith("_extra_state")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the mapping needs, read from an HF config."""
+    hidden: int
+    ffn: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    num_layers: int
+    tied: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelDims":
+        heads = cfg.num_attention_heads
+        return cls(hidden=cfg.hidden_size, ffn=cfg.intermediate_size, num_heads=heads,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   vocab=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                   tied=bool(getattr(cfg, "tie_word_embeddings", False)))
+
+    def hf_shape(self, template: str) -> tuple[int, ...]:
+        """Full HF shape of the parameter named by `template` (layer index "{i}" or a number)."""
+        H, F, d = self.hidden, self.ffn, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        suffix = _HF_LAYER.sub(r"\2", template)
+        return {
+            "model.embed_tokens.weight": (self.vocab, H), "lm_head.weight": (self.vocab, H),
+            "model.norm.weight": (H,), "input_layernorm.weight": (H,),
+            "post_attention_layernorm.weight": (H,),
+            "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+            "self_attn.v_proj.weight": (kv, H), "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.weight": (H, q),
+            "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H),
+            "mlp.down_proj.weight": (H, F),
+        }[suffix]
+
+
+def mapping_for(hf_config, te_names: bool = False) -> "ArchMapping":
+    """The mapping for an HF config (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM).
+
+    te_names=True uses the Transformer Engine spec's fused-norm names
+    (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of the local spec's
+    `input_layernorm.weight`, `pre_mlp_layernorm.weight`.
+    """
+    archs = getattr(hf_config, "architectures", None)
+    model_type = getattr(hf_config, "model_type", None)
+    arch = archs[0] if archs else _MODEL_TYPES.get(model_type, f"model_type={model_type!r}")
+    if arch not in TABLES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(TABLES)}")
+    for flag in ("attention_bias", "mlp_bias"):  # Llama options megatron's GPT layout lacks
+        if getattr(hf_config, flag, False):
+            raise ValueError(f"{arch} with {flag}=True is not supported by the megatron mapping; "
+                             f"only Qwen2's q/k/v biases are")
+    dims = ModelDims.from_hf_config(hf_config)
+    rows = tuple(ParamMapping(TE_NAMES.get(m.megatron, m.megatron) if te_names else m.megatron,
+                              m.hf, m.kind)
+                 for m in TABLES[arch] if not (dims.tied and m.megatron == _OUTPUT))
+    return ArchMapping(arch=arch, dims=dims, table=rows, te_names=te_names)
+
+
+@dataclass(frozen=True)
+class ArchMapping:
+    """One architecture's table bound to a model's sizes; see the module docstring."""
+    arch: str
+    dims: ModelDims
+    table: tuple[ParamMapping, ...]
+    te_names: bool = False
+    _by_megatron: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_by_megatron", {m.megatron: m for m in self.table})
+
+    # ---- names -------------------------------------------------------------------------
+
+    def _describe(self) -> str:
+        return f"{self.arch} (te_names={self.te_names}, tied={self.dims.tied})"
+
+    def _find(self, mcore_name: str) -> tuple[ParamMapping, int | None]:
+        """The table row of a megatron name and its stage-local layer index (None if not a layer)."""
+        if self.dims.tied and mcore_name == _OUTPUT:
+            return _TIED_OUTPUT, None
+        match = _MCORE_LAYER.match(mcore_name)
+        template, local = (_L + match.group(2), int(match.group(1))) if match else (mcore_name, None)
+        row = self._by_megatron.get(template)
+        if row is None:
+            raise ValueError(f"unknown megatron parameter {mcore_name!r} for {self._describe()}; "
+                             f"known: {sorted(self._by_megatron)}")
+        return row, local
+
+    def partition_dim(self, mcore_name: str) -> int | None:
+        """The dim TP splits `mcore_name` along (0 or 1), or None if every TP rank holds all of it."""
+        return self._find(mcore_name)[0].partition_dim
+
+    def megatron_names(self, num_local_layers: int, first_stage: bool, last_stage: bool,
+                       pp: int = 1) -> list[str]:
+        """Parameter names (no `_extra_state`) of one PP stage's megatron GPTModel state dict."""
+        return [m.megatron.format(i=i) for m, layers in self._stage_rows(num_local_layers,
+                                                                          first_stage, last_stage, pp)
+                for i in layers]
+
+    def hf_names(self, num_layers: int | None = None) -> list[str]:
+        """All HF parameter names of the model (no `lm_head.weight` when tied)."""
+        n = self.dims.num_layers if num_layers is None else num_layers
+        return [h.format(i=i) for m in self.table for i in (range(n) if m.per_layer else [None])
+                for h in m.hf]
+
+    def _stage_rows(self, num_local_layers, first_stage, last_stage, pp):
+        for m in self.table:
+            if m.per_layer:
+                yield m, range(num_local_layers)
+            elif m.megatron.startswith("embedding.") and first_stage:
+                yield m, [None]
+            elif not m.megatron.startswith("embedding.") and last_stage:
+                yield m, [None]
+        if self.dims.tied and last_stage and pp > 1:
+            yield _TIED_OUTPUT, [None]
+
+    # ---- one parameter -----------------------------------------------------------------
+
+    def _megatron_full_shape(self, m: ParamMapping) -> tuple:
+        """Full (TP-merged) megatron shape; vocab dim 0 is None (padded size not known here)."""
+        d = self.dims
+        if m.kind == "vocab":
+            return (None, d.hidden)
+        shapes = [d.hf_shape(h) for h in m.hf]
+        if m.kind == "qkv" or m.kind == "gate_up":
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
+        return shapes[0]
+
+    def _check_shards(self, name: str, m: ParamMapping, shards: Sequence[Tensor]) -> None:
+        tp, pdim = len(shards), m.partition_dim
+        if tp == 0:
+            raise ValueError(f"megatron parameter {name!r}: no TP shards given")
+        if m.kind == "qkv" and self.dims.num_kv_heads % tp:
+            raise ValueError(f"megatron parameter {name!r}: num_kv_heads={self.dims.num_kv_heads} "
+                             f"is not a multiple of tp={tp} (fused QKV is split by whole GQA groups)")
+        expected = list(self._megatron_full_shape(m))
+        if pdim is not None and expected[pdim] is not None:
+            if expected[pdim] % tp:
+                raise ValueError(f"megatron parameter {name!r}: dim {pdim} of size {expected[pdim]} "
+                                 f"cannot be split into {tp} TP shards")
+            expected[pdim] //= tp
+        first = tuple(shards[0].shape)
+        for r, s in enumerate(shards):
+            shape = tuple(s.shape)
+            ok = len(shape) == len(expected) and all(e is None or e == a
+                                                     for e, a in zip(expected, shape))
+            if not ok or shape != first:
+                want = tuple("V_pad/tp" if e is None else e for e in expected)
+                raise ValueError(f"megatron parameter {name!r}: TP shard {r} of {tp} has shape "
+                                 f"{shape}, expected {want} for {self._describe()}")
+
+    def megatron_to_hf(self, mcore_name: str, shards: Sequence[Tensor],
+                       layer_offset: int = 0) -> dict[str, Tensor]:
+        """Full HF tensors from the TP shards of ONE megatron parameter.
+
+        shards: the parameter on each TP rank, in TP-rank order (for a replicated parameter, one
+        tensor or all TP copies). layer_offset: the PP stage's first global layer. Returns
+        {hf_name: full tensor} with vocab padding removed; {} for the tied duplicate
+        `output_layer.weight` of the last PP stage.
+        """
+        m, local = self._find(mcore_name)
+        if m is _TIED_OUTPUT:
+            return {}
+        shards = list(shards)
+        self._check_shards(mcore_name, m, shards)
+        d = self.dims
+        if m.kind == "replicated":
+            tensors = [shards[0]]
+        elif m.kind in ("column", "row"):
+            tensors = [ops.cat_along(shards, m.partition_dim)]
+        elif m.kind == "vocab":
+            full = ops.cat_along(shards, 0)
+            if full.shape[0] < d.vocab:
+                raise ValueError(f"megatron parameter {mcore_name!r}: merged shape "
+                                 f"{tuple(full.shape)} has fewer rows than vocab_size={d.vocab}")
+            tensors = [ops.unpad_vocab(full, d.vocab)]
+        elif m.kind == "qkv":
+            tensors = ops.qkv_from_megatron(ops.cat_along(shards, 0), d.num_heads,
+                                            d.num_kv_heads, d.head_dim)
+        else:  # gate_up
+            tensors = ops.gate_up_from_fc1_shards(shards)
+        layer = None if local is None else local + layer_offset
+        return {h.format(i=layer): t for h, t in zip(m.hf, tensors)}
+
+    def _to_shards(self, m: ParamMapping, tensors: list[Tensor], tp: int,
+                   padded_vocab: int) -> list[Tensor]:
+        d = self.dims
+        if m.kind == "replicated":
+            return [tensors[0]] * tp
+        if m.kind in ("column", "row"):
+            return ops.split_along(tensors[0], m.partition_dim, tp)
+        if m.kind == "vocab":
+            return ops.split_along(ops.pad_vocab(tensors[0], padded_vocab), 0, tp)
+        if m.kind == "qkv":
+            fused = ops.qkv_to_megatron(*tensors, d.num_heads, d.num_kv_heads, d.head_dim)
+            return ops.qkv_shards(fused, d.num_kv_heads, tp)
+        return ops.fc1_shards_from_gate_up(*tensors, tp)
+
+    # ---- whole state dicts -------------------------------------------------------------
+
+    def _check_hf(self, hf_tensors: Mapping[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+        expected = {n: self.dims.hf_shape(n) for n in self.hf_names(num_layers)}
+        out = {}
+        for name, t in hf_tensors.items():
+            if name.endswith(_HF_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.dims.tied:
+                emb = hf_tensors.get("model.embed_tokens.weight")
+                if emb is None or not (t is emb or torch.equal(t, emb)):
+                    raise ValueError("tie_word_embeddings=True but 'lm_head.weight' differs from "
+                                     "'model.embed_tokens.weight'; fix the config or the weights")
+                continue
+            if name not in expected:
+                raise ValueError(f"unknown HF parameter {name!r} for {self._describe()} with "
+                                 f"{num_layers} layers")
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"HF parameter {name!r} has shape {tuple(t.shape)}, expected "
+                                 f"{expected[name]} from the config of {self._describe()}")
+            out[name] = t
+        missing = sorted(expected.keys() - out.keys())
+        if missing:
+            raise ValueError(f"missing HF parameters for {self._describe()}: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+        return out
+
+    def hf_to_megatron(self, hf_tensors: Mapping[str, Tensor], tp: int, pp: int,
+                       num_layers: int, padded_vocab: int) -> list[list[dict[str, Tensor]]]:
+        """Split a full HF state dict into megatron local state dicts: result[pp_stage][tp_rank].
+
+        Layers are split evenly over PP (stage s holds HF layers s*k .. s*k+k-1 as local 0..k-1,
+        k = num_layers / pp). Vocab tensors [V, H] are zero-padded to [padded_vocab, H] and
+        split on dim 0. Replicated tensors are shared (not copied) between TP ranks.
+        """
+        if num_layers % pp:
+            raise ValueError(f"num_layers={num_layers} is not divisible by pp={pp}; pick a "
+                             f"pipeline-parallel size that divides the layer count")
+        if padded_vocab < self.dims.vocab or padded_vocab % tp:
+            raise ValueError(f"padded_vocab={padded_vocab} must be >= vocab_size={self.dims.vocab} "
+                             f"and a multiple of tp={tp}; use padded_vocab_size()")
+        hf = self._check_hf(hf_tensors, num_layers)
+        k = num_layers // pp
+        out: list[list[dict[str, Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
+        for s in range(pp):
+            for m, layers in self._stage_rows(k, s == 0, s == pp - 1, pp):
+                for local in layers:
+                    layer = None if local is None else s * k + local
+                    shards = self._to_shards(m, [hf[h.format(i=layer)] for h in m.hf], tp,
+                                             padded_vocab)
+                    for r in range(tp):
+                        out[s][r][m.megatron.format(i=local)] = shards[r]
+        return out
+
+    def megatron_shards_to_hf(
+            self, stage_rank_state_dicts: Sequence[Sequence[Mapping[str, Tensor]]]
+    ) -> dict[str, Tensor]:
+        """Merge megatron local state dicts [pp_stage][tp_rank] into one full HF state dict.
+
+        Inverse of `hf_to_megatron`. Layer offsets come from each stage's layer count, so
+        uneven PP splits work too; `_extra_state` keys are ignored. Every stage must hold
+        exactly the expected names (missing or unknown ones raise).
+        """
+        pp = len(stage_rank_state_dicts)
+        tps = sorted({len(ranks) for ranks in stage_rank_state_dicts})
+        if pp == 0 or len(tps) != 1 or tps[0] == 0:
+            raise ValueError(f"expected [pp_stage][tp_rank] state dicts with the same TP size on "
+                             f"every stage, got TP sizes {tps} over {pp} stages")
+        out: dict[str, Tensor] = {}
+        offset = 0
+        for s, ranks in enumerate(stage_rank_state_dicts):
+            names = [{n for n in sd if not is_extra_state(n)} for sd in ranks]
+            for r, rank_names in enumerate(names):
+                if rank_names != names[0]:
+                    raise ValueError(f"PP stage {s}: TP rank {r} and rank 0 hold different "
+                                     f"parameters: {sorted(rank_names ^ names[0])[:8]}")
+            layers = {int(mt.group(1)) for n in names[0] if (mt := _MCORE_LAYER.match(n))}
+            n_local = max(layers) + 1 if layers else 0
+            expected = set(self.megatron_names(n_local, s == 0, s == pp - 1, pp))
+            unknown, missing = sorted(names[0] - expected), sorted(expected - names[0])
+            if unknown or missing:
+                raise ValueError(f"PP stage {s} of {pp} for {self._describe()}: unknown megatron "
+                                 f"parameters {unknown[:8]}, missing {missing[:8]}")
+            for name in sorted(names[0]):
+                out.update(self.megatron_to_hf(name, [sd[name] for sd in ranks], offset))
+            offset += n_local
+        return out

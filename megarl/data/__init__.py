@@ -1,0 +1,1 @@
+"""Synthetic datasets and tokenizers for megarl demos and tests."""

@@ -1,0 +1,1 @@
+"""Process launch (torchrun / SLURM / single process), megatron parallel state, CPU shim."""

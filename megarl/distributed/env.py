@@ -1,0 +1,54 @@
+"""Who am I: rank and world from torchrun or SLURM, and the torch.distributed init."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_env() -> DistEnv:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; `srun` sets SLURM_PROCID/SLURM_NTASKS/
+    SLURM_LOCALID; neither means a single process."""
+    e = os.environ
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return DistEnv(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        return DistEnv(int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), int(e.get("SLURM_LOCALID", 0)))
+    return DistEnv(0, 1, 0)
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Initialise the default process group (idempotent) and return this rank's place."""
+    env = read_env()
+    if dist.is_initialized():
+        return env
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if env.world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif "MASTER_ADDR" not in os.environ:
+        raise RuntimeError("MASTER_ADDR is not set: launch with torchrun, or export MASTER_ADDR/"
+                           "MASTER_PORT before srun (slurm/common.sh does)")
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return env

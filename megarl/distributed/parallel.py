@@ -1,0 +1,79 @@
+"""The one module that touches megatron's parallel_state.
+
+Everything else asks here for groups, ranks and stage positions, so a change of megatron's
+API (or a move to explicit process-group collections) is a change in one file.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+
+def initialize(tp: int, pp: int, seed: int) -> None:
+    """Build the TP x PP x DP groups (world order: TP fastest, then DP, then PP) and seed the
+    per-TP-rank RNG streams megatron uses for weight init and dropout."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def tp_group():
+    return ps.get_tensor_model_parallel_group()
+
+
+def pp_group():
+    return ps.get_pipeline_model_parallel_group()
+
+
+def dp_group():
+    return ps.get_data_parallel_group()
+
+
+def tp_rank() -> int:
+    return ps.get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def pp_rank() -> int:
+    return ps.get_pipeline_model_parallel_rank()
+
+
+def pp_size() -> int:
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+def dp_rank() -> int:
+    return ps.get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    return ps.get_data_parallel_world_size()
+
+
+def is_first_stage() -> bool:
+    return ps.is_pipeline_first_stage()
+
+
+def is_last_stage() -> bool:
+    return ps.is_pipeline_last_stage()
+
+
+def last_stage_global_rank() -> int:
+    return ps.get_pipeline_model_parallel_last_rank()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place SUM over `group` (default: the whole world)."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

@@ -1,0 +1,1 @@
+"""Metrics: TensorBoard, metrics.jsonl and the console line per step."""

@@ -1,0 +1,52 @@
+"""One sink for per-step metrics: metrics.jsonl, TensorBoard, and a console progress line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    """Rank 0 only. `log(step, metrics)` appends a JSON line, writes TensorBoard scalars and
+    moves a tqdm bar whose postfix is the step's headline numbers."""
+
+    HEADLINE = ("reward_mean", "response_len_mean", "kl", "policy_loss", "value_loss",
+                "logprob_mismatch_mean", "step_time_s")
+
+    def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (self.dir / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="megarl", unit="step",
+                        disable=not progress, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        headline = " ".join(f"{k.replace('_mean', '').replace('_s', '')}={row[k]:.3g}"
+                            for k in self.HEADLINE if isinstance(row.get(k), (int, float)))
+        self.bar.update(1)
+        self.bar.write(f"step {step:4d} | {headline}")
+
+    def close(self) -> None:
+        self.bar.close()
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        return v.item()
+    return v

@@ -1,0 +1,1 @@
+"""Models: HF config -> megatron TransformerConfig, actor / critic / reference builders."""

@@ -1,0 +1,162 @@
+"""Build the trainer's models (actor, reference, critic) on megatron-core from an HF checkpoint.
+
+Transformer Engine layer specs on GPU when TE imports, megatron's local spec otherwise (CPU).
+The critic is the same backbone with a scalar value head in place of the LM head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarl.conversion.mapping import mapping_for, padded_vocab_size
+from megarl.distributed import parallel
+
+
+def use_te() -> bool:
+    """TE specs need a GPU and the transformer_engine package."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec():
+    if use_te():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def rope_parameters(hf_config) -> dict:
+    """RoPE settings across transformers versions (`rope_parameters` in 5.x; `rope_theta` and
+    `rope_scaling` attributes before)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000))
+    params.update(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported: megarl maps default and llama3 RoPE")
+    return params
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head standing where GPTModel calls its output layer.
+
+    GPTModel calls `output_layer(hidden, weight=..., runtime_gather_output=...)` and expects
+    `(output, bias)`; answering that call lets the critic reuse GPTModel's forward, PP stages
+    and schedules unchanged. Hidden states are full (not TP-split) at this point, so the head
+    is replicated over TP ranks; megatron reduces its gradients like any replicated parameter.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = False
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return hidden @ self.weight.t(), None  # [s, b, 1]
+
+
+@dataclass
+class ModelInfo:
+    """What the rest of megarl needs to know about a built model."""
+    hf_config: object
+    config: TransformerConfig
+    vocab_size: int          # the tokenizer's vocab; logits beyond it are padding
+    padded_vocab: int
+    layer_offset: int        # first HF layer index held by this PP stage
+
+
+def build_model(hf_config, config: TransformerConfig, divisible_by: int, role: str):
+    """GPTModel for this PP stage. role: "actor" | "reference" | "critic"."""
+    tp, pp = parallel.tp_size(), parallel.pp_size()
+    vocab = hf_config.vocab_size
+    padded = padded_vocab_size(vocab, divisible_by, tp)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and role != "critic"
+    rope = rope_parameters(hf_config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=padded,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel.is_first_stage(),
+        post_process=parallel.is_last_stage(),
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=int(rope.get("rope_theta", 10000)),
+        rope_scaling=rope.get("rope_type") == "llama3",
+        rope_scaling_factor=float(rope.get("factor", 8.0)),
+    )
+    if role == "critic" and parallel.is_last_stage():
+        model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
+    per_stage = hf_config.num_hidden_layers // pp
+    info = ModelInfo(hf_config, config, vocab, padded, parallel.pp_rank() * per_stage)
+    return model, info
+
+
+def load_hf_weights(model: GPTModel, info: ModelInfo, hf_state: dict, role: str) -> None:
+    """Copy full HF tensors into this rank's megatron shards (TP split, PP stage, vocab pad)."""
+    table = mapping_for(info.hf_config, te_names=use_te())
+    shards = table.hf_to_megatron(hf_state, tp=parallel.tp_size(), pp=parallel.pp_size(),
+                                  num_layers=info.hf_config.num_hidden_layers,
+                                  padded_vocab=info.padded_vocab)
+    local = shards[parallel.pp_rank()][parallel.tp_rank()]
+    if role == "critic":
+        local = {k: v for k, v in local.items() if not k.startswith("output_layer.")}
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if role == "critic" and parallel.is_last_stage():
+        own = {k: v for k, v in own.items() if not k.startswith("output_layer.")}
+    missing = sorted(set(own) - set(local))
+    unexpected = sorted(set(local) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"HF -> megatron mapping does not cover the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if tensor.shape != local[name].shape:
+                raise ValueError(f"{name}: megatron shape {tuple(tensor.shape)} != mapped HF shape "
+                                 f"{tuple(local[name].shape)}")
+            tensor.copy_(local[name])
+
+
+@dataclass
+class Trainable:
+    """A model with its megatron DDP wrapper, optimizer and LR schedule."""
+    model: DistributedDataParallel
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    info: ModelInfo
+
+
+def make_trainable(model: GPTModel, info: ModelInfo, lr: float, weight_decay: float,
+                   grad_clip: float, warmup: int, total_updates: int) -> Trainable:
+    """Wrap in megatron DDP (grad buffers, DP reduce) and build the distributed optimizer."""
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(config=info.config, ddp_config=ddp_config, module=model)
+    cfg = info.config
+    # megatron's schedules read these hooks off the model config
+    cfg.no_sync_func = ddp.no_sync
+    cfg.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
+                              clip_grad=grad_clip, use_distributed_optimizer=True,
+                              bf16=cfg.bf16, params_dtype=cfg.params_dtype, adam_beta2=0.999)
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_updates, warmup + 1), lr_decay_style="constant",
+        start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=max(total_updates, 1),
+        wd_incr_style="constant")
+    return Trainable(ddp, optimizer, scheduler, info)

@@ -1,0 +1,66 @@
+"""Build every model a run needs from the recipe: actor (+optimizer), reference, critic."""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
+
+from megarl.config.schema import RootConfig
+from megarl.models.builders import Trainable, build_model, load_hf_weights, make_trainable
+from megarl.models.config import transformer_config
+
+
+@dataclass
+class Models:
+    actor: Trainable
+    reference: torch.nn.Module
+    critic: Trainable | None
+    tokenizer: object
+
+
+def read_hf_state(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint folder (every *.safetensors file)."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model.path={path!r} holds no *.safetensors files: build the tiny "
+                                f"model with `python tools/make_tiny_model.py` or convert a checkpoint")
+    state = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                state[k] = sf.get_tensor(k)
+    return state
+
+
+def build_all(cfg: RootConfig) -> Models:
+    if not os.path.isdir(cfg.model.path):
+        raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: run "
+                                f"`python tools/make_tiny_model.py --out {cfg.model.path}` first")
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    hf_state = read_hf_state(cfg.model.path)
+    dtype = getattr(torch, cfg.model.dtype)
+    on_gpu = torch.cuda.is_available()
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    updates = cfg.train.steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+
+    def make(role):
+        # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
+        model, info = build_model(hf_config, transformer_config(hf_config, tp, pp, dtype, on_gpu),
+                                  cfg.model.make_vocab_size_divisible_by, role)
+        load_hf_weights(model, info, hf_state, role)
+        return model, info
+
+    t = cfg.train
+    actor = make_trainable(*make("actor"), t.actor_lr, t.weight_decay, t.grad_clip, t.lr_warmup_steps, updates)
+    reference, _ = make("reference")
+    reference.eval().requires_grad_(False)
+    critic = None
+    if cfg.algo.name == "ppo":
+        critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip,
+                                t.lr_warmup_steps, updates)
+    return Models(actor, reference, critic, tokenizer)

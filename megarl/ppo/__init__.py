@@ -1,0 +1,1 @@
+"""PPO/GRPO math: advantages, losses, behaviour-policy correction, loss aggregation."""

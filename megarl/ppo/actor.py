@@ -1,0 +1,68 @@
+"""The actor's (and reference's) trainer-side work: logprobs and the clipped PPO update."""
+from __future__ import annotations
+
+import torch
+
+from megarl.config.schema import AlgoConfig
+from megarl.models.builders import Trainable
+from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.ppo.aggregate import aggregate
+from megarl.ppo.batch import Batch, response_targets, to_response_layout
+from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
+from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
+
+
+def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, with_entropy: bool):
+    logits = to_response_layout(logits, mb_batch.resp_index)      # [b, R, V_local]
+    return vocab_parallel_logprobs(logits, response_targets(mb_batch), true_vocab, with_entropy)
+
+
+def logprobs(model, batch: Batch, micro_batch_size: int, true_vocab: int) -> torch.Tensor:
+    """[b, R] logprobs of the response tokens under `model` (forward only)."""
+    def fn(mb, logits):
+        return _response_logprobs(mb["batch"], logits, true_vocab, with_entropy=False)[0] * mb["batch"].resp_mask
+    return forward_per_token(model, batch, micro_batch_size, fn)
+
+
+def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_weights,
+           algo: AlgoConfig, micro_batch_size: int, normalizer: float) -> dict:
+    """One optimizer step of the actor on this rank's rows of a mini-batch.
+
+    normalizer: the loss aggregation's global normaliser for the whole mini-batch (all DP
+    ranks), so the update does not depend on how rows are split.
+    Returns summed statistics (policy loss contribution, clip counts, entropy sums...) for
+    the caller to reduce over DP.
+    """
+    extras = {"old_logp": old_logp, "ref_logp": ref_logp, "adv": advantages, "is_w": is_weights}
+    n_micro = batch.size // micro_batch_size
+    scale = loss_scale(n_micro)
+    true_vocab = actor.info.vocab_size
+
+    def loss_fn(mb, logits):
+        b = mb["batch"]
+        mask = b.resp_mask
+        logp, entropy = _response_logprobs(b, logits, true_vocab, with_entropy=True)
+        per_token, stats = policy_loss(logp, mb["old_logp"], mb["adv"], mask, algo.clip_low,
+                                       algo.clip_high, algo.dual_clip, mb["is_w"])
+        pg = aggregate(per_token, mask, algo.loss_agg, normalizer)
+        total = pg - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, normalizer)
+        kl = kl_penalty(logp, mb["ref_logp"], algo.kl_kind)
+        if algo.kl_mode == "loss" and algo.kl_coef:
+            total = total + algo.kl_coef * aggregate(kl, mask, algo.loss_agg, normalizer)
+        tokens = mask.sum()
+        report = {"policy_loss": pg.detach(), "tokens": tokens,
+                  "clip_tokens": stats["clip_frac"] * tokens,
+                  "entropy_sum": masked_sum(entropy.detach(), mask),
+                  "kl_sum": masked_sum(kl.detach(), mask)}
+        return total * scale, report
+
+    actor.model.zero_grad_buffer()
+    actor.optimizer.zero_grad()
+    reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
+                               extras=extras)
+    ok, grad_norm, _ = actor.optimizer.step()
+    actor.scheduler.step(increment=1)
+    out = {k: sum(float(r[k]) for r in reports) for k in reports[0]} if reports else {}
+    out["grad_norm"] = float(grad_norm or 0.0)
+    out["update_ok"] = bool(ok)
+    return out

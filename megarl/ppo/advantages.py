@@ -1,0 +1,80 @@
+"""Advantage estimators: GAE for PPO with a critic, group-normalised scores for GRPO.
+
+Pure tensor functions: no process groups, so they run and are tested on CPU.
+"""
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()  # advantages and returns are targets: never differentiated
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over response tokens.
+
+    Args:
+        rewards: [B, T] per-token rewards (sequence score on the last valid token, per-token
+            KL penalties elsewhere).
+        values: [B, T] critic values V(s_t).
+        mask: [B, T] 1 on response tokens, contiguous from position 0, 0 on padding after.
+        gamma: discount; lam: GAE lambda.
+
+    Returns:
+        (advantages, returns), both [B, T] and 0 where mask is 0; returns = advantages + values.
+    """
+    # Critic outputs at padding are garbage; zeroing them makes V = 0 after the last valid
+    # token (the episode ends there), so rows of different lengths need no special case.
+    rewards = rewards * mask
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_adv = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = delta + gamma * lam * next_adv
+        advantages[:, t] = next_adv
+        next_value = values[:, t]
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def group_normalized_advantages(
+    scores: Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO advantages: each score relative to the other samples of its prompt.
+
+    Args:
+        scores: [B] sequence scores, B = num_groups * group_size; consecutive samples belong
+            to the same group.
+        group_size: samples per prompt.
+        std_normalize: divide by the group's std (GRPO) or only subtract the mean (Dr. GRPO).
+        eps: keeps groups whose samples all scored the same at 0 instead of nan.
+
+    Returns:
+        [B] advantages. The std is the population std (unbiased=False): the group is the whole
+        population being compared, and it stays defined for group_size 1.
+    """
+    if scores.dim() != 1 or scores.numel() % group_size != 0:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}, "
+            f"got shape {tuple(scores.shape)}; pass whole groups, consecutive per prompt"
+        )
+    groups = scores.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if std_normalize:
+        centred = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """Zero-mean, unit-variance over masked positions (population variance).
+
+    Args:
+        x, mask: same shape, e.g. [B, T]; mask 1 where x counts.
+
+    Returns:
+        Same shape as x; masked-out positions are 0.
+    """
+    n = mask.sum().clamp_min(1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * mask

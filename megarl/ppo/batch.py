@@ -1,0 +1,71 @@
+"""Samples -> padded tensors, and the response-aligned view every per-token quantity uses.
+
+Two layouts:
+- sequence layout [B, L]: prompt + response tokens, right-padded; what the model reads.
+- response layout [B, R]: column j is response token j. Logprobs, values, rewards,
+  advantages and masks live here, so GAE and the losses never see prompt positions.
+`resp_index[i, j]` is the sequence position whose output predicts response token j
+(= prompt_len_i - 1 + j): one gather moves model outputs into the response layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from megarl.rollout.types import Sample
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor        # [B, L] long
+    resp_index: torch.Tensor    # [B, R] long
+    resp_mask: torch.Tensor     # [B, R] float, 1 on response tokens
+    behav_logp: torch.Tensor    # [B, R] float, engine logprobs
+    versions: torch.Tensor      # [B, R] long, policy version of each token
+    scores: torch.Tensor        # [B] float, verifier reward
+    finished: torch.Tensor      # [B] bool, ended on EOS
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, idx) -> "Batch":
+        """Rows `idx` (slice or index tensor) of every field."""
+        return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+
+def build_batch(samples: list[Sample], pad_id: int) -> Batch:
+    """Pad a list of samples. L = longest prompt+response, R = longest response."""
+    B = len(samples)
+    L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    R = max(max(len(s.response_ids) for s in samples), 1)
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    resp_index = torch.zeros((B, R), dtype=torch.long)
+    mask = torch.zeros((B, R))
+    behav = torch.zeros((B, R))
+    versions = torch.zeros((B, R), dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        resp_index[i] = (p - 1 + torch.arange(R)).clamp(max=L - 1)
+        mask[i, :r] = 1.0
+        behav[i, :r] = torch.tensor(s.logprobs)
+        versions[i, :r] = torch.tensor(s.versions)
+    scores = torch.tensor([s.reward for s in samples], dtype=torch.float)
+    finished = torch.tensor([s.finished for s in samples])
+    return Batch(tokens, resp_index, mask, behav, versions, scores, finished)
+
+
+def response_targets(batch: Batch) -> torch.Tensor:
+    """[B, R] token ids of the response (what resp_index positions predict)."""
+    L = batch.tokens.shape[1]
+    return batch.tokens.gather(1, (batch.resp_index + 1).clamp(max=L - 1))
+
+
+def to_response_layout(x: torch.Tensor, resp_index: torch.Tensor) -> torch.Tensor:
+    """x [b, L, ...] in sequence layout -> [b, R, ...] at the positions predicting responses."""
+    idx = resp_index
+    for _ in range(x.dim() - 2):
+        idx = idx.unsqueeze(-1)
+    return x.gather(1, idx.expand(*resp_index.shape, *x.shape[2:]))

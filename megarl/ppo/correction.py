@@ -1,0 +1,91 @@
+"""Behaviour-policy correction: importance weights from the engine's logprobs to the trainer's.
+
+The engine (vLLM) sampled each token under the behaviour policy mu (a possibly older version,
+with different numerics); the PPO ratio is taken against the trainer's old policy. The weight
+w = pi_old / mu = exp(old_logp - behav_logp) corrects for both staleness and the train/infer
+mismatch. See DESIGN.md, "Off-policy correction".
+"""
+
+import torch
+from torch import Tensor
+
+from megarl.ppo.losses import LOG_RATIO_CLAMP, masked_mean
+
+IS_MODES = ("tis", "mask", "none")
+IS_LEVELS = ("token", "sequence", "geo_sequence")
+
+
+@torch.no_grad()  # weights scale the loss; gradients must not flow through them
+def behaviour_weights(
+    old_logp: Tensor,
+    behav_logp: Tensor,
+    mask: Tensor,
+    mode: str,
+    level: str,
+    cap: float,
+    low: float,
+    high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weights pi_old / mu for the policy loss.
+
+    Args:
+        old_logp: [B, T] trainer logprobs under the step's starting weights.
+        behav_logp: [B, T] engine logprobs of the same tokens.
+        mask: [B, T] 1 on response tokens.
+        mode: "tis" min(w, cap) (truncated IS); "mask" weight 1 where low <= w <= high, else 0
+            (token or sequence dropped); "none" weight 1.
+        level: "token" w per token; "sequence" exp(sum of masked log-ratios), one weight per
+            row; "geo_sequence" exp(mean of masked log-ratios), the geometric mean, which does
+            not explode with length. Sequence weights are broadcast to the row's tokens.
+        cap: TIS truncation (mode "tis"); low, high: kept range (mode "mask").
+
+    Returns:
+        (weights [B, T], 0 where mask is 0; stats) with detached 0-d tensors: is_weight_mean and
+        is_weight_max of the raw w over masked tokens (before truncation/masking, so they show
+        the mismatch itself), and is_masked_frac (masked tokens whose weight is 0).
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown IS mode {mode!r}; allowed: {', '.join(IS_MODES)}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown IS level {level!r}; allowed: {', '.join(IS_LEVELS)}")
+    # where, not multiply: padded logprobs may be inf/nan and inf * 0 is nan.
+    log_w = torch.where(mask.bool(), old_logp - behav_logp, 0.0)
+    if level == "sequence":
+        log_w = log_w.sum(dim=-1, keepdim=True).expand_as(mask)
+    elif level == "geo_sequence":
+        log_w = masked_mean(log_w, mask, dim=-1).unsqueeze(-1).expand_as(mask)
+    raw = torch.exp(torch.clamp(log_w, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if mode == "tis":
+        weights = torch.clamp(raw, max=cap)
+    elif mode == "mask":
+        weights = ((raw >= low) & (raw <= high)).to(raw.dtype)
+    else:
+        weights = torch.ones_like(raw)
+    weights = weights * mask
+    stats = {
+        "is_weight_mean": masked_mean(raw, mask),
+        "is_weight_max": torch.where(mask.bool(), raw, 0.0).max(),
+        "is_masked_frac": masked_mean((weights == 0).to(raw.dtype), mask),
+    }
+    return weights, stats
+
+
+@torch.no_grad()
+def mismatch_stats(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Train/infer logprob mismatch over masked tokens, as detached 0-d tensors.
+
+    Args:
+        trainer_logp, engine_logp, mask: [B, T].
+
+    Returns:
+        logprob_mismatch_mean (mean |a - b|), logprob_mismatch_max, logprob_mismatch_exp
+        (exp of the mean, a multiplicative "typical ratio" that reads like an IS weight).
+    """
+    # where, not multiply: padded logprobs may be inf/nan and inf * 0 is nan.
+    diff = torch.where(mask.bool(), (trainer_logp - engine_logp).abs(), 0.0)
+    mean = masked_mean(diff, mask)
+    return {
+        "logprob_mismatch_mean": mean,
+        "logprob_mismatch_max": diff.max(),
+        "logprob_mismatch_exp": torch.exp(mean),
+    }

@@ -1,0 +1,45 @@
+"""The critic's trainer-side work: values and the (clipped) value-loss update."""
+from __future__ import annotations
+
+import torch
+
+from megarl.config.schema import AlgoConfig
+from megarl.models.builders import Trainable
+from megarl.ppo.aggregate import aggregate
+from megarl.ppo.batch import Batch, to_response_layout
+from megarl.ppo.losses import value_loss
+from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
+
+
+def _values(b: Batch, out: torch.Tensor) -> torch.Tensor:
+    return to_response_layout(out, b.resp_index).squeeze(-1).float() * b.resp_mask  # [b, R]
+
+
+def values(critic_model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    """[b, R] value of the state before each response token (forward only)."""
+    return forward_per_token(critic_model, batch, micro_batch_size, lambda mb, out: _values(mb["batch"], out))
+
+
+def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfig,
+           micro_batch_size: int, normalizer: float) -> dict:
+    """One optimizer step of the critic on this rank's rows of a mini-batch."""
+    scale = loss_scale(batch.size // micro_batch_size)
+
+    def loss_fn(mb, out):
+        b = mb["batch"]
+        per_token, stats = value_loss(_values(b, out), mb["old_values"], mb["returns"],
+                                      b.resp_mask, algo.value_clip)
+        vl = aggregate(per_token, b.resp_mask, algo.loss_agg, normalizer)
+        tokens = b.resp_mask.sum()
+        return algo.value_coef * vl * scale, {"value_loss": vl.detach(), "tokens": tokens,
+                                              "value_clip_tokens": stats["value_clip_frac"] * tokens}
+
+    critic.model.zero_grad_buffer()
+    critic.optimizer.zero_grad()
+    reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
+                               extras={"old_values": old_values, "returns": returns})
+    ok, grad_norm, _ = critic.optimizer.step()
+    critic.scheduler.step(increment=1)
+    out = {k: sum(float(r[k]) for r in reports) for k in reports[0]} if reports else {}
+    out["critic_grad_norm"] = float(grad_norm or 0.0)
+    return out

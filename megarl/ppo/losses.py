@@ -1,0 +1,139 @@
+"""Per-token PPO losses, KL penalties and entropy.
+
+Every loss here returns a per-token [B, T] tensor, zero where mask is 0; aggregation to a
+scalar is `megarl.ppo.aggregate`'s job, so it can use the global-batch normaliser. Stats are
+detached 0-d tensors (not python floats) so a training step never waits on a device-to-host
+copy per microbatch and the caller can all-reduce them.
+"""
+
+import torch
+from torch import Tensor
+
+# exp(20) ~ 5e8 is beyond any clip or cap, yet far from float overflow: garbage logprobs at
+# padded positions or a wildly stale token cannot make inf, and inf * 0 (mask) = nan.
+LOG_RATIO_CLAMP = 20.0
+# One far-off-policy token would otherwise dominate a k3 penalty; verl clamps at the same value.
+K3_CLAMP = 10.0
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of x where mask is 1. x, mask: same shape; dim None sums everything."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x where mask is 1; 0 (not nan) where the mask is empty."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp_min(1)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped PPO surrogate per token, with optional dual clip and behaviour IS weights.
+
+    Args:
+        logp: [B, T] current policy logprobs (carry grad).
+        old_logp: [B, T] logprobs under the weights the step started with.
+        advantages, mask: [B, T].
+        clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high] (asymmetric, DAPO).
+        dual_clip: > 1; for A < 0 the loss is capped at dual_clip * |A| (Ye et al. 2020), so a
+            huge ratio on a bad token cannot blow up the update.
+        is_weights: [B, T] behaviour-policy weights (see correction.py); detached here.
+
+    Returns:
+        (per_token_loss [B, T], 0 where mask is 0; stats) with stats: clip_frac (masked tokens
+        where the clipped branch is active), ratio_mean, approx_kl (k3 of old vs new), and
+        dual_clip_frac when dual_clip is set.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(
+            f"dual_clip must be > 1 (the loss for A < 0 is capped at dual_clip * |A|), got "
+            f"{dual_clip}; use e.g. 3.0, or None to disable"
+        )
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    stats = {"clip_frac": masked_mean((clipped > unclipped).float(), mask)}
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        capped = (advantages < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+        stats["dual_clip_frac"] = masked_mean(capped.float(), mask)
+    if is_weights is not None:
+        loss = loss * is_weights.detach()
+    stats["ratio_mean"] = masked_mean(ratio, mask)
+    # Samples come from the old policy, so k3(old_logp, logp) estimates KL(old || new).
+    stats["approx_kl"] = masked_mean(kl_penalty(old_logp, logp, "k3"), mask)
+    return loss * mask, {k: v.detach() for k, v in stats.items()}
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Critic regression loss per token, optionally clipped around the rollout-time values.
+
+    Args:
+        values: [B, T] current critic values (carry grad); old_values: [B, T] at rollout time;
+        returns: [B, T] targets; mask: [B, T].
+        clip: values move at most this far from old_values before the loss stops rewarding
+            them (pessimistic max of clipped and unclipped); None disables.
+
+    Returns:
+        (per_token_loss [B, T], 0 where mask is 0; stats) with value_clip_frac (masked tokens
+        where the clipped term is the larger one; 0 when clip is None).
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped * mask, {"value_clip_frac": torch.zeros((), device=values.device)}
+    clipped_values = torch.clamp(values, old_values - clip, old_values + clip)
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    frac = masked_mean((clipped > unclipped).float(), mask).detach()
+    return loss * mask, {"value_clip_frac": frac}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy.
+
+    Args:
+        logp, ref_logp: same shape, e.g. [B, T].
+        kind: "k1" logp - ref (unbiased, can be negative); "k2" 0.5 * (logp - ref)^2;
+            "k3" exp(ref - logp) - (ref - logp) - 1 (Schulman's low-variance, non-negative
+            estimator; exponent and result clamped for stability); "abs" |logp - ref|.
+
+    Returns:
+        Same shape as the inputs.
+    """
+    diff = logp - ref_logp
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff**2
+    if kind == "k3":
+        log_ratio = torch.clamp(-diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, max=K3_CLAMP)
+    if kind == "abs":
+        return diff.abs()
+    raise ValueError(f"unknown KL kind {kind!r}; allowed: {', '.join(KL_KINDS)}")
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: [..., V] -> [...].
+
+    Plain version for unsharded logits; the vocab-parallel one lives with the model code.
+    Logits must be finite: a -inf logit gives 0 * -inf = nan.
+    """
+    # float32: bf16 softmax over a 150k vocabulary loses most of the entropy's digits.
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)

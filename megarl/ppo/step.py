@@ -1,0 +1,122 @@
+"""One PPO/GRPO optimisation step on a rollout batch, on every trainer rank.
+
+Every rank holds the whole batch. Forward-only passes run on this DP rank's rows and are
+gathered back, so advantages are computed identically everywhere; updates then take each
+mini-batch's DP share. Order (DESIGN.md "One training step"): old and reference logprobs,
+values -> rewards (score + KL penalty) -> advantages -> behaviour IS weights -> updates.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import RootConfig
+from megarl.distributed import parallel
+from megarl.ppo import actor as actor_ops
+from megarl.ppo import critic as critic_ops
+from megarl.ppo.advantages import gae, group_normalized_advantages, masked_whiten
+from megarl.ppo.aggregate import global_normalizer
+from megarl.ppo.batch import Batch
+from megarl.ppo.correction import behaviour_weights, mismatch_stats
+from megarl.ppo.losses import kl_penalty, masked_mean
+from megarl.ppo.schedule import gather_dp
+
+
+def dp_rows(n: int) -> slice:
+    share = n // parallel.dp_size()
+    return slice(parallel.dp_rank() * share, (parallel.dp_rank() + 1) * share)
+
+
+def _forward_all(fn, model, batch: Batch, mbs: int) -> torch.Tensor:
+    return gather_dp(fn(model, batch.select(dp_rows(batch.size)), mbs))
+
+
+def token_rewards(batch: Batch, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+    """[B, R]: the verifier score on each sequence's last token, minus kl_coef * KL per token."""
+    mask = batch.resp_mask
+    rewards = torch.zeros_like(mask)
+    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    rewards[torch.arange(batch.size), last] = batch.scores
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl * mask
+    return rewards
+
+
+def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int) -> dict:
+    algo, mbs = cfg.algo, cfg.train.micro_batch_size
+    vocab = actor.info.vocab_size
+    mask = batch.resp_mask
+
+    old_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), actor.model, batch, mbs)
+    ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), reference, batch, mbs)
+    kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask
+    rewards = token_rewards(batch, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
+
+    if algo.name == "grpo":
+        seq_adv = group_normalized_advantages(batch.scores, cfg.rollout.n, algo.grpo_std_normalize)
+        advantages, returns, old_values = seq_adv[:, None] * mask, None, None
+    else:
+        old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
+        advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
+        if algo.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+    is_w, is_stats = behaviour_weights(old_logp, batch.behav_logp, mask, algo.is_mode, algo.is_level,
+                                       algo.is_cap, algo.is_low, algo.is_high)
+
+    sums: dict[str, float] = {}
+    n_mini = cfg.train.mini_batches
+    train_actor = algo.name == "grpo" or step >= cfg.train.critic_warmup_steps
+    gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
+    for _ in range(cfg.train.ppo_epochs):
+        order = torch.randperm(batch.size, generator=gen)
+        for chunk in order.chunk(n_mini):
+            rows = chunk[dp_rows(len(chunk))]
+            mini, local = batch.select(chunk), batch.select(rows)
+            norm = global_normalizer(mini.resp_mask, algo.loss_agg)
+            if train_actor:
+                _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
+                                            is_w[rows], algo, mbs, norm))
+            if critic is not None:
+                _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
+    stats = _reduce_to_rank0(sums)
+    updates = cfg.train.ppo_epochs * n_mini
+    tokens = max(stats.get("tokens", 0.0), 1.0)
+    out = {
+        "kl": float(masked_mean(kl_penalty(old_logp, ref_logp, "k1"), mask)),
+        "policy_loss": stats.get("policy_loss", 0.0) / updates,
+        "value_loss": stats.get("value_loss", 0.0) / updates,
+        "clip_frac": stats.get("clip_tokens", 0.0) / tokens,
+        "entropy": stats.get("entropy_sum", 0.0) / tokens,
+        "grad_norm": stats.get("grad_norm", 0.0) / updates,
+        "critic_grad_norm": stats.get("critic_grad_norm", 0.0) / updates,
+        "advantage_mean": float(masked_mean(advantages, mask)),
+        **{k: float(v) for k, v in is_stats.items()},
+        **{k: float(v) for k, v in mismatch_stats(old_logp, batch.behav_logp, mask).items()},
+    }
+    if old_values is not None:
+        out["value_mean"] = float(masked_mean(old_values, mask))
+    return out
+
+
+def _add(acc: dict, d: dict) -> None:
+    for k, v in d.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            acc[k] = acc.get(k, 0.0) + float(v)
+
+
+_SUMMED = ("policy_loss", "value_loss", "tokens", "clip_tokens", "entropy_sum", "kl_sum",
+           "value_clip_tokens", "grad_norm", "critic_grad_norm")
+
+
+def _reduce_to_rank0(sums: dict) -> dict:
+    """Update reports live on the last PP stage (identical on its TP ranks, partial per DP
+    rank): sum one copy per DP rank over the world. Grad norms are global already, so they
+    come from one rank only."""
+    own = parallel.is_last_stage() and parallel.tp_rank() == 0
+    vec = torch.tensor([sums.get(k, 0.0) if own else 0.0 for k in _SUMMED], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(vec)
+    out = dict(zip(_SUMMED, vec.tolist()))
+    for k in ("grad_norm", "critic_grad_norm"):
+        out[k] /= parallel.dp_size()
+    return out

@@ -1,0 +1,1 @@
+"""Rollout: sample records, the vLLM engine, synchronous generation and weight sync."""

@@ -1,0 +1,22 @@
+"""What a rollout produces: one Sample per generated sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with what the engine knew when it produced each token."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]          # behaviour logprob of each response token (engine)
+    versions: list[int]            # policy version that produced each response token
+    finished: bool                 # the engine stopped on EOS (not on the token budget)
+    group: int                     # index of the prompt's group within the step
+    record: dict = field(default_factory=dict)  # the dataset record (answer, metadata)
+    reward: float = 0.0
+
+    @property
+    def staleness(self) -> int:
+        """Versions between the oldest token and the newest (0 for on-policy samples)."""
+        return max(self.versions) - min(self.versions) if self.versions else 0

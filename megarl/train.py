@@ -1,0 +1,100 @@
+"""`megarl train`: the RL loop, as a short recipe of named steps.
+
+Rank 0 drives the rollout engine; every rank trains. One step: rollout -> share samples ->
+PPO/GRPO update -> push weights to the engine as the next version -> log.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import RootConfig, save_config, validate_world
+from megarl.distributed import cpu, parallel
+from megarl.distributed.env import init_distributed
+
+
+def train(cfg: RootConfig) -> dict:
+    env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+    validate_world(cfg, env.world_size)
+    on_cpu = cpu.apply_if_cpu()
+    if on_cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
+    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+
+    # imported after the shim: megatron reads torch.cuda state at import time
+    from megarl.data.prompts import PromptSampler, load_jsonl
+    from megarl.metrics.logger import MetricsLogger
+    from megarl.models.setup import build_all
+    from megarl.ppo.batch import build_batch
+    from megarl.ppo.step import ppo_step
+    from megarl.rewards import get_reward_fn
+    from megarl.rollout import weight_sync
+    from megarl.rollout.sync_rollout import encode_prompts, generate_groups
+
+    models = build_all(cfg)
+    tokenizer = models.tokenizer
+    records = load_jsonl(cfg.data.prompts, cfg.data.prompt_key)
+    sampler = PromptSampler(len(records), cfg.run.seed, cfg.data.shuffle)
+    reward_fn = get_reward_fn(cfg.reward.fn)
+    is_driver = env.rank == 0
+    engine, logger = None, None
+    if is_driver:
+        from megarl.rollout.vllm_engine import VLLMEngine
+        save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
+        engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.run.seed)
+        logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard, cfg.metrics.progress)
+    folder = weight_sync.staging_dir(cfg.weight_sync.staging_dir, cfg.run.name)
+
+    # the engine starts from the HF files; pushing version 0 proves the sync path up front
+    weight_sync.push(models.actor.model, models.actor.info, engine, 0, folder, cfg.weight_sync.bucket_mb)
+    last = {}
+    try:
+        for step in range(cfg.train.steps):
+            t_step = time.perf_counter()
+            samples = None
+            if is_driver:
+                chosen = [records[i] for i in sampler.take(cfg.train.groups_per_step)]
+                prompts = encode_prompts(tokenizer, chosen, cfg.data.prompt_key)
+                samples = generate_groups(engine, chosen, prompts, cfg.rollout.n,
+                                          cfg.rollout.max_new_tokens, tokenizer, reward_fn)
+            rollout_s = time.perf_counter() - t_step
+            samples = _broadcast(samples)
+
+            t_train = time.perf_counter()
+            batch = build_batch(samples, tokenizer.pad_token_id)
+            metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
+            train_s = time.perf_counter() - t_train
+
+            sync = weight_sync.push(models.actor.model, models.actor.info, engine, step + 1, folder,
+                                    cfg.weight_sync.bucket_mb)
+            if is_driver:
+                lengths = [len(s.response_ids) for s in samples]
+                last = {
+                    "reward_mean": float(batch.scores.mean()),
+                    "response_len_mean": sum(lengths) / len(lengths),
+                    "response_len_max": max(lengths),
+                    "finished_frac": float(batch.finished.float().mean()),
+                    **metrics, **sync,
+                    "rollout_time_s": rollout_s, "train_time_s": train_s,
+                    "step_time_s": time.perf_counter() - t_step,
+                    "weight_version": engine.version,
+                }
+                logger.log(step, last)
+    finally:
+        if is_driver:
+            logger.close()
+            engine.close()
+        parallel.destroy()
+    return last
+
+
+def _broadcast(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,403 @@
+#!/usr/bin/env python
+"""Build the tiny countdown policy used by megarl's CPU tests and the PPO demo.
+
+    python tools/make_tiny_model.py --out .tmp/tiny [--seed 0] [--num-prompts 4096] [--warmup-steps K] [--force]
+
+Writes into DIR:
+    config.json, generation_config.json, model.safetensors   random Qwen2ForCausalLM, warmed up
+    tokenizer.json, tokenizer_config.json, ...               word-level tokenizer (AutoTokenizer)
+    prompts.jsonl   --num-prompts train records (make_records(num, seed))
+    eval.jsonl      256 eval records (make_records(256, seed + EVAL_SEED_OFFSET))
+    build_info.json arguments, measured warm/oracle reward, timings (written last)
+
+Warm-up: a short SFT on a MIXTURE of targets: with probability ``P_CORRECT`` the correct
+countdown, otherwise the wrong "count down by 2" mode (both end with eos). The warmed-up policy
+therefore picks the correct mode at the 2nd answer token with probability ~P_CORRECT and then
+continues consistently, so sampling at temperature 1 scores well below the correct-mode bound:
+PPO only has to sharpen one decision to gain a lot of reward.
+
+"oracle_reward" in build_info.json is the same warm model evaluated with the 2nd answer token
+forced to the correct one (n(N-1)), i.e. the reward a policy reaches by fixing the mode choice alone.
+
+The build is skipped when DIR/build_info.json already records the same arguments (use --force).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+# Make the script runnable as `python tools/make_tiny_model.py` from a checkout.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from megarl.data import countdown as cd  # noqa: E402
+from megarl.rewards.countdown import score  # noqa: E402
+
+#: Bump when the recipe (model shape, warm-up, eval) changes, so cached builds are redone.
+RECIPE_VERSION = 1
+
+# Model shape. head_dim = 128 / 4 = 32: vLLM's CPU attention backend needs head_dim >= 32.
+MODEL_KWARGS = dict(
+    vocab_size=cd.VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    bos_token_id=cd.BOS_ID,
+    eos_token_id=cd.EOS_ID,
+    pad_token_id=cd.PAD_ID,
+)
+
+# Warm-up recipe.
+P_CORRECT = 0.5  # probability that a warm-up target is the correct countdown
+WARMUP_STEPS = 300
+WARMUP_BATCH = 64
+WARMUP_LR = 3e-3
+WARMUP_WEIGHT_DECAY = 0.01
+WARMUP_LR_WARMUP = 20  # linear lr warm-up steps, then cosine to 10%
+LENGTH_GROUP = 16  # batches per length-sorted pool (cuts padding on long-tailed lengths)
+# Fraction of warm-up examples with N ~ Uniform{1..48} instead of the task distribution: the long
+# tail is rare in the task, and the count-down transitions n(k) -> n(k-1) for large k need data.
+WARMUP_UNIFORM_FRAC = 0.5
+
+# Seeds of the three record streams derived from --seed (all distinct).
+EVAL_SEED_OFFSET = 10_000
+WARMUP_SEED_OFFSET = 20_000
+
+NUM_EVAL = 256
+EVAL_MAX_NEW_TOKENS = 56
+NUM_THREADS = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+def make_model(seed: int):
+    """Random-init Qwen2ForCausalLM (fp32) with ``MODEL_KWARGS``; deterministic in seed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**MODEL_KWARGS, dtype="float32")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config.bos_token_id = cd.BOS_ID
+    model.generation_config.eos_token_id = cd.EOS_ID
+    model.generation_config.pad_token_id = cd.PAD_ID
+    return model
+
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _ids(text: str) -> list[int]:
+    return [cd.TOKEN_TO_ID[w] for w in text.split()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm-up (SFT on the correct/wrong mode mixture)
+# ---------------------------------------------------------------------------------------------
+def warmup_example(n: int, rng: random.Random, p_correct: float = P_CORRECT) -> tuple[list[int], int]:
+    """(token ids of prompt + target + eos, prompt length); target mode drawn with p_correct."""
+    target = cd.correct_answer(n) if rng.random() < p_correct else cd.wrong_answer(n)
+    prompt = _ids(cd.make_prompt(n))
+    return prompt + _ids(target) + [cd.EOS_ID], len(prompt)
+
+
+def _collate(examples: list[tuple[list[int], int]]):
+    """Right-padded input_ids / attention_mask / labels (-100 on prompt and padding)."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), cd.PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, (ids, plen) in enumerate(examples):
+        t = torch.tensor(ids, dtype=torch.long)
+        input_ids[i, : len(ids)] = t
+        attention_mask[i, : len(ids)] = 1
+        labels[i, plen : len(ids)] = t[plen:]
+    return input_ids, attention_mask, labels
+
+
+def _warmup_batches(steps: int, batch: int, seed: int, p_correct: float):
+    """Yield ``steps`` batches; each pool of LENGTH_GROUP batches is length-sorted then shuffled."""
+    rng = random.Random(seed)
+    made = 0
+    pool_idx = 0
+    while made < steps:
+        records = cd.make_records(batch * LENGTH_GROUP, seed + pool_idx)
+        pool_idx += 1
+        ns = [rng.randint(cd.MIN_N, cd.MAX_N) if rng.random() < WARMUP_UNIFORM_FRAC else r["n"] for r in records]
+        examples = sorted((warmup_example(n, rng, p_correct) for n in ns), key=lambda e: len(e[0]))
+        chunks = [examples[i : i + batch] for i in range(0, len(examples), batch)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            if made == steps:
+                return
+            made += 1
+            yield _collate(chunk)
+
+
+def warmup(
+    model,
+    steps: int = WARMUP_STEPS,
+    seed: int = 0,
+    p_correct: float = P_CORRECT,
+    batch: int = WARMUP_BATCH,
+    lr: float = WARMUP_LR,
+    progress: bool = True,
+) -> float:
+    """Supervised warm-up with AdamW; returns the mean loss of the last 20 steps."""
+    from tqdm import tqdm
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WARMUP_WEIGHT_DECAY, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < WARMUP_LR_WARMUP:
+            return lr * (step + 1) / WARMUP_LR_WARMUP
+        frac = (step - WARMUP_LR_WARMUP) / max(1, steps - WARMUP_LR_WARMUP)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    torch.manual_seed(seed)
+    losses: list[float] = []
+    bar = tqdm(_warmup_batches(steps, batch, seed, p_correct), total=steps, desc="warm-up", disable=not progress)
+    for step, (input_ids, attention_mask, labels) in enumerate(bar):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(out.loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-20:]
+    return sum(tail) / max(1, len(tail))
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation (HF generate, temperature 1)
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def _sample(model, prefixes: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool]]:
+    """Pure temperature-1 sampling from equal-length prefixes; returns (new ids w/o eos, finished)."""
+    if not prefixes:
+        return []
+    input_ids = torch.tensor(prefixes, dtype=torch.long)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=cd.EOS_ID,
+        pad_token_id=cd.PAD_ID,
+    )
+    results = []
+    for row in out[:, input_ids.shape[1] :].tolist():
+        if cd.EOS_ID in row:
+            results.append((row[: row.index(cd.EOS_ID)], True))
+        else:
+            results.append((row, False))
+    return results
+
+
+def evaluate(model, tokenizer, records: list[dict], seed: int = 0, oracle: bool = False) -> dict:
+    """Mean countdown reward of temperature-1 samples (``max_new_tokens`` = 56 response tokens).
+
+    With ``oracle=True`` the first two answer tokens are forced to "nN n(N-1)" (N >= 2; N = 1 is
+    sampled freely since both modes coincide) and count as part of the response.
+    """
+    torch.manual_seed(seed)
+    model.eval()
+    forced: list[list[int]] = []
+    for r in records:
+        n = r["n"]
+        forced.append(_ids(f"n{n} n{n - 1}") if (oracle and n >= 2) else [])
+    responses: list[tuple[list[int], bool] | None] = [None] * len(records)
+    # Group by forced length so every generate call has equal-length prefixes (no padding).
+    for flen in sorted({len(f) for f in forced}):
+        idx = [i for i, f in enumerate(forced) if len(f) == flen]
+        prefixes = [_ids(records[i]["prompt"]) + forced[i] for i in idx]
+        for i, (new, fin) in zip(idx, _sample(model, prefixes, EVAL_MAX_NEW_TOKENS - flen)):
+            responses[i] = (forced[i] + new, fin)
+
+    rewards, exact, correct_mode, multi = [], 0, 0, 0
+    by_bucket: dict[str, list[float]] = {"short(1-6)": [], "medium(7-29)": [], "long(30-48)": []}
+    resp_lens = []
+    for r, (ids, fin) in zip(records, responses):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        rew = score(text, r, finished=fin)
+        rewards.append(rew)
+        exact += rew == 1.0
+        resp_lens.append(len(ids) + int(fin))
+        n = r["n"]
+        bucket = "short(1-6)" if n <= 6 else ("medium(7-29)" if n <= 29 else "long(30-48)")
+        by_bucket[bucket].append(rew)
+        if n >= 2:
+            multi += 1
+            correct_mode += len(ids) >= 2 and ids[1] == cd.TOKEN_TO_ID[f"n{n - 1}"]
+    return {
+        "mean_reward": sum(rewards) / len(rewards),
+        "exact_frac": exact / len(rewards),
+        "correct_mode_frac": correct_mode / max(1, multi),
+        "mean_response_tokens": sum(resp_lens) / len(resp_lens),
+        "max_response_tokens": max(resp_lens),
+        "reward_by_length": {k: (sum(v) / len(v) if v else None) for k, v in by_bucket.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "prompts.jsonl", "eval.jsonl")
+
+
+def build_args(seed: int, num_prompts: int, warmup_steps: int) -> dict:
+    return {"seed": seed, "num_prompts": num_prompts, "warmup_steps": warmup_steps, "recipe_version": RECIPE_VERSION}
+
+
+def is_built(out_dir: str, args: dict) -> bool:
+    """True when out_dir holds a complete build made with exactly these arguments."""
+    path = os.path.join(out_dir, "build_info.json")
+    if not os.path.exists(path) or not all(os.path.exists(os.path.join(out_dir, f)) for f in _REQUIRED_FILES):
+        return False
+    try:
+        with open(path) as f:
+            return json.load(f).get("args") == args
+    except (OSError, ValueError):
+        return False
+
+
+def build(
+    out_dir: str,
+    seed: int = 0,
+    num_prompts: int = 4096,
+    warmup_steps: int = WARMUP_STEPS,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Build (or reuse) the tiny countdown model in out_dir; returns the build_info dict."""
+    torch.set_num_threads(NUM_THREADS)
+    args = build_args(seed, num_prompts, warmup_steps)
+    if not force and is_built(out_dir, args):
+        with open(os.path.join(out_dir, "build_info.json")) as f:
+            info = json.load(f)
+        info["skipped"] = True
+        return info
+
+    t0 = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    info_path = os.path.join(out_dir, "build_info.json")
+    if os.path.exists(info_path):
+        os.remove(info_path)  # a half-rebuilt dir must not look complete
+
+    tokenizer = cd.build_tokenizer(out_dir)
+    model = make_model(seed)
+    t_init = time.perf_counter() - t0
+
+    final_loss = warmup(model, steps=warmup_steps, seed=seed + WARMUP_SEED_OFFSET, progress=progress)
+    t_warm = time.perf_counter() - t0 - t_init
+
+    model.save_pretrained(out_dir, safe_serialization=True)
+    prompts = cd.make_records(num_prompts, seed)
+    eval_records = cd.make_records(NUM_EVAL, seed + EVAL_SEED_OFFSET)
+    cd.write_jsonl(os.path.join(out_dir, "prompts.jsonl"), prompts)
+    cd.write_jsonl(os.path.join(out_dir, "eval.jsonl"), eval_records)
+    t_build = time.perf_counter() - t0
+
+    warm = evaluate(model, tokenizer, eval_records, seed=seed)
+    oracle = evaluate(model, tokenizer, eval_records, seed=seed, oracle=True)
+    t_total = time.perf_counter() - t0
+
+    info = {
+        "args": args,
+        "model": {**MODEL_KWARGS, "num_params": num_params(model)},
+        "warmup": {
+            "steps": warmup_steps,
+            "batch": WARMUP_BATCH,
+            "lr": WARMUP_LR,
+            "p_correct": P_CORRECT,
+            "final_loss": final_loss,
+        },
+        "length_distribution": {
+            "mixture": [list(c) for c in cd.LENGTH_MIXTURE],
+            "mean": cd.LENGTH_MEAN,
+            "max": cd.MAX_N,
+        },
+        "eval": {"num": NUM_EVAL, "temperature": 1.0, "max_new_tokens": EVAL_MAX_NEW_TOKENS},
+        "warm_reward": warm["mean_reward"],
+        "oracle_reward": oracle["mean_reward"],
+        "warm_eval": warm,
+        "oracle_eval": oracle,
+        "seconds": {
+            "init": round(t_init, 2),
+            "warmup": round(t_warm, 2),
+            "build": round(t_build, 2),
+            "total_with_eval": round(t_total, 2),
+        },
+    }
+    with open(info_path + ".tmp", "w") as f:
+        json.dump(info, f, indent=2)
+    os.replace(info_path + ".tmp", info_path)
+    info["skipped"] = False
+    return info
+
+
+def summary(info: dict, out_dir: str) -> str:
+    w, o = info["warm_eval"], info["oracle_eval"]
+    verb = "reused" if info.get("skipped") else "built"
+    return "\n".join(
+        [
+            f"{verb} {out_dir}: Qwen2 {info['model']['num_params']:,} params, "
+            f"warm-up {info['warmup']['steps']} steps (final loss {info['warmup']['final_loss']:.3f})",
+            f"  warm reward   {w['mean_reward']:.3f}  (exact {w['exact_frac']:.2f}, "
+            f"correct mode {w['correct_mode_frac']:.2f}, by length {_fmt(w['reward_by_length'])})",
+            f"  oracle reward {o['mean_reward']:.3f}  (exact {o['exact_frac']:.2f}, by length {_fmt(o['reward_by_length'])})",
+            f"  seconds: {info['seconds']}",
+        ]
+    )
+
+
+def _fmt(d: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in d.items())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=4096, help="records in prompts.jsonl")
+    p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
+    p.add_argument("--force", action="store_true", help="rebuild even if build_info.json matches")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    info = build(a.out, seed=a.seed, num_prompts=a.num_prompts, warmup_steps=a.warmup_steps, force=a.force)
+    print(summary(info, a.out))
+    return info
+
+
+if __name__ == "__main__":
+    main()
