@@ -71,6 +71,10 @@ def train(cfg: RootConfig) -> dict:
 
             sync = weight_sync.push(models.actor.model, models.actor.info, engine, step + 1, folder,
                                     cfg.weight_sync.bucket_mb)
+            if cfg.weight_sync.verify:
+                probe = [s.prompt_ids for s in samples[:: cfg.rollout.n]]
+                sync["sync_verify_gap"] = weight_sync.verify(models.actor, engine, probe, 8,
+                                                             cfg.train.micro_batch_size)
             if is_driver:
                 lengths = [len(s.response_ids) for s in samples]
                 last = {

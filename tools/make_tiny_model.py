@@ -75,6 +75,10 @@ LENGTH_GROUP = 16  # batches per length-sorted pool (cuts padding on long-tailed
 # Fraction of warm-up examples with N ~ Uniform{1..48} instead of the task distribution: the long
 # tail is rare in the task, and the count-down transitions n(k) -> n(k-1) for large k need data.
 WARMUP_UNIFORM_FRAC = 0.5
+# Loss weight of the mode-deciding token (2nd answer token) relative to the others. Without it the
+# model files position 2 under its "not counting by 1" default and samples the wrong mode far more
+# often than the mixture says, especially for larger N; the extra weight calibrates it quickly.
+DECISION_WEIGHT = 1.0
 
 # Seeds of the three record streams derived from --seed (all distinct).
 EVAL_SEED_OFFSET = 10_000
@@ -120,17 +124,33 @@ def warmup_example(n: int, rng: random.Random, p_correct: float = P_CORRECT) -> 
 
 
 def _collate(examples: list[tuple[list[int], int]]):
-    """Right-padded input_ids / attention_mask / labels (-100 on prompt and padding)."""
+    """Right-padded input_ids, attention_mask, next-token targets and per-target loss weights.
+
+    ``targets[:, t]`` is the token at t + 1 (-100 on prompt and padding); ``weights`` is 1 on
+    answer tokens and eos, ``DECISION_WEIGHT`` on the 2nd answer token, 0 elsewhere.
+    """
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), cd.PAD_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    targets = torch.full((len(examples), width), -100, dtype=torch.long)
+    weights = torch.zeros((len(examples), width), dtype=torch.float32)
     for i, (ids, plen) in enumerate(examples):
         t = torch.tensor(ids, dtype=torch.long)
         input_ids[i, : len(ids)] = t
         attention_mask[i, : len(ids)] = 1
-        labels[i, plen : len(ids)] = t[plen:]
-    return input_ids, attention_mask, labels
+        targets[i, plen - 1 : len(ids) - 1] = t[plen:]
+        weights[i, plen - 1 : len(ids) - 1] = 1.0
+        if ids[plen] - cd.NUMBER_OFFSET >= 2:  # N >= 2: the next token (n(N-1), n(N-2) or eos) picks the mode
+            weights[i, plen] = DECISION_WEIGHT
+    return input_ids, attention_mask, targets, weights
+
+
+def _weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
+    )
+    w = weights.flatten()
+    return (ce * w).sum() / w.sum()
 
 
 def _warmup_batches(steps: int, batch: int, seed: int, p_correct: float):
@@ -161,7 +181,7 @@ def warmup(
     lr: float = WARMUP_LR,
     progress: bool = True,
 ) -> float:
-    """Supervised warm-up with AdamW; returns the mean loss of the last 20 steps."""
+    """Supervised warm-up with AdamW; returns the mean (weighted) loss of the last 20 steps."""
     from tqdm import tqdm
 
     model.train()
@@ -176,15 +196,16 @@ def warmup(
     torch.manual_seed(seed)
     losses: list[float] = []
     bar = tqdm(_warmup_batches(steps, batch, seed, p_correct), total=steps, desc="warm-up", disable=not progress)
-    for step, (input_ids, attention_mask, labels) in enumerate(bar):
+    for step, (input_ids, attention_mask, targets, weights) in enumerate(bar):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        loss = _weighted_loss(logits, targets, weights)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()

@@ -88,3 +88,42 @@ def push(model, info: ModelInfo, engine, version: int, folder: str, bucket_mb: i
         shutil.rmtree(folder, ignore_errors=True)
     dist.barrier()
     return {"sync_time_s": time.perf_counter() - t0, "sync_reload_s": reload_s, "sync_bytes": nbytes}
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's policy is not the trainer's after a push."""
+
+
+def engine_mismatch(actor, engine, prompts: list[list[int]], max_tokens: int, micro_batch_size: int) -> float:
+    """Mean |engine logprob - trainer logprob| over tokens the engine samples now (fp32: ~1e-6
+    when the engine holds the trainer's weights). Collective over all trainer ranks."""
+    from megarl.ppo import actor as actor_ops
+    from megarl.ppo.batch import build_batch
+    from megarl.rollout.types import Sample
+
+    samples = None
+    if engine is not None:
+        outs = engine.generate(prompts, 1, max_tokens)
+        samples = [Sample(p, g[0].token_ids, g[0].logprobs, [engine.version] * len(g[0].token_ids),
+                          g[0].finished, i) for i, (p, g) in enumerate(zip(prompts, outs))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [samples]
+        dist.broadcast_object_list(box, src=0)
+        samples = box[0]
+    batch = build_batch(samples, pad_id=0)
+    mbs = micro_batch_size if batch.size % micro_batch_size == 0 else 1
+    trainer = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size)
+    mask = batch.resp_mask
+    return float(((trainer - batch.behav_logp).abs() * mask).sum() / mask.sum())
+
+
+def verify(actor, engine, prompts, max_tokens: int, micro_batch_size: int, tol: float = 1e-3) -> float:
+    """Raise WeightSyncError when the engine's logprobs differ from the trainer's by more than tol."""
+    gap = engine_mismatch(actor, engine, prompts, max_tokens, micro_batch_size)
+    if gap > tol:
+        version = engine.version if engine is not None else "?"
+        raise WeightSyncError(
+            f"engine logprobs differ from the trainer's by {gap:.3g} (> {tol}) at weight version "
+            f"{version}: the push did not reach the engine (or the mapping is wrong); check "
+            f"weight_sync.staging_dir and the conversion table")
+    return gap

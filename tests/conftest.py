@@ -1,0 +1,26 @@
+"""Shared fixtures: the tiny model (built once per machine) and a subprocess runner."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "artifacts" / "tiny_countdown"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The demo's tiny countdown model (tools/make_tiny_model.py is idempotent: a no-op when built)."""
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(TINY)],
+                   check=True, cwd=ROOT)
+    return TINY
+
+
+def run_py(args, timeout=900, env=None, **kw) -> subprocess.CompletedProcess:
+    """Run a Python entry point from the repo root in a fresh process (megatron's CPU shim and
+    vLLM change process-wide state, so end-to-end runs never share the pytest process)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=timeout, **kw)

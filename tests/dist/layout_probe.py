@@ -1,0 +1,65 @@
+"""Subprocess body of the layout-equivalence tests: run under torchrun (or alone).
+
+Builds actor, reference and critic from the tiny model at the launched layout, runs
+`steps` PPO steps on one fixed synthetic batch (no engine: the batch is generated from a
+seed, so every layout sees identical data), and writes per-step losses, gradient norms and
+the actor's post-step logprobs to argv[2] (rank 0).
+usage: layout_probe.py MODEL_DIR OUT_JSON key=value...
+"""
+import json
+import random
+import sys
+
+import torch
+
+
+def synthetic_samples(seed: int, groups: int, n: int, vocab: int):
+    from megarl.rollout.types import Sample
+    rng = random.Random(seed)
+    samples = []
+    for g in range(groups):
+        prompt = [1] + [rng.randrange(5, vocab) for _ in range(rng.randrange(2, 6))]
+        for _ in range(n):
+            length = rng.randrange(1, 12)   # ragged lengths: padding must not matter
+            resp = [rng.randrange(5, vocab) for _ in range(length)]
+            samples.append(Sample(prompt, resp, [-2.0] * length, [0] * length, True, g,
+                                  reward=rng.random()))
+    return samples
+
+
+def main(model_dir: str, out_path: str, overrides: list[str]) -> None:
+    from megarl.config import load_config, validate_world
+    cfg = load_config("recipes/tiny_cpu.yaml", [
+        f"model.path={model_dir}", "train.groups_per_step=8", "rollout.n=4", "train.mini_batches=2",
+        "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=1e-3", "train.critic_lr=1e-3",
+        *overrides])
+    from megarl.distributed import cpu, parallel
+    from megarl.distributed.env import init_distributed
+    env = init_distributed()
+    validate_world(cfg, env.world_size)
+    cpu.apply()
+    torch.set_num_threads(1)
+    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
+    from megarl.models.setup import build_all
+    from megarl.ppo.batch import build_batch
+    from megarl.ppo.step import _forward_all, ppo_step
+    from megarl.ppo import actor as actor_ops
+
+    models = build_all(cfg)
+    steps = int(dict(o.split("=") for o in overrides).get("train.steps", 3))
+    batch = build_batch(synthetic_samples(1234, 8, 4, models.actor.info.vocab_size), 0)
+    history = []
+    for step in range(steps):
+        m = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
+        logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
+                            models.actor.model, batch, cfg.train.micro_batch_size)
+        history.append({k: m[k] for k in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")}
+                       | {"logp": logp[batch.resp_mask > 0].tolist()})
+    if env.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(history, f)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
