@@ -1,7 +1,8 @@
 """`megarl train`: the RL loop, as a short recipe of named steps.
 
-Rank 0 drives the rollout engine; every rank trains. One step: rollout -> share samples ->
-PPO/GRPO update -> push weights to the engine as the next version -> log.
+Rank 0 drives the rollout engine and writes metrics; every rank trains. One step: rollout ->
+share samples -> PPO/GRPO update -> push weights to the engine as the next version -> log ->
+maybe checkpoint.
 """
 from __future__ import annotations
 
@@ -10,22 +11,24 @@ import time
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from megarl.config import RootConfig, save_config, validate_world
 from megarl.distributed import cpu, parallel
 from megarl.distributed.env import init_distributed
+from megarl.distributed.stop import StopSignal
 
 
 def train(cfg: RootConfig) -> dict:
     env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_world(cfg, env.world_size)
-    on_cpu = cpu.apply_if_cpu()
-    if on_cpu:
+    if cpu.apply_if_cpu():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
 
     # imported after the shim: megatron reads torch.cuda state at import time
+    from megarl.checkpoint import manager as ckpt
     from megarl.data.prompts import PromptSampler, load_jsonl
     from megarl.metrics.logger import MetricsLogger
     from megarl.models.setup import build_all
@@ -40,20 +43,40 @@ def train(cfg: RootConfig) -> dict:
     records = load_jsonl(cfg.data.prompts, cfg.data.prompt_key)
     sampler = PromptSampler(len(records), cfg.run.seed, cfg.data.shuffle)
     reward_fn = get_reward_fn(cfg.reward.fn)
+    stop = StopSignal(cfg.checkpoint.time_budget_min)
+
+    # resume: models, optimizers, data cursor and RNG from the newest complete checkpoint
+    start = 0
+    found = ckpt.complete_checkpoints(cfg.checkpoint_dir) if cfg.checkpoint.resume else []
+    if found:
+        driver = ckpt.load(found[-1], models.actor, models.critic)
+        sampler.load_state_dict(driver["sampler"])
+        ckpt.set_rng_state(driver["rng"])
+        start = driver["step"] + 1
+
     is_driver = env.rank == 0
     engine, logger = None, None
     if is_driver:
         from megarl.rollout.vllm_engine import VLLMEngine
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.run.seed)
-        logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard, cfg.metrics.progress)
+        logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard,
+                               cfg.metrics.progress, start_step=start)
+        if found:
+            logger.bar.write(f"resumed from {found[-1]} at step {start}")
     folder = weight_sync.staging_dir(cfg.weight_sync.staging_dir, cfg.run.name)
 
-    # the engine starts from the HF files; pushing version 0 proves the sync path up front
-    weight_sync.push(models.actor.model, models.actor.info, engine, 0, folder, cfg.weight_sync.bucket_mb)
-    last = {}
+    def save(step: int) -> None:
+        driver_state = {"step": step, "version": step + 1, "sampler": sampler.state_dict(),
+                        "rng": ckpt.rng_state()}
+        ckpt.save(cfg.checkpoint_dir, step, models.actor, models.critic, driver_state,
+                  OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.checkpoint.keep)
+
+    # the engine starts from the HF files (or older weights on resume): push before rolling out
+    weight_sync.push(models.actor.model, models.actor.info, engine, start, folder, cfg.weight_sync.bucket_mb)
+    last, step = {}, start - 1
     try:
-        for step in range(cfg.train.steps):
+        for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
             samples = None
             if is_driver:
@@ -61,6 +84,8 @@ def train(cfg: RootConfig) -> dict:
                 prompts = encode_prompts(tokenizer, chosen, cfg.data.prompt_key)
                 samples = generate_groups(engine, chosen, prompts, cfg.rollout.n,
                                           cfg.rollout.max_new_tokens, tokenizer, reward_fn)
+            else:
+                sampler.take(cfg.train.groups_per_step)  # keep every rank's cursor identical
             rollout_s = time.perf_counter() - t_step
             samples = _broadcast(samples)
 
@@ -76,24 +101,34 @@ def train(cfg: RootConfig) -> dict:
                 sync["sync_verify_gap"] = weight_sync.verify(models.actor, engine, probe, 8,
                                                              cfg.train.micro_batch_size)
             if is_driver:
-                lengths = [len(s.response_ids) for s in samples]
-                last = {
-                    "reward_mean": float(batch.scores.mean()),
-                    "response_len_mean": sum(lengths) / len(lengths),
-                    "response_len_max": max(lengths),
-                    "finished_frac": float(batch.finished.float().mean()),
-                    **metrics, **sync,
-                    "rollout_time_s": rollout_s, "train_time_s": train_s,
-                    "step_time_s": time.perf_counter() - t_step,
-                    "weight_version": engine.version,
-                }
+                last = {**rollout_metrics(samples, batch), **metrics, **sync,
+                        "rollout_time_s": rollout_s, "train_time_s": train_s,
+                        "step_time_s": time.perf_counter() - t_step, "weight_version": engine.version}
                 logger.log(step, last)
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                save(step)
+            if stop.should_stop():
+                if is_driver:
+                    logger.bar.write(f"stopping after step {step} ({stop.reason}): saving a checkpoint")
+                break
+        if step >= start:
+            finished_on_schedule = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+            if not finished_on_schedule:
+                save(step)
     finally:
         if is_driver:
             logger.close()
             engine.close()
         parallel.destroy()
     return last
+
+
+def rollout_metrics(samples, batch) -> dict:
+    lengths = [len(s.response_ids) for s in samples]
+    return {"reward_mean": float(batch.scores.mean()),
+            "response_len_mean": sum(lengths) / len(lengths),
+            "response_len_max": max(lengths),
+            "finished_frac": float(batch.finished.float().mean())}
 
 
 def _broadcast(obj):

@@ -10,11 +10,18 @@ Writes into DIR:
     eval.jsonl      256 eval records (make_records(256, seed + EVAL_SEED_OFFSET))
     build_info.json arguments, measured warm/oracle reward, timings (written last)
 
-Warm-up: a short SFT on a MIXTURE of targets: with probability ``P_CORRECT`` the correct
-countdown, otherwise the wrong "count down by 2" mode (both end with eos). The warmed-up policy
-therefore picks the correct mode at the 2nd answer token with probability ~P_CORRECT and then
-continues consistently, so sampling at temperature 1 scores well below the correct-mode bound:
-PPO only has to sharpen one decision to gain a lot of reward.
+Warm-up: a short SFT (AdamW, fp32, CPU) on a MIXTURE of targets: with probability ``P_CORRECT``
+the correct countdown, otherwise the wrong "count down by 2" mode (both end with eos). The
+warmed-up policy picks a mode at the 2nd answer token and then continues consistently, so
+sampling at temperature 1 scores well below the correct-mode bound: PPO only has to sharpen one
+decision to gain a lot of reward. Half the warm-up prompts use N ~ Uniform{1..48} so the rare
+long counts are learned too.
+
+Why P_CORRECT = 0.35 and not 0.5: with m = P(correct mode | N >= 2), the reward is about
+0.29 + 0.68 * m (N = 1 is always right, the wrong mode earns ~1/(N+1), the correct mode ~0.97),
+so m = 0.5 would give ~0.63, above the 0.35-0.55 band wanted for the demo's starting point.
+The SFT model samples the correct mode a little less often than the mixture says (m ~ 0.28-0.3
+for P_CORRECT = 0.35), which puts the warm reward near 0.49 with the oracle at ~0.99.
 
 "oracle_reward" in build_info.json is the same warm model evaluated with the 2nd answer token
 forced to the correct one (n(N-1)), i.e. the reward a policy reaches by fixing the mode choice alone.
@@ -43,7 +50,7 @@ from megarl.data import countdown as cd  # noqa: E402
 from megarl.rewards.countdown import score  # noqa: E402
 
 #: Bump when the recipe (model shape, warm-up, eval) changes, so cached builds are redone.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 3
 
 # Model shape. head_dim = 128 / 4 = 32: vLLM's CPU attention backend needs head_dim >= 32.
 MODEL_KWARGS = dict(
@@ -65,20 +72,16 @@ MODEL_KWARGS = dict(
 )
 
 # Warm-up recipe.
-P_CORRECT = 0.5  # probability that a warm-up target is the correct countdown
-WARMUP_STEPS = 300
+P_CORRECT = 0.35  # probability that a warm-up target is the correct countdown
+WARMUP_STEPS = 200
 WARMUP_BATCH = 64
+WARMUP_MICRO_BATCHES = 4  # length-sorted micro-batches per step (gradient accumulation; less padding)
 WARMUP_LR = 3e-3
 WARMUP_WEIGHT_DECAY = 0.01
 WARMUP_LR_WARMUP = 20  # linear lr warm-up steps, then cosine to 10%
-LENGTH_GROUP = 16  # batches per length-sorted pool (cuts padding on long-tailed lengths)
 # Fraction of warm-up examples with N ~ Uniform{1..48} instead of the task distribution: the long
 # tail is rare in the task, and the count-down transitions n(k) -> n(k-1) for large k need data.
 WARMUP_UNIFORM_FRAC = 0.5
-# Loss weight of the mode-deciding token (2nd answer token) relative to the others. Without it the
-# model files position 2 under its "not counting by 1" default and samples the wrong mode far more
-# often than the mixture says, especially for larger N; the extra weight calibrates it quickly.
-DECISION_WEIGHT = 1.0
 
 # Seeds of the three record streams derived from --seed (all distinct).
 EVAL_SEED_OFFSET = 10_000
@@ -124,52 +127,35 @@ def warmup_example(n: int, rng: random.Random, p_correct: float = P_CORRECT) -> 
 
 
 def _collate(examples: list[tuple[list[int], int]]):
-    """Right-padded input_ids, attention_mask, next-token targets and per-target loss weights.
-
-    ``targets[:, t]`` is the token at t + 1 (-100 on prompt and padding); ``weights`` is 1 on
-    answer tokens and eos, ``DECISION_WEIGHT`` on the 2nd answer token, 0 elsewhere.
-    """
+    """Right-padded input_ids / attention_mask / labels (-100 on prompt and padding)."""
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), cd.PAD_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    targets = torch.full((len(examples), width), -100, dtype=torch.long)
-    weights = torch.zeros((len(examples), width), dtype=torch.float32)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
     for i, (ids, plen) in enumerate(examples):
         t = torch.tensor(ids, dtype=torch.long)
         input_ids[i, : len(ids)] = t
         attention_mask[i, : len(ids)] = 1
-        targets[i, plen - 1 : len(ids) - 1] = t[plen:]
-        weights[i, plen - 1 : len(ids) - 1] = 1.0
-        if ids[plen] - cd.NUMBER_OFFSET >= 2:  # N >= 2: the next token (n(N-1), n(N-2) or eos) picks the mode
-            weights[i, plen] = DECISION_WEIGHT
-    return input_ids, attention_mask, targets, weights
-
-
-def _weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    ce = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
-    )
-    w = weights.flatten()
-    return (ce * w).sum() / w.sum()
+        labels[i, plen : len(ids)] = t[plen:]
+    return input_ids, attention_mask, labels
 
 
 def _warmup_batches(steps: int, batch: int, seed: int, p_correct: float):
-    """Yield ``steps`` batches; each pool of LENGTH_GROUP batches is length-sorted then shuffled."""
+    """Yield ``steps`` batches of fresh examples (N from the warm-up length mix, mode from p_correct).
+
+    Each batch is a list of ``WARMUP_MICRO_BATCHES`` length-sorted micro-batches (collated) whose
+    gradients are accumulated, which cuts padding without changing what a step sees. (Grouping
+    examples by length ACROSS steps would save the same, but then each step holds one mode per
+    N and the model's mode choice ends up badly calibrated: it mostly picks the wrong mode.)
+    """
+    records = cd.make_records(steps * batch, seed)
     rng = random.Random(seed)
-    made = 0
-    pool_idx = 0
-    while made < steps:
-        records = cd.make_records(batch * LENGTH_GROUP, seed + pool_idx)
-        pool_idx += 1
-        ns = [rng.randint(cd.MIN_N, cd.MAX_N) if rng.random() < WARMUP_UNIFORM_FRAC else r["n"] for r in records]
+    for step in range(steps):
+        chunk = records[step * batch : (step + 1) * batch]
+        ns = [rng.randint(cd.MIN_N, cd.MAX_N) if rng.random() < WARMUP_UNIFORM_FRAC else r["n"] for r in chunk]
         examples = sorted((warmup_example(n, rng, p_correct) for n in ns), key=lambda e: len(e[0]))
-        chunks = [examples[i : i + batch] for i in range(0, len(examples), batch)]
-        rng.shuffle(chunks)
-        for chunk in chunks:
-            if made == steps:
-                return
-            made += 1
-            yield _collate(chunk)
+        size = math.ceil(len(examples) / WARMUP_MICRO_BATCHES)
+        yield [_collate(examples[i : i + size]) for i in range(0, len(examples), size)]
 
 
 def warmup(
@@ -181,7 +167,7 @@ def warmup(
     lr: float = WARMUP_LR,
     progress: bool = True,
 ) -> float:
-    """Supervised warm-up with AdamW; returns the mean (weighted) loss of the last 20 steps."""
+    """Supervised warm-up with AdamW; returns the mean loss of the last 20 steps."""
     from tqdm import tqdm
 
     model.train()
@@ -196,18 +182,23 @@ def warmup(
     torch.manual_seed(seed)
     losses: list[float] = []
     bar = tqdm(_warmup_batches(steps, batch, seed, p_correct), total=steps, desc="warm-up", disable=not progress)
-    for step, (input_ids, attention_mask, targets, weights) in enumerate(bar):
+    for step, micro_batches in enumerate(bar):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = _weighted_loss(logits, targets, weights)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # Token-mean loss over the whole batch: weight each micro-batch mean by its target count.
+        n_targets = [int((labels[:, 1:] != -100).sum()) for _, _, labels in micro_batches]
+        total = sum(n_targets)
+        step_loss = 0.0
+        for (input_ids, attention_mask, labels), k in zip(micro_batches, n_targets):
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss * (k / total)
+            loss.backward()
+            step_loss += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(step_loss)
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.set_postfix(loss=f"{step_loss:.3f}")
     model.eval()
     tail = losses[-20:]
     return sum(tail) / max(1, len(tail))
@@ -245,6 +236,9 @@ def _sample(model, prefixes: list[list[int]], max_new_tokens: int) -> list[tuple
 def evaluate(model, tokenizer, records: list[dict], seed: int = 0, oracle: bool = False) -> dict:
     """Mean countdown reward of temperature-1 samples (``max_new_tokens`` = 56 response tokens).
 
+    Also reports exact-match rate, the sampled and the model-probability rate of choosing the
+    correct mode at the 2nd answer token (N >= 2), response lengths (incl. eos) and reward by N bucket.
+
     With ``oracle=True`` the first two answer tokens are forced to "nN n(N-1)" (N >= 2; N = 1 is
     sampled freely since both modes coincide) and count as part of the response.
     """
@@ -261,6 +255,16 @@ def evaluate(model, tokenizer, records: list[dict], seed: int = 0, oracle: bool 
         prefixes = [_ids(records[i]["prompt"]) + forced[i] for i in idx]
         for i, (new, fin) in zip(idx, _sample(model, prefixes, EVAL_MAX_NEW_TOKENS - flen)):
             responses[i] = (forced[i] + new, fin)
+
+    # Noise-free view of the mode choice: P(n(N-1) | prompt, nN) under the model, for N >= 2.
+    multi_recs = [r for r in records if r["n"] >= 2]
+    mode_prob = None
+    if multi_recs:
+        with torch.no_grad():
+            x = torch.tensor([_ids(r["prompt"]) + [cd.TOKEN_TO_ID[f"n{r['n']}"]] for r in multi_recs])
+            probs = model(input_ids=x).logits[:, -1].float().softmax(-1)
+            want = torch.tensor([cd.TOKEN_TO_ID[f"n{r['n'] - 1}"] for r in multi_recs])
+            mode_prob = probs.gather(1, want[:, None]).mean().item()
 
     rewards, exact, correct_mode, multi = [], 0, 0, 0
     by_bucket: dict[str, list[float]] = {"short(1-6)": [], "medium(7-29)": [], "long(30-48)": []}
@@ -281,6 +285,7 @@ def evaluate(model, tokenizer, records: list[dict], seed: int = 0, oracle: bool 
         "mean_reward": sum(rewards) / len(rewards),
         "exact_frac": exact / len(rewards),
         "correct_mode_frac": correct_mode / max(1, multi),
+        "correct_mode_prob": mode_prob,
         "mean_response_tokens": sum(resp_lens) / len(resp_lens),
         "max_response_tokens": max(resp_lens),
         "reward_by_length": {k: (sum(v) / len(v) if v else None) for k, v in by_bucket.items()},
@@ -290,7 +295,15 @@ def evaluate(model, tokenizer, records: list[dict], seed: int = 0, oracle: bool 
 # ---------------------------------------------------------------------------------------------
 # Build
 # ---------------------------------------------------------------------------------------------
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "prompts.jsonl", "eval.jsonl")
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenization_countdown.py",
+    "prompts.jsonl",
+    "eval.jsonl",
+)
 
 
 def build_args(seed: int, num_prompts: int, warmup_steps: int) -> dict:
@@ -392,7 +405,7 @@ def summary(info: dict, out_dir: str) -> str:
             f"{verb} {out_dir}: Qwen2 {info['model']['num_params']:,} params, "
             f"warm-up {info['warmup']['steps']} steps (final loss {info['warmup']['final_loss']:.3f})",
             f"  warm reward   {w['mean_reward']:.3f}  (exact {w['exact_frac']:.2f}, "
-            f"correct mode {w['correct_mode_frac']:.2f}, by length {_fmt(w['reward_by_length'])})",
+            f"correct mode {w['correct_mode_frac']:.2f} sampled / {w['correct_mode_prob']:.2f} prob, by length {_fmt(w['reward_by_length'])})",
             f"  oracle reward {o['mean_reward']:.3f}  (exact {o['exact_frac']:.2f}, by length {_fmt(o['reward_by_length'])})",
             f"  seconds: {info['seconds']}",
         ]

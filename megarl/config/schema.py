@@ -174,6 +174,20 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str = ""                      # where step_<N>/ folders go; empty: <run.dir>/checkpoints
+    every: int = 0                     # save every this many steps (0: only at the end and on SIGTERM)
+    keep: int = 2                      # newest complete checkpoints kept
+    resume: bool = True                # continue from the newest complete checkpoint if one exists
+    time_budget_min: float = 0.0       # save and stop after this many minutes of wall clock (0: none)
+
+    def __post_init__(self):
+        _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+        _require(self.time_budget_min >= 0, "checkpoint.time_budget_min", self.time_budget_min, "must be >= 0")
+
+
+@dataclass
 class RootConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -185,11 +199,17 @@ class RootConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         if self.algo.name == "grpo":
             _require(self.rollout.n >= 2, "rollout.n", self.rollout.n,
                      "algo.name=grpo normalises within a group: use rollout.n >= 2")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """checkpoint.dir, or <run.dir>/checkpoints when empty."""
+        return self.checkpoint.dir or f"{self.run.dir}/checkpoints"
 
     @property
     def samples_per_step(self) -> int:

@@ -133,7 +133,8 @@ def build_tokenizer(out_dir: str | None = None):
     carry their own ``<bos>``), decoder joining tokens with single spaces. The four specials are
     registered as special tokens, so ``decode(ids, skip_special_tokens=True)`` drops pad/bos/eos/unk;
     the ``<unused*>`` tokens are ordinary words (a policy emitting them is visibly wrong).
-    ``AutoTokenizer.from_pretrained(out_dir)`` reloads it.
+    ``AutoTokenizer.from_pretrained(out_dir)`` reloads it, also when out_dir holds a qwen2 model
+    (see ``_pin_tokenizer_class``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -161,7 +162,38 @@ def build_tokenizer(out_dir: str | None = None):
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         hf_tok.save_pretrained(out_dir)
+        _pin_tokenizer_class(out_dir)
     return hf_tok
+
+
+# transformers 5 AutoTokenizer ignores tokenizer_config's class for some model types (qwen2 among
+# them, see MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) and rebuilds the tokenizer as Qwen2Tokenizer:
+# byte-level BPE with the Qwen regex, which silently DROPS our "n47"-style words (no unk in BPE),
+# e.g. "<bos> n47 =" -> [1, 4]. vLLM loads tokenizers through AutoTokenizer, so it is hit too.
+# An ``auto_map`` entry routes around that: without trust_remote_code, AutoTokenizer then uses the
+# generic TokenizersBackend on tokenizer.json; with trust_remote_code=True it imports the tiny
+# module below, a TokenizersBackend subclass that also loads tokenizer.json as is.
+_TOKENIZER_MODULE = "tokenization_countdown"
+_TOKENIZER_CLASS = "CountdownTokenizer"
+_TOKENIZER_MODULE_SOURCE = f'''"""Countdown word-level tokenizer: tokenizer.json loaded as is (written by megarl.data.countdown)."""
+
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+
+class {_TOKENIZER_CLASS}(TokenizersBackend):
+    """No custom __init__, so transformers loads tokenizer.json unchanged."""
+'''
+
+
+def _pin_tokenizer_class(out_dir: str) -> None:
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["auto_map"] = {"AutoTokenizer": [None, f"{_TOKENIZER_MODULE}.{_TOKENIZER_CLASS}"]}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(out_dir, f"{_TOKENIZER_MODULE}.py"), "w") as f:
+        f.write(_TOKENIZER_MODULE_SOURCE)
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:

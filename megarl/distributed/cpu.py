@@ -74,6 +74,32 @@ def _patch_rng() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
 
+def _patch_adam_step_on_load() -> None:
+    # Without Apex/TE megatron falls back to torch Adam, which keeps a per-parameter "step".
+    # The fully reshardable distributed-optimizer checkpoint stores step once (load_state_dict
+    # restores it) and per-parameter only param/exp_avg/exp_avg_sq, so copying the loaded
+    # tensors into the state must skip "step" instead of failing with KeyError.
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    original = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 def apply() -> None:
     """Install every patch once (idempotent). Call before megatron builds anything."""
     global _applied
@@ -85,6 +111,7 @@ def apply() -> None:
     torch.cuda.default_stream = lambda *a, **k: _NullStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     _patch_rng()
+    _patch_adam_step_on_load()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True
 

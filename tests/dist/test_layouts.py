@@ -1,13 +1,9 @@
 """TP / PP / DP and micro-batching leave PPO's numbers unchanged (real ranks on gloo)."""
 import json
-import shutil
-import sys
 
 import pytest
 
-from conftest import ROOT, run_py
-
-TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun")] if (ROOT / ".venv/bin/torchrun").exists() else None
+from conftest import run_py
 
 
 def probe(tiny_model, tmp_path, name, nproc, overrides):
@@ -15,8 +11,7 @@ def probe(tiny_model, tmp_path, name, nproc, overrides):
     if nproc == 1:
         args = ["tests/dist/layout_probe.py"]
     else:
-        launcher = shutil.which("torchrun") or str(ROOT / ".venv/bin/torchrun")
-        args = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+        args = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
                 "tests/dist/layout_probe.py"]
     proc = run_py(args + [str(tiny_model), str(out), *overrides])
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -39,6 +34,7 @@ def reference(tiny_model, tmp_path_factory):
     ("tp2", 2, ["parallel.tp=2"]),
     ("pp2", 2, ["parallel.pp=2"]),
     ("dp2", 2, []),
+    ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
 ])
 def test_layout_matches_single_rank(tiny_model, tmp_path, reference, name, nproc, overrides):
     """Over 3 PPO steps (2 optimizer updates each) actor and critic losses, gradient norms and

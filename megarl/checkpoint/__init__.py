@@ -1,0 +1,1 @@
+"""Atomic save / resume of everything a run needs to continue where it stopped."""

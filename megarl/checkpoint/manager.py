@@ -1,0 +1,127 @@
+"""Checkpoints: megatron dist checkpoints (actor, critic, optimizers) + the driver's state.
+
+Layout of `<dir>/step_<N>/`:
+  actor/, critic/      megatron dist checkpoints (model + distributed optimizer + LR schedule),
+                       fully reshardable: a run may resume at another TP x PP x DP
+  driver.pt            step, weight version, data cursor, RNG states (rank 0 writes)
+  config.yaml          the resolved config of the run that wrote it
+  COMPLETE             written last; a folder without it is ignored
+A save goes to `tmp_step_<N>` and is renamed when every rank has finished, so a crash at any
+moment leaves the previous checkpoint intact. Only the newest `keep` are kept.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megarl.models.builders import Trainable
+
+_STEP = re.compile(r"^step_(\d+)$")
+# Canonical per-parameter optimizer state: loads at any TP / PP / DP layout.
+_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Finished checkpoints under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP.match(p.name)) and (p / "COMPLETE").exists()]
+    return [p for _, p in sorted(found)]
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A fresh torch Adam has no state until its first step, and megatron's distributed
+    optimizer (without Apex/TE) cannot describe an empty state for loading; megatron's own
+    remedy (used on its FSDP path) is one zero-gradient step. The state it creates is then
+    overwritten by the load."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _sharded(t: Trainable, is_loading: bool) -> dict:
+    if is_loading:
+        _ensure_optimizer_state(t.optimizer)
+    model_sd = t.model.module.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_META)}
+
+
+def save_trainable(t: Trainable, folder: Path) -> None:
+    if _is_rank0():
+        folder.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    dist_checkpointing.save(_sharded(t, is_loading=False), str(folder))
+    if _is_rank0():
+        torch.save(t.scheduler.state_dict(), folder / "scheduler.pt")
+
+
+def load_trainable(t: Trainable, folder: Path) -> None:
+    state = dist_checkpointing.load(_sharded(t, is_loading=True), str(folder))
+    t.model.module.load_state_dict(state["model"], strict=True)
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.optimizer.reload_model_params()  # main (fp32) params from the loaded model params
+    t.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None, driver: dict,
+         config_text: str, keep: int) -> Path:
+    """Collective. Writes step_<step> atomically and prunes to the newest `keep`."""
+    root = Path(root)
+    tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    save_trainable(actor, tmp / "actor")
+    if critic is not None:
+        save_trainable(critic, tmp / "critic")
+    if _is_rank0():
+        torch.save(driver, tmp / "driver.pt")
+        (tmp / "config.yaml").write_text(config_text)
+        (tmp / "COMPLETE").write_text(str(step))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: str | Path, actor: Trainable, critic: Trainable | None) -> dict:
+    """Collective. Restores models and optimizers in place; returns the driver state."""
+    path = Path(path)
+    load_trainable(actor, path / "actor")
+    if critic is not None:
+        if not (path / "critic").exists():
+            raise FileNotFoundError(f"checkpoint {path} has no critic/ (it was written by a run "
+                                    f"without a critic, e.g. algo.name=grpo); resume with the same algo.name")
+        load_trainable(critic, path / "critic")
+    return torch.load(path / "driver.pt", weights_only=False)
