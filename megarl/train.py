@@ -36,7 +36,7 @@ def train(cfg: RootConfig) -> dict:
     from megarl.ppo.step import ppo_step
     from megarl.rewards import get_reward_fn
     from megarl.rollout import weight_sync
-    from megarl.rollout.sync_rollout import encode_prompts, generate_groups
+    from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds
 
     models = build_all(cfg)
     tokenizer = models.tokenizer
@@ -83,7 +83,8 @@ def train(cfg: RootConfig) -> dict:
                 chosen = [records[i] for i in sampler.take(cfg.train.groups_per_step)]
                 prompts = encode_prompts(tokenizer, chosen, cfg.data.prompt_key)
                 samples = generate_groups(engine, chosen, prompts, cfg.rollout.n,
-                                          cfg.rollout.max_new_tokens, tokenizer, reward_fn)
+                                          cfg.rollout.max_new_tokens, tokenizer, reward_fn,
+                                          sample_seeds(cfg.run.seed, step, len(chosen)))
             else:
                 sampler.take(cfg.train.groups_per_step)  # keep every rank's cursor identical
             rollout_s = time.perf_counter() - t_step

@@ -79,7 +79,18 @@ def load_trainable(t: Trainable, folder: Path) -> None:
     t.model.module.load_state_dict(state["model"], strict=True)
     t.optimizer.load_state_dict(state["optimizer"])
     t.optimizer.reload_model_params()  # main (fp32) params from the loaded model params
+    _unshare_adam_steps(t.optimizer)
     t.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron restores torch Adam's per-parameter `step` as ONE tensor shared by every
+    parameter; torch increments it in place once per parameter, so after a resume the bias
+    correction would run ahead. Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def rng_state() -> dict:

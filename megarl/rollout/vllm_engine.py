@@ -43,22 +43,34 @@ class VLLMEngine:
                        tensor_parallel_size=cfg.engine_tp, **kwargs)
         self.version = 0
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int) -> list[list[Completion]]:
-        """For each prompt, n sampled completions with per-token behaviour logprobs."""
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        """For each prompt, n sampled completions with per-token behaviour logprobs.
+
+        With `seeds` (one per prompt), sample j of prompt i is drawn from its own generator
+        seeded seeds[i] * 1000 + j, so a run is reproducible from its seed whatever the engine
+        did before (e.g. after a resume). Each sample is then its own request; prefix caching
+        still shares the prompt's KV.
+        """
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=self.cfg.temperature,
-                                top_p=self.cfg.top_p, logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        result = []
+        def params(count, seed=None):
+            return SamplingParams(n=count, max_tokens=max_tokens, temperature=self.cfg.temperature,
+                                  top_p=self.cfg.top_p, logprobs=0, seed=seed)
+
+        if seeds is None:
+            requests = [({"prompt_token_ids": p}, params(n)) for p in prompts]
+        else:
+            requests = [({"prompt_token_ids": p}, params(1, seed * 1000 + j))
+                        for p, seed in zip(prompts, seeds) for j in range(n)]
+        outs = self.llm.generate([r for r, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        completions = []
         for out in outs:
-            group = []
             for c in out.outputs:
                 ids = list(c.token_ids)
                 lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
-                group.append(Completion(ids, lps, c.finish_reason == "stop"))
-            result.append(group)
-        return result
+                completions.append(Completion(ids, lps, c.finish_reason == "stop"))
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, *, path: str | None = None, tensors=None, version: int) -> float:
         """Replace the engine's weights (HF names) and mark them `version`; returns seconds."""

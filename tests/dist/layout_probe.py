@@ -4,7 +4,9 @@ Builds actor, reference and critic from the tiny model at the launched layout, r
 `steps` PPO steps on one fixed synthetic batch (no engine: the batch is generated from a
 seed, so every layout sees identical data), and writes per-step losses, gradient norms and
 the actor's post-step logprobs to argv[2] (rank 0).
-usage: layout_probe.py MODEL_DIR OUT_JSON key=value...
+usage: layout_probe.py MODEL_DIR OUT_JSON key=value... [save=DIR] [resume=DIR]
+`save=DIR` writes a checkpoint after the last step; `resume=DIR` loads the newest one first
+and continues from the step after it (at whatever layout this run was launched with).
 """
 import json
 import random
@@ -27,8 +29,10 @@ def synthetic_samples(seed: int, groups: int, n: int, vocab: int):
     return samples
 
 
-def main(model_dir: str, out_path: str, overrides: list[str]) -> None:
+def main(model_dir: str, out_path: str, args: list[str]) -> None:
     from megarl.config import load_config, validate_world
+    extra = dict(a.split("=", 1) for a in args if a.startswith(("save=", "resume=")))
+    overrides = [a for a in args if not a.startswith(("save=", "resume="))]
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "train.groups_per_step=8", "rollout.n=4", "train.mini_batches=2",
         "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=1e-3", "train.critic_lr=1e-3",
@@ -48,13 +52,18 @@ def main(model_dir: str, out_path: str, overrides: list[str]) -> None:
     models = build_all(cfg)
     steps = int(dict(o.split("=") for o in overrides).get("train.steps", 3))
     batch = build_batch(synthetic_samples(1234, 8, 4, models.actor.info.vocab_size), 0)
-    history = []
-    for step in range(steps):
+    from megarl.checkpoint import manager as ckpt
+    history, start = [], 0
+    if "resume" in extra:
+        start = ckpt.load(ckpt.complete_checkpoints(extra["resume"])[-1], models.actor, models.critic)["step"] + 1
+    for step in range(start, steps):
         m = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
         logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
                             models.actor.model, batch, cfg.train.micro_batch_size)
         history.append({k: m[k] for k in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")}
                        | {"logp": logp[batch.resp_mask > 0].tolist()})
+    if "save" in extra:
+        ckpt.save(extra["save"], steps - 1, models.actor, models.critic, {"step": steps - 1}, "", keep=1)
     if env.rank == 0:
         with open(out_path, "w") as f:
             json.dump(history, f)
