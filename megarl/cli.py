@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# OpenMP's default busy-wait makes torch ~10x slower on shared 2-core machines when another
+# process (the vLLM engine, another rank) is busy; must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from megarl.config import ConfigError, load_config
 

@@ -21,6 +21,6 @@ def tiny_model() -> Path:
 def run_py(args, timeout=900, env=None, **kw) -> subprocess.CompletedProcess:
     """Run a Python entry point from the repo root in a fresh process (megatron's CPU shim and
     vLLM change process-wide state, so end-to-end runs never share the pytest process)."""
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout, **kw)

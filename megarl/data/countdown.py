@@ -175,7 +175,7 @@ def build_tokenizer(out_dir: str | None = None):
 # module below, a TokenizersBackend subclass that also loads tokenizer.json as is.
 _TOKENIZER_MODULE = "tokenization_countdown"
 _TOKENIZER_CLASS = "CountdownTokenizer"
-_TOKENIZER_MODULE_SOURCE = f'''"""Countdown word-level tokenizer: tokenizer.json loaded as is (written by megarl.data.countdown)."""
+_TOKENIZER_MODULE_SOURCE = f'''"""Countdown word-level tokenizer (written by megarl.data.countdown)."""
 
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
