@@ -8,6 +8,16 @@ import sys
 # OpenMP's default busy-wait makes torch ~10x slower on shared 2-core machines when another
 # process (the vLLM engine, another rank) is busy; must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# vLLM logs every weight reload at INFO/WARNING; keep the console to megarl's progress lines
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def quiet_known_warnings() -> None:
+    """Warnings that are expected on the CPU path and say nothing actionable to a user."""
+    import warnings
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|vllm)\.")
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
 
 from megarl.config import ConfigError, load_config
 
@@ -22,6 +32,7 @@ def main(argv=None) -> int:
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    quiet_known_warnings()
 
     try:
         cfg = load_config(args.recipe, args.overrides)

@@ -40,7 +40,7 @@ class VLLMEngine:
         self.multiprocess = cfg.multiprocess
         self.llm = LLM(model=model_path, dtype="float32" if not torch.cuda.is_available() else "auto",
                        max_model_len=cfg.max_model_len, seed=seed, enforce_eager=cfg.enforce_eager,
-                       tensor_parallel_size=cfg.engine_tp, **kwargs)
+                       tensor_parallel_size=cfg.engine_tp, use_tqdm_on_load=False, **kwargs)
         self.version = 0
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int,
