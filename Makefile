@@ -13,7 +13,7 @@ venv: $(STAMP)
 # torchvision/torchaudio/torchcodec that break `import vllm`/transformers: remove them.
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[cpu,test]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true

@@ -107,6 +107,9 @@ class TrainConfig:
     actor_lr: float = 1e-4
     critic_lr: float = 5e-4
     lr_warmup_steps: int = 0           # linear warm-up of both learning rates, in optimizer updates
+    lr_decay_style: str = "constant"   # after warm-up: constant | linear | cosine (to min_lr_ratio x lr)
+    min_lr_ratio: float = 0.1          # floor of the decayed learning rate, as a fraction of the peak
+    recompute: str = "none"            # activation recomputation: none | full (recompute every layer in backward)
     weight_decay: float = 0.0
     grad_clip: float = 1.0             # clip the global gradient norm (0: off)
     critic_warmup_steps: int = 0       # steps that train only the critic (PPO)
@@ -117,6 +120,9 @@ class TrainConfig:
         _require(self.ppo_epochs >= 1, "train.ppo_epochs", self.ppo_epochs, "must be >= 1")
         _require(self.mini_batches >= 1, "train.mini_batches", self.mini_batches, "must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        _one_of("train.lr_decay_style", self.lr_decay_style, {"constant", "linear", "cosine"})
+        _one_of("train.recompute", self.recompute, {"none", "full"})
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(self.actor_lr > 0 and self.critic_lr > 0, "train.actor_lr/critic_lr",
                  (self.actor_lr, self.critic_lr), "learning rates must be > 0")
 

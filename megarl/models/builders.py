@@ -46,6 +46,13 @@ def rope_parameters(hf_config) -> dict:
     rope_type = params.get("rope_type", "default")
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"rope_type {rope_type!r} is not supported: megarl maps default and llama3 RoPE")
+    if rope_type == "llama3":
+        # megatron-core applies llama3 scaling with only `factor` configurable; the rest is fixed
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        wrong = {k: params.get(k) for k, v in fixed.items() if float(params.get(k, v)) != v}
+        if wrong:
+            raise ValueError(f"rope_scaling {wrong} differs from the llama3 values megatron-core "
+                             f"implements ({fixed}); such a checkpoint would not reproduce its HF logits")
     return params
 
 
@@ -139,7 +146,8 @@ class Trainable:
 
 
 def make_trainable(model: GPTModel, info: ModelInfo, lr: float, weight_decay: float,
-                   grad_clip: float, warmup: int, total_updates: int) -> Trainable:
+                   grad_clip: float, warmup: int, total_updates: int, decay_style: str = "constant",
+                   min_lr_ratio: float = 0.1) -> Trainable:
     """Wrap in megatron DDP (grad buffers, DP reduce) and build the distributed optimizer."""
     from megatron.core.distributed import finalize_model_grads
 
@@ -150,13 +158,14 @@ def make_trainable(model: GPTModel, info: ModelInfo, lr: float, weight_decay: fl
     # megatron's schedules read these hooks off the model config
     cfg.no_sync_func = ddp.no_sync
     cfg.finalize_model_grads_func = finalize_model_grads
-    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
+    min_lr = lr if decay_style == "constant" else lr * min_lr_ratio
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                               clip_grad=grad_clip, use_distributed_optimizer=True,
                               bf16=cfg.bf16, params_dtype=cfg.params_dtype, adam_beta2=0.999)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=lr, lr_warmup_steps=warmup,
-        lr_decay_steps=max(total_updates, warmup + 1), lr_decay_style="constant",
+        optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_updates, warmup + 1), lr_decay_style=decay_style,
         start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=max(total_updates, 1),
         wd_incr_style="constant")
     return Trainable(ddp, optimizer, scheduler, info)

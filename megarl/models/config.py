@@ -15,7 +15,8 @@ def architecture(hf_config) -> str:
     return arch
 
 
-def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool) -> TransformerConfig:
+def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool,
+                       recompute: str = "none") -> TransformerConfig:
     """A TransformerConfig reproducing the HF model's forward (RMSNorm, SwiGLU, RoPE, GQA).
 
     Dropout is off: RL recomputes logprobs that must match the engine's, and dropout would
@@ -58,4 +59,8 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # "full": keep only each layer's input and recompute its activations in backward
+        recompute_granularity="full" if recompute == "full" else None,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
     )

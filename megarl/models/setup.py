@@ -50,17 +50,19 @@ def build_all(cfg: RootConfig) -> Models:
 
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
-        model, info = build_model(hf_config, transformer_config(hf_config, tp, pp, dtype, on_gpu),
+        tcfg = transformer_config(hf_config, tp, pp, dtype, on_gpu, cfg.train.recompute)
+        model, info = build_model(hf_config, tcfg,
                                   cfg.model.make_vocab_size_divisible_by, role)
         load_hf_weights(model, info, hf_state, role)
         return model, info
 
     t = cfg.train
-    actor = make_trainable(*make("actor"), t.actor_lr, t.weight_decay, t.grad_clip, t.lr_warmup_steps, updates)
+    schedule = dict(warmup=t.lr_warmup_steps, total_updates=updates, decay_style=t.lr_decay_style,
+                    min_lr_ratio=t.min_lr_ratio)
+    actor = make_trainable(*make("actor"), t.actor_lr, t.weight_decay, t.grad_clip, **schedule)
     reference, _ = make("reference")
     reference.eval().requires_grad_(False)
     critic = None
     if cfg.algo.name == "ppo":
-        critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip,
-                                t.lr_warmup_steps, updates)
+        critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip, **schedule)
     return Models(actor, reference, critic, tokenizer)

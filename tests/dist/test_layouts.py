@@ -35,6 +35,7 @@ def reference(tiny_model, tmp_path_factory):
     ("pp2", 2, ["parallel.pp=2"]),
     ("dp2", 2, []),
     ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
+    ("tp2_recompute", 2, ["parallel.tp=2", "train.recompute=full"]),
 ])
 def test_layout_matches_single_rank(tiny_model, tmp_path, reference, name, nproc, overrides):
     """Over 3 PPO steps (2 optimizer updates each) actor and critic losses, gradient norms and
