@@ -616,7 +616,8 @@ def _run_cli(prog: str, fn, argv: Iterable[str] | None) -> int:
     (CUDA reads the variable when it is first touched, which has not happened yet)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import warnings
-    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "Apex is not installed" x7
+    for category in (UserWarning, FutureWarning, DeprecationWarning):  # megatron's "Apex is not
+        warnings.filterwarnings("ignore", category=category)          # installed" x7 and the like
     try:
         return fn(argv) or 0
     except (ConversionError, ValueError, FileNotFoundError) as e:

@@ -36,12 +36,12 @@ def read_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_all(cfg: RootConfig) -> Models:
+def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     if not os.path.isdir(cfg.model.path):
         raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: run "
                                 f"`python tools/make_tiny_model.py --out {cfg.model.path}` first")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path) if with_tokenizer else None
     hf_state = read_hf_state(cfg.model.path)
     dtype = getattr(torch, cfg.model.dtype)
     on_gpu = torch.cuda.is_available()

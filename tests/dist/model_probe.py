@@ -27,7 +27,7 @@ def main(out_path: str, folders: str, overrides: list[str]) -> None:
         from megarl.ppo import actor as actor_ops
         from megarl.ppo.batch import build_batch
         from megarl.rollout.types import Sample
-        models = build_all(cfg)
+        models = build_all(cfg, with_tokenizer=False)
         vocab = models.actor.info.vocab_size
         g = torch.Generator().manual_seed(0)
         seqs = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in (12, 7, 20, 9)]

@@ -19,9 +19,12 @@ def probe(tiny_model, tmp_path, name, nproc, overrides):
 
 
 def assert_close(a, b, rel=1e-5, what=""):
+    """Within `rel` relative. The policy loss is a sum of +- terms that nearly cancel (about
+    1e-3 here, from terms of about 1e-1), so it also gets an absolute floor of 2e-6: fp32
+    reduction order alone moves it by a few 1e-7, a real error by 1e-3 or more."""
     for step, (x, y) in enumerate(zip(a, b)):
         for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm"):
-            assert x[key] == pytest.approx(y[key], rel=rel, abs=1e-7), f"{what} step {step} {key}"
+            assert x[key] == pytest.approx(y[key], rel=rel, abs=2e-6), f"{what} step {step} {key}"
         assert x["logp"] == pytest.approx(y["logp"], rel=rel, abs=1e-6), f"{what} step {step} logprobs"
 
 
