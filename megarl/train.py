@@ -35,6 +35,7 @@ def train(cfg: RootConfig) -> dict:
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step
     from megarl.rewards import get_reward_fn
+    from megarl.rewards import model as reward_model
     from megarl.rollout import weight_sync
     from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds
 
@@ -92,6 +93,11 @@ def train(cfg: RootConfig) -> dict:
 
             t_train = time.perf_counter()
             batch = build_batch(samples, tokenizer.pad_token_id)
+            extra = {}
+            if models.reward_model is not None:  # scored on the trainer ranks, all of them together
+                rm = reward_model.score(models.reward_model, batch, cfg.train.micro_batch_size)
+                batch.scores = batch.scores + cfg.reward.model_coef * rm
+                extra["rm_score_mean"] = float(rm.mean())
             metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
             train_s = time.perf_counter() - t_train
 
@@ -102,7 +108,7 @@ def train(cfg: RootConfig) -> dict:
                 sync["sync_verify_gap"] = weight_sync.verify(models.actor, engine, probe, 8,
                                                              cfg.train.micro_batch_size)
             if is_driver:
-                last = {**rollout_metrics(samples, batch), **metrics, **sync,
+                last = {**rollout_metrics(samples, batch), **extra, **metrics, **sync,
                         "rollout_time_s": rollout_s, "train_time_s": train_s,
                         "step_time_s": time.perf_counter() - t_step, "weight_version": engine.version}
                 logger.log(step, last)

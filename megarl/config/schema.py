@@ -160,7 +160,13 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "countdown"              # rule-based verifier name (see megarl.rewards)
+    fn: str = "countdown"              # rule-based verifier name (see megarl.rewards); "none": no verifier
+    model_path: str = ""               # HF *ForSequenceClassification reward model, scored on the trainer ranks
+    model_coef: float = 1.0            # score = verifier + model_coef * reward model
+
+    def __post_init__(self):
+        _require(self.fn != "none" or bool(self.model_path), "reward.fn", self.fn,
+                 "with reward.fn=none set reward.model_path, or nothing scores the samples")
 
 
 @dataclass

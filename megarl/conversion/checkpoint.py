@@ -390,9 +390,9 @@ def _ckpt_key(name: str, metadata: dict) -> tuple[str, int | None]:
     m = _LAYER.match(name)
     if m is None:
         return name, None
-    if f"decoder.layers.{m.group(2)}" in metadata:
-        return f"decoder.layers.{m.group(2)}", int(m.group(1))
-    return name, None  # non-homogeneous layout: one key per layer
+    if name in metadata:
+        return name, None  # non-homogeneous layout: one key per layer
+    return f"decoder.layers.{m.group(2)}", int(m.group(1))
 
 
 class DistCheckpointReader:
@@ -462,7 +462,7 @@ class DistCheckpointReader:
         return {k: (t[0] if regions[k] is not None else t) for k, t in dests.items()}
 
 
-def megatron_to_hf(megatron_dir: str, out: str, shard_mb: int = 500, hf_config_dir: str | None = None,
+def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config_dir: str | None = None,
                    force: bool = False, progress: bool = True) -> dict:
     """Convert a megatron dist checkpoint (any TP x PP) into an HF safetensors folder.
 
@@ -512,7 +512,7 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: int = 500, hf_config_d
         m = _LAYER.match(n)
         g = int(m.group(1)) if m else (-1 if n.startswith("embedding.") else dims.num_layers)
         groups.setdefault(g, []).append(n)
-    writer = ShardWriter(out_path, shard_mb << 20)
+    writer = ShardWriter(out_path, max(1, int(shard_mb * 2**20)))
     bar = tqdm(total=len(names), desc="megatron -> HF", unit="tensor", disable=not progress,
                file=sys.stderr)
     for g in sorted(groups):
@@ -596,6 +596,8 @@ def compare_logits(hf_dir: str, megatron_dir: str, prompts: int = 4, length: int
     with torch.no_grad():
         mg = model(tokens, positions, _causal_mask(length))[..., :info.vocab_size]
     del model
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         hf = hf_model(input_ids=tokens).logits
@@ -655,7 +657,8 @@ def cli_megatron_to_hf(argv=None) -> int:
                                 description="megatron dist checkpoint -> HF safetensors folder")
     p.add_argument("--megatron", required=True, help="dist checkpoint folder (any TP x PP)")
     p.add_argument("--out", required=True, help="output HF folder")
-    p.add_argument("--shard-mb", type=int, default=500, help="safetensors shard size (MiB)")
+    p.add_argument("--shard-mb", type=float, default=500,
+                   help="safetensors shard size in MiB (a larger tensor gets a shard of its own)")
     p.add_argument("--hf-config", default=None,
                    help="folder with config.json + tokenizer (default: <megatron>/hf_config)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")

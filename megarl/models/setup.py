@@ -20,6 +20,7 @@ class Models:
     reference: torch.nn.Module
     critic: Trainable | None
     tokenizer: object
+    reward_model: torch.nn.Module | None = None
 
 
 def read_hf_state(path: str) -> dict[str, torch.Tensor]:
@@ -65,4 +66,9 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     critic = None
     if cfg.algo.name == "ppo":
         critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip, **schedule)
-    return Models(actor, reference, critic, tokenizer)
+    reward_model = None
+    if cfg.reward.model_path:
+        from megarl.rewards.model import build_reward_model
+        reward_model = build_reward_model(cfg.reward.model_path, tp, pp, dtype,
+                                          cfg.model.make_vocab_size_divisible_by)
+    return Models(actor, reference, critic, tokenizer, reward_model)

@@ -8,7 +8,12 @@ from megarl.rewards import countdown
 
 RewardFn = Callable[..., float]
 
-REWARD_FNS: dict[str, RewardFn] = {"countdown": countdown.score}
+def _no_verifier(response_text: str, record: dict, *, finished: bool) -> float:
+    """reward.fn=none: the reward model alone scores (see megarl.rewards.model)."""
+    return 0.0
+
+
+REWARD_FNS: dict[str, RewardFn] = {"countdown": countdown.score, "none": _no_verifier}
 
 
 def get_reward_fn(name: str) -> RewardFn:

@@ -1,0 +1,144 @@
+"""Subprocess body of tests/dist/test_conversion_tools.py (one process, so torch and megatron are
+imported once; the multi-rank conversions fork their gloo ranks from it).
+
+usage:
+  conversion_probe.py roundtrip WORK TOKENIZER_DIR   tiny random Llama / Qwen2 / Mistral HF models,
+      each converted HF -> megatron at every (TP, PP) in LAYOUTS and back; writes WORK/results.json
+  conversion_probe.py wrong_gate_up HF OUT           HF -> megatron at TP=2 with gate and up
+      swapped in megarl.conversion.ops (a deliberately wrong mapping)
+  conversion_probe.py errors WORK                    the converters' error paths; WORK/errors.json
+"""
+import contextlib
+import io
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "mistral")
+LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
+
+
+def make_hf_model(arch: str, out: Path, tokenizer_dir: Path | None, seed: int = 0) -> None:
+    """A random tiny HF model with weights scaled so logits are O(1) (a wrong layout shows).
+
+    Llama: untied, sharded with an index json; Qwen2: tied embeddings + qkv bias, sharded, with
+    the countdown tokenizer (auto_map -> local tokenization_*.py); Mistral: one
+    model.safetensors without an index."""
+    import transformers
+    cfg = {"llama": lambda: transformers.LlamaConfig(tie_word_embeddings=False, **SIZES),
+           "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=True, **SIZES),
+           "mistral": lambda: transformers.MistralConfig(tie_word_embeddings=False, **SIZES)}[arch]()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, p.shape[1] ** -0.5)
+    model.save_pretrained(out, max_shard_size="100KB" if arch != "mistral" else "100MB")
+    if tokenizer_dir is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenization_countdown.py"):
+            shutil.copy(tokenizer_dir / f, out / f)
+
+
+def roundtrip(work: Path, tokenizer_dir: Path) -> None:
+    from megarl.conversion.checkpoint import cli_hf_to_megatron, cli_megatron_to_hf
+    results = {}
+    for arch in ARCHS:
+        hf = work / arch
+        make_hf_model(arch, hf, tokenizer_dir if arch == "qwen2" else None)
+        for tp, pp in LAYOUTS:
+            mdir, back = work / f"{arch}_tp{tp}pp{pp}", work / f"{arch}_tp{tp}pp{pp}_hf"
+            t0 = time.perf_counter()
+            rc1 = cli_hf_to_megatron(["--hf", str(hf), "--out", str(mdir), "--tp", str(tp),
+                                      "--pp", str(pp), "--no-progress"])
+            t1 = time.perf_counter()
+            rc2 = cli_megatron_to_hf(["--megatron", str(mdir), "--out", str(back),
+                                      "--shard-mb", "0.1", "--no-progress"])
+            results[f"{arch}_tp{tp}pp{pp}"] = {
+                "hf": str(hf), "megatron": str(mdir), "back": str(back), "rc": [rc1, rc2],
+                "seconds": [round(t1 - t0, 2), round(time.perf_counter() - t1, 2)]}
+            print(arch, tp, pp, results[f"{arch}_tp{tp}pp{pp}"]["seconds"], flush=True)
+    (work / "results.json").write_text(json.dumps(results, indent=2))
+
+
+def wrong_gate_up(hf: str, out: str) -> int:
+    from megarl.conversion import ops
+    from megarl.conversion.checkpoint import cli_hf_to_megatron
+    right = ops.fc1_shards_from_gate_up
+    ops.fc1_shards_from_gate_up = lambda gate, up, tp: right(up, gate, tp)  # forked ranks inherit it
+    return cli_hf_to_megatron(["--hf", hf, "--out", out, "--tp", "2", "--no-progress"])
+
+
+def errors(work: Path) -> None:
+    from megarl.conversion.checkpoint import cli_hf_to_megatron, cli_megatron_to_hf
+
+    good = work / "good"
+    make_hf_model("llama", good, None)
+    extra = work / "extra"
+    make_hf_model("llama", extra, None)
+    index = json.loads((extra / "model.safetensors.index.json").read_text())
+    from safetensors.torch import load_file, save_file
+    last = sorted(set(index["weight_map"].values()))[-1]
+    tensors = load_file(extra / last)
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, extra / last, metadata={"format": "pt"})
+    index["weight_map"]["model.layers.0.mlp.extra_proj.weight"] = last
+    (extra / "model.safetensors.index.json").write_text(json.dumps(index))
+    shape = work / "shape"
+    make_hf_model("llama", shape, None)
+    cfg = json.loads((shape / "config.json").read_text())
+    cfg["intermediate_size"] = 96  # the weights still say 128
+    (shape / "config.json").write_text(json.dumps(cfg))
+    missing = work / "missing"
+    make_hf_model("mistral", missing, None)
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
+    qwen = work / "qwen2"
+    make_hf_model("qwen2", qwen, None)
+    mdir = work / "good_m"
+    assert cli_hf_to_megatron(["--hf", str(good), "--out", str(mdir), "--no-progress"]) == 0
+
+    cases = {
+        "unknown_hf_param": (cli_hf_to_megatron, ["--hf", str(extra), "--out", str(work / "o1")]),
+        "shape_mismatch": (cli_hf_to_megatron, ["--hf", str(shape), "--out", str(work / "o2")]),
+        "missing_hf_param": (cli_hf_to_megatron, ["--hf", str(missing), "--out", str(work / "o3")]),
+        "tp_not_dividing_kv_heads": (cli_hf_to_megatron,
+                                     ["--hf", str(good), "--out", str(work / "o4"), "--tp", "4"]),
+        "out_not_empty": (cli_hf_to_megatron, ["--hf", str(good), "--out", str(mdir)]),
+        "megatron_dir_missing": (cli_megatron_to_hf, ["--megatron", str(work / "nope"),
+                                                      "--out", str(work / "o5")]),
+        "megatron_wrong_config": (cli_megatron_to_hf, ["--megatron", str(mdir), "--out",
+                                                       str(work / "o6"), "--hf-config", str(qwen)]),
+    }
+    out = {}
+    for name, (fn, argv) in cases.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = fn(argv + ["--no-progress"])
+        out[name] = {"rc": rc, "stderr": err.getvalue()}
+    (work / "errors.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":  # megatron's dist_checkpointing needs the guarded entry point
+    mode = sys.argv[1]
+    if mode == "roundtrip":
+        roundtrip(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif mode == "wrong_gate_up":
+        sys.exit(wrong_gate_up(sys.argv[2], sys.argv[3]))
+    elif mode == "errors":
+        errors(Path(sys.argv[2]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")

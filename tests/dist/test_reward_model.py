@@ -1,0 +1,44 @@
+"""A reward model scored on the trainer ranks reproduces transformers' sequence classifier."""
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+from conftest import run_py
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    model = Qwen2ForSequenceClassification(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    path = tmp_path_factory.mktemp("rm") / "qwen2-rm"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("nproc,overrides", [(1, []), (2, ["parallel.tp=2"])])
+def test_reward_model_scores_match_transformers(reward_model_dir, tmp_path, nproc, overrides):
+    """Scores of ragged sequences (last-token pooling) equal transformers' within 1e-4, at TP=1
+    and TP=2; the scores differ between sequences (the head is really applied)."""
+    out = tmp_path / "rm.json"
+    launch = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"] if nproc > 1 else []
+    proc = run_py(launch + ["tests/dist/reward_probe.py", str(reward_model_dir), str(out), *overrides])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    r = json.loads(out.read_text())
+    assert r["ours"] == pytest.approx(r["hf"], abs=1e-4)
+    assert max(r["hf"]) - min(r["hf"]) > 1e-3
+
+
+def test_causal_lm_is_refused_as_reward_model(tiny_model):
+    """Pointing reward.model_path at a causal LM fails with what a reward model must be."""
+    from transformers import AutoConfig
+    from megarl.rewards.model import _as_causal_lm
+    with pytest.raises(ValueError, match="ForSequenceClassification"):
+        _as_causal_lm(AutoConfig.from_pretrained(tiny_model))
