@@ -110,6 +110,7 @@ class TrainConfig:
     lr_decay_style: str = "constant"   # after warm-up: constant | linear | cosine (to min_lr_ratio x lr)
     min_lr_ratio: float = 0.1          # floor of the decayed learning rate, as a fraction of the peak
     recompute: str = "none"            # activation recomputation: none | full (recompute every layer in backward)
+    offload_idle: bool = False         # keep reference and critic weights in host memory except while used
     weight_decay: float = 0.0
     grad_clip: float = 1.0             # clip the global gradient norm (0: off)
     critic_warmup_steps: int = 0       # steps that train only the critic (PPO)

@@ -71,4 +71,9 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
         from megarl.rewards.model import build_reward_model
         reward_model = build_reward_model(cfg.reward.model_path, tp, pp, dtype,
                                           cfg.model.make_vocab_size_divisible_by)
+    if t.offload_idle:
+        from megarl.models import offload
+        for idle in (reference, critic.model if critic else None, reward_model):
+            if idle is not None:
+                offload.enable(idle)
     return Models(actor, reference, critic, tokenizer, reward_model)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megarl.config.schema import RootConfig
 from megarl.distributed import parallel
+from megarl.models.offload import resident
 from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
 from megarl.ppo.advantages import gae, group_normalized_advantages, masked_whiten
@@ -48,7 +49,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     mask = batch.resp_mask
 
     old_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), actor.model, batch, mbs)
-    ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), reference, batch, mbs)
+    with resident(reference):
+        ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), reference, batch, mbs)
     kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask
     rewards = token_rewards(batch, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
 
@@ -56,7 +58,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
         seq_adv = group_normalized_advantages(batch.scores, cfg.rollout.n, algo.grpo_std_normalize)
         advantages, returns, old_values = seq_adv[:, None] * mask, None, None
     else:
-        old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
+        with resident(critic.model):
+            old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
         advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
         if algo.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
@@ -77,7 +80,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
                 _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
                                             is_w[rows], algo, mbs, norm))
             if critic is not None:
-                _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
+                with resident(critic.model):
+                    _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
     stats = _reduce_to_rank0(sums)
     updates = cfg.train.ppo_epochs * n_mini
     tokens = max(stats.get("tokens", 0.0), 1.0)

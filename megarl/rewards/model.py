@@ -60,7 +60,9 @@ def _last_token_scores(batch: Batch, out: torch.Tensor) -> torch.Tensor:
 def score(model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
     """[B] reward-model score of each sequence (prompt + response). Collective over all ranks;
     each DP rank scores its rows, and every rank gets all of them."""
+    from megarl.models.offload import resident
     from megarl.ppo.step import dp_rows
     local = batch.select(dp_rows(batch.size))
-    out = forward_per_token(model, local, micro_batch_size, lambda mb, o: _last_token_scores(mb["batch"], o))
+    with resident(model):
+        out = forward_per_token(model, local, micro_batch_size, lambda mb, o: _last_token_scores(mb["batch"], o))
     return gather_dp(out)[:, 0]

@@ -35,7 +35,7 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
     overrides = [a for a in args if not a.startswith(("save=", "resume="))]
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "train.groups_per_step=8", "rollout.n=4", "train.mini_batches=2",
-        "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=1e-3", "train.critic_lr=1e-3",
+        "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=2e-4", "train.critic_lr=2e-4",
         *overrides])
     from megarl.distributed import cpu, parallel
     from megarl.distributed.env import init_distributed

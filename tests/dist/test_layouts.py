@@ -39,6 +39,7 @@ def reference(tiny_model, tmp_path_factory):
     ("dp2", 2, []),
     ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
     ("tp2_recompute", 2, ["parallel.tp=2", "train.recompute=full"]),
+    ("dp2_offload", 2, ["train.offload_idle=true"]),
 ])
 def test_layout_matches_single_rank(tiny_model, tmp_path, reference, name, nproc, overrides):
     """Over 3 PPO steps (2 optimizer updates each) actor and critic losses, gradient norms and
