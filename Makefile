@@ -22,8 +22,9 @@ $(STAMP): setup.py
 model: $(STAMP)
 	$(PY) tools/make_tiny_model.py --out $(MODEL)
 
+# a fresh run each time (checkpoint.resume=false); `megarl train` alone resumes by default
 demo: model
-	$(VENV)/bin/megarl train recipes/tiny_cpu.yaml
+	$(VENV)/bin/megarl train recipes/tiny_cpu.yaml checkpoint.resume=false
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q

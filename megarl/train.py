@@ -65,6 +65,9 @@ def train(cfg: RootConfig) -> dict:
                                cfg.metrics.progress, start_step=start)
         if found:
             logger.bar.write(f"resumed from {found[-1]} at step {start}")
+        if start >= cfg.train.steps:
+            logger.bar.write(f"nothing to do: the checkpoint is at step {start - 1} and train.steps="
+                             f"{cfg.train.steps}; raise train.steps, or checkpoint.resume=false to start over")
     folder = weight_sync.staging_dir(cfg.weight_sync.staging_dir, cfg.run.name)
 
     def save(step: int) -> None:

@@ -17,7 +17,8 @@ class MetricsLogger:
     def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.dir / "metrics.jsonl").open("a")
+        # a fresh run starts a fresh file; a resumed one appends after its checkpoint's step
+        self.jsonl = (self.dir / "metrics.jsonl").open("a" if start_step else "w")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
