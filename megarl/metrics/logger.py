@@ -17,8 +17,15 @@ class MetricsLogger:
     def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        # a fresh run starts a fresh file; a resumed one appends after its checkpoint's step
-        self.jsonl = (self.dir / "metrics.jsonl").open("a" if start_step else "w")
+        path = self.dir / "metrics.jsonl"
+        # a fresh run starts a fresh file; a resumed one keeps the rows before its checkpoint's
+        # step (rows logged after that checkpoint, before a crash, are about to be redone)
+        kept = []
+        if start_step and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) < start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self.jsonl = path.open("a")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,28 @@
+"""metrics.jsonl: one row per step; a resumed run redoes the steps after its checkpoint."""
+import json
+
+from megarl.metrics.logger import MetricsLogger
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_fresh_run_truncates_and_resume_drops_rows_after_checkpoint(tmp_path):
+    """A fresh run starts an empty file; resuming at step 2 keeps steps 0-1 and drops the rows
+    a crashed run logged after its last checkpoint, so each step appears once."""
+    log = MetricsLogger(str(tmp_path), 4, tensorboard=True, progress=False)
+    for step in range(4):
+        log.log(step, {"reward_mean": step / 10})
+    log.close()
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+    log = MetricsLogger(str(tmp_path), 4, tensorboard=False, progress=False, start_step=2)
+    log.log(2, {"reward_mean": 0.9})
+    log.close()
+    got = rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in got] == [0, 1, 2] and got[-1]["reward_mean"] == 0.9
+
+    MetricsLogger(str(tmp_path), 4, tensorboard=False, progress=False).close()
+    assert rows(tmp_path / "metrics.jsonl") == []
