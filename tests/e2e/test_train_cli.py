@@ -1,9 +1,10 @@
 """`megarl train` end to end on CPU: real megatron-core trainer, real vLLM engine, tiny model."""
 import json
+import os
 
 import pytest
 
-from conftest import run_py
+from conftest import ROOT, run_py
 
 REQUIRED = ("step", "reward_mean", "response_len_mean", "response_len_max", "kl", "policy_loss",
             "value_loss", "clip_frac", "entropy", "step_time_s", "rollout_time_s", "train_time_s",
@@ -20,12 +21,19 @@ def train(tiny_model, run_dir, *overrides, nproc=1):
     return proc, rows
 
 
-def test_ppo_run_writes_metrics_tensorboard_and_config(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def ppo_run(tiny_model, tmp_path_factory):
+    """An uninterrupted three-step PPO run (shared by the tests below)."""
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    proc, rows = train(tiny_model, run_dir, "train.steps=3", "weight_sync.verify=true")
+    return run_dir, proc, rows
+
+
+def test_ppo_run_writes_metrics_tensorboard_and_config(ppo_run):
     """Three PPO steps: one metrics.jsonl row per step with every promised key, TensorBoard
     event files, the resolved config, a progress line per step, versions advancing, and engine
     logprobs matching the trainer's (the push after each step reached the engine)."""
-    run_dir = tmp_path / "ppo"
-    proc, rows = train(tiny_model, run_dir, "train.steps=3", "weight_sync.verify=true")
+    run_dir, proc, rows = ppo_run
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert set(REQUIRED) <= set(r), set(REQUIRED) - set(r)
@@ -37,6 +45,39 @@ def test_ppo_run_writes_metrics_tensorboard_and_config(tiny_model, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "steps: 3" in (run_dir / "config.yaml").read_text()
     assert proc.stderr.count("step    ") + proc.stdout.count("step    ") >= 3
+
+
+def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, tmp_path, ppo_run):
+    """SIGTERM mid-run (slurm pre-emption) makes every rank save and exit cleanly; `megarl train`
+    on the same run dir resumes after the checkpoint, and the resumed run's rewards and losses
+    equal the uninterrupted run's step for step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    run_dir = tmp_path / "preempted"
+    cli = [sys.executable, "-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
+           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", "train.steps=3"]
+    proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved and all(name.startswith("step_") for name in saved), saved
+    assert "stopping after step" in out + err
+
+    _, rows = train(tiny_model, run_dir, "train.steps=3")
+    expected = ppo_run[2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for got, want in zip(rows, expected):
+        assert got["reward_mean"] == want["reward_mean"]
+        assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-5)
+        assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-4)
 
 
 def test_grpo_run_has_no_critic(tiny_model, tmp_path):
