@@ -95,7 +95,8 @@ def train(cfg: RootConfig) -> dict:
             samples = _broadcast(samples)
 
             t_train = time.perf_counter()
-            batch = build_batch(samples, tokenizer.pad_token_id)
+            batch = build_batch(samples, tokenizer.pad_token_id,
+                                cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
             extra = {}
             if models.reward_model is not None:  # scored on the trainer ranks, all of them together
                 rm = reward_model.score(models.reward_model, batch, cfg.train.micro_batch_size)

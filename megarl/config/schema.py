@@ -47,6 +47,7 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1                        # tensor-parallel size of the trainer
     pp: int = 1                        # pipeline-parallel size of the trainer
+    sequence_parallel: bool = False    # split LayerNorm/dropout activations over TP ranks (GPU + TE only)
     backend: str = "auto"              # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
     timeout_s: int = 600               # collective timeout: a hung rank fails loudly after this
 
@@ -54,6 +55,8 @@ class ParallelConfig:
         _require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
         _require(self.pp >= 1, "parallel.pp", self.pp, "must be >= 1")
         _one_of("parallel.backend", self.backend, {"auto", "gloo", "nccl"})
+        _require(not self.sequence_parallel or self.tp > 1, "parallel.sequence_parallel",
+                 self.sequence_parallel, "needs parallel.tp > 1")
 
 
 @dataclass

@@ -65,12 +65,15 @@ class ValueHead(torch.nn.Module):
     is replicated over TP ranks; megatron reduces its gradients like any replicated parameter.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.sequence_parallel = False
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:  # hidden arrives split over the sequence: [s/tp, b, h]
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+            hidden = gather_from_sequence_parallel_region(hidden)
         return hidden @ self.weight.t(), None  # [s, b, 1]
 
 
@@ -105,7 +108,7 @@ def build_model(hf_config, config: TransformerConfig, divisible_by: int, role: s
         rope_scaling_factor=float(rope.get("factor", 8.0)),
     )
     if role == "critic" and parallel.is_last_stage():
-        model.output_layer = ValueHead(config.hidden_size, config.params_dtype)
+        model.output_layer = ValueHead(config.hidden_size, config.params_dtype, config.sequence_parallel)
     per_stage = hf_config.num_hidden_layers // pp
     info = ModelInfo(hf_config, config, vocab, padded, parallel.pp_rank() * per_stage)
     return model, info

@@ -16,7 +16,7 @@ def architecture(hf_config) -> str:
 
 
 def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool,
-                       recompute: str = "none") -> TransformerConfig:
+                       recompute: str = "none", sequence_parallel: bool = False) -> TransformerConfig:
     """A TransformerConfig reproducing the HF model's forward (RMSNorm, SwiGLU, RoPE, GQA).
 
     Dropout is off: RL recomputes logprobs that must match the engine's, and dropout would
@@ -31,6 +31,9 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         raise ValueError(f"parallel.tp={tp} must divide the model's {kv_heads} KV heads "
                          f"(QKV is split by whole GQA groups)")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if sequence_parallel and not on_gpu:
+        raise ValueError("parallel.sequence_parallel=true needs a GPU with Transformer Engine: megatron's "
+                         "CPU (torch) LayerNorm path does not support it; set it to false on CPU")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -47,6 +50,7 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=pp,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -51,7 +51,8 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
 
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
-        tcfg = transformer_config(hf_config, tp, pp, dtype, on_gpu, cfg.train.recompute)
+        tcfg = transformer_config(hf_config, tp, pp, dtype, on_gpu, cfg.train.recompute,
+                                  cfg.parallel.sequence_parallel)
         model, info = build_model(hf_config, tcfg,
                                   cfg.model.make_vocab_size_divisible_by, role)
         load_hf_weights(model, info, hf_state, role)

@@ -35,10 +35,12 @@ class Batch:
         return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
 
-def build_batch(samples: list[Sample], pad_id: int) -> Batch:
-    """Pad a list of samples. L = longest prompt+response, R = longest response."""
+def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1) -> Batch:
+    """Pad a list of samples. L = longest prompt+response rounded up to `multiple` (sequence
+    parallelism splits L over TP ranks), R = longest response."""
     B = len(samples)
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    L = -(-L // multiple) * multiple
     R = max(max(len(s.response_ids) for s in samples), 1)
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     resp_index = torch.zeros((B, R), dtype=torch.long)

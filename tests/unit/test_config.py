@@ -80,3 +80,9 @@ def test_every_recipe_validates():
     from pathlib import Path
     for recipe in sorted(Path("recipes").glob("*.yaml")):
         load_config(recipe)
+
+
+def test_sequence_parallel_needs_tensor_parallel():
+    """Sequence parallelism without TP is refused naming the setting."""
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=True: needs parallel\.tp > 1"):
+        load_config(None, ["parallel.sequence_parallel=true"])
