@@ -39,11 +39,12 @@ def train(cfg: RootConfig) -> dict:
     from megarl.rollout import weight_sync
     from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds
 
-    models = build_all(cfg)
-    tokenizer = models.tokenizer
+    # cheap inputs first: a bad data path or reward name fails before any model is built
     records = load_jsonl(cfg.data.prompts, cfg.data.prompt_key)
     sampler = PromptSampler(len(records), cfg.run.seed, cfg.data.shuffle)
     reward_fn = get_reward_fn(cfg.reward.fn)
+    models = build_all(cfg)
+    tokenizer = models.tokenizer
     stop = StopSignal(cfg.checkpoint.time_budget_min)
 
     # resume: models, optimizers, data cursor and RNG from the newest complete checkpoint
