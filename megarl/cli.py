@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
+    except FileNotFoundError as err:  # our messages name the setting and how to make the file
+        print(f"megarl: missing input: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

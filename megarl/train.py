@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megarl.config import RootConfig, save_config, validate_world
+from megarl.config import ConfigError, RootConfig, save_config, validate_world
 from megarl.distributed import cpu, parallel
 from megarl.distributed.env import init_distributed
 from megarl.distributed.stop import StopSignal
@@ -42,7 +42,10 @@ def train(cfg: RootConfig) -> dict:
     # cheap inputs first: a bad data path or reward name fails before any model is built
     records = load_jsonl(cfg.data.prompts, cfg.data.prompt_key)
     sampler = PromptSampler(len(records), cfg.run.seed, cfg.data.shuffle)
-    reward_fn = get_reward_fn(cfg.reward.fn)
+    try:
+        reward_fn = get_reward_fn(cfg.reward.fn)
+    except ValueError as err:
+        raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
     models = build_all(cfg)
     tokenizer = models.tokenizer
     stop = StopSignal(cfg.checkpoint.time_budget_min)

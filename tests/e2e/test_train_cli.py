@@ -104,3 +104,13 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "train.stepz" in proc.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_missing_data_file_names_the_setting(tiny_model, tmp_path):
+    """A prompts file that does not exist stops the run (exit 2) naming data.prompts and how
+    to make one, before any model or engine is built."""
+    proc = run_py(["-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
+                   f"data.prompts={tmp_path / 'nope.jsonl'}", f"run.dir={tmp_path / 'run'}"], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "data.prompts=" in proc.stderr and "nope.jsonl" in proc.stderr
+    assert "Traceback" not in proc.stderr
