@@ -140,9 +140,13 @@ def train(cfg: RootConfig) -> dict:
 
 def rollout_metrics(samples, batch) -> dict:
     lengths = [len(s.response_ids) for s in samples]
+    mean = sum(lengths) / len(lengths)
     return {"reward_mean": float(batch.scores.mean()),
-            "response_len_mean": sum(lengths) / len(lengths),
+            "response_len_mean": mean,
             "response_len_max": max(lengths),
+            # share of decode slots doing useful work when the whole batch waits for its longest
+            # sample: what partial rollout wins back
+            "rollout_slot_utilization": mean / max(lengths),
             "finished_frac": float(batch.finished.float().mean())}
 
 
