@@ -14,15 +14,18 @@ Streaming:
     storage) and fills it one parameter at a time, reading only the HF tensors that parameter
     needs with `safetensors.safe_open` (the index json says which file holds which tensor).
     Peak memory per rank: its megatron shard (which must exist to be saved) + one parameter's
-    HF tensors and their TP split.
+    HF tensors and their TP split (+ megatron's save clones tensors that are views: the gate
+    and up halves of every SwiGLU fc1; see bench/RESULTS.md).
   megatron -> HF: no model is built. The checkpoint's tensor metadata gives every global shape;
     one layer at a time is read (a dist checkpoint loads any slice of a global tensor), each
-    parameter is mapped with `ArchMapping.megatron_to_hf` and appended to the current
-    safetensors shard, which is written once it reaches `shard_mb`. Peak: one layer + one shard.
+    parameter is mapped with `ArchMapping.megatron_to_hf` and its HF tensors are written
+    straight into the current safetensors shard (the shard layout is planned up front by
+    running the mapping on meta tensors). Peak: one layer, or ~2.5x the largest tensor.
 
-The conversion always runs on the CPU (gloo, megatron's local layer spec, the CPU shim): the
-dist checkpoint keys are the same as with Transformer Engine's spec (megatron maps the local
-spec's norm names onto TE's fused ones), so a GPU trainer loads the result.
+The conversion always runs on the CPU (gloo, megatron's local layer spec, the CPU shim). The
+checkpoint keys are the ones the trainer's own checkpoints have; megatron maps the local spec's
+norm names onto Transformer Engine's fused ones (`linear_qkv.layer_norm_weight`), so a TE model
+should load them too (not tested here: no GPU).
 
 Errors a user can fix (missing folder, unknown / missing parameters, shape mismatches, bad
 TP / PP) raise `ConversionError` (or the mapping's `ValueError`); the CLIs print them in one
@@ -33,12 +36,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import fnmatch
-import glob
 import json
+import math
 import os
 import re
 import shutil
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -291,10 +295,7 @@ def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str =
     args = (str(hf_dir), str(out_path), tp, pp, str(model_dtype).removeprefix("torch."),
             divisible_by, progress)
     t0 = time.perf_counter()
-    if world == 1:
-        _hf_to_megatron_rank(0, 1, _free_port(), threads, *args)
-    else:
-        _launch(world, threads, args)
+    _launch(world, threads, args)
     record = {
         "format": "megatron-core torch_dist", "key": "model",
         "tp": tp, "pp": pp, "source": str(Path(hf_dir).resolve()),
@@ -312,18 +313,25 @@ def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str =
 
 
 def _launch(world: int, threads: int, args: tuple) -> None:
-    """tp*pp ranks as forked processes (no re-import of torch and megatron: this machine's
-    imports take seconds); a rank that fails ends the others."""
+    """tp*pp ranks (1 included) as child processes; a rank that fails ends the others.
+
+    Forked, so torch and megatron are not imported again (seconds each on a small machine),
+    unless this process has touched CUDA (then spawned). This process itself never creates a
+    process group: a child forked from a process holding gloo groups can hang in their
+    destructors (threads do not survive a fork), so every conversion gets fresh ranks.
+    """
     import torch.multiprocessing as mp
     port = _free_port()
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
     try:
         mp.start_processes(_rank_main, args=(world, port, threads, *args), nprocs=world,
-                           join=True, start_method="fork")
+                           join=True, start_method=method)
     except mp.ProcessExitedException as e:
-        if e.exit_code == 2:
-            raise SystemExit(2) from None
-        raise ConversionError(f"a conversion rank died (exit code {e.exit_code}); see its "
-                              f"output above") from None
+        what = "stopped on the error above" if e.exit_code == 2 else f"died (exit code {e.exit_code})"
+        raise ConversionError(f"conversion rank {e.error_index} {what}; nothing usable was "
+                              f"written") from None
+    except mp.ProcessRaisedException as e:  # spawn: the traceback comes back as text
+        raise ConversionError(f"a conversion rank failed:\n{e}") from None
 
 
 def _mcore_version() -> str:
@@ -338,45 +346,73 @@ def _mcore_version() -> str:
 # megatron -> HF
 # ---------------------------------------------------------------------------------------------
 
-class ShardWriter:
-    """Writes HF safetensors shards of about `shard_bytes` plus model.safetensors.index.json.
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64"}
 
-    Shards get their final `model-0000k-of-0000N` names once N is known (at `close`).
+
+class ShardWriter:
+    """Streams tensors into HF safetensors shards of about `shard_bytes` + the index json.
+
+    Every tensor's name, shape and dtype and the order they arrive in are known up front
+    (`plan`), so a shard's header is written when the shard is opened and each tensor's bytes
+    go straight to disk as it arrives: nothing is buffered (safetensors' `save_file` would hold
+    the whole shard, and a bytes copy of it, in memory). The index json is written last, by
+    `close`: a folder without it is an unfinished conversion.
     """
 
-    def __init__(self, out: Path, shard_bytes: int):
-        self.out, self.shard_bytes = out, shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[tuple[Path, list[str]]] = []
-        self.total = 0
+    def __init__(self, out: Path, plan: list[tuple[str, tuple, torch.dtype]], shard_bytes: int):
+        self.out = out
+        self.shards: list[list[tuple[str, tuple, torch.dtype, int]]] = []
+        size = 0
+        for name, shape, dtype in plan:
+            if dtype not in _ST_DTYPES:
+                raise ConversionError(f"{name}: dtype {dtype} cannot be written as safetensors here")
+            nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+            if not self.shards or (self.shards[-1] and size + nbytes > shard_bytes):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((name, tuple(shape), dtype, nbytes))
+            size += nbytes
+        self.total = sum(e[3] for shard in self.shards for e in shard)
+        self._queue = iter([(k, e) for k, shard in enumerate(self.shards) for e in shard])
+        self._file, self._open_shard = None, -1
+
+    def filename(self, k: int) -> str:
+        return f"model-{k + 1:05d}-of-{len(self.shards):05d}.safetensors"
+
+    def _open(self, k: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        header, offset = {}, 0
+        for name, shape, dtype, nbytes in self.shards[k]:
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._file = open(self.out / self.filename(k), "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._open_shard = k
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
-            self.flush()
-        # own contiguous storage: q/k/v and gate/up come out as views of one fused tensor
-        self.pending[name] = t.clone(memory_format=torch.contiguous_format)
-        self.pending_bytes += nbytes
-        self.total += nbytes
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        from safetensors.torch import save_file
-        path = self.out / f".tmp-shard-{len(self.shards):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.shards.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        planned = next(self._queue, None)
+        if planned is None or planned[1][:3] != (name, tuple(t.shape), t.dtype):
+            raise ConversionError(f"internal error: got tensor {name!r} {tuple(t.shape)} {t.dtype}, "
+                                  f"planned {planned and planned[1][:3]}")
+        if planned[0] != self._open_shard:
+            self._open(planned[0])
+        data = t.detach().contiguous()
+        self._file.write(data.reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> dict:
-        self.flush()
-        n = len(self.shards)
-        weight_map = {}
-        for k, (path, names) in enumerate(self.shards):
-            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(path, self.out / final)
-            weight_map.update({name: final for name in names})
+        left = next(self._queue, None)
+        if left is not None:
+            raise ConversionError(f"internal error: planned tensor {left[1][0]!r} was never written")
+        if self._file is not None:
+            self._file.close()
+        weight_map = {name: self.filename(k) for k, shard in enumerate(self.shards)
+                      for name, *_ in shard}
         index = {"metadata": {"total_size": self.total},
                  "weight_map": dict(sorted(weight_map.items()))}
         (self.out / INDEX_JSON).write_text(json.dumps(index, indent=2) + "\n")
@@ -499,20 +535,28 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
             raise ConversionError(f"checkpoint tensor {key!r} has {reader.shape(key)[0]} layers, "
                                   f"the config {dims.num_layers}")
 
-    out_path = Path(out)
-    if out_path.exists() and any(out_path.iterdir()):
-        if not force:
-            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
-        shutil.rmtree(out_path)
-    out_path.mkdir(parents=True, exist_ok=True)
-
     # one read per layer (embedding first, then layers, then final norm / output layer)
     groups: dict[int, list[str]] = {}
     for n in names:
         m = _LAYER.match(n)
         g = int(m.group(1)) if m else (-1 if n.startswith("embedding.") else dims.num_layers)
         groups.setdefault(g, []).append(n)
-    writer = ShardWriter(out_path, max(1, int(shard_mb * 2**20)))
+    # the HF tensors, in the order they will be produced: the mapping run on meta tensors
+    # (no data), which also checks every shape before anything is written
+    plan = []
+    for g in sorted(groups):
+        for n in groups[g]:
+            key, layer = keys[n]
+            shape = reader.shape(key)[0 if layer is None else 1:]
+            meta = torch.empty(shape, dtype=reader.dtype(key), device="meta")
+            plan += [(h, tuple(t.shape), t.dtype) for h, t in mapping.megatron_to_hf(n, [meta]).items()]
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()):
+        if not force:
+            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
+        shutil.rmtree(out_path)
+    out_path.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out_path, plan, max(1, int(shard_mb * 2**20)))
     bar = tqdm(total=len(names), desc="megatron -> HF", unit="tensor", disable=not progress,
                file=sys.stderr)
     for g in sorted(groups):
@@ -611,12 +655,30 @@ def compare_logits(hf_dir: str, megatron_dir: str, prompts: int = 4, length: int
 # CLIs
 # ---------------------------------------------------------------------------------------------
 
+def _return_freed_memory(threshold: int = 1 << 20) -> None:
+    """Have glibc give tensor-sized blocks back to the OS when they are freed.
+
+    glibc raises its mmap threshold to the size of the largest block freed so far (up to 32
+    MiB), after which tensors come from the heap and freed ones stay resident: a converter
+    that handles one parameter at a time would still grow towards the model size. A fixed
+    threshold keeps each tensor in its own mapping, unmapped when freed. No-op off glibc.
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (also disables the dynamic threshold)
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_cli(prog: str, fn, argv: Iterable[str] | None) -> int:
     """Run fn(argv); user errors become one line on stderr and exit code 2.
 
     Conversion is a CPU job (see the module docstring): the GPUs are hidden from this process
     (CUDA reads the variable when it is first touched, which has not happened yet)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    _return_freed_memory()
     import warnings
     for category in (UserWarning, FutureWarning, DeprecationWarning):  # megatron's "Apex is not
         warnings.filterwarnings("ignore", category=category)          # installed" x7 and the like
