@@ -178,7 +178,7 @@ def check_hf_checkpoint(hf: HFCheckpoint, mapping) -> None:
             raise ConversionError("tie_word_embeddings=True but 'lm_head.weight' differs from "
                                   "'model.embed_tokens.weight'; fix the config or the weights")
         del metas["lm_head.weight"]
-    mapping._check_hf(metas, mapping.dims.num_layers)  # raises ValueError naming the problem
+    mapping.check_hf(metas, mapping.dims.num_layers)  # raises ValueError naming the problem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,10 +230,10 @@ def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir:
                disable=not progress or rank != 0, file=sys.stderr)
     with torch.no_grad():
         for name in bar:
-            row, local = mapping._find(name)
+            row, local = mapping.find(name)
             layer = None if local is None else local + info.layer_offset
             tensors = [hf.get(h.format(i=layer)) for h in row.hf]
-            shard = mapping._to_shards(row, tensors, tp, info.padded_vocab)[tp_rank]
+            shard = mapping.to_shards(row, tensors, tp, info.padded_vocab)[tp_rank]
             target = own[name]
             if tuple(shard.shape) != tuple(target.shape):
                 raise ConversionError(f"{name}: megatron shape {tuple(target.shape)} != mapped HF "
@@ -249,7 +249,7 @@ def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir:
 
 
 def _first_hf_file(mapping, hf: HFCheckpoint, name: str, layer_offset: int) -> tuple:
-    row, local = mapping._find(name)
+    row, local = mapping.find(name)
     layer = None if local is None else local + layer_offset
     f = hf.files.get(row.hf[0].format(i=layer))
     return (str(f), -1 if layer is None else layer)

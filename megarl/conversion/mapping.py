@@ -193,7 +193,7 @@ class ArchMapping:
     def _describe(self) -> str:
         return f"{self.arch} (te_names={self.te_names}, tied={self.dims.tied})"
 
-    def _find(self, mcore_name: str) -> tuple[ParamMapping, int | None]:
+    def find(self, mcore_name: str) -> tuple[ParamMapping, int | None]:
         """The table row of a megatron name and its stage-local layer index (None if not a layer)."""
         if self.dims.tied and mcore_name == _OUTPUT:
             return _TIED_OUTPUT, None
@@ -207,7 +207,7 @@ class ArchMapping:
 
     def partition_dim(self, mcore_name: str) -> int | None:
         """The dim TP splits `mcore_name` along (0 or 1), or None if every TP rank holds all of it."""
-        return self._find(mcore_name)[0].partition_dim
+        return self.find(mcore_name)[0].partition_dim
 
     def megatron_names(self, num_local_layers: int, first_stage: bool, last_stage: bool,
                        pp: int = 1) -> list[str]:
@@ -277,7 +277,7 @@ class ArchMapping:
         {hf_name: full tensor} with vocab padding removed; {} for the tied duplicate
         `output_layer.weight` of the last PP stage.
         """
-        m, local = self._find(mcore_name)
+        m, local = self.find(mcore_name)
         if m is _TIED_OUTPUT:
             return {}
         shards = list(shards)
@@ -301,8 +301,9 @@ class ArchMapping:
         layer = None if local is None else local + layer_offset
         return {h.format(i=layer): t for h, t in zip(m.hf, tensors)}
 
-    def _to_shards(self, m: ParamMapping, tensors: list[Tensor], tp: int,
-                   padded_vocab: int) -> list[Tensor]:
+    def to_shards(self, m: ParamMapping, tensors: list[Tensor], tp: int,
+                  padded_vocab: int) -> list[Tensor]:
+        """Full HF tensors of one table row (in `m.hf` order) -> the megatron tensor's TP shards."""
         d = self.dims
         if m.kind == "replicated":
             return [tensors[0]] * tp
@@ -317,7 +318,9 @@ class ArchMapping:
 
     # ---- whole state dicts -------------------------------------------------------------
 
-    def _check_hf(self, hf_tensors: Mapping[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    def check_hf(self, hf_tensors: Mapping[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+        """The HF tensors the table expects, with unknown / missing names and wrong shapes raised
+        as ValueError naming them (accepts shape-only stand-ins, e.g. meta tensors)."""
         expected = {n: self.dims.hf_shape(n) for n in self.hf_names(num_layers)}
         out = {}
         for name, t in hf_tensors.items():
@@ -356,14 +359,14 @@ class ArchMapping:
         if padded_vocab < self.dims.vocab or padded_vocab % tp:
             raise ValueError(f"padded_vocab={padded_vocab} must be >= vocab_size={self.dims.vocab} "
                              f"and a multiple of tp={tp}; use padded_vocab_size()")
-        hf = self._check_hf(hf_tensors, num_layers)
+        hf = self.check_hf(hf_tensors, num_layers)
         k = num_layers // pp
         out: list[list[dict[str, Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
         for s in range(pp):
             for m, layers in self._stage_rows(k, s == 0, s == pp - 1, pp):
                 for local in layers:
                     layer = None if local is None else s * k + local
-                    shards = self._to_shards(m, [hf[h.format(i=layer)] for h in m.hf], tp,
+                    shards = self.to_shards(m, [hf[h.format(i=layer)] for h in m.hf], tp,
                                              padded_vocab)
                     for r in range(tp):
                         out[s][r][m.megatron.format(i=local)] = shards[r]
