@@ -41,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import struct
 import sys
 import time
@@ -50,6 +49,9 @@ from typing import Iterable
 
 import torch
 
+from megarl.config.schema import ModelConfig
+from megarl.distributed.env import free_port
+
 CONVERSION_JSON = "megarl_conversion.json"
 HF_CONFIG_DIR = "hf_config"
 INDEX_JSON = "model.safetensors.index.json"
@@ -57,7 +59,7 @@ INDEX_JSON = "model.safetensors.index.json"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
                  "added_tokens.json", "vocab*", "merges.txt", "*.model", "*.tiktoken",
                  "chat_template*", "*.py")
-DEFAULT_DIVISIBLE_BY = 128  # megarl.config.schema ModelConfig.make_vocab_size_divisible_by
+DEFAULT_DIVISIBLE_BY = ModelConfig().make_vocab_size_divisible_by  # the schema owns the default
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -184,12 +186,6 @@ def check_hf_checkpoint(hf: HFCheckpoint, mapping) -> None:
 # ---------------------------------------------------------------------------------------------
 # HF -> megatron
 # ---------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _init_world(rank: int, world: int, port: int, threads: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -321,7 +317,7 @@ def _launch(world: int, threads: int, args: tuple) -> None:
     destructors (threads do not survive a fork), so every conversion gets fresh ranks.
     """
     import torch.multiprocessing as mp
-    port = _free_port()
+    port = free_port()
     method = "spawn" if torch.cuda.is_initialized() else "fork"
     try:
         mp.start_processes(_rank_main, args=(world, port, threads, *args), nprocs=world,
@@ -628,7 +624,7 @@ def compare_logits(hf_dir: str, megatron_dir: str, prompts: int = 4, length: int
         raise ConversionError(f"HF checkpoint folder {hf_dir!r} does not exist")
     if not Path(megatron_dir).is_dir():
         raise ConversionError(f"megatron checkpoint folder {megatron_dir!r} does not exist")
-    _init_world(0, 1, _free_port(), max(1, os.cpu_count() or 1))
+    _init_world(0, 1, free_port(), max(1, os.cpu_count() or 1))
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 

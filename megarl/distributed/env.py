@@ -17,7 +17,8 @@ class DistEnv:
     local_rank: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a single-host rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -43,7 +44,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistEnv:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if env.world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     elif "MASTER_ADDR" not in os.environ:
         raise RuntimeError("MASTER_ADDR is not set: launch with torchrun, or export MASTER_ADDR/"
                            "MASTER_PORT before srun (slurm/common.sh does)")

@@ -86,7 +86,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     updates = cfg.train.ppo_epochs * n_mini
     tokens = max(stats.get("tokens", 0.0), 1.0)
     out = {
-        "kl": float(masked_mean(kl_penalty(old_logp, ref_logp, "k1"), mask)),
+        # reported as the k1 estimate whatever algo.kl_kind shapes the penalty with
+        "kl": float(masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(old_logp, ref_logp, "k1"), mask)),
         "policy_loss": stats.get("policy_loss", 0.0) / updates,
         "value_loss": stats.get("value_loss", 0.0) / updates,
         "clip_frac": stats.get("clip_tokens", 0.0) / tokens,

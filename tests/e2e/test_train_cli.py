@@ -86,6 +86,7 @@ def test_grpo_run_has_no_critic(tiny_model, tmp_path):
     assert len(rows) == 2
     assert all(r["value_loss"] == 0.0 and "value_mean" not in r for r in rows)
     assert all(abs(r["advantage_mean"]) < 0.5 for r in rows)
+    assert all(r["critic_grad_norm"] == 0.0 and r["grad_norm"] > 0 for r in rows)  # only the actor learns
 
 
 def test_tensor_parallel_run_under_torchrun(tiny_model, tmp_path):
