@@ -37,6 +37,8 @@ def train(cfg: RootConfig) -> dict:
     from megarl.rewards import get_reward_fn
     from megarl.rewards import model as reward_model
     from megarl.rollout import weight_sync
+    from megarl.rollout.dump import dump_samples
+    from megarl.rollout.pool import open_pool
     from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds
 
     # cheap inputs first: a bad data path or reward name fails before any model is built
@@ -60,11 +62,10 @@ def train(cfg: RootConfig) -> dict:
         start = driver["step"] + 1
 
     is_driver = env.rank == 0
-    engine, logger = None, None
+    pool, logger = None, None
     if is_driver:
-        from megarl.rollout.vllm_engine import VLLMEngine
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-        engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.run.seed)
+        pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"))
         logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard,
                                cfg.metrics.progress, start_step=start)
         if found:
@@ -72,7 +73,6 @@ def train(cfg: RootConfig) -> dict:
         if start >= cfg.train.steps:
             logger.bar.write(f"nothing to do: the checkpoint is at step {start - 1} and train.steps="
                              f"{cfg.train.steps}; raise train.steps, or checkpoint.resume=false to start over")
-    folder = weight_sync.staging_dir(cfg.weight_sync.staging_dir, cfg.run.name)
 
     def save(step: int) -> None:
         driver_state = {"step": step, "version": step + 1, "sampler": sampler.state_dict(),
@@ -80,19 +80,26 @@ def train(cfg: RootConfig) -> dict:
         ckpt.save(cfg.checkpoint_dir, step, models.actor, models.critic, driver_state,
                   OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.checkpoint.keep)
 
-    # the engine starts from the HF files (or older weights on resume): push before rolling out
-    weight_sync.push(models.actor.model, models.actor.info, engine, start, folder, cfg.weight_sync.bucket_mb)
+    def push(version: int) -> dict:
+        return weight_sync.push(models.actor.model, models.actor.info, pool, version,
+                                cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, cfg.run.name)
+
     last, step = {}, start - 1
     try:
+        # the engines start from the HF files (or older weights on resume): push before rolling out
+        push(start)
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
             samples = None
             if is_driver:
                 chosen = [records[i] for i in sampler.take(cfg.train.groups_per_step)]
                 prompts = encode_prompts(tokenizer, chosen, cfg.data.prompt_key)
-                samples = generate_groups(engine, chosen, prompts, cfg.rollout.n,
+                samples = generate_groups(pool, chosen, prompts, cfg.rollout.n,
                                           cfg.rollout.max_new_tokens, tokenizer, reward_fn,
-                                          sample_seeds(cfg.run.seed, step, len(chosen)))
+                                          sample_seeds(cfg.run.seed, step, len(chosen)),
+                                          cfg.rollout.temperature, tag=f"{step}-")
+                if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
+                    dump_samples(cfg.run.dir, step, samples, tokenizer)
             else:
                 sampler.take(cfg.train.groups_per_step)  # keep every rank's cursor identical
             rollout_s = time.perf_counter() - t_step
@@ -109,16 +116,16 @@ def train(cfg: RootConfig) -> dict:
             metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
             train_s = time.perf_counter() - t_train
 
-            sync = weight_sync.push(models.actor.model, models.actor.info, engine, step + 1, folder,
-                                    cfg.weight_sync.bucket_mb)
+            sync = push(step + 1)
             if cfg.weight_sync.verify:
                 probe = [s.prompt_ids for s in samples[:: cfg.rollout.n]]
-                sync["sync_verify_gap"] = weight_sync.verify(models.actor, engine, probe, 8,
-                                                             cfg.train.micro_batch_size)
+                sync["sync_verify_gap"] = weight_sync.verify(models.actor, pool, probe, 8,
+                                                             cfg.train.micro_batch_size,
+                                                             cfg.rollout.temperature)
             if is_driver:
                 last = {**rollout_metrics(samples, batch), **extra, **metrics, **sync,
                         "rollout_time_s": rollout_s, "train_time_s": train_s,
-                        "step_time_s": time.perf_counter() - t_step, "weight_version": engine.version}
+                        "step_time_s": time.perf_counter() - t_step, "weight_version": pool.version}
                 logger.log(step, last)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                 save(step)
@@ -133,7 +140,7 @@ def train(cfg: RootConfig) -> dict:
     finally:
         if is_driver:
             logger.close()
-            engine.close()
+            pool.close()
         parallel.destroy()
     return last
 

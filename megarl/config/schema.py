@@ -135,24 +135,48 @@ class TrainConfig:
 class RolloutConfig:
     n: int = 4                         # samples per prompt (a group)
     max_new_tokens: int = 56           # response budget in tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0           # engine samples from softmax(logits / T); the trainer divides by the same T
+    top_p: float = 1.0                 # only 1.0: the trainer cannot yet renormalise over the nucleus
     max_model_len: int = 256           # engine context (prompt + response), tokens
-    engines: int = 1                   # number of vLLM engines
+    engines: int = 1                   # number of vLLM engines (inprocess / local_servers)
     engine_tp: int = 1                 # tensor-parallel size of each engine
-    multiprocess: bool = True          # run the vLLM engine core in its own process (false: in-process)
+    engine_mode: str = "inprocess"     # inprocess (vLLM AsyncLLM) | local_servers (megarl starts vLLM servers) | remote (engine_urls)
+    engine_urls: list[str] = field(default_factory=list)  # remote: base URLs of running vLLM servers
+    api_key: str = ""                  # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
+    engine_timeout_s: float = 120.0    # an engine call (or a silent stream) longer than this is an error
+    engine_start_timeout_s: float = 600.0  # local_servers / inprocess: time allowed for an engine to come up
     kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
+    dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
 
     def __post_init__(self):
         _require(self.n >= 1, "rollout.n", self.n, "must be >= 1")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _require(self.temperature > 0, "rollout.temperature", self.temperature,
                  "must be > 0: PPO needs sampled tokens with their logprobs")
-        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_p == 1.0, "rollout.top_p", self.top_p,
+                 "must be 1.0: the trainer's logprobs would not be those of the nucleus the engine "
+                 "sampled from (wrong PPO ratios); lower rollout.temperature instead")
         _require(self.engines >= 1, "rollout.engines", self.engines, "must be >= 1")
+        _require(self.engine_tp >= 1, "rollout.engine_tp", self.engine_tp, "must be >= 1")
         _require(self.kv_cache_mb >= 16, "rollout.kv_cache_mb", self.kv_cache_mb, "must be >= 16")
+        _one_of("rollout.engine_mode", self.engine_mode, {"inprocess", "local_servers", "remote"})
+        _require(self.engine_mode != "remote" or bool(self.engine_urls), "rollout.engine_urls",
+                 list(self.engine_urls), "rollout.engine_mode=remote needs the servers' URLs, "
+                 "e.g. rollout.engine_urls='[http://node1:8000]'")
+        for url in self.engine_urls:
+            _require(str(url).startswith(("http://", "https://")), "rollout.engine_urls", url,
+                     "each URL must start with http:// or https://")
+        _require(self.engine_timeout_s > 0, "rollout.engine_timeout_s", self.engine_timeout_s, "must be > 0")
+        _require(self.engine_start_timeout_s > 0, "rollout.engine_start_timeout_s",
+                 self.engine_start_timeout_s, "must be > 0")
+        _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
+
+    @property
+    def engine_count(self) -> int:
+        """Engines in the pool: len(engine_urls) in remote mode, else `engines`."""
+        return len(self.engine_urls) if self.engine_mode == "remote" else self.engines
 
 
 @dataclass
@@ -176,7 +200,7 @@ class RewardConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: int = 512               # tensors per push are grouped into buckets of about this size
-    staging_dir: str = "/dev/shm"      # CPU route: where the safetensors buckets are staged
+    staging_dir: str = "/dev/shm"      # CPU route: where the safetensors buckets are staged (engines must see it)
     verify: bool = False               # after each push, compare engine and trainer logprobs
 
     def __post_init__(self):

@@ -16,14 +16,20 @@ from megarl.distributed import parallel
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, true_vocab: int,
-                            with_entropy: bool = True):
+                            with_entropy: bool = True, temperature: float = 1.0):
     """logits [b, s, V_local] (this TP rank's vocab slice), labels [b, s] (global ids).
+
+    `temperature`: the distribution is softmax(logits / temperature), the one the engine
+    samples from (and reports behaviour logprobs of); PPO ratios, entropy and KL must all be
+    taken under it, or a tempered rollout trains on the wrong ratio.
 
     Returns (logprobs [b, s], entropy [b, s] or None), float32. Columns at or beyond
     `true_vocab` are megatron's vocab padding: they are excluded from the softmax, as the
     engine (which has no padding) excludes them.
     """
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     v_local = logits.shape[-1]
     start = parallel.tp_rank() * v_local
     pad = torch.arange(start, start + v_local, device=logits.device) >= true_vocab

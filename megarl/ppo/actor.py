@@ -12,22 +12,26 @@ from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
 from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
 
 
-def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, with_entropy: bool):
+def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, with_entropy: bool,
+                       temperature: float):
     logits = to_response_layout(logits, mb_batch.resp_index)      # [b, R, V_local]
-    return vocab_parallel_logprobs(logits, response_targets(mb_batch), true_vocab, with_entropy)
+    return vocab_parallel_logprobs(logits, response_targets(mb_batch), true_vocab, with_entropy,
+                                   temperature)
 
 
-def logprobs(model, batch: Batch, micro_batch_size: int, true_vocab: int) -> torch.Tensor:
-    """[b, R] logprobs of the response tokens under `model` (forward only)."""
+def logprobs(model, batch: Batch, micro_batch_size: int, true_vocab: int,
+             temperature: float = 1.0) -> torch.Tensor:
+    """[b, R] logprobs of the response tokens under softmax(`model` logits / temperature)."""
     def fn(mb, logits):
-        return _response_logprobs(mb["batch"], logits, true_vocab, with_entropy=False)[0] * mb["batch"].resp_mask
+        return _response_logprobs(mb["batch"], logits, true_vocab, False, temperature)[0] * mb["batch"].resp_mask
     return forward_per_token(model, batch, micro_batch_size, fn)
 
 
 def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_weights,
-           algo: AlgoConfig, micro_batch_size: int, normalizer: float) -> dict:
+           algo: AlgoConfig, micro_batch_size: int, normalizer: float, temperature: float = 1.0) -> dict:
     """One optimizer step of the actor on this rank's rows of a mini-batch.
 
+    temperature: the rollout's sampling temperature (logits are divided by it, as the engine did).
     normalizer: the loss aggregation's global normaliser for the whole mini-batch (all DP
     ranks), so the update does not depend on how rows are split.
     Returns summed statistics (policy loss contribution, clip counts, entropy sums...) for
@@ -41,7 +45,7 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     def loss_fn(mb, logits):
         b = mb["batch"]
         mask = b.resp_mask
-        logp, entropy = _response_logprobs(b, logits, true_vocab, with_entropy=True)
+        logp, entropy = _response_logprobs(b, logits, true_vocab, True, temperature)
         per_token, stats = policy_loss(logp, mb["old_logp"], mb["adv"], mask, algo.clip_low,
                                        algo.clip_high, algo.dual_clip, mb["is_w"])
         pg = aggregate(per_token, mask, algo.loss_agg, normalizer)

@@ -46,11 +46,12 @@ def token_rewards(batch: Batch, kl: torch.Tensor | None, kl_coef: float) -> torc
 def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int) -> dict:
     algo, mbs = cfg.algo, cfg.train.micro_batch_size
     vocab = actor.info.vocab_size
+    temp = cfg.rollout.temperature   # the engine sampled from softmax(z / T): so must every logprob here
     mask = batch.resp_mask
 
-    old_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), actor.model, batch, mbs)
+    old_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab, temp), actor.model, batch, mbs)
     with resident(reference):
-        ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab), reference, batch, mbs)
+        ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab, temp), reference, batch, mbs)
     kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask
     rewards = token_rewards(batch, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
 
@@ -78,7 +79,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
             norm = global_normalizer(mini.resp_mask, algo.loss_agg)
             if train_actor:
                 _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
-                                            is_w[rows], algo, mbs, norm))
+                                            is_w[rows], algo, mbs, norm, temp))
             if critic is not None:
                 with resident(critic.model):
                     _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))

@@ -1,14 +1,14 @@
 """Synchronous rollout: generate every sample of the step, then score them.
 
 The baseline the partial-rollout controller is measured against: the step waits for its
-longest response.
+longest response. It runs on the same engine pool and protocol as the controller.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from megarl.rollout.engine import GenRequest
 from megarl.rollout.types import Sample
-from megarl.rollout.vllm_engine import VLLMEngine
 
 
 def encode_prompts(tokenizer, records: list[dict], key: str) -> list[list[int]]:
@@ -25,16 +25,28 @@ def sample_seeds(run_seed: int, step: int, count: int) -> list[int]:
     return [(run_seed * 1_000_003 + step * 10_007 + i) % (2**31 - 1) for i in range(count)]
 
 
-def generate_groups(engine: VLLMEngine, records: list[dict], prompts: list[list[int]], n: int,
+def group_requests(prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                   seeds: list[int] | None, tag: str = "") -> list[GenRequest]:
+    """n requests per prompt, in group order. Sample j of prompt i is drawn from its own
+    generator seeded seeds[i] * 1000 + j, so a run is reproducible from its seed whatever the
+    engines did before (e.g. after a resume) and whichever engine serves it."""
+    return [GenRequest(f"{tag}g{i}s{j}", p, max_new_tokens, temperature,
+                       seed=None if seeds is None else seeds[i] * 1000 + j)
+            for i, p in enumerate(prompts) for j in range(n)]
+
+
+def generate_groups(pool, records: list[dict], prompts: list[list[int]], n: int,
                     max_new_tokens: int, tokenizer, reward_fn: Callable,
-                    seeds: list[int] | None = None) -> list[Sample]:
-    """n samples per prompt, scored, in group order (group g = records[g])."""
+                    seeds: list[int] | None = None, temperature: float = 1.0,
+                    tag: str = "") -> list[Sample]:
+    """n samples per prompt from the engine pool (a SyncPool), scored, in group order
+    (group g = records[g]). Token versions are the ones the engines reported."""
+    results = pool.generate_many(group_requests(prompts, n, max_new_tokens, temperature, seeds, tag))
     samples = []
-    outs = engine.generate(prompts, n, max_new_tokens, seeds)
-    for g, (rec, prompt, group) in enumerate(zip(records, prompts, outs)):
-        for c in group:
-            s = Sample(prompt, c.token_ids, c.logprobs, [engine.version] * len(c.token_ids),
-                       c.finished, g, rec)
-            s.reward = score(s, tokenizer, reward_fn)
-            samples.append(s)
+    for k, r in enumerate(results):
+        g = k // n
+        s = Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.finished, g, records[g],
+                   finish_reason=r.finish_reason)
+        s.reward = score(s, tokenizer, reward_fn)
+        samples.append(s)
     return samples

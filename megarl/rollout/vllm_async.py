@@ -1,0 +1,174 @@
+"""In-process engine: vLLM's `AsyncLLM` behind the engine protocol.
+
+`AsyncLLM` always runs its engine core in a child process, so vLLM's side effects (thread
+settings, NUMA binding, its own torch.distributed world) stay out of the trainer. Outputs are
+streamed as deltas, so an aborted request keeps every token delivered before the abort.
+Weights arrive with `reload_weights(weights_path=...)` from staged safetensors files (tensors
+passed in kwargs would be pickled as lists across the process boundary).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Optional
+
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+
+
+def sampling_params(req: GenRequest):
+    """vLLM SamplingParams for one sample: deltas, the sampled token's logprob (logprobs=0)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    return SamplingParams(n=1, max_tokens=req.max_tokens, temperature=req.temperature,
+                          top_p=req.top_p, seed=req.seed, logprobs=0, ignore_eos=req.ignore_eos,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+def sampled_logprobs(token_ids, logprobs) -> list[float]:
+    """Logprob of each sampled token from vLLM's per-position {token: Logprob} dicts."""
+    if logprobs is None:
+        raise EngineError("vLLM returned no logprobs: the request must ask for logprobs=0")
+    return [float(d[t].logprob) for t, d in zip(token_ids, logprobs)]
+
+
+class AsyncVLLMEngine(Engine):
+    """One vLLM AsyncLLM engine. `engine_args` are vLLM AsyncEngineArgs keyword arguments."""
+
+    def __init__(self, name: str, model_path: str, engine_args: dict, timeout_s: float):
+        self.name = name
+        self.model_path = model_path
+        self.engine_args = engine_args
+        self.timeout_s = timeout_s
+        self.version = 0
+        self.llm = None
+        self._paused = False
+        self._inflight: dict[str, asyncio.Task] = {}     # request id -> task draining its stream
+        self._ids = 0
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self.engine_args))
+        except Exception as err:  # vLLM raises many kinds; the user needs to know which engine
+            raise EngineError(f"engine {self.name} (in-process vLLM, model {self.model_path}) failed "
+                              f"to start: {type(err).__name__}: {err}") from err
+
+    @property
+    def running(self) -> int:
+        return len(self._inflight)
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        if self.llm is None:
+            raise EngineError(f"engine {self.name} is closed")
+        result = GenResult(req.key, engine=self.name)
+        self._ids += 1
+        rid = f"{req.key}#{self._ids}"   # vLLM ids must be unique even when a key is resubmitted
+
+        async def drain():
+            stream = self.llm.generate({"prompt_token_ids": list(req.prompt_ids)},
+                                       sampling_params(req), request_id=rid)
+            async for out in stream:
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                result.extend(ids, sampled_logprobs(ids, c.logprobs), self.version)
+                if out.finished:
+                    result.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+
+        task = asyncio.ensure_future(drain())
+        self._inflight[rid] = task
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self._deadline(req))
+        except asyncio.TimeoutError:
+            await self.llm.abort(rid)
+            task.cancel()
+            raise EngineError(f"engine {self.name} (in-process vLLM): request {req.key} did not "
+                              f"finish within {self._deadline(req):.0f} s (rollout.engine_timeout_s)") from None
+        except asyncio.CancelledError:
+            # the request was aborted (or the caller gave up): resolve with what was streamed
+            if not task.done():
+                task.cancel()
+        except EngineError:
+            raise
+        except Exception as err:
+            raise EngineError(f"engine {self.name} (in-process vLLM) failed on request {req.key}: "
+                              f"{type(err).__name__}: {err}") from err
+        finally:
+            self._inflight.pop(rid, None)
+        return result
+
+    def _deadline(self, req: GenRequest) -> float:
+        # a whole request may legitimately take long when many share the engine: allow the
+        # configured timeout per 64 tokens of budget, never less than the timeout itself
+        return self.timeout_s * max(1.0, req.max_tokens / 64)
+
+    async def abort(self, keys: Optional[list[str]] = None) -> None:
+        if self.llm is None:
+            return
+        wanted = set(keys) if keys is not None else None
+        rids = [rid for rid in self._inflight if wanted is None or rid.rsplit("#", 1)[0] in wanted]
+        if not rids:
+            return
+        tasks = [self._inflight[r] for r in rids]
+        await self.llm.abort(rids)
+        # vLLM ends an aborted stream itself; if it does not within the timeout, cancel our
+        # side so the request resolves with what it has (an abort must never hang)
+        done, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+        self._paused = False
+
+    async def update_weights(self, path: str, version: int) -> None:
+        if not self._paused:
+            raise EngineError(f"engine {self.name}: update_weights needs the engine paused")
+        if self._inflight:
+            raise EngineError(f"engine {self.name}: {len(self._inflight)} requests still running; "
+                              f"abort them before a weight update (a request must not span versions)")
+        try:
+            await asyncio.wait_for(self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path}),
+                                   self.timeout_s)
+            await asyncio.wait_for(self.llm.reset_prefix_cache(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"engine {self.name} (in-process vLLM): loading weights from {path} took "
+                              f"longer than {self.timeout_s:.0f} s (rollout.engine_timeout_s)") from None
+        except Exception as err:
+            raise EngineError(f"engine {self.name} (in-process vLLM): loading weights from {path} "
+                              f"failed: {type(err).__name__}: {err}") from err
+        self.version = version
+
+    async def health(self) -> EngineHealth:
+        alive = self.llm is not None and not getattr(self.llm, "errored", False)
+        return EngineHealth(self.name, alive, self._paused, self.running, self.version, "in-process")
+
+    async def close(self) -> None:
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        for t in list(self._inflight.values()):
+            t.cancel()
+        llm.shutdown()
+
+
+def engine_args(cfg, seed: int, index: int) -> dict:
+    """AsyncEngineArgs keywords from the rollout config (CPU: a fixed KV budget, fp32)."""
+    import torch
+    args = dict(max_model_len=cfg.max_model_len, seed=seed + index, enforce_eager=cfg.enforce_eager,
+                tensor_parallel_size=cfg.engine_tp,
+                # behaviour logprobs of the distribution actually sampled from (after temperature)
+                logprobs_mode="processed_logprobs", disable_log_stats=True)
+    if torch.cuda.is_available():
+        args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, dtype="auto")
+    else:
+        # the CPU default reserves most of RAM for KV cache; the trainer needs it
+        args.update(kv_cache_memory_bytes=cfg.kv_cache_mb << 20, dtype="float32")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    return args

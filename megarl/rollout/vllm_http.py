@@ -1,0 +1,358 @@
+"""Remote engine: a vLLM OpenAI-compatible server behind the engine protocol.
+
+The server must run with `VLLM_SERVER_DEV_MODE=1` (that mounts /pause, /resume, /is_paused,
+/abort_requests, /collective_rpc and /reset_prefix_cache) and `--logprobs-mode
+processed_logprobs` (else the logprobs are those of the raw logits, not of the distribution
+sampled from). `servers.LocalServer` starts such a server; a cluster script may start them by
+hand (see docs/engines.md).
+
+Every sample is one streamed `/v1/completions` request with a token-id prompt and n=1, so the
+tokens and logprobs received so far are the partial result when it is aborted: the stream is
+the only source of truth, never a separate call. Each request carries our own X-Request-Id;
+vLLM names the request `cmpl-<X-Request-Id>-0`, which is what `/abort_requests` takes.
+
+Only /v1/* is guarded by the server's --api-key (vLLM's AuthenticationMiddleware guards the
+/v1, /v2, /inference and /cohere prefixes); the control endpoints above are open to anyone who
+can reach the port. We send the key everywhere anyway; bind servers to trusted networks.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import aiohttp
+
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+
+# an aborted stream ends within milliseconds on a healthy server; past this grace we close
+# the connection ourselves (vLLM aborts a request whose client disconnected), so abort never hangs
+ABORT_GRACE_S = 5.0
+_POLL_S = 0.25
+
+
+@dataclass
+class _Flight:
+    """One request in flight: what abort() needs to end it and to know when it has resolved."""
+    key: str
+    rid: str                                    # our X-Request-Id
+    result: GenResult
+    resolved: asyncio.Future
+    aborted: bool = False
+    response: Optional[aiohttp.ClientResponse] = None
+    reader: Optional[asyncio.Task] = None       # the pending POST or readline of the stream
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def vllm_id(self) -> str:
+        return f"cmpl-{self.rid}-0"             # completions: cmpl-<X-Request-Id>-<prompt index>
+
+    def stop(self) -> None:
+        """Force the stream to end now (abort fallback, close): cancel the read, drop the socket."""
+        self._stopped = True
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()
+        if self.response is not None:
+            self.response.close()
+
+
+class HTTPVLLMEngine(Engine):
+    """One vLLM server reached over HTTP. The server process is not ours: close() only
+    disconnects (see `servers.LocalServerEngine` for a server megarl starts and stops)."""
+
+    def __init__(self, name: str, url: str, api_key: str, timeout_s: float, log_path: str = "",
+                 start_timeout_s: Optional[float] = None):
+        self.name = name
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s if start_timeout_s is not None else timeout_s
+        self.log_path = log_path
+        self.version = 0
+        self.model: Optional[str] = None        # served model name, from GET /v1/models
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._paused = False
+        self._inflight: dict[str, _Flight] = {}  # X-Request-Id -> flight
+        self._ids = itertools.count()
+        self._tag = secrets.token_hex(3)        # request ids stay unique across clients of one server
+
+    # -- messages ------------------------------------------------------------------------------
+    def _where(self) -> str:
+        log = self.log_path or "the server's own log (megarl did not start it)"
+        return f"engine {self.name} ({self.url}, log {log})"
+
+    def _failure_detail(self) -> str:
+        """Extra context for a failed call (a subclass that owns the process adds its state)."""
+        return ""
+
+    def _check_process(self) -> None:
+        """Raise EngineError if the server process is known to be dead (only a subclass knows)."""
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._session is None:
+            # limit=0: one connection per streamed request; aiohttp's default caps at 100
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None)
+        await self._wait_healthy(self.start_timeout_s)
+        await self._discover()
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            self._check_process()
+            try:
+                async with self._session.get(self.url + "/health",
+                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return
+                    last = f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                last = f"{type(err).__name__}: {err}"
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"{self._where()}: GET /health not ready after {timeout_s:.0f} s ({last}).{self._failure_detail()} "
+                    f"Fix: check the server is up at that URL, or raise rollout.engine_start_timeout_s")
+            await asyncio.sleep(_POLL_S)
+
+    async def _discover(self) -> None:
+        """Served model name, and a fail-fast check of the key and of the dev-mode endpoints."""
+        status, body = await self._call("GET", "/v1/models", check=False)
+        if status == 401:
+            raise EngineError(f"{self._where()}: the server rejected the API key (HTTP 401 on /v1/models). "
+                              f"Fix: set rollout.api_key (or $MEGARL_ENGINE_API_KEY) to the server's --api-key")
+        if status != 200 or not body.get("data"):
+            raise EngineError(f"{self._where()}: GET /v1/models -> HTTP {status} {str(body)[:300]}")
+        self.model = body["data"][0]["id"]
+        status, body = await self._call("GET", "/is_paused", check=False)
+        if status == 404:
+            raise EngineError(f"{self._where()}: the server has no /is_paused endpoint. Fix: start it with "
+                              f"VLLM_SERVER_DEV_MODE=1 (megarl needs /pause, /abort_requests, /collective_rpc)")
+        if status != 200:
+            raise EngineError(f"{self._where()}: GET /is_paused -> HTTP {status} {str(body)[:300]}")
+        self._paused = bool(body.get("is_paused"))
+
+    async def close(self) -> None:
+        if self._session is None:
+            return
+        for f in list(self._inflight.values()):   # resolve what is running with its partial result
+            f.aborted = True
+            f.stop()
+        if self._inflight:
+            await asyncio.wait([f.resolved for f in self._inflight.values()], timeout=ABORT_GRACE_S)
+        session, self._session = self._session, None
+        await session.close()
+
+    # -- control calls -------------------------------------------------------------------------
+    async def _call(self, method: str, path: str, json_body=None, check: bool = True,
+                    timeout_s: Optional[float] = None):
+        """One non-streamed call; returns (status, parsed body). Transport errors -> EngineError."""
+        if self._session is None:
+            raise EngineError(f"{self._where()}: not started (or already closed)")
+        try:
+            async with self._session.request(
+                    method, self.url + path, json=json_body,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)) as r:
+                text = await r.text()
+                status = r.status
+        except asyncio.TimeoutError:
+            raise EngineError(f"{self._where()}: {method} {path} got no answer within "
+                              f"{timeout_s or self.timeout_s:.0f} s (rollout.engine_timeout_s).{self._failure_detail()}") from None
+        except aiohttp.ClientError as err:
+            raise EngineError(f"{self._where()}: {method} {path} failed: {type(err).__name__}: {err}. "
+                              f"The server may have died; see its log.{self._failure_detail()}") from err
+        try:
+            body = json.loads(text) if text else {}
+        except ValueError:
+            body = {"text": text}
+        if check and status != 200:
+            raise EngineError(f"{self._where()}: {method} {path} -> HTTP {status}: {text[:500]}")
+        return status, body
+
+    async def pause(self) -> None:
+        # keep: running requests are frozen in the scheduler and continue after /resume
+        await self._call("POST", "/pause?mode=keep")
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+        self._paused = False
+
+    async def update_weights(self, path: str, version: int) -> None:
+        if not self._paused:
+            raise EngineError(f"{self._where()}: update_weights needs the engine paused (call pause() first)")
+        if self._inflight:
+            raise EngineError(f"{self._where()}: {len(self._inflight)} requests still running; abort them "
+                              f"before a weight update (a request must not span two weight versions)")
+        try:
+            await self._call("POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        except EngineError as err:
+            raise EngineError(f"{err} (loading weights from {path}: the directory must hold HF-named "
+                              f"safetensors readable by the server's host)") from None
+        # the prefix cache holds KV computed with the old weights: a hit would mix versions
+        await self._call("POST", "/reset_prefix_cache")
+        # informational: the server then reports the version in GET /weight_info
+        await self._call("POST", "/update_weight_version", {"new_version": str(version)}, check=False)
+        self.version = version
+
+    async def health(self) -> EngineHealth:
+        alive, paused = False, self._paused
+        try:
+            status, _ = await self._call("GET", "/health", check=False, timeout_s=min(self.timeout_s, 10))
+            alive = status == 200
+            if alive:
+                status, body = await self._call("GET", "/is_paused", check=False, timeout_s=min(self.timeout_s, 10))
+                paused = bool(body.get("is_paused", paused)) if status == 200 else paused
+        except EngineError:
+            alive = False
+        return EngineHealth(self.name, alive, paused, self.running, self.version, self.url, self.log_path)
+
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._inflight)
+
+    def progress(self, key: str) -> int:
+        """Tokens received so far by the in-flight request `key` (0 if none): for monitoring."""
+        return sum(len(f.result.token_ids) for f in self._inflight.values() if f.key == key)
+
+    def _payload(self, req: GenRequest) -> dict:
+        return {"model": self.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
+                "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
+                "ignore_eos": req.ignore_eos, "logprobs": 0, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "stream": True, "n": 1}
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        if self._session is None:
+            raise EngineError(f"{self._where()}: not started (or already closed)")
+        # header-safe, unique, and readable in the server log
+        rid = f"{re.sub(r'[^A-Za-z0-9_.:-]', '_', req.key)[:64]}-{self._tag}{next(self._ids)}"
+        f = _Flight(req.key, rid, GenResult(req.key, engine=self.name),
+                    asyncio.get_running_loop().create_future())
+        self._inflight[rid] = f
+        try:
+            await self._stream(req, f)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as err:
+            if not (f.aborted or f._stopped):
+                raise EngineError(f"{self._where()}: connection lost during request {req.key} "
+                                  f"({type(err).__name__}: {err}); the server may have died, see its log."
+                                  f"{self._failure_detail()}") from err
+            # we aborted it: the tokens streamed so far are the result
+        finally:
+            self._inflight.pop(rid, None)
+            if not f.resolved.done():
+                f.resolved.set_result(None)
+        # a request that completed just before our abort keeps its true reason; anything else
+        # (vLLM's "abort", a stream we closed, one that ended before its first token) is an abort
+        if f.result.finish_reason not in ("stop", "length"):
+            f.result.finish_reason = "abort"
+        return f.result
+
+    async def _stream(self, req: GenRequest, f: _Flight) -> None:
+        """POST the request and fold its SSE chunks into f.result; returns when the stream ends."""
+        if f.aborted:
+            return
+
+        async def post():
+            return await self._session.post(self.url + "/v1/completions", json=self._payload(req),
+                                            headers={"X-Request-Id": f.rid},
+                                            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s))
+
+        resp = await self._wait_alive(req, f, post(), "sent no response headers")
+        if resp is None:                                # stop() while connecting
+            return
+        f.response = resp
+        clean = False
+        try:
+            if resp.status != 200:
+                text = await resp.text()
+                hint = (" Fix: rollout.api_key must equal the server's --api-key" if resp.status == 401 else "")
+                raise EngineError(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
+            while not f._stopped:
+                line = await self._wait_alive(req, f, resp.content.readline(), "streamed nothing")
+                if not line:                            # EOF, or stop()
+                    if not (f.aborted or f._stopped):
+                        raise EngineError(f"{self._where()}: the stream of request {req.key} ended without "
+                                          f"[DONE]; the server may have died, see its log.{self._failure_detail()}")
+                    return
+                if self._fold(req, f, line.strip()):
+                    clean = True
+                    return
+        finally:
+            if clean:
+                resp.release()                          # fully read: the connection is reused
+            else:
+                resp.close()                            # vLLM aborts a request whose client went away
+
+    async def _wait_alive(self, req: GenRequest, f: _Flight, coro, what: str):
+        """Await `coro` (a read of the stream) as a task that stop() can cancel. Silence for
+        timeout_s is an error, except while we hold the engine paused (vLLM then freezes running
+        and new requests on purpose) or abort() owns the request. The timeout never cancels the
+        read itself (that would lose a half-read line). Returns None if stop() cancelled it."""
+        f.reader = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({f.reader}, timeout=self.timeout_s)
+                if done:
+                    break
+                if not (self._paused or f.aborted):
+                    raise EngineError(f"{self._where()}: request {req.key} {what} for {self.timeout_s:.0f} s "
+                                      f"(rollout.engine_timeout_s); the server is hung or overloaded, see its log."
+                                      f"{self._failure_detail()}")
+            return None if f.reader.cancelled() else f.reader.result()
+        finally:
+            if not f.reader.done():
+                f.reader.cancel()
+            f.reader = None
+
+    def _fold(self, req: GenRequest, f: _Flight, line: bytes) -> bool:
+        """Apply one SSE line to the result; True at the end of the stream."""
+        if not line.startswith(b"data:"):
+            return False                                # SSE comments / other fields
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise EngineError(f"{self._where()}: request {req.key}: unreadable stream chunk {data[:200]!r}") from None
+        if "error" in chunk:
+            raise EngineError(f"{self._where()}: request {req.key} failed on the server: "
+                              f"{json.dumps(chunk['error'])[:500]}")
+        for choice in chunk.get("choices", ()):
+            ids = choice.get("token_ids") or []
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if ids or lps:
+                f.result.extend(list(ids), [float(x) for x in lps], self.version)
+            if choice.get("finish_reason") is not None:
+                f.result.finish_reason = choice["finish_reason"]
+        return False
+
+    async def abort(self, keys: Optional[list[str]] = None) -> None:
+        wanted = set(keys) if keys is not None else None
+        flights = [f for f in self._inflight.values() if wanted is None or f.key in wanted]
+        if not flights:
+            return
+        for f in flights:
+            f.aborted = True
+        try:
+            await self._call("POST", "/abort_requests", {"request_ids": [f.vllm_id for f in flights]},
+                             timeout_s=min(self.timeout_s, ABORT_GRACE_S))
+        except EngineError:
+            pass    # server unreachable: closing the streams below resolves the requests anyway
+        pending = [f for f in flights if not f.resolved.done()]
+        if pending:
+            _, late = await asyncio.wait([f.resolved for f in pending], timeout=ABORT_GRACE_S)
+            for f in pending:
+                if not f.resolved.done():
+                    f.stop()    # the server did not end it (e.g. the abort raced the request's arrival)
+            if late:
+                await asyncio.wait(late, timeout=ABORT_GRACE_S)

@@ -1,0 +1,96 @@
+"""Subprocess body of test_pool_sync: weight sync from several trainer layouts into a pool.
+
+Run under torchrun with 4 ranks. Rank 0 opens an engine pool (2 engines, in-process or as
+local vLLM servers); then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the
+same world) every rank builds the actor from the tiny model, perturbs its weights (so an
+engine that missed the push cannot match by accident), pushes them as a new version, and
+measures per engine the mean |engine - trainer| logprob of tokens the engine samples at
+temperature 0.7. Finally one push silently drops a bucket, which the same measure must expose.
+usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODE STAGING_BASE
+"""
+import json
+import sys
+
+import torch
+
+TEMPERATURE = 0.7
+
+
+def main(model_dir: str, out_path: str, mode: str, staging: str) -> None:
+    from megarl.config import load_config
+    from megarl.distributed import cpu, parallel
+    from megarl.distributed.env import init_distributed
+
+    cfg = load_config("recipes/tiny_cpu.yaml", [
+        f"model.path={model_dir}", f"data.prompts={model_dir}/prompts.jsonl", "run.dir=unused",
+        f"rollout.engine_mode={mode}", "rollout.engines=2", f"rollout.temperature={TEMPERATURE}",
+        f"weight_sync.staging_dir={staging}", "rollout.engine_timeout_s=60"])
+    env = init_distributed("gloo")
+    cpu.apply()
+    torch.set_num_threads(1)
+    from transformers import AutoConfig
+
+    from megarl.models.builders import build_model, load_hf_weights, make_trainable
+    from megarl.models.config import transformer_config
+    from megarl.models.setup import read_hf_state
+    from megarl.rollout import weight_sync
+    from megarl.rollout.pool import open_pool
+
+    pool = open_pool(cfg.rollout, model_dir, 0, f"{staging}/engine-logs") if env.rank == 0 else None
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_state = read_hf_state(model_dir)
+    prompts = [[1, 5 + i, 9, 12 + 3 * i] for i in range(6)]
+    result = {"layouts": {}, "versions_ok": True}
+    try:
+        version = 0
+        for tp, pp in [(2, 1), (1, 2), (2, 2)]:
+            parallel.initialize(tp, pp, 0)
+            tcfg = transformer_config(hf_config, tp, pp, torch.float32, False, "none", False)
+            model, info = build_model(hf_config, tcfg, 128, "actor")
+            load_hf_weights(model, info, hf_state, "actor")
+            actor = make_trainable(model, info, 1e-4, 0.0, 1.0, 0, 1)
+            # shard-local noise, seeded by the shard's position: DP replicas stay identical
+            g = torch.Generator().manual_seed(1000 * tp + 100 * pp + 10 * parallel.tp_rank() + parallel.pp_rank())
+            with torch.no_grad():
+                for p in weight_sync.unwrap(actor.model).parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g))
+            version += 1
+            sync = weight_sync.push(actor.model, info, pool, version, staging, bucket_mb=1)
+            gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+            if pool is not None:
+                result["versions_ok"] &= pool.version == version
+            result["layouts"][f"tp{tp}pp{pp}"] = {"gaps": gaps, "version": version,
+                                                 "sync_bytes": sync["sync_bytes"]}
+            last = (actor, info)
+        # a push that drops one bucket: the engines keep a stale tensor, the probe must see it
+        actor, info = last
+        with torch.no_grad():
+            for p in weight_sync.unwrap(actor.model).parameters():
+                p.mul_(1.3)
+        real_buckets = weight_sync.buckets
+
+        def lossy(named, size):  # small buckets, the second one never reaches the engines
+            for k, b in enumerate(real_buckets(named, 64 << 10)):
+                if k != 1:
+                    yield b
+        weight_sync.buckets = lossy
+        try:
+            weight_sync.push(actor.model, info, pool, version + 1, staging, bucket_mb=1)
+            result["skipped_bucket_error"] = None
+        except Exception as err:  # a loader that refuses a partial checkpoint also detects it
+            result["skipped_bucket_error"] = f"{type(err).__name__}: {err}"
+        weight_sync.buckets = real_buckets
+        result["skipped_bucket_gaps"] = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+        if pool is not None:
+            result["health"] = [h.__dict__ for h in pool.health()]
+    finally:
+        if pool is not None:
+            pool.close()
+        parallel.destroy()
+    if env.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

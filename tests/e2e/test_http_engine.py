@@ -1,0 +1,254 @@
+"""HTTPVLLMEngine / LocalServerEngine against real vLLM OpenAI servers on the tiny model.
+
+One server serves the whole module (startup is 30-80 s on CPU); the server-death test starts
+its own. Logprobs are checked against a transformers forward of the same weights, with the
+logits divided by the sampling temperature (the server runs --logprobs-mode processed_logprobs).
+"""
+import asyncio
+import os
+import random
+import secrets
+import shutil
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from megarl.rollout.engine import EngineError, GenRequest
+from megarl.rollout.servers import LocalServer, LocalServerEngine
+from megarl.rollout.vllm_http import HTTPVLLMEngine
+
+MAX_LEN = 256
+START_TIMEOUT_S = 300
+
+
+def prompt(seed: int, length: int = 16) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(4, 128) for _ in range(length - 1)]
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt_ids, gen_ids, temperature):
+    """log softmax(logits / T) of each generated token, from one forward over prompt + tokens."""
+    logits = model(torch.tensor([prompt_ids + gen_ids])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(gen_ids)]
+
+
+async def wait_until(cond, timeout_s=30.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One vLLM server for the module (the engines under test connect to it)."""
+    log = tmp_path_factory.mktemp("engines") / "engine_0.log"
+    srv = LocalServer(tiny_model, log, api_key=secrets.token_hex(8), seed=0, max_model_len=MAX_LEN,
+                      kv_cache_mb=64)
+
+    async def ready():
+        eng = LocalServerEngine("probe", srv, timeout_s=30, start_timeout_s=START_TIMEOUT_S)
+        await HTTPVLLMEngine.start(eng) if False else None
+    srv.start()
+    try:
+        async def wait():
+            eng = HTTPVLLMEngine("probe", srv.url, srv.api_key, 30, str(log), start_timeout_s=START_TIMEOUT_S)
+            eng._check_process = lambda: None if srv.process_alive() else pytest.fail(
+                f"vLLM server exited during startup:\n{srv.log_tail(40)}")
+            await eng.start()
+            await eng.close()
+        asyncio.run(wait())
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    return hf_model(tiny_model)
+
+
+def run_with_engine(server, body, timeout_s=60.0):
+    """Run `body(engine)` with a fresh client of the module's server."""
+    async def main():
+        engine = HTTPVLLMEngine("e0", server.url, server.api_key, timeout_s, server.log_path)
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.close()
+    return asyncio.run(main())
+
+
+def test_sampled_logprobs_match_transformers_at_temperature(server, hf):
+    async def body(engine):
+        assert engine.model == "megarl-policy"
+        reqs = [GenRequest(f"s{i}", prompt(i), 24, temperature=0.7, seed=i, ignore_eos=True) for i in range(4)]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs)), reqs
+
+    results, reqs = run_with_engine(server, body)
+    for req, res in zip(reqs, results):
+        assert res.finish_reason == "length" and len(res.token_ids) == 24
+        assert len(res.logprobs) == len(res.versions) == 24 and set(res.versions) == {0}
+        ref = hf_logprobs(hf, req.prompt_ids, res.token_ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(ref, res.logprobs)) < 1e-4
+
+
+def test_abort_keeps_partial_and_greedy_continuation_matches(server):
+    p, budget = prompt(100), 200
+
+    async def body(engine):
+        full = await engine.generate(GenRequest("full", p, budget, temperature=0.0, ignore_eos=True))
+        task = asyncio.create_task(engine.generate(GenRequest("cut", p, budget, temperature=0.0, ignore_eos=True)))
+        await wait_until(lambda: engine.progress("cut") >= 8 or task.done(), what="first tokens")
+        t0 = time.monotonic()
+        await engine.abort(["cut"])
+        abort_s = time.monotonic() - t0
+        assert task.done(), "abort() returned before the aborted generate() resolved"
+        part = task.result()
+        k = len(part.token_ids)
+        cont = await engine.generate(GenRequest("cont", p + part.token_ids, budget - k, temperature=0.0,
+                                                ignore_eos=True))
+        return full, part, cont, abort_s, engine.running
+
+    full, part, cont, abort_s, running = run_with_engine(server, body)
+    assert full.finish_reason == "length" and len(full.token_ids) == budget
+    assert part.finish_reason == "abort", "the request finished before the abort reached it"
+    assert 0 < len(part.token_ids) < budget
+    assert len(part.logprobs) == len(part.token_ids) == len(part.versions)
+    assert abort_s < 2.0
+    assert running == 0
+    assert part.token_ids == full.token_ids[:len(part.token_ids)]
+    assert part.token_ids + cont.token_ids == full.token_ids
+
+
+def test_abort_all_resolves_every_running_request(server):
+    async def body(engine):
+        reqs = [GenRequest(f"a{i}", prompt(200 + i), 220, temperature=1.0, seed=i, ignore_eos=True)
+                for i in range(4)]
+        tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
+        await wait_until(lambda: all(engine.progress(r.key) > 0 for r in reqs) or any(t.done() for t in tasks),
+                         what="all requests streaming")
+        await engine.abort()
+        assert all(t.done() for t in tasks)
+        return [t.result() for t in tasks], engine.running
+
+    results, running = run_with_engine(server, body)
+    assert running == 0
+    for r in results:
+        assert r.finish_reason == "abort" and 0 < len(r.token_ids) < 220
+        assert len(r.logprobs) == len(r.token_ids)
+
+
+def test_weight_update_needs_pause_and_stamps_new_version(server, tiny_model, hf, tmp_path):
+    from safetensors.torch import load_file, save_file
+    new_dir = tmp_path / "w09"
+    new_dir.mkdir()
+    sd = load_file(str(tiny_model / "model.safetensors"))
+    save_file({k: (v * 0.9).contiguous() for k, v in sd.items()}, str(new_dir / "model.safetensors"))
+    shutil.copy(tiny_model / "config.json", new_dir)
+    hf_new = hf_model(new_dir)
+    p = prompt(300)
+
+    async def body(engine):
+        with pytest.raises(EngineError, match="paused"):
+            await engine.update_weights(str(new_dir), 3)
+        # a request held by the pause must be aborted before the update
+        held = asyncio.create_task(engine.generate(GenRequest("held", p, 220, temperature=1.0, ignore_eos=True)))
+        await wait_until(lambda: engine.progress("held") > 0 or held.done(), what="held request streaming")
+        await engine.pause()
+        assert (await engine.health()).paused
+        with pytest.raises(EngineError, match="running"):
+            await engine.update_weights(str(new_dir), 3)
+        await engine.abort(["held"])
+        assert held.result().finish_reason == "abort"
+        await engine.update_weights(str(new_dir), 3)
+        await engine.resume()
+        try:
+            health = await engine.health()
+            res = await engine.generate(GenRequest("new", p, 24, temperature=0.7, seed=1, ignore_eos=True))
+        finally:   # the module's other tests expect the original weights
+            await engine.pause()
+            await engine.update_weights(str(tiny_model), 0)
+            await engine.resume()
+        return health, res
+
+    health, res = run_with_engine(server, body)
+    assert health.alive and not health.paused and health.version == 3 and health.running == 0
+    assert res.versions == [3] * 24
+    ref = hf_logprobs(hf_new, p, res.token_ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(ref, res.logprobs)) < 1e-4
+    old = hf_logprobs(hf, p, res.token_ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(old, res.logprobs)) > 1e-2   # the update really changed them
+
+
+def test_startup_failure_names_log_and_fails_fast(tiny_model, tmp_path):
+    log = tmp_path / "engine_bad.log"
+    srv = LocalServer(tiny_model, log, api_key="k", extra_args=("--logprobs-mode", "bogus"))
+    engine = LocalServerEngine("bad", srv, timeout_s=20, start_timeout_s=START_TIMEOUT_S)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        asyncio.run(engine.start())
+    msg = str(info.value)
+    assert str(log) in msg and srv.url in msg and "engine bad" in msg
+    assert "invalid choice" in msg                     # the log's last lines say why
+    assert time.monotonic() - t0 < 120
+    assert not srv.process_alive()
+
+
+def _group_members(pgid):
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def test_server_death_mid_request_raises_with_log_path(tiny_model, tmp_path):
+    log = tmp_path / "engine_1.log"
+    srv = LocalServer(tiny_model, log, api_key=secrets.token_hex(8), seed=1, max_model_len=MAX_LEN)
+    engine = LocalServerEngine("doomed", srv, timeout_s=20, start_timeout_s=START_TIMEOUT_S)
+
+    async def body():
+        await engine.start()
+        try:
+            reqs = [GenRequest(f"d{i}", prompt(400 + i), 220, temperature=1.0, seed=i, ignore_eos=True)
+                    for i in range(4)]
+            tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
+            await wait_until(lambda: engine.progress("d0") > 0, what="streaming")
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+            return results, time.monotonic() - t0
+        finally:
+            await engine.close()
+
+    pgid = None
+    try:
+        results, elapsed = asyncio.run(body())
+        pgid = srv.proc.pid
+    finally:
+        srv.stop()
+    errors = [r for r in results if isinstance(r, EngineError)]
+    assert errors, f"no request failed: {results}"
+    assert all(isinstance(r, EngineError) or r.finish_reason == "length" for r in results)
+    assert all(str(log) in str(e) and "doomed" in str(e) for e in errors)
+    assert elapsed < 20
+    assert not srv.process_alive()
+    assert _group_members(pgid) == [], "vLLM processes survived the kill"
+    assert [c for c in psutil.Process().children(recursive=True)
+            if c.status() != psutil.STATUS_ZOMBIE] == []

@@ -1,0 +1,192 @@
+"""The engine pool and protocol plumbing, against a scripted engine (no vLLM here: the real
+engines are tested in tests/e2e). Pins load balancing, abort semantics, the update sequence
+(abort -> pause -> load -> resume, also when the load fails) and hang protection."""
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
+
+
+class ScriptedEngine(Engine):
+    """Emits token `i` every `tick` seconds up to max_tokens; logprob -0.1 * i."""
+
+    def __init__(self, name, tick=0.01, fail_load=False):
+        self.name, self.tick, self.fail_load = name, tick, fail_load
+        self.version, self.paused, self.log = 0, False, []
+        self._tasks: dict[str, asyncio.Future] = {}
+        self._abort: set[str] = set()
+
+    async def start(self):
+        self.log.append("start")
+
+    @property
+    def running(self):
+        return len(self._tasks)
+
+    async def generate(self, req):
+        res = GenResult(req.key, engine=self.name)
+        done = asyncio.get_running_loop().create_future()
+        self._tasks[req.key] = done
+        try:
+            for i in range(req.max_tokens):
+                while self.paused and req.key not in self._abort:
+                    await asyncio.sleep(self.tick)
+                if req.key in self._abort:
+                    res.finish_reason = "abort"
+                    return res
+                await asyncio.sleep(self.tick)
+                res.extend([i], [-0.1 * i], self.version)
+            res.finish_reason = "length"
+            return res
+        finally:
+            self._tasks.pop(req.key)
+            self._abort.discard(req.key)
+            done.set_result(None)
+
+    async def abort(self, keys=None):
+        keys = list(self._tasks) if keys is None else [k for k in keys if k in self._tasks]
+        futs = [self._tasks[k] for k in keys]
+        self._abort.update(keys)
+        await asyncio.gather(*futs)
+
+    async def pause(self):
+        self.paused = True
+        self.log.append("pause")
+
+    async def resume(self):
+        self.paused = False
+        self.log.append("resume")
+
+    async def update_weights(self, path, version):
+        assert self.paused and not self._tasks, "update while running"
+        self.log.append(f"load {path} v{version}")
+        if self.fail_load:
+            raise EngineError(f"engine {self.name}: load failed")
+        self.version = version
+
+    async def health(self):
+        return EngineHealth(self.name, True, self.paused, self.running, self.version)
+
+    async def close(self):
+        self.log.append("close")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_requests_go_to_the_least_loaded_engine():
+    """With 3 engines and 9 concurrent requests, each engine serves 3."""
+    async def main():
+        engines = [ScriptedEngine(f"e{i}") for i in range(3)]
+        pool = EnginePool(engines, 10)
+        results = await asyncio.gather(*(pool.generate(GenRequest(f"r{i}", [1], 5)) for i in range(9)))
+        return [r.engine for r in results]
+    served = run(main())
+    assert sorted(served.count(f"e{i}") for i in range(3)) == [3, 3, 3]
+
+
+def test_abort_resolves_every_request_with_its_partial_tokens():
+    """abort() returns only after each aborted request resolved; tokens so far are kept."""
+    async def main():
+        pool = EnginePool([ScriptedEngine("e0"), ScriptedEngine("e1")], 10)
+        tasks = [asyncio.ensure_future(pool.generate(GenRequest(f"r{i}", [1], 1000))) for i in range(4)]
+        await asyncio.sleep(0.1)
+        await pool.abort(["r0", "r3"])
+        assert tasks[0].done() and tasks[3].done() and not tasks[1].done()
+        await pool.abort()
+        assert all(t.done() for t in tasks) and pool.running == 0
+        return [t.result() for t in tasks]
+    for r in run(main()):
+        assert r.finish_reason == "abort"
+        assert 0 < len(r.token_ids) < 1000
+        assert r.token_ids == list(range(len(r.token_ids)))
+        assert len(r.logprobs) == len(r.versions) == len(r.token_ids)
+
+
+def test_update_aborts_pauses_loads_and_resumes_every_engine_and_versions_follow():
+    async def main():
+        engines = [ScriptedEngine("e0"), ScriptedEngine("e1")]
+        pool = EnginePool(engines, 10)
+        before = asyncio.ensure_future(pool.generate(GenRequest("old", [1], 1000)))
+        await asyncio.sleep(0.05)
+        await pool.update_weights("/w", 7)
+        old = await before
+        new = await pool.generate(GenRequest("new", [1], 4))
+        return engines, old, new, pool.version
+    engines, old, new, version = run(main())
+    assert old.finish_reason == "abort" and set(old.versions) == {0}
+    assert new.versions == [7] * 4 and version == 7
+    for e in engines:
+        assert e.log[-3:] == ["pause", "load /w v7", "resume"]
+
+
+def test_failed_load_still_resumes_and_names_the_engine():
+    """An engine is never left paused after an update, even a failed one (AReaL #1160)."""
+    engines = [ScriptedEngine("e0"), ScriptedEngine("e1", fail_load=True)]
+    pool = EnginePool(engines, 10)
+    with pytest.raises(EngineError, match="e1"):
+        run(pool.update_weights("/w", 3))
+    assert all(not e.paused for e in engines)
+    assert pool.version == 0  # e1 still holds version 0: the pool reports the oldest
+
+
+def test_duplicate_keys_in_flight_are_refused():
+    async def main():
+        pool = EnginePool([ScriptedEngine("e0")], 10)
+        t = asyncio.ensure_future(pool.generate(GenRequest("same", [1], 100)))
+        await asyncio.sleep(0.02)
+        with pytest.raises(ValueError, match="already in flight"):
+            await pool.generate(GenRequest("same", [1], 100))
+        await pool.abort()
+        await t
+    run(main())
+
+
+def test_sync_pool_times_out_instead_of_hanging():
+    """A call that exceeds rollout.engine_timeout_s raises EngineError; it never blocks forever."""
+    loop = LoopThread()
+    try:
+        sync = SyncPool(EnginePool([ScriptedEngine("e0")], timeout_s=0.3), loop, 5)
+        with pytest.raises(EngineError, match="engine_timeout_s"):
+            sync.call(asyncio.sleep(5), "sleeping", timeout=0.3)
+        out = sync.generate_many([GenRequest("a", [1], 1)])
+        assert out[0].token_ids == [0]
+    finally:
+        loop.stop()
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenRequest("k", [1], 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        GenRequest("k", [], 4)
+    with pytest.raises(EngineError, match="2 tokens but 1 logprobs"):
+        GenResult("k").extend([1, 2], [0.0], 0)
+
+
+def test_stale_staging_folders_of_dead_runs_are_removed(tmp_path):
+    """Weights staged by a crashed run (its pid is gone) are removed; a live run's are kept."""
+    from megarl.rollout import weight_sync
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"{weight_sync.PREFIX}{dead}-run-abc"
+    live = tmp_path / f"{weight_sync.PREFIX}{os.getpid()}-run-def"
+    other = tmp_path / "unrelated"
+    for d in (stale, live, other):
+        d.mkdir()
+    assert weight_sync.clean_stale(str(tmp_path)) == [str(stale)]
+    assert live.exists() and other.exists() and not stale.exists()
+
+
+def test_staging_problems_are_named(tmp_path):
+    from megarl.rollout import weight_sync
+    assert "not a writable folder" in weight_sync._staging_problem(str(tmp_path / "missing"), 0)
+    msg = weight_sync._staging_problem(str(tmp_path), 1 << 60)
+    assert "weight_sync.staging_dir" in msg and "MiB free" in msg
+    assert weight_sync._staging_problem(str(tmp_path), 1024) is None
