@@ -43,9 +43,13 @@ def main(argv=None) -> int:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
+    from megarl.rollout.engine import EngineError
     from megarl.train import train
     try:
         train(cfg)
+    except EngineError as err:  # names the engine, its URL and its log file
+        print(f"megarl: engine error: {err}", file=sys.stderr)
+        return 1
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2

@@ -127,6 +127,26 @@ class LocalServer:
     def returncode(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
 
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until GET /health answers 200 (synchronous callers: tools, test fixtures)."""
+        import urllib.request
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never via a proxy
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.process_alive():
+                raise EngineError(f"vLLM server {self.url} (log {self.log_path}) exited with code "
+                                  f"{self.returncode} while starting. Last lines of its log:\n{self.log_tail()}")
+            try:
+                with opener.open(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"vLLM server {self.url} (log {self.log_path}) not healthy after "
+                                  f"{timeout_s:.0f} s. Last lines of its log:\n{self.log_tail()}")
+            time.sleep(0.25)
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             with open(self.log_path, "rb") as fh:

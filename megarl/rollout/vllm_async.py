@@ -164,7 +164,7 @@ def engine_args(cfg, seed: int, index: int) -> dict:
     args = dict(max_model_len=cfg.max_model_len, seed=seed + index, enforce_eager=cfg.enforce_eager,
                 tensor_parallel_size=cfg.engine_tp,
                 # behaviour logprobs of the distribution actually sampled from (after temperature)
-                logprobs_mode="processed_logprobs", disable_log_stats=True)
+                logprobs_mode="processed_logprobs", disable_log_stats=True, use_tqdm_on_load=False)
     if torch.cuda.is_available():
         args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, dtype="auto")
     else:

@@ -1,13 +1,14 @@
 """Subprocess body of test_pool_sync: weight sync from several trainer layouts into a pool.
 
-Run under torchrun with 4 ranks. Rank 0 opens an engine pool (2 engines, in-process or as
-local vLLM servers); then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the
+Run under torchrun with 4 ranks. Rank 0 opens one engine pool per engine mode (2 engines
+each: in-process and/or local vLLM servers); then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the
 same world) every rank builds the actor from the tiny model, perturbs its weights (so an
 engine that missed the push cannot match by accident), pushes them as a new version, and
 measures per engine the mean |engine - trainer| logprob of tokens the engine samples at
 temperature 0.7. Finally one push silently drops a bucket, which the same measure must expose.
-usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODE STAGING_BASE
+usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES(comma-separated) STAGING_BASE LOG_DIR
 """
+import dataclasses
 import json
 import sys
 
@@ -16,14 +17,14 @@ import torch
 TEMPERATURE = 0.7
 
 
-def main(model_dir: str, out_path: str, mode: str, staging: str) -> None:
+def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> None:
     from megarl.config import load_config
     from megarl.distributed import cpu, parallel
     from megarl.distributed.env import init_distributed
 
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", f"data.prompts={model_dir}/prompts.jsonl", "run.dir=unused",
-        f"rollout.engine_mode={mode}", "rollout.engines=2", f"rollout.temperature={TEMPERATURE}",
+        "rollout.engines=2", f"rollout.temperature={TEMPERATURE}",
         f"weight_sync.staging_dir={staging}", "rollout.engine_timeout_s=60"])
     env = init_distributed("gloo")
     cpu.apply()
@@ -36,7 +37,10 @@ def main(model_dir: str, out_path: str, mode: str, staging: str) -> None:
     from megarl.rollout import weight_sync
     from megarl.rollout.pool import open_pool
 
-    pool = open_pool(cfg.rollout, model_dir, 0, f"{staging}/engine-logs") if env.rank == 0 else None
+    pools = {}
+    for mode in modes.split(","):
+        c = dataclasses.replace(cfg.rollout, engine_mode=mode)
+        pools[mode] = open_pool(c, model_dir, 0, f"{logs}/{mode}") if env.rank == 0 else None
     hf_config = AutoConfig.from_pretrained(model_dir)
     hf_state = read_hf_state(model_dir)
     prompts = [[1, 5 + i, 9, 12 + 3 * i] for i in range(6)]
@@ -49,18 +53,24 @@ def main(model_dir: str, out_path: str, mode: str, staging: str) -> None:
             model, info = build_model(hf_config, tcfg, 128, "actor")
             load_hf_weights(model, info, hf_state, "actor")
             actor = make_trainable(model, info, 1e-4, 0.0, 1.0, 0, 1)
-            # shard-local noise, seeded by the shard's position: DP replicas stay identical
-            g = torch.Generator().manual_seed(1000 * tp + 100 * pp + 10 * parallel.tp_rank() + parallel.pp_rank())
+            # noise seeded by the shard's position: TP shards differ, while tensors replicated
+            # over TP (norms) and DP replicas stay identical, as training keeps them
             with torch.no_grad():
-                for p in weight_sync.unwrap(actor.model).parameters():
+                for i, p in enumerate(weight_sync.unwrap(actor.model).parameters()):
+                    split = getattr(p, "tensor_model_parallel", False)
+                    g = torch.Generator().manual_seed(
+                        10_000 * tp + 1000 * pp + 100 * i + 10 * parallel.pp_rank() + (parallel.tp_rank() if split else 0))
                     p.add_(0.05 * torch.randn(p.shape, generator=g))
             version += 1
-            sync = weight_sync.push(actor.model, info, pool, version, staging, bucket_mb=1)
-            gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
-            if pool is not None:
-                result["versions_ok"] &= pool.version == version
-            result["layouts"][f"tp{tp}pp{pp}"] = {"gaps": gaps, "version": version,
-                                                 "sync_bytes": sync["sync_bytes"]}
+            entry = {"version": version, "gaps": {}}
+            for mode, pool in pools.items():
+                sync = weight_sync.push(actor.model, info, pool, version, staging, bucket_mb=1)
+                gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+                entry["gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
+                if pool is not None:
+                    result["versions_ok"] &= pool.version == version
+            entry["sync_bytes"] = sync["sync_bytes"]
+            result["layouts"][f"tp{tp}pp{pp}"] = entry
             last = (actor, info)
         # a push that drops one bucket: the engines keep a stale tensor, the probe must see it
         actor, info = last
@@ -74,18 +84,25 @@ def main(model_dir: str, out_path: str, mode: str, staging: str) -> None:
                 if k != 1:
                     yield b
         weight_sync.buckets = lossy
-        try:
-            weight_sync.push(actor.model, info, pool, version + 1, staging, bucket_mb=1)
-            result["skipped_bucket_error"] = None
-        except Exception as err:  # a loader that refuses a partial checkpoint also detects it
-            result["skipped_bucket_error"] = f"{type(err).__name__}: {err}"
+        result["skipped_bucket_gaps"] = {}
+        for mode, pool in pools.items():
+            try:
+                weight_sync.push(actor.model, info, pool, version + 1, staging, bucket_mb=1)
+            except Exception as err:  # a loader that refuses a partial checkpoint also detects it
+                result[f"skipped_bucket_error/{mode}"] = f"{type(err).__name__}: {err}"
+            gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+            result["skipped_bucket_gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
+            try:
+                weight_sync.verify(actor, pool, prompts, 16, 1, TEMPERATURE)
+            except weight_sync.WeightSyncError as err:
+                result[f"verify_message/{mode}"] = str(err)
+            if pool is not None:
+                result.setdefault("health", []).extend(h.__dict__ for h in pool.health())
         weight_sync.buckets = real_buckets
-        result["skipped_bucket_gaps"] = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
-        if pool is not None:
-            result["health"] = [h.__dict__ for h in pool.health()]
     finally:
-        if pool is not None:
-            pool.close()
+        for pool in pools.values():
+            if pool is not None:
+                pool.close()
         parallel.destroy()
     if env.rank == 0:
         with open(out_path, "w") as f:
@@ -93,4 +110,4 @@ def main(model_dir: str, out_path: str, mode: str, staging: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

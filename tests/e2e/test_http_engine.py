@@ -57,18 +57,9 @@ def server(tiny_model, tmp_path_factory):
     srv = LocalServer(tiny_model, log, api_key=secrets.token_hex(8), seed=0, max_model_len=MAX_LEN,
                       kv_cache_mb=64)
 
-    async def ready():
-        eng = LocalServerEngine("probe", srv, timeout_s=30, start_timeout_s=START_TIMEOUT_S)
-        await HTTPVLLMEngine.start(eng) if False else None
     srv.start()
     try:
-        async def wait():
-            eng = HTTPVLLMEngine("probe", srv.url, srv.api_key, 30, str(log), start_timeout_s=START_TIMEOUT_S)
-            eng._check_process = lambda: None if srv.process_alive() else pytest.fail(
-                f"vLLM server exited during startup:\n{srv.log_tail(40)}")
-            await eng.start()
-            await eng.close()
-        asyncio.run(wait())
+        srv.wait_healthy(START_TIMEOUT_S)
         yield srv
     finally:
         srv.stop()
@@ -218,7 +209,12 @@ def _group_members(pgid):
     return out
 
 
+def _live_children() -> set:
+    return {c.pid for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+
+
 def test_server_death_mid_request_raises_with_log_path(tiny_model, tmp_path):
+    before = _live_children()                          # the module's server, if it is running
     log = tmp_path / "engine_1.log"
     srv = LocalServer(tiny_model, log, api_key=secrets.token_hex(8), seed=1, max_model_len=MAX_LEN)
     engine = LocalServerEngine("doomed", srv, timeout_s=20, start_timeout_s=START_TIMEOUT_S)
@@ -250,5 +246,4 @@ def test_server_death_mid_request_raises_with_log_path(tiny_model, tmp_path):
     assert elapsed < 20
     assert not srv.process_alive()
     assert _group_members(pgid) == [], "vLLM processes survived the kill"
-    assert [c for c in psutil.Process().children(recursive=True)
-            if c.status() != psutil.STATUS_ZOMBIE] == []
+    assert _live_children() - before == set(), "a process of the killed server is still our child"

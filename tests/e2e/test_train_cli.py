@@ -89,13 +89,25 @@ def test_grpo_run_has_no_critic(tiny_model, tmp_path):
     assert all(r["critic_grad_norm"] == 0.0 and r["grad_norm"] > 0 for r in rows)  # only the actor learns
 
 
-def test_tensor_parallel_run_under_torchrun(tiny_model, tmp_path):
-    """`megarl train ... parallel.tp=2` on 2 torchrun ranks runs end to end and its pushes
-    (TP shards gathered, QKV and gate/up regrouped) leave the engine matching the trainer."""
-    _, rows = train(tiny_model, tmp_path / "tp2", "train.steps=2", "parallel.tp=2",
-                    "weight_sync.verify=true", nproc=2)
+def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_path):
+    """`megarl train ... parallel.tp=2` on 2 torchrun ranks with 2 engines sampling at
+    temperature 0.7: its pushes (TP shards gathered, QKV and gate/up regrouped) reach both
+    engines, and the trainer's logprobs of the sampled tokens (logits / 0.7) equal the
+    engines' processed logprobs at the fp32 level. The dumped samples carry the version each
+    step was generated under and the engine's logprobs."""
+    run_dir = tmp_path / "tp2"
+    _, rows = train(tiny_model, run_dir, "train.steps=2", "parallel.tp=2", "rollout.engines=2",
+                    "rollout.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true", nproc=2)
     assert len(rows) == 2
-    assert all(r["sync_verify_gap"] < 1e-3 and r["logprob_mismatch_mean"] < 1e-3 for r in rows)
+    assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows
+    for step in (0, 1):
+        dumped = [json.loads(x) for x in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(dumped) == 16 * 4
+        for d in dumped:
+            assert len(d["response_ids"]) == len(d["logprobs"]) == len(d["versions"]) > 0
+            assert set(d["versions"]) == {step}
+            assert d["finish_reason"] in ("stop", "length") and 0.0 <= d["reward"] <= 1.0
+            assert d["prompt"].startswith("<bos>") and isinstance(d["response"], str)
 
 
 def test_bad_config_fails_before_anything_starts(tmp_path):
