@@ -8,11 +8,12 @@
 1. builds random Qwen2-architecture HF folders (vocab 16000/32000, untied, fp32) locally, one
    tensor at a time, with the countdown tokenizer (no downloads; reused when already there):
    small ~107 MiB, medium ~375 MiB, large ~1.04 GiB (278M parameters);
-2. per size, runs bench/weight_sync_probe.py under torchrun on gloo: one 1-rank world for the
-   1x1 layout and one 2-rank world for TP=2 and PP=2. Rank 0 starts ONE pool of in-process
-   vLLM engines (rollout.engine_mode=inprocess) per world and pushes into its first 1 and 2
-   engines at every bucket size; right before each push it times tensor.copy_ of the same
-   number of bytes in the same process (memcpy_s), so efficiency = memcpy_s / sync_s;
+2. per size, runs bench/weight_sync_probe.py under torchrun on gloo in one 2-rank world (1 rank
+   when only 1x1 is asked for): rank 0 starts ONE pool of in-process vLLM engines
+   (rollout.engine_mode=inprocess) and keeps it for the layouts 1x1 (rank 0 alone, rank 1
+   parked in a barrier), TP=2 and PP=2; it pushes into the pool's first 1 and 2 engines at
+   every bucket size, and right before each push times tensor.copy_ of the same number of
+   bytes in the same process (memcpy_s), so efficiency = memcpy_s / sync_s;
 3. writes the rows (model_bytes, bucket_mb, layout, engines, sync_s, memcpy_s, efficiency and
    the split gather_s / convert_s / stage_s / load_s / other_s) to --out, prints a table, and
    projects the sync time of a 7B and a 70B model (bf16 bytes) from the measured per-byte
@@ -153,10 +154,11 @@ def projection(rows: list[dict], anatomy: dict, bandwidth_gbps: float) -> tuple[
     size's best bucket size; project 7B / 70B bf16 bytes beside the floors."""
     out, lines = [], []
     link = bandwidth_gbps * 1e9 / 8  # bytes/s
-    shm_pb = None
+    shm_w = shm_r = None
     if anatomy:
         biggest = max(anatomy.values(), key=lambda a: a["anatomy_bytes"])
-        shm_pb = (biggest["shm_write_s"] + biggest["shm_read_s"]) / biggest["anatomy_bytes"]
+        shm_w = biggest["shm_write_s"] / biggest["anatomy_bytes"]
+        shm_r = biggest["shm_read_s"] / biggest["anatomy_bytes"]
     memcpy_pb = [r["memcpy_s"] / r["model_bytes"] for r in rows]
     memcpy_pb = sorted(memcpy_pb)[len(memcpy_pb) // 2]
     head = (f"| layout | engines | fixed s | s/GB (sync) | s/GB: gather / convert / stage / load | "
@@ -177,6 +179,8 @@ def projection(rows: list[dict], anatomy: dict, bandwidth_gbps: float) -> tuple[
         entry = {"layout": key[0], "engines": key[1], "fixed_s": a, "s_per_byte": b,
                  "phase_s_per_byte": phases, "bucket_mb_by_size": {s: p["bucket_mb"] for s, p in best.items()}}
         cells = []
+        # staging floor: the trainer writes each byte once, every engine reads it once
+        shm_pb = shm_w + key[1] * shm_r if shm_w is not None else None
         for m, params in PROJECT.items():
             nbytes = params * 2
             sync = a + b * nbytes
@@ -205,7 +209,13 @@ def main() -> None:
     p.add_argument("--staging", default="/dev/shm", help="weight_sync.staging_dir (engines read it)")
     p.add_argument("--work", default=str(ROOT / "bench/out/weight_sync"), help="models, specs, logs")
     p.add_argument("--out", default=str(ROOT / "bench/out/weight_sync.json"))
+    p.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --out file")
     a = p.parse_args()
+    if a.report:
+        d = json.loads(Path(a.report).read_text())
+        a.bandwidth_gbps = d["bandwidth_gbps"] if a.bandwidth_gbps == 400.0 else a.bandwidth_gbps
+        report(d["rows"], d["anatomy"], a, d["runtime_s"], a.report)
+        return
     sizes = a.sizes or (["small", "medium"] if a.quick else list(SIZES))
     buckets = a.bucket_mb or ([256] if a.quick else [64, 256, 1024])
     work = Path(a.work)
@@ -220,47 +230,68 @@ def main() -> None:
         nparams = nbytes // 4
         print(f"{size}: {nparams / 1e6:.0f}M params, {human(nbytes)} fp32 ({time.perf_counter() - t:.1f} s)",
               flush=True)
-        for nproc in (1, 2):
-            layouts = [l for l in a.layouts if LAYOUT_RANKS[l] == nproc]
-            if not layouts:
-                continue
-            spec = {"model_dir": str(model_dir), "model_bytes": nbytes, "layouts": layouts,
-                    "engines": a.engines, "bucket_mb": buckets, "repeats": a.repeats,
-                    "staging": a.staging, "logs": str(work / "logs"), "anatomy": nproc == 1}
-            res = run_probe(spec, nproc, work, f"{size}_{nproc}")
-            launches.append({"size": size, "ranks": nproc, "layouts": layouts, "launch_s": res["launch_s"],
-                             "pool_start_s": res.get("pool_start_s")})
-            for r in res["rows"]:
-                rows.append({"size": size, "params": nparams, **r})
-            if "anatomy" in res:
-                anatomy[size] = res["anatomy"]
-            print(f"  {nproc} rank(s) {layouts}: {res['launch_s']:.0f} s (pool start "
-                  f"{res.get('pool_start_s', 0):.0f} s)", flush=True)
+        # one world per size: its pool of engines serves every layout (an engine start costs
+        # far more than the whole sweep of pushes at the small sizes)
+        nproc = max(LAYOUT_RANKS[l] for l in a.layouts)
+        spec = {"model_dir": str(model_dir), "model_bytes": nbytes, "layouts": a.layouts,
+                "engines": a.engines, "bucket_mb": buckets, "repeats": a.repeats,
+                "staging": a.staging, "logs": str(work / "logs"), "anatomy": True}
+        res = run_probe(spec, nproc, work, size)
+        launches.append({"size": size, "ranks": nproc, "layouts": a.layouts, "launch_s": res["launch_s"],
+                         "pool_start_s": res.get("pool_start_s")})
+        for r in res["rows"]:
+            rows.append({"size": size, "params": nparams, **r})
+        if "anatomy" in res:
+            anatomy[size] = res["anatomy"]
+        print(f"  {size}: world of {nproc} rank(s), {res['launch_s']:.0f} s (pool start "
+              f"{res.get('pool_start_s', 0):.0f} s)", flush=True)
     runtime = time.perf_counter() - t_all
-    proj_text, proj = projection(rows, anatomy, a.bandwidth_gbps)
+    _, proj = projection(rows, anatomy, a.bandwidth_gbps)
     result = {"rows": rows, "anatomy": anatomy, "projection": proj, "launches": launches,
               "bandwidth_gbps": a.bandwidth_gbps, "runtime_s": runtime, "argv": sys.argv[1:],
               "machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
+    report(rows, anatomy, a, runtime, a.out)
+
+
+def report(rows: list[dict], anatomy: dict, a, runtime: float, where: str) -> None:
+    proj_text, _ = projection(rows, anatomy, a.bandwidth_gbps)
     print()
     print(table(rows))
     if anatomy:
         print("\nanatomy of the CPU route (1x1, rank 0, same bytes; GB/s = model bytes / time):")
         print("| size | memcpy | raw shm write | raw shm read | gather+convert (no write) | safetensors save | "
-              "safetensors read-back |")
+              "safetensors read + copy into params |")
         print("|---|---|---|---|---|---|---|")
         for size, an in anatomy.items():
             nb = an["anatomy_bytes"]
             mc = [r["memcpy_s"] for r in rows if r["size"] == size]
             mc = sorted(mc)[len(mc) // 2]
-            cells = [mc, an["shm_write_s"], an["shm_read_s"], an["convert_only_s"], an["st_save_s"], an["st_read_s"]]
+            cells = [mc, an["shm_write_s"], an["shm_read_s"], an["convert_only_s"], an["st_save_s"], an["st_read_copy_s"]]
             print(f"| {size} ({human(nb)}) | " + " | ".join(f"{c:.3f} s ({nb / c / 1e9:.1f})" for c in cells) + " |")
+    big = max(r["model_bytes"] for r in rows)
+    print(f"\nbest efficiency at the largest size ({human(big)}):")
+    for key in sorted({(r["layout"], r["engines"]) for r in rows}):
+        cand = [r for r in rows if r["model_bytes"] == big and (r["layout"], r["engines"]) == key]
+        if cand:
+            r = max(cand, key=lambda r: r["efficiency"])
+            print(f"  {key[0]:4s} engines={key[1]}: {r['efficiency']:.3f} (bucket {r['bucket_mb']} MB, sync "
+                  f"{r['sync_s']:.2f} s = gather {r['gather_s']:.2f} + convert {r['convert_s']:.2f} + stage "
+                  f"{r['stage_s']:.2f} + load {r['load_s']:.2f} + other {r['other_s']:.2f}; memcpy {r['memcpy_s']:.3f} s)")
+    if anatomy:
+        an = max(anatomy.values(), key=lambda x: x["anatomy_bytes"])
+        nb = an["anatomy_bytes"] / 1e9
+        mc = sorted(r["memcpy_s"] / r["model_bytes"] for r in rows)[len(rows) // 2] * 1e9
+        print(f"\nper-byte costs on this machine (s/GB): memcpy {mc:.3f}, shm write {an['shm_write_s'] / nb:.3f}, "
+              f"shm read {an['shm_read_s'] / nb:.3f}, safetensors save {an['st_save_s'] / nb:.3f}, "
+              f"safetensors read + copy {an['st_read_copy_s'] / nb:.3f}, gather+convert (1x1) "
+              f"{an['convert_only_s'] / nb:.3f}; interconnect {8 / a.bandwidth_gbps:.3f}")
     print(f"\nprojection (bf16 bytes; per-byte costs fitted over the sizes at each size's best bucket; "
-          f"floor = bytes / {a.bandwidth_gbps:g} Gb/s; shm floor = one raw write + one raw read per byte "
-          f"on this machine; memcpy = one copy at the measured rate):")
+          f"floor = bytes / {a.bandwidth_gbps:g} Gb/s; shm floor = one raw write per byte + one raw read per "
+          f"byte and engine, at this machine's rates; memcpy = one copy at the measured rate):")
     print(proj_text)
-    print(f"\nruntime {runtime:.0f} s; rows in {a.out}")
+    print(f"\nruntime {runtime:.0f} s; rows in {where}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=N bench/weight_sync_probe.py SPEC.json
 
-SPEC (written by bench/weight_sync.py): model_dir, layouts (e.g. ["tp2", "pp2"], each must use
-all N ranks; "1x1" needs N=1), engines (e.g. [1, 2]), bucket_mb, repeats, staging, out, logs,
+SPEC (written by bench/weight_sync.py): model_dir, layouts (of "1x1", "tp2", "pp2"; TP=2 and PP=2
+use both ranks of a 2-rank world, 1x1 runs on rank 0 alone while the other rank waits in a
+barrier, see OneRank), engines (e.g. [1, 2]), bucket_mb, repeats, staging, out, logs,
 anatomy (bool). Rank 0 opens ONE pool with max(engines) in-process engines (vLLM AsyncLLM,
 rollout.engine_mode=inprocess) and keeps it for every layout; a push into fewer engines goes to
 the first n of them (the others keep the older version). For each layout every rank builds the
@@ -12,7 +13,7 @@ untimed (first-touch effects in the engines), then for each engine count and buc
 `repeats` times. Right before each push rank 0 times a plain copy of the same number of bytes
 (tensor.copy_ between two preallocated buffers of model_bytes, 1 thread, median of 3) in this
 same process, so `efficiency = memcpy_s / sync_s` compares against the machine's state at that
-moment. With anatomy=true (1x1 only) rank 0 also measures, on the same bytes, what the CPU route
+moment. With anatomy=true (after the 1x1 layout) rank 0 also measures, on the same bytes, what the CPU route
 is made of: a raw write + read of one file in the staging folder, safetensors save_file of the
 converted buckets, and safetensors read-back (the re-reading every engine does).
 """
@@ -55,6 +56,56 @@ class SubPool:
         self.sync_pool.call(self.pool.update_weights(path, version), f"loading weight version {version}")
 
 
+class OneRank:
+    """torch.distributed as a 1-rank world sees it, for `weight_sync` on rank 0 of a bigger world
+    while the other ranks are parked: in a 1-rank world push's collectives (the staging-size
+    all_reduce, the folder-name broadcast, the barriers) are skipped or return at once; with
+    TP=1 there is no all-gather. Everything else is the real module."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def get_world_size(self, group=None):
+        return 1
+
+    def get_rank(self, group=None):
+        return 0
+
+    def barrier(self, *a, **k):
+        pass
+
+    def all_reduce(self, *a, **k):
+        pass
+
+    def broadcast_object_list(self, *a, **k):
+        pass
+
+    def all_gather(self, *a, **k):
+        raise RuntimeError("OneRank: no all-gather in a 1-rank world (TP=1 only)")
+
+
+def row_of(layout, ranks, n, bucket_mb, rep, model_bytes, memcpy_s, res, everyone) -> dict:
+    staged = sum(r["sync_bytes"] for r in everyone)
+    assert staged == model_bytes, (staged, model_bytes)
+    # stages (PP) and TP ranks work in parallel: the critical path is the slowest rank's
+    gather = max(r["sync_gather_s"] for r in everyone)
+    convert = max(r["sync_convert_s"] for r in everyone)
+    stage = max(r["sync_stage_s"] for r in everyone)
+    sync_s, load = res["sync_time_s"], res["sync_load_s"]
+    print(f"[probe] {layout} engines={n} bucket={bucket_mb} MB: sync {sync_s:.2f} s "
+          f"(gather {gather:.2f} convert {convert:.2f} stage {stage:.2f} load {load:.2f}) "
+          f"memcpy {memcpy_s:.3f} s -> eff {memcpy_s / sync_s:.3f}", flush=True)
+    return {"layout": layout, "trainer_ranks": ranks, "engines": n, "bucket_mb": bucket_mb, "repeat": rep,
+            "model_bytes": model_bytes, "sync_s": sync_s, "memcpy_s": memcpy_s, "efficiency": memcpy_s / sync_s,
+            "gather_s": gather, "convert_s": convert, "stage_s": stage, "load_s": load,
+            "other_s": sync_s - gather - convert - stage - load,
+            "per_rank": [{k: r[k] for k in ("sync_time_s", "sync_gather_s", "sync_convert_s", "sync_stage_s",
+                                            "sync_load_s", "sync_bytes")} for r in everyone]}
+
+
 def anatomy(model, info, model_bytes: int, staging: str) -> dict:
     """Rank 0 of a 1-rank world: the per-byte pieces of the CPU route on the same bytes."""
     import torch
@@ -65,21 +116,25 @@ def anatomy(model, info, model_bytes: int, staging: str) -> dict:
     out = {}
     folder = tempfile.mkdtemp(prefix=f"{weight_sync.PREFIX}{os.getpid()}-anatomy-", dir=staging)
     try:
-        # 1. raw file write + read of model_bytes through the staging file system
+        # 1. raw file write + read of model_bytes through the staging file system (median of 3;
+        # every write goes to a new file, as every sync does)
         src = torch.empty(model_bytes, dtype=torch.uint8)
         src.fill_(1)
         dst = torch.empty_like(src)
         dst.fill_(0)
         path = os.path.join(folder, "raw.bin")
-        t = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(memoryview(src.numpy()))
-        out["shm_write_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        with open(path, "rb") as f:
-            f.readinto(memoryview(dst.numpy()))
-        out["shm_read_s"] = time.perf_counter() - t
-        os.remove(path)
+        writes, reads = [], []
+        for _ in range(3):
+            t = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(memoryview(src.numpy()))
+            writes.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            with open(path, "rb") as f:
+                f.readinto(memoryview(dst.numpy()))
+            reads.append(time.perf_counter() - t)
+            os.remove(path)
+        out["shm_write_s"], out["shm_read_s"] = statistics.median(writes), statistics.median(reads)
         del src, dst
         # 2. gather/convert alone (no write), then the same plus safetensors save_file
         timers: dict = {}
@@ -94,14 +149,20 @@ def anatomy(model, info, model_bytes: int, staging: str) -> dict:
             save_file(bucket, os.path.join(folder, f"b{k:03d}.safetensors"))
             t_save += time.perf_counter() - t
         out["st_save_s"] = t_save
-        # 3. what every engine does first: open each staged file and materialise every tensor
-        t = time.perf_counter()
-        got = 0
+        # 3. the least an engine must do: open each staged file and copy every tensor into its
+        # (preallocated) parameter; vLLM's reload does this plus its layer-wise re-processing
+        params = {}
         for fname in sorted(os.listdir(folder)):
             with safe_open(os.path.join(folder, fname), framework="pt") as f:
                 for key in f.keys():
-                    got += f.get_tensor(key).numel() * 4
-        out["st_read_s"] = time.perf_counter() - t
+                    params[key] = torch.zeros(f.get_slice(key).get_shape())
+        t = time.perf_counter()
+        for fname in sorted(os.listdir(folder)):
+            with safe_open(os.path.join(folder, fname), framework="pt") as f:
+                for key in f.keys():
+                    params[key].copy_(f.get_tensor(key))
+        out["st_read_copy_s"] = time.perf_counter() - t
+        del params
         out["anatomy_bytes"] = n
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -143,50 +204,51 @@ def main(spec_path: str) -> None:
     try:
         for layout in spec["layouts"]:
             tp, pp = {"1x1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[layout]
-            assert tp * pp == env.world_size, (layout, env.world_size)
-            parallel.initialize(tp, pp, 0)
-            t = time.perf_counter()
-            tcfg = transformer_config(hf_config, tp, pp, torch.float32, False, "none", False)
-            model, info = build_model(hf_config, tcfg, 128, "actor")
-            if env.rank == 0:
-                print(f"[probe] {layout}: actor built in {time.perf_counter() - t:.1f} s", flush=True)
-            version += 1
-            weight_sync.push(model, info, pool, version, staging, bucket_mb=max(spec["bucket_mb"]), tag="warm")
-            for n in spec["engines"]:
-                target = SubPool(pool, n) if pool is not None else None
-                for bucket_mb in spec["bucket_mb"]:
-                    for rep in range(spec["repeats"]):
-                        memcpy_s = memcpy_seconds(model_bytes) if env.rank == 0 else 0.0
-                        dist.barrier()
-                        version += 1
-                        res = weight_sync.push(model, info, target, version, staging, bucket_mb=bucket_mb)
-                        everyone = [None] * env.world_size
-                        dist.all_gather_object(everyone, res)
-                        if env.rank != 0:
-                            continue
-                        staged = sum(r["sync_bytes"] for r in everyone)
-                        assert staged == model_bytes, (staged, model_bytes)
-                        # stages (PP) and TP ranks work in parallel: the critical path is the slowest
-                        gather = max(r["sync_gather_s"] for r in everyone)
-                        convert = max(r["sync_convert_s"] for r in everyone)
-                        stage = max(r["sync_stage_s"] for r in everyone)
-                        sync_s, load = res["sync_time_s"], res["sync_load_s"]
-                        row = {"layout": layout, "trainer_ranks": env.world_size, "engines": n,
-                               "bucket_mb": bucket_mb, "repeat": rep, "model_bytes": model_bytes,
-                               "sync_s": sync_s, "memcpy_s": memcpy_s, "efficiency": memcpy_s / sync_s,
-                               "gather_s": gather, "convert_s": convert, "stage_s": stage, "load_s": load,
-                               "other_s": sync_s - gather - convert - stage - load,
-                               "per_rank": [{k: r[k] for k in ("sync_time_s", "sync_gather_s", "sync_convert_s",
-                                                               "sync_stage_s", "sync_load_s", "sync_bytes")}
-                                            for r in everyone]}
-                        rows.append(row)
-                        print(f"[probe] {layout} engines={n} bucket={bucket_mb} MB: sync {sync_s:.2f} s "
-                              f"(gather {gather:.2f} convert {convert:.2f} stage {stage:.2f} load {load:.2f}) "
-                              f"memcpy {memcpy_s:.3f} s -> eff {memcpy_s / sync_s:.3f}", flush=True)
-            if spec.get("anatomy") and env.world_size == 1:
-                extra["anatomy"] = anatomy(model, info, model_bytes, staging)
-                print(f"[probe] anatomy: {extra['anatomy']}", flush=True)
-            del model
+            # 1x1 in a bigger world: rank 0 alone, the others parked in a barrier (see OneRank)
+            alone = tp * pp == 1 and env.world_size > 1
+            assert alone or tp * pp == env.world_size, (layout, env.world_size)
+            parallel.initialize(tp, pp, 0)  # collective (group creation), every rank
+            if alone and env.rank != 0:
+                dist.barrier()
+                parallel.destroy()
+                continue
+            real_dist = weight_sync.dist
+            if alone:
+                weight_sync.dist = OneRank(dist)
+            try:
+                t = time.perf_counter()
+                tcfg = transformer_config(hf_config, tp, pp, torch.float32, False, "none", False)
+                model, info = build_model(hf_config, tcfg, 128, "actor")
+                if env.rank == 0:
+                    print(f"[probe] {layout}: actor built in {time.perf_counter() - t:.1f} s", flush=True)
+                version += 1
+                weight_sync.push(model, info, pool, version, staging, bucket_mb=max(spec["bucket_mb"]), tag="warm")
+                for n in spec["engines"]:
+                    target = SubPool(pool, n) if pool is not None else None
+                    for bucket_mb in spec["bucket_mb"]:
+                        for rep in range(spec["repeats"]):
+                            memcpy_s = memcpy_seconds(model_bytes) if env.rank == 0 else 0.0
+                            if not alone:
+                                dist.barrier()
+                            version += 1
+                            res = weight_sync.push(model, info, target, version, staging, bucket_mb=bucket_mb)
+                            everyone = [res]
+                            if not alone:
+                                everyone = [None] * env.world_size
+                                dist.all_gather_object(everyone, res)
+                            if env.rank != 0:
+                                continue
+                            rows.append(row_of(layout, 1 if alone else env.world_size, n, bucket_mb, rep,
+                                               model_bytes, memcpy_s, res, everyone))
+                if spec.get("anatomy") and tp * pp == 1:
+                    extra["anatomy"] = anatomy(model, info, model_bytes, staging)
+                    print(f"[probe] anatomy: {json.dumps({k: round(v, 4) for k, v in extra['anatomy'].items()})}",
+                          flush=True)
+                del model
+            finally:
+                weight_sync.dist = real_dist
+            if alone:
+                dist.barrier()  # release the parked ranks
             parallel.destroy()
     finally:
         if pool is not None:

@@ -33,13 +33,13 @@ def train(cfg: RootConfig) -> dict:
     from megarl.metrics.logger import MetricsLogger
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
-    from megarl.ppo.step import ppo_step
+    from megarl.ppo.step import ppo_step, trainer_logprobs
     from megarl.rewards import get_reward_fn
     from megarl.rewards import model as reward_model
     from megarl.rollout import weight_sync
     from megarl.rollout.dump import dump_samples
     from megarl.rollout.pool import open_pool
-    from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds
+    from megarl.rollout.rounds import Rollout
 
     # cheap inputs first: a bad data path or reward name fails before any model is built
     records = load_jsonl(cfg.data.prompts, cfg.data.prompt_key)
@@ -62,10 +62,13 @@ def train(cfg: RootConfig) -> dict:
         start = driver["step"] + 1
 
     is_driver = env.rank == 0
-    pool, logger = None, None
+    pool, logger, rollout = None, None, None
     if is_driver:
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"))
+        rollout = Rollout(cfg, pool, records, sampler, tokenizer, reward_fn)
+        if found and "rollout" in driver:  # the carry: partial samples, untrained groups
+            rollout.load_state_dict(driver["rollout"])
         logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard,
                                cfg.metrics.progress, start_step=start)
         if found:
@@ -77,6 +80,8 @@ def train(cfg: RootConfig) -> dict:
     def save(step: int) -> None:
         driver_state = {"step": step, "version": step + 1, "sampler": sampler.state_dict(),
                         "rng": ckpt.rng_state()}
+        if rollout is not None:
+            driver_state["rollout"] = rollout.state_dict()
         ckpt.save(cfg.checkpoint_dir, step, models.actor, models.critic, driver_state,
                   OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.checkpoint.keep)
 
@@ -90,22 +95,20 @@ def train(cfg: RootConfig) -> dict:
         push(start)
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
-            samples = None
+            samples, partials, round_metrics = None, None, {}
             if is_driver:
-                chosen = [records[i] for i in sampler.take(cfg.train.groups_per_step)]
-                prompts = encode_prompts(tokenizer, chosen, cfg.data.prompt_key)
-                samples = generate_groups(pool, chosen, prompts, cfg.rollout.n,
-                                          cfg.rollout.max_new_tokens, tokenizer, reward_fn,
-                                          sample_seeds(cfg.run.seed, step, len(chosen)),
-                                          cfg.rollout.temperature, tag=f"{step}-")
+                samples, round_metrics = rollout.round(step)
+                partials = rollout.pending()
                 if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
                     dump_samples(cfg.run.dir, step, samples, tokenizer)
-            else:
-                sampler.take(cfg.train.groups_per_step)  # keep every rank's cursor identical
             rollout_s = time.perf_counter() - t_step
-            samples = _broadcast(samples)
+            samples, partials = _broadcast((samples, partials))
 
             t_train = time.perf_counter()
+            if partials:  # stitching: l_old of the carried tokens, under the weights that made them
+                old = trainer_logprobs(cfg, models.actor, partials, tokenizer.pad_token_id)
+                if is_driver:
+                    rollout.store(old)
             batch = build_batch(samples, tokenizer.pad_token_id,
                                 cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
             extra = {}
@@ -123,9 +126,11 @@ def train(cfg: RootConfig) -> dict:
                                                              cfg.train.micro_batch_size,
                                                              cfg.rollout.temperature)
             if is_driver:
-                last = {**rollout_metrics(samples, batch), **extra, **metrics, **sync,
-                        "rollout_time_s": rollout_s, "train_time_s": train_s,
-                        "step_time_s": time.perf_counter() - t_step, "weight_version": pool.version}
+                step_s = time.perf_counter() - t_step
+                last = {**rollout_metrics(samples, batch), **round_metrics, **extra, **metrics, **sync,
+                        "rollout_time_s": rollout_s, "train_time_s": train_s, "step_time_s": step_s,
+                        # the trainer waits while the round generates (no overlap yet)
+                        "trainer_idle_frac": rollout_s / step_s, "weight_version": pool.version}
                 logger.log(step, last)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                 save(step)

@@ -75,7 +75,7 @@ class AlgoConfig:
     entropy_coef: float = 0.0          # entropy bonus in the actor loss
     whiten_advantages: bool = True     # normalise PPO advantages over the batch's tokens
     grpo_std_normalize: bool = True    # GRPO: divide by the group's std (Dr.GRPO sets this false)
-    loss_agg: str = "token-mean"       # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    loss_agg: str = "token-mean"       # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO)
     is_mode: str = "tis"               # behaviour correction: tis (truncate) | mask | none
     is_level: str = "token"            # token | sequence | geo_sequence
     is_cap: float = 2.0                # TIS truncation C for w = exp(l_old - l_mu)
@@ -87,7 +87,7 @@ class AlgoConfig:
         _one_of("algo.kl_mode", self.kl_mode, {"reward", "loss"})
         _one_of("algo.kl_kind", self.kl_kind, {"k1", "k2", "k3", "abs"})
         _one_of("algo.loss_agg", self.loss_agg,
-                {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum"})
+                {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"})
         _one_of("algo.is_mode", self.is_mode, {"tis", "mask", "none"})
         _one_of("algo.is_level", self.is_level, {"token", "sequence", "geo_sequence"})
         _require(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "must be in [0, 1]")
@@ -149,6 +149,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
     dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
+    mode: str = "partial"              # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
+    concurrency: int = 64              # partial: sample requests kept in flight across all engines
+    max_staleness: int = 2             # partial: a token may be at most this many weight versions older than the step training on it
+    stale_policy: str = "restart"      # partial: a sample past max_staleness is restarted from its prompt | drop (its whole group)
 
     def __post_init__(self):
         _require(self.n >= 1, "rollout.n", self.n, "must be >= 1")
@@ -172,6 +176,11 @@ class RolloutConfig:
         _require(self.engine_start_timeout_s > 0, "rollout.engine_start_timeout_s",
                  self.engine_start_timeout_s, "must be > 0")
         _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
+        _one_of("rollout.mode", self.mode, {"partial", "sync"})
+        _require(self.concurrency >= 1, "rollout.concurrency", self.concurrency, "must be >= 1")
+        _require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness,
+                 "must be >= 0 (0: every carried sample restarts after each weight update)")
+        _one_of("rollout.stale_policy", self.stale_policy, {"restart", "drop"})
 
     @property
     def engine_count(self) -> int:

@@ -65,6 +65,35 @@ def group_normalized_advantages(
     return centred.view(-1)
 
 
+@torch.no_grad()  # a target, like the advantages built from it
+def kl_penalized_scores(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """GRPO's sequence scores with the KL penalty in the reward (algo.kl_mode=reward).
+
+    Args:
+        scores: [B] verifier scores.
+        kl: [B, T] per-token KL estimate to the reference policy; padding may hold anything.
+        mask: [B, T] 1 on response tokens.
+        kl_coef: penalty weight (>= 0).
+
+    Returns:
+        [B] scores - kl_coef * sum_t(kl * mask): the sequence-level return of PPO's per-token
+        rewards (score on the last token, -kl_coef * KL on every token) at gamma = 1, so the
+        penalty means the same under both estimators. It is summed, not averaged, because the
+        KL of a sequence to the reference is the sum of its per-token log-ratios. Group
+        normalisation then subtracts the group mean, so only KL differences between samples of
+        one prompt move advantages; with std_normalize, a group whose verifier scores tie is
+        ranked by KL alone (scaled to unit std), so keep kl_coef small or use kl_mode=loss.
+    """
+    if kl.shape != mask.shape or kl.dim() != 2 or scores.shape != kl.shape[:1]:
+        raise ValueError(
+            f"need scores [B] and kl, mask [B, T]; got scores {tuple(scores.shape)}, "
+            f"kl {tuple(kl.shape)}, mask {tuple(mask.shape)}"
+        )
+    if not kl_coef:
+        return scores
+    return scores - kl_coef * (kl * mask).sum(dim=-1)
+
+
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """Zero-mean, unit-variance over masked positions (population variance).
 

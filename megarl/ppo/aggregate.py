@@ -6,13 +6,22 @@ rank's local mask, then all-reduce SUM over DP and over microbatches) and passes
 constant, so summing `aggregate` over any partition of the batch into microbatches and ranks
 equals aggregating the whole batch at once. If the data-parallel gradient reduction averages
 over ranks (Megatron's default), multiply the loss by the DP world size to undo it.
+
+Names follow verl's `loss_agg_mode`. Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+Training") is "seq-mean-token-sum-norm": token sums divided by a constant, the generation budget
+(rollout.max_new_tokens), so no length enters the normaliser. verl divides each micro-batch by
+that constant only; here it is also divided by the number of sequences (the paper's 1/G), which
+keeps the result independent of the split and its scale that of a per-token mean over full-budget
+responses.
 """
+
+from typing import Optional
 
 from torch import Tensor
 
 from megarl.ppo.losses import masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def _check_mode(mode: str) -> None:
@@ -20,20 +29,37 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {', '.join(AGG_MODES)}")
 
 
-def global_normalizer(mask: Tensor, mode: str) -> float:
+def global_normalizer(mask: Tensor, mode: str, max_len: Optional[int] = None) -> float:
     """This rank's share of the normaliser for `mode`; all-reduce SUM it across the batch.
 
     Args:
         mask: [B, T] 1 on response tokens.
+        max_len: the generation budget in tokens (rollout.max_new_tokens); required by
+            seq-mean-token-sum-norm, ignored by the other modes.
 
     Returns:
-        token-mean: number of valid tokens; seq-*: number of rows with at least one valid
-        token (fully padded rows, e.g. microbatch filler, do not count as sequences).
+        token-mean: number of valid tokens; seq-mean-token-mean and seq-mean-token-sum: number
+        of sequences, i.e. rows with at least one valid token (fully padded rows, e.g.
+        microbatch filler, do not count); seq-mean-token-sum-norm: sequences * max_len.
     """
     _check_mode(mode)
     if mode == "token-mean":
         return float(mask.sum())
-    return float((mask.sum(dim=-1) > 0).sum())
+    sequences = float((mask.sum(dim=-1) > 0).sum())
+    if mode != "seq-mean-token-sum-norm":
+        return sequences
+    if max_len is None:
+        raise ValueError(
+            f"loss aggregation {mode!r} divides by a constant budget: pass "
+            f"max_len=rollout.max_new_tokens to global_normalizer"
+        )
+    longest = int(mask.sum(dim=-1).max()) if mask.numel() else 0
+    if max_len < max(longest, 1):
+        raise ValueError(
+            f"max_len={max_len} is below a response of {longest} tokens; {mode!r} needs the "
+            f"generation budget rollout.max_new_tokens, which bounds every response"
+        )
+    return sequences * max_len
 
 
 def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, normalizer: float) -> Tensor:
@@ -44,7 +70,10 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, normalizer: float
         mode: "token-mean" sum(loss * mask) / normalizer (every token weighs the same);
             "seq-mean-token-mean" sum over rows of the row's token mean / normalizer (every
             sequence weighs the same); "seq-mean-token-sum" sum over rows of the row's token
-            sum / normalizer (Dr. GRPO: long sequences weigh more, no length bias per token).
+            sum / normalizer (every token weighs the same within a batch, but the divisor is
+            the number of sequences, so the scale grows with response length);
+            "seq-mean-token-sum-norm" the same sum / (sequences * generation budget) (Dr.
+            GRPO: every token weighs the same, with a divisor that does not depend on lengths).
         normalizer: the GLOBAL `global_normalizer` for mode (all-reduced), > 0.
 
     Returns:

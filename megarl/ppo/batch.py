@@ -25,6 +25,8 @@ class Batch:
     versions: torch.Tensor      # [B, R] long, policy version of each token
     scores: torch.Tensor        # [B] float, verifier reward
     finished: torch.Tensor      # [B] bool, ended on EOS
+    stored_old: torch.Tensor    # [B, R] float, trainer logprobs stored by partial rollout (a prefix)
+    stored_mask: torch.Tensor   # [B, R] bool, where stored_old holds a value
 
     @property
     def size(self) -> int:
@@ -47,6 +49,8 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1) -> Batch:
     mask = torch.zeros((B, R))
     behav = torch.zeros((B, R))
     versions = torch.zeros((B, R), dtype=torch.long)
+    stored = torch.zeros((B, R))
+    stored_mask = torch.zeros((B, R), dtype=torch.bool)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
@@ -54,9 +58,20 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1) -> Batch:
         mask[i, :r] = 1.0
         behav[i, :r] = torch.tensor(s.logprobs)
         versions[i, :r] = torch.tensor(s.versions)
+        m = min(len(s.old_logprobs), r)
+        if m:
+            stored[i, :m] = torch.tensor(s.old_logprobs[:m])
+            stored_mask[i, :m] = True
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float)
     finished = torch.tensor([s.finished for s in samples])
-    return Batch(tokens, resp_index, mask, behav, versions, scores, finished)
+    return Batch(tokens, resp_index, mask, behav, versions, scores, finished, stored, stored_mask)
+
+
+def stitch_old_logprobs(computed: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[B, R] l_old: the stored value where partial rollout kept one (computed by the trainer
+    under the version that generated that token, before its weights moved on), the freshly
+    computed one elsewhere (tokens of the current version). Sync rollout stores nothing."""
+    return torch.where(batch.stored_mask, batch.stored_old.to(computed.dtype), computed)
 
 
 def response_targets(batch: Batch) -> torch.Tensor:

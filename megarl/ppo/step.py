@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import RootConfig
+from megarl.config.schema import AlgoConfig, RootConfig
 from megarl.distributed import parallel
 from megarl.models.offload import resident
 from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
-from megarl.ppo.advantages import gae, group_normalized_advantages, masked_whiten
+from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized_scores, masked_whiten
 from megarl.ppo.aggregate import global_normalizer
-from megarl.ppo.batch import Batch
+from megarl.ppo.batch import Batch, build_batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, mismatch_stats
 from megarl.ppo.losses import kl_penalty, masked_mean
 from megarl.ppo.schedule import gather_dp
@@ -43,6 +43,19 @@ def token_rewards(batch: Batch, kl: torch.Tensor | None, kl_coef: float) -> torc
     return rewards
 
 
+def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig,
+                    group_size: int) -> torch.Tensor:
+    """[B, R] GRPO advantages: each sequence's group-normalised score on all its tokens.
+
+    scores [B], kl and mask [B, R]. With kl_mode=reward the score is first reduced by
+    kl_coef * the response's summed KL (`kl_penalized_scores`: what PPO's per-token rewards add
+    up to); with kl_mode=loss the KL stays out of the advantages (the actor loss carries it).
+    """
+    if algo.kl_mode == "reward":
+        scores = kl_penalized_scores(scores, kl, mask, algo.kl_coef)
+    return group_normalized_advantages(scores, group_size, algo.grpo_std_normalize)[:, None] * mask
+
+
 def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int) -> dict:
     algo, mbs = cfg.algo, cfg.train.micro_batch_size
     vocab = actor.info.vocab_size
@@ -56,14 +69,17 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     rewards = token_rewards(batch, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
 
     if algo.name == "grpo":
-        seq_adv = group_normalized_advantages(batch.scores, cfg.rollout.n, algo.grpo_std_normalize)
-        advantages, returns, old_values = seq_adv[:, None] * mask, None, None
+        advantages = grpo_advantages(batch.scores, kl, mask, algo, cfg.rollout.n)
+        returns, old_values = None, None
     else:
         with resident(critic.model):
             old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
         advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
         if algo.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
+    # partial rollout: tokens of earlier versions keep the l_old stored when they were generated
+    # (stitching); the KL above used the current weights' logprobs, as it should
+    old_logp = stitch_old_logprobs(old_logp, batch)
     is_w, is_stats = behaviour_weights(old_logp, batch.behav_logp, mask, algo.is_mode, algo.is_level,
                                        algo.is_cap, algo.is_low, algo.is_high)
 
@@ -76,7 +92,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
         for chunk in order.chunk(n_mini):
             rows = chunk[dp_rows(len(chunk))]
             mini, local = batch.select(chunk), batch.select(rows)
-            norm = global_normalizer(mini.resp_mask, algo.loss_agg)
+            norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
             if train_actor:
                 _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
                                             is_w[rows], algo, mbs, norm, temp))
@@ -126,3 +142,12 @@ def _reduce_to_rank0(sums: dict) -> dict:
     for k in ("grad_norm", "critic_grad_norm"):
         out[k] /= parallel.dp_size()
     return out
+
+
+def trainer_logprobs(cfg: RootConfig, actor, samples, pad_id: int) -> list[list[float]]:
+    """Per sample, the actor's logprob of each response token at the rollout temperature
+    (forward only; every rank computes all rows). Collective over all trainer ranks."""
+    batch = build_batch(samples, pad_id, cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    mbs = cfg.train.micro_batch_size if batch.size % cfg.train.micro_batch_size == 0 else 1
+    logp = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, cfg.rollout.temperature)
+    return [logp[i, :len(s.response_ids)].tolist() for i, s in enumerate(samples)]

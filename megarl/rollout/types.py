@@ -16,6 +16,9 @@ class Sample:
     record: dict = field(default_factory=dict)  # the dataset record (answer, metadata)
     reward: float = 0.0
     finish_reason: str = ""        # stop | length | abort, as the engine reported it
+    # trainer logprobs (l_old) already computed for a prefix of the response, each under the
+    # version that produced its token (partial rollout's stitching); empty: compute them all
+    old_logprobs: list[float] = field(default_factory=list)
 
     @property
     def staleness(self) -> int:

@@ -45,7 +45,7 @@ class _Flight:
     resolved: asyncio.Future
     aborted: bool = False
     response: Optional[aiohttp.ClientResponse] = None
-    reader: Optional[asyncio.Task] = None       # the pending POST or readline of the stream
+    reader: Optional[asyncio.Task] = None       # the pending POST or read of the stream
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -276,16 +276,20 @@ class HTTPVLLMEngine(Engine):
                 text = await resp.text()
                 hint = (" Fix: rollout.api_key must equal the server's --api-key" if resp.status == 401 else "")
                 raise EngineError(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
+            buf = b""
             while not f._stopped:
-                line = await self._wait_alive(req, f, resp.content.readline(), "streamed nothing")
-                if not line:                            # EOF, or stop()
+                # whatever has arrived (often many SSE lines at once): one wait per network read
+                data = await self._wait_alive(req, f, resp.content.readany(), "streamed nothing")
+                if not data:                            # EOF, or stop()
                     if not (f.aborted or f._stopped):
                         raise EngineError(f"{self._where()}: the stream of request {req.key} ended without "
                                           f"[DONE]; the server may have died, see its log.{self._failure_detail()}")
                     return
-                if self._fold(req, f, line.strip()):
-                    clean = True
-                    return
+                *lines, buf = (buf + data).split(b"\n")
+                for line in lines:
+                    if self._fold(req, f, line.strip()):
+                        clean = True
+                        return
         finally:
             if clean:
                 resp.release()                          # fully read: the connection is reused
@@ -296,7 +300,7 @@ class HTTPVLLMEngine(Engine):
         """Await `coro` (a read of the stream) as a task that stop() can cancel. Silence for
         timeout_s is an error, except while we hold the engine paused (vLLM then freezes running
         and new requests on purpose) or abort() owns the request. The timeout never cancels the
-        read itself (that would lose a half-read line). Returns None if stop() cancelled it."""
+        read itself, so no byte is lost. Returns None if stop() cancelled it."""
         f.reader = asyncio.ensure_future(coro)
         try:
             while True:

@@ -5,10 +5,12 @@ import re
 import pytest
 import torch
 
-from megarl.ppo.advantages import gae, group_normalized_advantages, masked_whiten
+from megarl.config.schema import AlgoConfig, ConfigError
+from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized_scores, masked_whiten
 from megarl.ppo.aggregate import AGG_MODES, aggregate, global_normalizer
 from megarl.ppo.correction import behaviour_weights, mismatch_stats
 from megarl.ppo.losses import entropy_from_logits, kl_penalty, policy_loss, value_loss
+from megarl.ppo.step import grpo_advantages
 
 GARBAGE = 9.0  # put in padded positions: any leak into a valid output shows up
 
@@ -59,6 +61,37 @@ def test_grpo_constant_group_is_zero_and_bad_size_raises():
     assert torch.equal(adv[:2], t([0.0, 0.0]))
     with pytest.raises(ValueError, match="group_size=4"):
         group_normalized_advantages(t([1.0, 2.0, 3.0]), group_size=4)
+
+
+def _kl_batch():
+    # 2 groups of 2; KL at padding is garbage and must not leak into the sums.
+    scores = t([1.0, 0.0, 1.0, 1.0])
+    kl = t([[0.1, 0.3, GARBAGE], [0.2, GARBAGE, GARBAGE], [0.0, 0.0, 0.0], [0.4, 0.4, 0.2]])
+    mask = t([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])
+    return scores, kl, mask
+
+
+def test_kl_penalized_scores():
+    """score - kl_coef * (KL summed over the response's valid tokens); kl_coef 0 leaves scores as they are."""
+    scores, kl, mask = _kl_batch()
+    # KL sums 0.4, 0.2, 0.0, 1.0; * 0.5 -> 0.2, 0.1, 0.0, 0.5
+    assert close(kl_penalized_scores(scores, kl, mask, kl_coef=0.5), [0.8, -0.1, 1.0, 0.5])
+    assert torch.equal(kl_penalized_scores(scores, kl, mask, kl_coef=0.0), scores)
+    with pytest.raises(ValueError, match="kl"):
+        kl_penalized_scores(scores, kl[:3], mask[:3], kl_coef=0.5)
+
+
+def test_grpo_kl_in_reward_changes_advantages():
+    """GRPO with kl_mode=reward normalises the KL-penalised scores; kl_mode=loss leaves the KL to the loss."""
+    scores, kl, mask = _kl_batch()
+    in_reward = AlgoConfig(name="grpo", kl_mode="reward", kl_coef=0.5, grpo_std_normalize=False)
+    # penalised scores 0.8, -0.1 | 1.0, 0.5 -> group means 0.35 | 0.75 -> 0.45, -0.45 | 0.25, -0.25
+    adv = grpo_advantages(scores, kl, mask, in_reward, group_size=2)
+    assert close(adv, [[0.45, 0.45, 0.0], [-0.45, 0.0, 0.0], [0.25, 0.25, 0.25], [-0.25, -0.25, -0.25]])
+    # group 1 tied on the verifier: only the KL tells its samples apart (higher KL, lower advantage)
+    in_loss = AlgoConfig(name="grpo", kl_mode="loss", kl_coef=0.5, grpo_std_normalize=False)
+    adv = grpo_advantages(scores, kl, mask, in_loss, group_size=2)
+    assert close(adv, [[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
 
 def test_masked_whiten():
@@ -234,10 +267,32 @@ def test_aggregate_modes_by_hand():
     mask = t([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # row 2: fully padded filler, not a sequence
     assert global_normalizer(mask, "token-mean") == 4.0
     assert global_normalizer(mask, "seq-mean-token-mean") == 2.0
-    # token-mean (6 + 4) / 4 = 2.5; seq-mean-token-mean (2 + 4) / 2 = 3; seq-mean-token-sum (6 + 4) / 2 = 5
-    expected = {"token-mean": 2.5, "seq-mean-token-mean": 3.0, "seq-mean-token-sum": 5.0}
+    assert global_normalizer(mask, "seq-mean-token-sum-norm", max_len=4) == 8.0  # 2 sequences x budget 4
+    # token-mean (6 + 4) / 4 = 2.5; seq-mean-token-mean (2 + 4) / 2 = 3; seq-mean-token-sum (6 + 4) / 2 = 5;
+    # seq-mean-token-sum-norm (6 + 4) / (2 * 4) = 1.25
+    expected = {"token-mean": 2.5, "seq-mean-token-mean": 3.0, "seq-mean-token-sum": 5.0,
+                "seq-mean-token-sum-norm": 1.25}
+    assert set(expected) == set(AGG_MODES)
     for mode, value in expected.items():
-        assert close(aggregate(loss, mask, mode, global_normalizer(mask, mode)), value), mode
+        assert close(aggregate(loss, mask, mode, global_normalizer(mask, mode, max_len=4)), value), mode
+
+
+def test_token_sum_norm_divides_by_the_budget_not_the_lengths():
+    """seq-mean-token-sum-norm (Dr. GRPO): the divisor is sequences x max_len whatever the lengths; max_len
+    is required and must cover every response."""
+    mode = "seq-mean-token-sum-norm"
+    long = t([[1, 1, 1, 1], [1, 1, 1, 0]])
+    short = t([[1, 0, 0, 0], [1, 1, 0, 0]])
+    assert global_normalizer(long, mode, max_len=8) == global_normalizer(short, mode, max_len=8) == 16.0
+    # a per-token loss of 1 everywhere: the loss grows with the number of tokens (no per-sequence length
+    # normalisation): 7 / 16 and 3 / 16
+    ones = torch.ones(2, 4)
+    assert close(aggregate(ones, long, mode, 16.0), 7 / 16)
+    assert close(aggregate(ones, short, mode, 16.0), 3 / 16)
+    with pytest.raises(ValueError, match="max_len.*rollout.max_new_tokens"):
+        global_normalizer(long, mode)
+    with pytest.raises(ValueError, match="max_len=3"):
+        global_normalizer(long, mode, max_len=3)  # row 0 has 4 tokens: not a budget
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -248,7 +303,7 @@ def test_aggregate_invariant_to_microbatch_split(mode, chunks):
     loss = torch.randn(8, 6, generator=gen)
     lengths = torch.tensor([6, 1, 3, 0, 5, 2, 4, 6])
     mask = (torch.arange(6) < lengths[:, None]).float()
-    norm = global_normalizer(mask, mode)
+    norm = global_normalizer(mask, mode, max_len=6)
     whole = aggregate(loss, mask, mode, norm)
     parts = sum(aggregate(lc, mc, mode, norm) for lc, mc in zip(loss.chunk(chunks), mask.chunk(chunks)))
     assert torch.allclose(parts, whole, atol=1e-6)
@@ -259,6 +314,14 @@ def test_aggregate_invariant_to_microbatch_split(mode, chunks):
 
 
 # --- bad names -----------------------------------------------------------------------------
+
+
+def test_algo_config_accepts_exactly_the_aggregation_modes():
+    """algo.loss_agg admits every mode aggregate implements; anything else is a ConfigError naming the key."""
+    for mode in AGG_MODES:
+        assert AlgoConfig(loss_agg=mode).loss_agg == mode
+    with pytest.raises(ConfigError, match="algo.loss_agg.*seq-mean-token-sum-norm"):
+        AlgoConfig(loss_agg="dr-grpo")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,86 @@
+"""What the driver asks of the rollout each step, whatever `rollout.mode` is.
+
+`Rollout.round(step)` returns the step's samples (train.groups_per_step groups of rollout.n)
+and its metrics; `pending()` the partial samples whose newest tokens still need the trainer's
+logprobs (stitching, partial mode only) and `store(...)` takes them back; `state_dict()` is
+what a checkpoint keeps (the data cursor and, in partial mode, the whole carry).
+- sync: every sample of `groups_per_step` fresh prompts, the step waits for the longest one.
+- partial: the controller (`controller.py`) on the pool's event loop.
+Runs on trainer rank 0 only.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds, score
+from megarl.rollout.types import Sample
+
+
+class Rollout:
+    def __init__(self, cfg, pool, records: list[dict], sampler, tokenizer, reward_fn: Callable):
+        self.cfg, self.pool, self.records, self.sampler = cfg, pool, records, sampler
+        self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        r = cfg.rollout
+        self.controller = None
+        if r.mode == "partial":
+            self.controller = PartialRolloutController(
+                pool.pool, n=r.n, concurrency=r.concurrency, max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature, max_staleness=r.max_staleness, stale_policy=r.stale_policy,
+                new_group=self._new_group, score=lambda s: score(s, tokenizer, reward_fn),
+                seed=cfg.run.seed)
+        self._pending: list = []
+
+    def _new_group(self) -> tuple[dict, list[int]]:
+        record = self.records[self.sampler.take(1)[0]]
+        return record, encode_prompts(self.tokenizer, [record], self.cfg.data.prompt_key)[0]
+
+    def round(self, step: int) -> tuple[list[Sample], dict]:
+        r, groups = self.cfg.rollout, self.cfg.train.groups_per_step
+        version = self.pool.version
+        if self.controller is None:
+            chosen = [self.records[i] for i in self.sampler.take(groups)]
+            prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key)
+            samples = generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
+                                      self.reward_fn, sample_seeds(self.cfg.run.seed, step, len(chosen)),
+                                      r.temperature, tag=f"{step}-")
+            return samples, staleness_metrics(samples, version)
+        done = self.pool.call(self.controller.run_round(groups, version), f"rollout round {step}",
+                              timeout=self.pool.pool.timeout_s * max(4, r.max_new_tokens))
+        samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
+        return samples, {**self.controller.metrics(), **staleness_metrics(samples, version)}
+
+    def pending(self) -> list[Sample]:
+        """Partial samples whose tokens of this round need l_old before the weights change."""
+        if self.controller is None:
+            return []
+        self._pending = self.controller.pending_old_logprobs()
+        return [sample for _, sample in self._pending]
+
+    def store(self, old_logprobs: list[list[float]]) -> None:
+        for (slot, _), values in zip(self._pending, old_logprobs):
+            self.controller.store_old_logprobs(slot, values)
+        self._pending = []
+
+    def state_dict(self) -> dict:
+        state = {"sampler": self.sampler.state_dict()}
+        if self.controller is not None:
+            state["controller"] = self.controller.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if self.controller is not None and "controller" in state:
+            self.controller.load_state_dict(state["controller"])
+
+
+def staleness_metrics(samples: list[Sample], version: int) -> dict:
+    """Histogram of token staleness (trained version - producing version) over the step's tokens."""
+    counts = Counter(version - v for s in samples for v in s.versions)
+    total = max(1, sum(counts.values()))
+    out = {f"staleness_frac_{k}": counts[k] / total for k in sorted(counts)}
+    out["staleness_max"] = max(counts) if counts else 0
+    out["staleness_mean"] = sum(k * c for k, c in counts.items()) / total
+    out["samples_spanning_versions"] = sum(len(set(s.versions)) > 1 for s in samples)
+    return out
