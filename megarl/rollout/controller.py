@@ -109,11 +109,14 @@ class PartialRolloutController:
 
     def __init__(self, pool, *, n: int, concurrency: int, max_new_tokens: int, temperature: float,
                  max_staleness: int, stale_policy: str, new_group: Callable[[], tuple[dict, list[int]]],
-                 score: Callable[[Sample], float], seed: int):
+                 score: Callable[[Sample], float], seed: int,
+                 budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False):
         self.pool, self.n, self.concurrency = pool, n, concurrency
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         self.new_group, self.score, self.seed = new_group, score, seed
+        # benchmarks force lengths: budget_of(gid, index) tokens per sample, EOS ignored
+        self.budget_of, self.ignore_eos = budget_of, ignore_eos
         self.groups: dict[int, Group] = {}        # open (incomplete) groups, by gid
         self.completed: list[Group] = []           # complete, not yet handed to the trainer
         self.next_gid = 0
@@ -178,9 +181,9 @@ class PartialRolloutController:
     # -- serving ---------------------------------------------------------------------------
     async def _serve(self, key: str, slot: Slot, engine) -> None:
         group = self.groups[slot.gid]
-        budget = self.max_new_tokens - len(slot.response_ids)
+        budget = self._budget(slot) - len(slot.response_ids)
         req = GenRequest(key, group.prompt_ids + slot.response_ids, budget, self.temperature,
-                         seed=request_seed(slot))
+                         seed=request_seed(slot), ignore_eos=self.ignore_eos)
         try:
             result = await self.pool.generate(req, engine)
         except BaseException as err:  # an engine failure ends the round with the error
@@ -201,6 +204,9 @@ class PartialRolloutController:
         else:
             self._fill()   # samples occupancy once refilled: a finished request is replaced at once
 
+    def _budget(self, slot: Slot) -> int:
+        return self.budget_of(slot.gid, slot.index) if self.budget_of else self.max_new_tokens
+
     def _absorb(self, slot: Slot, r: GenResult) -> None:
         slot.response_ids += r.token_ids
         slot.logprobs += r.logprobs
@@ -209,7 +215,7 @@ class PartialRolloutController:
         self.stats.tokens += len(r.token_ids)
         if r.finish_reason in ("stop", "length"):
             slot.finish_reason = r.finish_reason
-        elif len(slot.response_ids) >= self.max_new_tokens:
+        elif len(slot.response_ids) >= self._budget(slot):
             slot.finish_reason = "length"   # aborted exactly at the budget: nothing left to do
 
     def _emit(self, group: Group) -> None:
