@@ -1,0 +1,54 @@
+"""Subprocess body of test_partial_rollout: a greedy sample carried over a weight sync.
+
+A real in-process vLLM engine, the partial-rollout controller with concurrency 2 and one
+group per round: a short prompt completes first and ends the round, so the long prompt's
+sample is aborted mid-way and carried. The engine then reloads the unchanged weights (a sync
+that changes nothing, version 1) and the next rounds continue the sample from its prompt +
+partial tokens. Writes the carried sample and an uninterrupted greedy run of the same prompt.
+usage: carry_probe.py MODEL_DIR OUT_JSON
+"""
+import json
+import sys
+
+
+def main(model_dir: str, out_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    from megarl.config import load_config
+    from megarl.rollout.controller import PartialRolloutController
+    from megarl.rollout.engine import GenRequest
+    from megarl.rollout.pool import open_pool
+
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines=1"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    long_prompt = tok("<bos> n40 =", add_special_tokens=False)["input_ids"]
+    short_prompt = tok("<bos> n3 =", add_special_tokens=False)["input_ids"]
+    pool = open_pool(cfg.rollout, model_dir, 0, "/tmp")
+    try:
+        ref = pool.call(pool.pool.generate(GenRequest("ref", long_prompt, 56, temperature=0.0)), "reference")
+        prompts = iter([long_prompt] + [short_prompt] * 100)
+        ctl = PartialRolloutController(
+            pool.pool, n=1, concurrency=2, max_new_tokens=56, temperature=0.0, max_staleness=5,
+            stale_policy="restart", new_group=lambda: ({}, next(prompts)), score=lambda s: 0.0, seed=0)
+        first = pool.call(ctl.run_round(1, 0), "round 0")
+        partial = list(ctl.groups[0].slots[0].response_ids) if 0 in ctl.groups else None
+        pool.update_weights(model_dir, 1)      # the HF files themselves: nothing changes
+        long_done, rounds = None, 0
+        while long_done is None and rounds < 20:
+            rounds += 1
+            for g in pool.call(ctl.run_round(1, 1), f"round {rounds}"):
+                if g.gid == 0:
+                    long_done = g.slots[0]
+        out = {"first_round_gid": first[0].gid, "partial_len": len(partial or []),
+               "reference": ref.token_ids, "reference_logprobs": ref.logprobs,
+               "carried": long_done.response_ids, "carried_logprobs": long_done.logprobs,
+               "versions": long_done.versions, "finish_reason": long_done.finish_reason,
+               "engine_version": pool.version}
+    finally:
+        pool.close()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
