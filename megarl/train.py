@@ -99,6 +99,8 @@ def train(cfg: RootConfig) -> dict:
             if is_driver:
                 samples, round_metrics = rollout.round(step)
                 partials = rollout.pending()
+                if step + 1 < cfg.train.steps:
+                    rollout.prefetch(step + 1)   # rollout.async: the next round runs while we train
                 if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
                     dump_samples(cfg.run.dir, step, samples, tokenizer)
             rollout_s = time.perf_counter() - t_step

@@ -57,6 +57,17 @@ def _recipe_layers(path: Path, seen: tuple = ()) -> list[tuple[str, object]]:
     return layers
 
 
+# keys a recipe may spell as in DESIGN.md but that cannot be Python field names
+ALIASES = {("rollout", "async"): "asynchronous"}
+
+
+def _apply_aliases(layer) -> None:
+    for (section, key), field in ALIASES.items():
+        sub = layer.get(section) if OmegaConf.is_dict(layer) else None
+        if OmegaConf.is_dict(sub) and key in sub:
+            sub[field] = sub.pop(key)
+
+
 def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RootConfig:
     """Resolve a recipe + `key=value` overrides into a validated RootConfig."""
     cfg = OmegaConf.structured(RootConfig)
@@ -67,6 +78,7 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
     if overrides:
         layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
     for source, layer in layers:
+        _apply_aliases(layer)
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as err:

@@ -153,6 +153,7 @@ class RolloutConfig:
     concurrency: int = 64              # partial: sample requests kept in flight across all engines
     max_staleness: int = 2             # partial: a token may be at most this many weight versions older than the step training on it
     stale_policy: str = "restart"      # partial: a sample past max_staleness is restarted from its prompt | drop (its whole group)
+    asynchronous: bool = False         # partial (`rollout.async` in recipes): round k+1 generates under version k while the trainer trains round k
 
     def __post_init__(self):
         _require(self.n >= 1, "rollout.n", self.n, "must be >= 1")
@@ -181,6 +182,10 @@ class RolloutConfig:
         _require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness,
                  "must be >= 0 (0: every carried sample restarts after each weight update)")
         _one_of("rollout.stale_policy", self.stale_policy, {"restart", "drop"})
+        _require(not self.asynchronous or self.mode == "partial", "rollout.async", self.asynchronous,
+                 "needs rollout.mode=partial")
+        _require(not self.asynchronous or self.max_staleness >= 1, "rollout.max_staleness", self.max_staleness,
+                 "rollout.async=true trains tokens one version old: set rollout.max_staleness >= 1")
 
     @property
     def engine_count(self) -> int:

@@ -112,6 +112,7 @@ class PartialRolloutController:
                  score: Callable[[Sample], float], seed: int,
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False):
         self.pool, self.n, self.concurrency = pool, n, concurrency
+        pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         self.new_group, self.score, self.seed = new_group, score, seed
@@ -128,6 +129,7 @@ class PartialRolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._target = 0
         self._ending = False
+        self._holding = False
         self._round_done: Optional[asyncio.Event] = None
         self._error: Optional[BaseException] = None
         self.stats = RoundStats()
@@ -166,7 +168,7 @@ class PartialRolloutController:
         return min(order, key=lambda e: self._load[e.name])
 
     def _fill(self) -> None:
-        while not self._ending and len(self._inflight) < self.concurrency:
+        while not self._ending and not self._holding and len(self._inflight) < self.concurrency:
             slot = self._next_slot()
             slot.attempts += 1
             key = self._key(slot)
@@ -199,7 +201,7 @@ class PartialRolloutController:
         self._absorb(slot, result)
         if slot.finished and group.complete and not group.reward_done:
             self._emit(group)
-        if self._ending:
+        if self._ending or self._holding:
             self._sample_occupancy()
         else:
             self._fill()   # samples occupancy once refilled: a finished request is replaced at once
@@ -238,7 +240,7 @@ class PartialRolloutController:
         st.last_t = now
         st.last_inflight = len(self._inflight)
         st.last_busy = sum(1 for n in self._load.values() if n > 0)
-        if not self._ending and st.started:
+        if not self._ending and not self._holding and st.started:
             st.inflight_min = len(self._inflight) if st.inflight_min is None else min(st.inflight_min, len(self._inflight))
 
     # -- rounds ----------------------------------------------------------------------------
@@ -266,12 +268,29 @@ class PartialRolloutController:
                 del self.groups[group.gid]
                 self.completed.append(group)
 
-    async def run_round(self, target: int, version: int) -> list[Group]:
+    async def hold(self) -> None:
+        """Stop admitting and abort what is in flight (tokens stay in their slots), so the
+        engines can take new weights in the middle of a round (async mode); `release()`
+        continues the round. The pool calls both around every weight update."""
+        self._holding = True
+        await self.pool.abort()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._sample_occupancy()
+
+    def release(self) -> None:
+        self._holding = False
+        if self._round_done is not None and not self._round_done.is_set():
+            self._fill()
+
+    async def run_round(self, target: int, train_version: int) -> list[Group]:
         """Generate until `target` groups are complete (counting ones completed earlier but not
-        yet trained); abort the rest into the carry. Returns exactly `target` groups."""
+        yet trained); abort the rest into the carry. Returns exactly `target` groups.
+        `train_version`: the weight version of the step that will train them (the staleness
+        bound is measured against it)."""
         self.stats = RoundStats()
         self.stats.started = time.perf_counter()
-        self.apply_staleness(version)
+        self.apply_staleness(train_version)
         self._target, self._ending, self._error = target, False, None
         self._round_done = asyncio.Event()
         if len(self.completed) < target:
@@ -302,7 +321,7 @@ class PartialRolloutController:
             smp.reward = r
         return out
 
-    def pending_old_logprobs(self) -> list[tuple[Slot, Sample]]:
+    def pending_old_logprobs(self) -> list[tuple[Slot, int, int, Sample]]:
         """Slots of groups not handed to the trainer (open, or complete but waiting) holding
         tokens whose trainer logprob is not stored yet (those generated this round): the
         trainer computes them before its weights change."""
@@ -310,14 +329,19 @@ class PartialRolloutController:
         for g in [*self.groups.values(), *self.completed]:
             for s in g.slots:
                 if len(s.old_logprobs) < len(s.response_ids):
-                    out.append((s, Sample(g.prompt_ids, list(s.response_ids), list(s.logprobs),
-                                          list(s.versions), False, 0, g.record)))
+                    out.append((s, s.restarts, len(s.response_ids),
+                                Sample(g.prompt_ids, list(s.response_ids), list(s.logprobs),
+                                       list(s.versions), False, 0, g.record)))
         return out
 
     @staticmethod
-    def store_old_logprobs(slot: Slot, values: list[float]) -> None:
-        """Keep the stored prefix; append the newly computed suffix (stitching)."""
-        slot.old_logprobs = slot.old_logprobs + list(values[len(slot.old_logprobs):len(slot.response_ids)])
+    def store_old_logprobs(slot: Slot, restarts: int, length: int, values: list[float]) -> None:
+        """Keep the stored prefix; append the newly computed suffix (stitching). `restarts`
+        and `length` describe the snapshot the values were computed for: a slot restarted
+        since is left alone, and tokens generated since stay without a stored value."""
+        if slot.restarts != restarts or len(slot.response_ids) < length:
+            return
+        slot.old_logprobs = slot.old_logprobs + list(values[len(slot.old_logprobs):length])
 
     def metrics(self) -> dict:
         st = self.stats

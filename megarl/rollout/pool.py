@@ -28,7 +28,13 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coro: Awaitable, timeout: Optional[float] = None, what: str = "engine call"):
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self.wait(self.submit(coro), timeout, what)
+
+    def submit(self, coro: Awaitable):
+        """Start `coro` on the loop; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def wait(self, future, timeout: Optional[float], what: str):
         try:
             return future.result(timeout)
         except FutureTimeout:
@@ -54,6 +60,7 @@ class EnginePool:
         self.timeout_s = timeout_s
         self._where: dict[str, Engine] = {}      # request key -> engine serving it
         self._order = itertools.count()          # tie-break: round-robin among equally loaded
+        self.holders: list = []                  # schedulers to hold around weight updates (async rounds)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,7 +110,17 @@ class EnginePool:
 
     # -- weights -----------------------------------------------------------------------------
     async def update_weights(self, path: str, version: int) -> None:
-        """Every engine: abort running requests, pause, load `path` as `version`, resume."""
+        """Every engine: abort running requests, pause, load `path` as `version`, resume.
+        Schedulers in `holders` stop admitting first and continue after (async rounds)."""
+        for h in self.holders:
+            await h.hold()
+        try:
+            await self._update_all(path, version)
+        finally:
+            for h in self.holders:
+                h.release()
+
+    async def _update_all(self, path: str, version: int) -> None:
         async def one(e: Engine):
             await e.abort(None)
             await e.pause()

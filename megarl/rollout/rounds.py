@@ -6,10 +6,16 @@ logprobs (stitching, partial mode only) and `store(...)` takes them back; `state
 what a checkpoint keeps (the data cursor and, in partial mode, the whole carry).
 - sync: every sample of `groups_per_step` fresh prompts, the step waits for the longest one.
 - partial: the controller (`controller.py`) on the pool's event loop.
-Runs on trainer rank 0 only.
+- partial + rollout.async: `prefetch(step + 1)` starts the next round right after this one
+  ended, so it generates (under the current weights, then under the new ones after the
+  mid-round sync) while the trainer trains; `round()` then only waits for what is missing.
+Runs on trainer rank 0 only. Everything that touches the controller's state runs on the
+pool's event loop thread (the controller is not thread-safe); the driver thread only sees
+copies.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from typing import Callable
 
@@ -31,6 +37,7 @@ class Rollout:
                 new_group=self._new_group, score=lambda s: score(s, tokenizer, reward_fn),
                 seed=cfg.run.seed)
         self._pending: list = []
+        self._next = None      # the prefetched round (async mode): a concurrent.futures.Future
 
     def _new_group(self) -> tuple[dict, list[int]]:
         record = self.records[self.sampler.take(1)[0]]
@@ -46,28 +53,47 @@ class Rollout:
                                       self.reward_fn, sample_seeds(self.cfg.run.seed, step, len(chosen)),
                                       r.temperature, tag=f"{step}-")
             return samples, staleness_metrics(samples, version)
-        done = self.pool.call(self.controller.run_round(groups, version), f"rollout round {step}",
-                              timeout=self.pool.pool.timeout_s * max(4, r.max_new_tokens))
+        deadline = self.pool.pool.timeout_s * max(4, r.max_new_tokens)
+        if self._next is None:
+            done = self.pool.call(self.controller.run_round(groups, step), f"rollout round {step}", deadline)
+        else:
+            done = self.pool.loop.wait(self._next, deadline, f"rollout round {step}")
+            self._next = None
         samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
-        return samples, {**self.controller.metrics(), **staleness_metrics(samples, version)}
+        # the trainer's weights at step k are version k
+        return samples, {**self.controller.metrics(), **staleness_metrics(samples, step)}
+
+    def prefetch(self, step: int) -> None:
+        """Async mode: start the round of `step` now (the trainer is about to train)."""
+        if self.controller is not None and self.cfg.rollout.asynchronous:
+            self._next = self.pool.loop.submit(
+                self.controller.run_round(self.cfg.train.groups_per_step, step))
 
     def pending(self) -> list[Sample]:
         """Partial samples whose tokens of this round need l_old before the weights change."""
         if self.controller is None:
             return []
-        self._pending = self.controller.pending_old_logprobs()
-        return [sample for _, sample in self._pending]
+        self._pending = self.controller.pending_old_logprobs()   # the loop is idle between rounds
+        return [sample for *_, sample in self._pending]
 
     def store(self, old_logprobs: list[list[float]]) -> None:
-        for (slot, _), values in zip(self._pending, old_logprobs):
-            self.controller.store_old_logprobs(slot, values)
+        async def put():   # on the loop thread: a prefetched round may be mutating slots
+            for (slot, restarts, length, _), values in zip(self._pending, old_logprobs):
+                self.controller.store_old_logprobs(slot, restarts, length, values)
+        self.pool.call(put(), "storing old logprobs")
         self._pending = []
 
     def state_dict(self) -> dict:
-        state = {"sampler": self.sampler.state_dict()}
-        if self.controller is not None:
-            state["controller"] = self.controller.state_dict()
-        return state
+        async def snapshot():   # hold a running (prefetched) round: no request may be in flight
+            await self.controller.hold()
+            try:
+                return copy.deepcopy(self.controller.state_dict()), self.sampler.state_dict()
+            finally:
+                self.controller.release()
+        if self.controller is None:
+            return {"sampler": self.sampler.state_dict()}
+        controller, sampler = self.pool.call(snapshot(), "saving the rollout state")
+        return {"sampler": sampler, "controller": controller}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
