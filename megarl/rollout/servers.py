@@ -224,6 +224,11 @@ class LocalServerEngine(HTTPVLLMEngine):
                 f"{self._where()}: the vLLM server exited with code {self.server.returncode} while starting. "
                 f"Last lines of its log:\n{self.server.log_tail()}")
 
+    async def _settle(self) -> None:
+        deadline = time.monotonic() + 2.0
+        while self.server.process_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def _failure_detail(self) -> str:
         if self.server.proc is None or self.server.process_alive():
             return ""

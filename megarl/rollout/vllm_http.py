@@ -93,6 +93,10 @@ class HTTPVLLMEngine(Engine):
     def _check_process(self) -> None:
         """Raise EngineError if the server process is known to be dead (only a subclass knows)."""
 
+    async def _settle(self) -> None:
+        """Before reporting a lost connection: let a dying server finish dying, so that
+        `_failure_detail` can report it (its sockets close before its exit status exists)."""
+
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         if self._session is None:
@@ -242,6 +246,7 @@ class HTTPVLLMEngine(Engine):
             await self._stream(req, f)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as err:
             if not (f.aborted or f._stopped):
+                await self._settle()
                 raise EngineError(f"{self._where()}: connection lost during request {req.key} "
                                   f"({type(err).__name__}: {err}); the server may have died, see its log."
                                   f"{self._failure_detail()}") from err
