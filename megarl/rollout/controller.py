@@ -227,6 +227,9 @@ class PartialRolloutController:
         self.completed.append(group)
         self.stats.groups_emitted += 1
         if len(self.completed) >= self._target and self._round_done is not None:
+            # stop admitting now, not when run_round next runs: requests finishing in the
+            # meantime must not start new ones (they would only be aborted)
+            self._ending = True
             self._round_done.set()
 
     def _sample_occupancy(self) -> None:
@@ -347,15 +350,16 @@ class PartialRolloutController:
         st = self.stats
         wall = max(st.ended - st.started, 1e-9)
         open_tokens = [s for g in self.groups.values() for s in g.slots if s.response_ids and not s.finished]
-        return {"rollout_inflight_mean": st.inflight_area / wall,
-                "rollout_inflight_min": st.inflight_min if st.inflight_min is not None else 0,
-                "rollout_concurrency": self.concurrency,
-                "engine_busy_frac": st.busy_area / wall / max(1, len(self.pool.engines)),
-                "rollout_requests": st.requests, "rollout_tokens": st.tokens,
-                "carried_samples": len(open_tokens), "aborted_inflight": st.carried,
-                "restarted_samples": st.restarted, "dropped_groups": st.dropped_groups,
-                "groups_emitted": st.groups_emitted, "open_groups": len(self.groups),
-                "completed_waiting": len(self.completed)}
+        out = {"rollout_inflight_mean": st.inflight_area / wall, "rollout_concurrency": self.concurrency,
+               "engine_busy_frac": st.busy_area / wall / max(1, len(self.pool.engines)),
+               "rollout_requests": st.requests, "rollout_tokens": st.tokens,
+               "carried_samples": len(open_tokens), "aborted_inflight": st.carried,
+               "restarted_samples": st.restarted, "dropped_groups": st.dropped_groups,
+               "groups_emitted": st.groups_emitted, "open_groups": len(self.groups),
+               "completed_waiting": len(self.completed)}
+        if st.inflight_min is not None:   # absent when the round had its groups without generating
+            out["rollout_inflight_min"] = st.inflight_min
+        return out
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -140,7 +140,9 @@ def test_partial_run_checkpoints_its_carry_and_resumes_with_it(tiny_model, tmp_p
     import torch
     run_dir = tmp_path / "partial"
     _, rows = train(tiny_model, run_dir, "train.steps=3", "checkpoint.every=3", "rollout.max_staleness=1")
-    assert all(r["rollout_inflight_min"] == 64 for r in rows), [r["rollout_inflight_min"] for r in rows]
+    # (a round that already had its groups from the previous one generates nothing: no minimum)
+    assert all(r.get("rollout_inflight_min", 64) == 64 for r in rows), rows
+    assert any("rollout_inflight_min" in r for r in rows)
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert sum(r["samples_spanning_versions"] for r in rows) > 0
     driver = torch.load(run_dir / "checkpoints" / "step_2" / "driver.pt", weights_only=False)

@@ -27,6 +27,8 @@ class Clock:
         self._cond = asyncio.Condition()
         self._task = None
         self.running_total = []          # requests running across all engines, at each tick
+        self.pending = []                # whether the scheduler had work pending, at each tick
+        self.is_pending = lambda: True
         self.engines: list["ScriptedEngine"] = []
 
     def start(self):
@@ -37,6 +39,7 @@ class Clock:
             for _ in range(self.settle):
                 await asyncio.sleep(0)
             self.running_total.append(sum(e.running for e in self.engines))
+            self.pending.append(self.is_pending())
             async with self._cond:
                 self.ticks += 1
                 self._cond.notify_all()

@@ -50,6 +50,8 @@ async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_stalene
         pool, n=n, concurrency=concurrency, max_new_tokens=max_new, temperature=1.0,
         max_staleness=max_staleness, stale_policy=policy,
         new_group=lambda: ({"q": "x"}, [7, 7]), score=lambda s: float(len(s.response_ids)), seed=0)
+    # work is pending while a round runs and has not yet got its groups
+    clock.is_pending = lambda: ctl._round_done is not None and not ctl._ending
     if state is not None:
         ctl.load_state_dict(state)
     version = start_version
@@ -81,7 +83,7 @@ def test_inflight_stays_at_the_concurrency_while_the_round_runs():
     """At every tick, exactly `concurrency` requests run across both engines (never more, never
     fewer while work is pending), and the two engines share them."""
     ctl, trained, metrics, clock = run(drive(4, concurrency=8))
-    ticks = [c for c in clock.running_total if c > 0]
+    ticks = [c for c, pending in zip(clock.running_total, clock.pending) if pending]
     assert max(clock.running_total) == 8
     assert ticks.count(8) == len(ticks), sorted(set(ticks))
     assert all(m["rollout_inflight_min"] == 8 for m in metrics), metrics
@@ -228,3 +230,32 @@ def test_async_rounds_overlap_training_and_keep_the_bound():
                 assert k - min(s.versions) <= 1, (k, s.versions)
                 stale_tokens += sum(v < k for v in s.versions)
     assert stale_tokens > 0, "tokens generated during training must reach the next step"
+
+
+def test_no_request_is_admitted_once_the_round_has_its_groups():
+    """When the target-th group completes, admission stops at once (not when the round's
+    coroutine next runs): requests finishing in the same instant must not start new ones."""
+    late = []
+
+    class Watched(PartialRolloutController):
+        def _fill(self):
+            before = self.stats.requests, len(self._inflight)
+            super()._fill()
+            if self._round_done is not None and len(self.completed) >= self._target:
+                late.append(len(self._inflight) - before[1])
+
+    async def main():
+        clock = Clock()
+        clock.start()
+        pool = EnginePool([KeyedEngine("e0", clock)], 30)
+        ctl = Watched(pool, n=1, concurrency=16, max_new_tokens=64, temperature=1.0, max_staleness=8,
+                      stale_policy="restart", new_group=lambda: ({}, [7, 7]), score=lambda s: 0.0,
+                      seed=0, budget_of=lambda gid, i: 2)   # all 16 finish on the same tick
+        try:
+            await ctl.run_round(3, 0)
+        finally:
+            clock.stop()
+        return ctl
+    ctl = run(main())
+    assert sum(late) == 0, late
+    assert len(ctl.completed) == 13   # the other 13 finished in the same tick: kept, not lost
