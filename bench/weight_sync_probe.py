@@ -90,21 +90,21 @@ class OneRank:
 def row_of(layout, ranks, n, bucket_mb, rep, model_bytes, memcpy_s, res, everyone) -> dict:
     staged = sum(r["sync_bytes"] for r in everyone)
     assert staged == model_bytes, (staged, model_bytes)
-    # stages (PP) and TP ranks work in parallel: the critical path is the slowest rank's
-    gather = max(r["sync_gather_s"] for r in everyone)
-    convert = max(r["sync_convert_s"] for r in everyone)
-    stage = max(r["sync_stage_s"] for r in everyone)
-    sync_s, load = res["sync_time_s"], res["sync_load_s"]
+    # the split is rank 0's own timeline, so it adds up to sync_s: other_s is staging-folder
+    # setup, waiting at the barriers for the other ranks (PP: the other stage's writes) and
+    # removing the folder. Under TP, a rank's gather_s includes waiting in the all-gather for
+    # its peer (e.g. while rank 0 writes a bucket). The slowest rank's figures are kept too.
+    split = {k: res[f"sync_{k}_s"] for k in ("gather", "convert", "stage", "load")}
+    sync_s = res["sync_time_s"]
     print(f"[probe] {layout} engines={n} bucket={bucket_mb} MB: sync {sync_s:.2f} s "
-          f"(gather {gather:.2f} convert {convert:.2f} stage {stage:.2f} load {load:.2f}) "
-          f"memcpy {memcpy_s:.3f} s -> eff {memcpy_s / sync_s:.3f}", flush=True)
+          f"(gather {split['gather']:.2f} convert {split['convert']:.2f} stage {split['stage']:.2f} "
+          f"load {split['load']:.2f}) memcpy {memcpy_s:.3f} s -> eff {memcpy_s / sync_s:.3f}", flush=True)
     return {"layout": layout, "trainer_ranks": ranks, "engines": n, "bucket_mb": bucket_mb, "repeat": rep,
             "model_bytes": model_bytes, "sync_s": sync_s, "memcpy_s": memcpy_s, "efficiency": memcpy_s / sync_s,
-            "gather_s": gather, "convert_s": convert, "stage_s": stage, "load_s": load,
-            "other_s": sync_s - gather - convert - stage - load,
+            **{f"{k}_s": v for k, v in split.items()}, "other_s": sync_s - sum(split.values()),
+            **{f"{k}_max_s": max(r[f"sync_{k}_s"] for r in everyone) for k in ("gather", "convert", "stage")},
             "per_rank": [{k: r[k] for k in ("sync_time_s", "sync_gather_s", "sync_convert_s", "sync_stage_s",
                                             "sync_load_s", "sync_bytes")} for r in everyone]}
-
 
 def anatomy(model, info, model_bytes: int, staging: str) -> dict:
     """Rank 0 of a 1-rank world: the per-byte pieces of the CPU route on the same bytes."""

@@ -155,3 +155,14 @@ def test_partial_run_checkpoints_its_carry_and_resumes_with_it(tiny_model, tmp_p
     _, resumed = train(tiny_model, run_dir, "train.steps=4", "rollout.max_staleness=1")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert resumed[-1]["staleness_max"] >= 1   # tokens from before the restart were trained
+
+
+def test_async_rounds_generate_while_training_within_the_bound(tiny_model, tmp_path):
+    """rollout.async=true: the next round generates while the trainer trains, so trained
+    tokens are up to one version old, and never more than rollout.max_staleness=1."""
+    _, rows = train(tiny_model, tmp_path / "async", "train.steps=3", "rollout.async=true",
+                    "rollout.max_staleness=1")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["staleness_max"] <= 1 for r in rows), [r["staleness_max"] for r in rows]
+    assert any(r.get("staleness_frac_1", 0) > 0 for r in rows[1:])
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)

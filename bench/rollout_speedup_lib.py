@@ -1,0 +1,395 @@
+"""Helpers of bench/rollout_speedup.py: length distributions, the in-flight recorder (an engine
+wrapper), the decode-curve interpolation and the timeline plot. No vLLM import here."""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from megarl.rollout.controller import Group, PartialRolloutController
+from megarl.rollout.engine import Engine, GenRequest, GenResult
+
+
+class Measured(PartialRolloutController):
+    """The stock controller, unchanged, plus two measurements: when the round's target was
+    reached (`t_target`), and how many requests it admitted after that (`late_admissions`)."""
+
+    t_target: Optional[float] = None
+    late_admissions: int = 0
+
+    async def run_round(self, target: int, version: int):
+        self.t_target, self.late_admissions = None, 0
+        return await super().run_round(target, version)
+
+    def _emit(self, group: Group) -> None:
+        super()._emit(group)
+        if self.t_target is None and self._round_done is not None and self._round_done.is_set():
+            self.t_target = time.perf_counter()
+
+    def _fill(self) -> None:
+        before = len(self._inflight)
+        super()._fill()
+        if self.t_target is not None:
+            self.late_admissions += max(0, len(self._inflight) - before)
+
+
+class EndOnTarget(Measured):
+    """Bench-only fix of the controller (megarl/rollout/controller.py is not changed): once
+    the round's target is reached, admit nothing more. The stock controller sets `_ending`
+    only when run_round wakes up; until then a `_serve` that just emitted the target group
+    (or any other that resolves first) still calls `_fill()`, and the request it admits is
+    started on the engine after the round's abort has been issued."""
+
+    def _emit(self, group: Group) -> None:
+        super()._emit(group)
+        if self._round_done is not None and self._round_done.is_set():
+            self._ending = True
+
+
+async def abort_until_done(inner, keys=None, poll_s: float = 0.05) -> None:
+    """Bench-only fix of AsyncVLLMEngine.abort (megarl/rollout/vllm_async.py is not changed):
+    vLLM's abort of a request id it has not registered yet (its stream task has not reached
+    AsyncLLM.add_request) is a no-op, and that request then runs to its full budget while
+    abort() waits for it. Re-issue the abort for whatever is still running every poll_s."""
+    import asyncio
+    wanted = set(keys) if keys is not None else None
+    while True:
+        rids = [r for r in inner._inflight if wanted is None or r.rsplit("#", 1)[0] in wanted]
+        if not rids:
+            return
+        tasks = [inner._inflight[r] for r in rids]
+        await inner.llm.abort(rids)
+        _, pending = await asyncio.wait(tasks, timeout=poll_s)
+        if not pending:
+            return
+
+
+# -- length distributions ------------------------------------------------------------------
+@dataclass
+class LengthDist:
+    kind: str
+    params: dict
+
+    def draw(self, rng: np.random.Generator, count: int, max_len: int) -> list[int]:
+        if self.kind == "lognormal":
+            x = np.exp(self.params["mu"] + self.params["sigma"] * rng.standard_normal(count))
+        else:  # pareto (type I): xmin * U^(-1/alpha)
+            u = 1.0 - rng.random(count)          # (0, 1]
+            x = self.params["xmin"] * u ** (-1.0 / self.params["alpha"])
+        return [int(v) for v in np.clip(np.rint(x), 1, max_len)]
+
+
+def parse_dist(spec: str) -> LengthDist:
+    """lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X"""
+    try:
+        kind, rest = spec.split(":", 1)
+        params = {k.strip(): float(v) for k, v in (kv.split("=") for kv in rest.split(","))}
+    except ValueError:
+        raise SystemExit(f"--length-dist {spec!r}: expected lognormal:mu=M,sigma=S or pareto:alpha=A,xmin=X") from None
+    need = {"lognormal": {"mu", "sigma"}, "pareto": {"alpha", "xmin"}}.get(kind)
+    if need is None or set(params) != need:
+        raise SystemExit(f"--length-dist {spec!r}: expected lognormal:mu=M,sigma=S or pareto:alpha=A,xmin=X")
+    if kind == "lognormal" and params["sigma"] < 0 or kind == "pareto" and (params["alpha"] <= 0 or params["xmin"] <= 0):
+        raise SystemExit(f"--length-dist {spec!r}: sigma must be >= 0, alpha and xmin > 0")
+    return LengthDist(kind, params)
+
+
+def summarize_lengths(length_of: Callable[[int, int], int], groups: int, n: int) -> dict:
+    x = np.array([length_of(g, j) for g in range(groups) for j in range(n)])
+    med = float(np.median(x))
+    return {"draws": int(x.size), "mean": float(x.mean()), "median": med,
+            "p90": float(np.percentile(x, 90)), "p99": float(np.percentile(x, 99)), "max": int(x.max()),
+            "p99_over_median": float(np.percentile(x, 99)) / med}
+
+
+# -- decode curve --------------------------------------------------------------------------
+def interp(curve: dict, b: float) -> float:
+    """t(b), piecewise linear in b between measured batch sizes; flat below the smallest,
+    linear extrapolation above the largest."""
+    xs = sorted(curve)
+    if b <= xs[0]:
+        return curve[xs[0]]
+    if b >= xs[-1]:
+        x0, x1 = xs[-2], xs[-1]
+        return curve[x1] + (b - x1) * (curve[x1] - curve[x0]) / (x1 - x0)
+    i = bisect.bisect_left(xs, b)
+    x0, x1 = xs[i - 1], xs[i]
+    return curve[x0] + (b - x0) * (curve[x1] - curve[x0]) / (x1 - x0)
+
+
+def active_profile(lengths: list[int]) -> list[int]:
+    """Requests still generating at decode step s = 1 .. max(lengths)."""
+    ls = sorted(lengths)
+    m = len(ls)
+    out, i = [], 0
+    for s in range(1, (ls[-1] if ls else 0) + 1):
+        while i < m and ls[i] < s:
+            i += 1
+        out.append(m - i)
+    return out
+
+
+# -- recording -----------------------------------------------------------------------------
+class Recorder:
+    """Phases of each mode (rollout / train / weights) and request start/end events."""
+
+    def __init__(self):
+        self.mode: Optional[str] = None
+        self.kind: Optional[str] = None
+        self.phases: list[tuple[str, str, float, float]] = []
+        self._t0 = 0.0
+        self.events: list[tuple[float, str, int, str]] = []     # (t, engine, +1/-1, mode)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.requests: dict[str, int] = defaultdict(int)
+        self.reprefill_tokens: dict[str, int] = defaultdict(int)
+        self.prompt_len: Callable[[int], int] = lambda gid: 0
+        self.last_emit: Optional[float] = None
+        self.aborts: list[tuple[str, float, float]] = []          # (mode, start, end) per engine abort
+        self.robust_abort_modes: set[str] = set()
+
+    def begin(self, mode: str, kind: str) -> None:
+        self.mode, self.kind, self._t0 = mode, kind, time.perf_counter()
+
+    def end(self) -> None:
+        self.phases.append((self.mode, self.kind, self._t0, time.perf_counter()))
+        self.mode = self.kind = None
+
+    def last_phase_s(self) -> float:
+        _, _, a, b = self.phases[-1]
+        return b - a
+
+    def started(self, engine: str, req: GenRequest) -> Optional[str]:
+        mode = self.mode if self.kind == "rollout" else None
+        if mode is None:
+            return None
+        self.events.append((time.perf_counter(), engine, +1, mode))
+        self.requests[mode] += 1
+        if req.key.startswith("g") and "s" in req.key:   # controller keys: g{gid}s{index}a{attempt}
+            gid = int(req.key[1:].split("s", 1)[0])
+            self.reprefill_tokens[mode] += max(0, len(req.prompt_ids) - self.prompt_len(gid))
+        return mode
+
+    def finished(self, engine: str, mode: Optional[str], result: Optional[GenResult]) -> None:
+        if mode is None:
+            return
+        self.events.append((time.perf_counter(), engine, -1, mode))
+        if result is not None:
+            self.tokens[mode] += len(result.token_ids)
+
+    # -- derived -------------------------------------------------------------------------
+    def _segments(self, mode: str, engine: Optional[str] = None):
+        """(t0, t1, in-flight) pieces over the mode's rollout phases (one engine or all)."""
+        ev = sorted((t, d) for t, e, d, m in self.events if m == mode and (engine is None or e == engine))
+        for _, kind, a, b in [p for p in self.phases if p[0] == mode and p[1] == "rollout"]:
+            count = 0
+            # requests never span phases; start from 0 at each phase start
+            pts = [(t, d) for t, d in ev if a <= t <= b]
+            last = a
+            for t, d in pts:
+                if t > last:
+                    yield last, t, count
+                count += d
+                last = t
+            if b > last:
+                yield last, b, count
+
+    def busy(self, mode: str, engines: int) -> dict:
+        names = sorted({e for _, e, _, m in self.events if m == mode}) or ["engine0"]
+        busy_t = sum(t1 - t0 for name in names for t0, t1, c in self._segments(mode, name) if c > 0)
+        area = sum((t1 - t0) * c for t0, t1, c in self._segments(mode))
+        roll = sum(b - a for m, k, a, b in self.phases if m == mode and k == "rollout")
+        wall = sum(b - a for m, k, a, b in self.phases if m == mode)
+        return {"wall": busy_t / engines / max(wall, 1e-9), "rollout": busy_t / engines / max(roll, 1e-9),
+                "inflight_mean": area / max(roll, 1e-9)}
+
+    def underfill_s(self, mode: str, curve: dict, conc: int, engines: int) -> float:
+        """Rollout time lost to fewer than conc/engines requests in flight per engine, valued
+        with the decode curve: integral of (1 - rate(b) / rate(full)) dt, rate(b) = b / t(b)."""
+        full = conc / engines
+        rate_full = full / interp(curve, full)
+        names = sorted({e for _, e, _, m in self.events if m == mode})
+        lost = 0.0
+        for name in names:
+            for t0, t1, c in self._segments(mode, name):
+                rate = c / interp(curve, c) if c > 0 else 0.0
+                lost += (t1 - t0) * max(0.0, 1.0 - rate / rate_full)
+        return lost / max(1, len(names))
+
+    def local_timeline(self, mode: str):
+        """The mode's in-flight count on its own clock (other mode's phases cut out), plus
+        its train/weights phases as (start, end, kind) on that clock."""
+        offset, mapping, spans = 0.0, [], []
+        for m, kind, a, b in self.phases:
+            if m != mode:
+                continue
+            mapping.append((a, b, offset))
+            if kind != "rollout":
+                spans.append((offset, offset + b - a, kind))
+            offset += b - a
+        ts, ys = [0.0], [0]
+        for t0, t1, c in self._segments(mode):
+            for a, b, off in mapping:
+                if a <= t0 <= b:
+                    ts += [off + t0 - a, off + t1 - a]
+                    ys += [c, c]
+                    break
+        return ts, ys, spans, offset
+
+
+class Tracked(Engine):
+    """An engine of the pool that tells the Recorder when each request starts and resolves."""
+
+    def __init__(self, inner: Engine, rec: Recorder):
+        self.inner, self.rec, self.name = inner, rec, inner.name
+
+    @property
+    def version(self) -> int:   # type: ignore[override]
+        return self.inner.version
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        mode = self.rec.started(self.name, req)
+        result = None
+        try:
+            result = await self.inner.generate(req)
+            return result
+        finally:
+            self.rec.finished(self.name, mode, result)
+
+    async def abort(self, keys=None) -> None:
+        t = time.perf_counter()
+        try:
+            if self.rec.mode in self.rec.robust_abort_modes and hasattr(self.inner, "llm"):
+                await abort_until_done(self.inner, keys)
+            else:
+                await self.inner.abort(keys)
+        finally:
+            if self.rec.mode is not None:
+                self.rec.aborts.append((self.rec.mode, t, time.perf_counter()))
+
+    async def pause(self) -> None:
+        await self.inner.pause()
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+    async def update_weights(self, path: str, version: int) -> None:
+        await self.inner.update_weights(path, version)
+
+    async def health(self):
+        return await self.inner.health()
+
+    @property
+    def running(self) -> int:
+        return self.inner.running
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+# -- plot ----------------------------------------------------------------------------------
+def plot_timeline(rec: Recorder, path: str, conc: int, title: str, result: dict, modes: list[str]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 1.2 + 2.0 * len(modes)), sharex=True, sharey=True)
+    colors = {"train": "#f4c27a", "weights": "#b0b0b0"}
+    fill = {"sync": "#3b75af", "partial": "#4c9a52", "partial_fix": "#8a5fb0"}
+    xmax = 0.0
+    for ax, mode in zip(axes, modes):
+        f = result["sync_figures"] if mode == "sync" else result[mode]
+        ts, ys, spans, total = rec.local_timeline(mode)
+        xmax = max(xmax, total)
+        ax.fill_between(ts, ys, color=fill.get(mode, "#666"), lw=0.6, alpha=0.85)
+        for a, b, kind in spans:
+            ax.axvspan(a, b, color=colors.get(kind, "#ddd"), alpha=0.6, lw=0)
+        ax.axhline(conc, color="k", ls="--", lw=0.7)
+        extra = "" if mode == "sync" else (f"; rollout speedup {f['rollout_speedup']:.2f}x, e2e {f['speedup']:.2f}x, "
+                                           f"efficiency vs ideal {f['efficiency_vs_ideal']:.2f}")
+        ax.set_title(f"{mode}: wall {f['wall_s']:.1f} s, rollout {f['rollout_s']:.1f} s (ideal "
+                     f"{f['ideal_rollout_s']:.1f} s), slot use {f['slot_utilization']:.2f}{extra}", fontsize=8, loc="left")
+        ax.set_ylabel("in flight", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].set_xlim(0, xmax * 1.01)
+    axes[-1].set_xlabel("seconds on each mode's own clock (orange: train, grey: weight push; dashed: concurrency)",
+                        fontsize=8)
+    fig.suptitle(f"{title}; ideal rollout speedup {result['ideal_rollout_speedup']:.2f}x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+# -- a simulated engine (checks the bench's arithmetic without vLLM) -------------------------
+class FakeEngine(Engine):
+    """Decode loop with a known step time t(b) = a + c * b seconds for b active requests;
+    one token per active request per step, prefill free. `--fake-engine A_MS,C_MS`."""
+
+    def __init__(self, name: str, a: float, c: float):
+        import asyncio
+        self.name, self.a, self.c, self.version = name, a, c, 0
+        self._active: dict[str, tuple] = {}
+        self._wake = asyncio.Event()
+        self._loop_task = None
+        self._paused = False
+
+    async def start(self) -> None:
+        import asyncio
+        self._loop_task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        import asyncio
+        while True:
+            if not self._active or self._paused:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            b = len(self._active)
+            await asyncio.sleep(self.a + self.c * b)
+            for key, (req, res, fut) in list(self._active.items()):
+                res.extend([3], [-1.0], self.version)
+                if len(res.token_ids) >= req.max_tokens:
+                    res.finish_reason = "length"
+                    del self._active[key]
+                    fut.set_result(res)
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        import asyncio
+        fut = asyncio.get_running_loop().create_future()
+        self._active[req.key] = (req, GenResult(req.key, engine=self.name), fut)
+        self._wake.set()
+        return await fut
+
+    async def abort(self, keys=None) -> None:
+        for key in list(self._active if keys is None else keys):
+            if key in self._active:
+                _, res, fut = self._active.pop(key)
+                fut.set_result(res)
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def update_weights(self, path: str, version: int) -> None:
+        self.version = version
+
+    async def health(self):
+        from megarl.rollout.engine import EngineHealth
+        return EngineHealth(self.name, True, self._paused, self.running, self.version, "fake")
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
