@@ -86,3 +86,33 @@ def test_sequence_parallel_needs_tensor_parallel():
     """Sequence parallelism without TP is refused naming the setting."""
     with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=True: needs parallel\.tp > 1"):
         load_config(None, ["parallel.sequence_parallel=true"])
+
+
+def test_rollout_async_spelling_and_the_settings_it_needs(tmp_path):
+    """`rollout.async` (DESIGN's spelling, a Python keyword) is accepted in recipes and on the
+    command line; it needs partial mode and a staleness bound of at least one version."""
+    assert load_config("recipes/tiny_cpu.yaml", ["rollout.async=true"]).rollout.asynchronous
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("defaults: [" + str(__import__("pathlib").Path("recipes/tiny_cpu.yaml").resolve())
+                      + "]\nrollout:\n  async: true\n")
+    assert load_config(str(recipe)).rollout.asynchronous
+    with pytest.raises(ConfigError, match=r"rollout\.async.*rollout\.mode=partial"):
+        load_config("recipes/tiny_cpu.yaml", ["rollout.async=true", "rollout.mode=sync"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_staleness=0.*>= 1"):
+        load_config("recipes/tiny_cpu.yaml", ["rollout.async=true", "rollout.max_staleness=0"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.top_p=0.9", "rollout.top_p"),
+    ("rollout.engine_mode=cloud", "rollout.engine_mode"),
+    ("rollout.engine_mode=remote", "rollout.engine_urls"),
+    ("rollout.engine_urls=[node1:8000]", "rollout.engine_urls"),
+    ("rollout.mode=fast", "rollout.mode"),
+    ("rollout.concurrency=0", "rollout.concurrency"),
+    ("rollout.stale_policy=keep", "rollout.stale_policy"),
+    ("rollout.engine_timeout_s=0", "rollout.engine_timeout_s"),
+    ("rollout.dump_every=-1", "rollout.dump_every"),
+])
+def test_bad_rollout_settings_name_the_setting(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("recipes/tiny_cpu.yaml", [override])
