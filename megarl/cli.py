@@ -50,6 +50,10 @@ def main(argv=None) -> int:
     except EngineError as err:  # names the engine, its URL and its log file
         print(f"megarl: engine error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # engines and servers were stopped on the way out
+        print("megarl: interrupted; the newest complete checkpoint is where a rerun resumes",
+              file=sys.stderr)
+        return 130
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
