@@ -21,11 +21,14 @@ def probe(tiny_model, tmp_path, name, nproc, overrides):
 def assert_close(a, b, rel=1e-5, what=""):
     """Within `rel` relative. The policy loss is a sum of +- terms that nearly cancel (about
     1e-3 here, from terms of about 1e-1), so it also gets an absolute floor of 2e-6: fp32
-    reduction order alone moves it by a few 1e-7, a real error by 1e-3 or more."""
+    reduction order alone moves it by a few 1e-7, a real error by 1e-3 or more. Logprobs near
+    0 (confident tokens) get an absolute floor of 2e-5: after two Adam steps, fp32 reduction
+    order moved one of 175 by 6.2e-6 on a 2-core CPU machine (the same at the commit before
+    the engine pool), while a wrong shard or mapping moves them by 1e-2 or more."""
     for step, (x, y) in enumerate(zip(a, b)):
         for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=rel, abs=2e-6), f"{what} step {step} {key}"
-        assert x["logp"] == pytest.approx(y["logp"], rel=rel, abs=1e-6), f"{what} step {step} logprobs"
+        assert x["logp"] == pytest.approx(y["logp"], rel=rel, abs=2e-5), f"{what} step {step} logprobs"
 
 
 @pytest.fixture(scope="module")
