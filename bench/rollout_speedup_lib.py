@@ -21,29 +21,34 @@ class Measured(PartialRolloutController):
 
     t_target: Optional[float] = None
     late_admissions: int = 0
+    fill_s: float = 0.0          # time in _fill (admission: choosing slots, creating tasks)
+    emit_s: float = 0.0          # time in _emit (scoring complete groups)
 
     async def run_round(self, target: int, version: int):
-        self.t_target, self.late_admissions = None, 0
+        self.t_target, self.late_admissions, self.fill_s, self.emit_s = None, 0, 0.0, 0.0
         return await super().run_round(target, version)
 
     def _emit(self, group: Group) -> None:
+        t = time.perf_counter()
         super()._emit(group)
+        self.emit_s += time.perf_counter() - t
         if self.t_target is None and self._round_done is not None and self._round_done.is_set():
             self.t_target = time.perf_counter()
 
     def _fill(self) -> None:
-        before = len(self._inflight)
+        before, t = len(self._inflight), time.perf_counter()
         super()._fill()
+        self.fill_s += time.perf_counter() - t
         if self.t_target is not None:
             self.late_admissions += max(0, len(self._inflight) - before)
 
 
 class EndOnTarget(Measured):
-    """Bench-only fix of the controller (megarl/rollout/controller.py is not changed): once
-    the round's target is reached, admit nothing more. The stock controller sets `_ending`
-    only when run_round wakes up; until then a `_serve` that just emitted the target group
-    (or any other that resolves first) still calls `_fill()`, and the request it admits is
-    started on the engine after the round's abort has been issued."""
+    """Once the round's target is reached, admit nothing more. Before commit 2fff5a0 the
+    controller set `_ending` only when run_round woke up, so `_serve`s resolving in between
+    still called `_fill()` and started requests the round then had to abort (and which, with
+    the engine race below, ran to their full budget). The controller does this itself now;
+    kept so the bench measures the same thing against older checkouts."""
 
     def _emit(self, group: Group) -> None:
         super()._emit(group)
@@ -220,25 +225,22 @@ class Recorder:
                 lost += (t1 - t0) * max(0.0, 1.0 - rate / rate_full)
         return lost / max(1, len(names))
 
-    def local_timeline(self, mode: str):
-        """The mode's in-flight count on its own clock (other mode's phases cut out), plus
-        its train/weights phases as (start, end, kind) on that clock."""
-        offset, mapping, spans = 0.0, [], []
+    def rollout_timeline(self, mode: str) -> dict:
+        """The mode's in-flight count on its own rollout clock (train, weight pushes and the
+        other modes cut out): step-function points (t, count) rounded to 1 ms, plus the
+        clock time at which each of its rounds starts."""
+        offset, ts, ys, starts = 0.0, [], [], []
+        segs = list(self._segments(mode))
         for m, kind, a, b in self.phases:
-            if m != mode:
+            if m != mode or kind != "rollout":
                 continue
-            mapping.append((a, b, offset))
-            if kind != "rollout":
-                spans.append((offset, offset + b - a, kind))
-            offset += b - a
-        ts, ys = [0.0], [0]
-        for t0, t1, c in self._segments(mode):
-            for a, b, off in mapping:
+            starts.append(round(offset, 3))
+            for t0, t1, c in segs:
                 if a <= t0 <= b:
-                    ts += [off + t0 - a, off + t1 - a]
+                    ts += [round(offset + t0 - a, 3), round(offset + t1 - a, 3)]
                     ys += [c, c]
-                    break
-        return ts, ys, spans, offset
+            offset += b - a
+        return {"t": ts, "inflight": ys, "round_starts": starts, "total_s": round(offset, 3)}
 
 
 class Tracked(Engine):
@@ -295,32 +297,56 @@ class Tracked(Engine):
 
 
 # -- plot ----------------------------------------------------------------------------------
-def plot_timeline(rec: Recorder, path: str, conc: int, title: str, result: dict, modes: list[str]) -> None:
+def plot_timeline(result: dict, path: str) -> None:
+    """In-flight requests over each mode's rollout clock (from result["timeline"]), and each
+    mode's end-to-end wall split; everything it needs is in the JSON the bench writes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 1.2 + 2.0 * len(modes)), sharex=True, sharey=True)
-    colors = {"train": "#f4c27a", "weights": "#b0b0b0"}
+    modes = list(result["timeline"])
+    conc = result["concurrency"]
+    fig, axes = plt.subplots(len(modes) + 1, 1, figsize=(10, 1.4 + 1.8 * (len(modes) + 1)),
+                             gridspec_kw={"height_ratios": [2] * len(modes) + [1.3]})
     fill = {"sync": "#3b75af", "partial": "#4c9a52", "partial_fix": "#8a5fb0"}
-    xmax = 0.0
+    xmax = max(result["timeline"][m]["total_s"] for m in modes) * 1.01
     for ax, mode in zip(axes, modes):
+        tl = result["timeline"][mode]
         f = result["sync_figures"] if mode == "sync" else result[mode]
-        ts, ys, spans, total = rec.local_timeline(mode)
-        xmax = max(xmax, total)
-        ax.fill_between(ts, ys, color=fill.get(mode, "#666"), lw=0.6, alpha=0.85)
-        for a, b, kind in spans:
-            ax.axvspan(a, b, color=colors.get(kind, "#ddd"), alpha=0.6, lw=0)
+        ax.fill_between(tl["t"], tl["inflight"], color=fill.get(mode, "#666"), lw=0.4)
+        for x in tl["round_starts"][1:]:
+            ax.axvline(x, color="#888", lw=0.4)
         ax.axhline(conc, color="k", ls="--", lw=0.7)
-        extra = "" if mode == "sync" else (f"; rollout speedup {f['rollout_speedup']:.2f}x, e2e {f['speedup']:.2f}x, "
+        extra = "" if mode == "sync" else (f"; rollout speedup {f['rollout_speedup']:.2f}x, "
                                            f"efficiency vs ideal {f['efficiency_vs_ideal']:.2f}")
-        ax.set_title(f"{mode}: wall {f['wall_s']:.1f} s, rollout {f['rollout_s']:.1f} s (ideal "
-                     f"{f['ideal_rollout_s']:.1f} s), slot use {f['slot_utilization']:.2f}{extra}", fontsize=8, loc="left")
+        ax.set_title(f"{mode}: rollout {f['rollout_s']:.1f} s (ideal {f['ideal_rollout_s']:.1f} s), "
+                     f"slot use {f['slot_utilization']:.2f}{extra}", fontsize=8, loc="left")
         ax.set_ylabel("in flight", fontsize=8)
+        ax.set_xlim(0, xmax)
+        ax.set_ylim(0, conc * 1.1)
         ax.tick_params(labelsize=7)
-    axes[0].set_xlim(0, xmax * 1.01)
-    axes[-1].set_xlabel("seconds on each mode's own clock (orange: train, grey: weight push; dashed: concurrency)",
-                        fontsize=8)
-    fig.suptitle(f"{title}; ideal rollout speedup {result['ideal_rollout_speedup']:.2f}x", fontsize=9)
+    axes[len(modes) - 1].set_xlabel("seconds of rollout on each mode's own clock (grey lines: round "
+                                    "starts; dashed: concurrency)", fontsize=8)
+    ax = axes[-1]
+    for y, mode in enumerate(modes):
+        f = result["sync_figures"] if mode == "sync" else result[mode]
+        left = 0.0
+        for key, color, label in (("rollout_s", fill.get(mode, "#666"), "rollout"), ("train_s", "#f4c27a", "train"),
+                                  ("push_s", "#999", "weight push")):
+            ax.barh(y, f[key], left=left, color=color, label=label if y == 0 or key == "rollout_s" else None)
+            left += f[key]
+        ax.text(left, y, f" {left:.0f} s" + ("" if mode == "sync" else f"  (e2e speedup {f['speedup']:.2f}x)"),
+                va="center", fontsize=7)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color="#f4c27a", label="train"), Patch(color="#999", label="weight push")],
+              fontsize=7, loc="lower right")
+    ax.set_yticks(range(len(modes)), modes, fontsize=7)
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=7)
+    ax.set_xlim(0, max((result["sync_figures"] if m == "sync" else result[m])["wall_s"] for m in modes) * 1.3)
+    ax.set_xlabel("end-to-end seconds (rollout + train + weight push)", fontsize=8)
+    fig.suptitle(f"{result['length_dist']} (cap {result['max_len']}), {result['groups_per_step']}x{result['n']} "
+                 f"samples/step, concurrency {conc}, {result['steps']} steps, train={result['train']}; "
+                 f"ideal rollout speedup {result['ideal_rollout_speedup']:.2f}x", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
