@@ -31,6 +31,9 @@ def sampled_logprobs(token_ids, logprobs) -> list[float]:
     return [float(d[t].logprob) for t, d in zip(token_ids, logprobs)]
 
 
+ABORT_POLL_S = 0.05
+
+
 class AsyncVLLMEngine(Engine):
     """One vLLM AsyncLLM engine. `engine_args` are vLLM AsyncEngineArgs keyword arguments."""
 
@@ -103,21 +106,32 @@ class AsyncVLLMEngine(Engine):
         return self.timeout_s * max(1.0, req.max_tokens / 64)
 
     async def abort(self, keys: Optional[list[str]] = None) -> None:
+        """Abort, and return once every aborted request has resolved with its partials.
+
+        vLLM ignores an abort for a request id it has not registered yet (its stream task has
+        not reached AsyncLLM.add_request), and that request would then run to its full budget
+        while we wait: a round's tail with few requests in flight. So the abort is re-issued
+        every ABORT_POLL_S for whatever still runs; after rollout.engine_timeout_s our reader
+        is cancelled (which closes the stream and aborts it in vLLM), so an abort never hangs."""
         if self.llm is None:
             return
         wanted = set(keys) if keys is not None else None
-        rids = [rid for rid in self._inflight if wanted is None or rid.rsplit("#", 1)[0] in wanted]
-        if not rids:
-            return
-        tasks = [self._inflight[r] for r in rids]
-        await self.llm.abort(rids)
-        # vLLM ends an aborted stream itself; if it does not within the timeout, cancel our
-        # side so the request resolves with what it has (an abort must never hang)
-        done, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            rids = [rid for rid in self._inflight if wanted is None or rid.rsplit("#", 1)[0] in wanted]
+            if not rids:
+                return
+            tasks = [self._inflight[r] for r in rids]
+            await self.llm.abort(rids)
+            _, pending = await asyncio.wait(tasks, timeout=ABORT_POLL_S)
+            if not pending:
+                return
+            if loop.time() > deadline:
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending, timeout=5)
+                return
 
     async def pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)

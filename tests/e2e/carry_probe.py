@@ -26,6 +26,15 @@ def main(model_dir: str, out_path: str) -> None:
     pool = open_pool(cfg.rollout, model_dir, 0, "/tmp")
     try:
         ref = pool.call(pool.pool.generate(GenRequest("ref", long_prompt, 56, temperature=0.0)), "reference")
+
+        async def abort_at_once():   # abort before vLLM has even registered the requests
+            import asyncio
+            reqs = [GenRequest(f"early{i}", short_prompt, 200, ignore_eos=True, seed=i) for i in range(4)]
+            tasks = [asyncio.ensure_future(pool.pool.generate(r)) for r in reqs]
+            await asyncio.sleep(0)
+            await pool.pool.abort()
+            return [(len(t.result().token_ids), t.result().finish_reason) for t in tasks]
+        early = pool.call(abort_at_once(), "early abort")
         prompts = iter([long_prompt] + [short_prompt] * 100)
         ctl = PartialRolloutController(
             pool.pool, n=1, concurrency=2, max_new_tokens=56, temperature=0.0, max_staleness=5,
@@ -43,7 +52,7 @@ def main(model_dir: str, out_path: str) -> None:
                "reference": ref.token_ids, "reference_logprobs": ref.logprobs,
                "carried": long_done.response_ids, "carried_logprobs": long_done.logprobs,
                "versions": long_done.versions, "finish_reason": long_done.finish_reason,
-               "engine_version": pool.version}
+               "engine_version": pool.version, "early_abort": early}
     finally:
         pool.close()
     with open(out_path, "w") as f:
