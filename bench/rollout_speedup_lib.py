@@ -3,9 +3,8 @@ wrapper), the decode-curve interpolation and the timeline plot. No vLLM import h
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
-import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -57,10 +56,10 @@ class EndOnTarget(Measured):
 
 
 async def abort_until_done(inner, keys=None, poll_s: float = 0.05) -> None:
-    """Bench-only fix of AsyncVLLMEngine.abort (megarl/rollout/vllm_async.py is not changed):
+    """The abort as AsyncVLLMEngine.abort does it since commit 61f1096, for older checkouts:
     vLLM's abort of a request id it has not registered yet (its stream task has not reached
-    AsyncLLM.add_request) is a no-op, and that request then runs to its full budget while
-    abort() waits for it. Re-issue the abort for whatever is still running every poll_s."""
+    AsyncLLM.add_request) is a no-op, and that request then ran to its full budget while
+    abort() waited for it. Re-issue the abort for whatever is still running every poll_s."""
     import asyncio
     wanted = set(keys) if keys is not None else None
     while True:
