@@ -25,6 +25,7 @@ setup(
         # GPU clusters (Python 3.12): CUDA vLLM, Transformer Engine, a newer megatron-core
         "gpu": ["torch", "megatron-core>=0.16.1", "vllm", "transformer-engine[pytorch]"],
         "test": ["pytest>=8"],
+        "bench": ["matplotlib>=3.7"],   # bench/ plots
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

