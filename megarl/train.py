@@ -14,7 +14,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, RootConfig, save_config, validate_world
-from megarl.distributed import cpu, parallel
+from megarl.distributed import cpu, device, parallel
 from megarl.distributed.env import init_distributed
 from megarl.distributed.stop import StopSignal
 
@@ -50,6 +50,9 @@ def train(cfg: RootConfig) -> dict:
         raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
     models = build_all(cfg)
     tokenizer = models.tokenizer
+    if os.environ.get("MEGARL_DEVICE_GUARD") == "1":   # debugging: fail on any host/device mix-up
+        from megarl.distributed.device_guard import DeviceGuard
+        DeviceGuard().__enter__()
     stop = StopSignal(cfg.checkpoint.time_budget_min)
 
     # resume: models, optimizers, data cursor and RNG from the newest complete checkpoint
@@ -155,13 +158,13 @@ def train(cfg: RootConfig) -> dict:
 def rollout_metrics(samples, batch) -> dict:
     lengths = [len(s.response_ids) for s in samples]
     mean = sum(lengths) / len(lengths)
-    return {"reward_mean": float(batch.scores.mean()),
-            "response_len_mean": mean,
+    return {"response_len_mean": mean,
             "response_len_max": max(lengths),
             # share of decode slots doing useful work when the whole batch waits for its longest
             # sample: what partial rollout wins back
             "rollout_slot_utilization": mean / max(lengths),
-            "finished_frac": float(batch.finished.float().mean())}
+            "finished_frac": sum(s.finished for s in samples) / len(samples),
+            **device.host_values({"reward_mean": batch.scores.mean()})}
 
 
 def _broadcast(obj):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import device
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -48,8 +50,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistEnv:
     elif "MASTER_ADDR" not in os.environ:
         raise RuntimeError("MASTER_ADDR is not set: launch with torchrun, or export MASTER_ADDR/"
                            "MASTER_PORT before srun (slurm/common.sh does)")
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+    device.select(env.local_rank)   # before NCCL builds a communicator on the wrong GPU
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return env

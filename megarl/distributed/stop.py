@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import device
+
 
 class StopSignal:
     def __init__(self, budget_min: float = 0.0):
@@ -28,6 +30,8 @@ class StopSignal:
         over = self.budget_s > 0 and time.monotonic() - self.start > self.budget_s
         vote = torch.tensor([float(self.signalled), float(over)])
         if dist.is_initialized() and dist.get_world_size() > 1:
+            vote = device.put(vote)   # NCCL reduces device tensors only
             dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        self.reason = "SIGTERM" if vote[0] else ("time budget" if vote[1] else "")
+        signalled, over = vote.tolist()
+        self.reason = "SIGTERM" if signalled else ("time budget" if over else "")
         return bool(self.reason)

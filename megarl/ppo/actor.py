@@ -66,7 +66,8 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
                                extras=extras)
     ok, grad_norm, _ = actor.optimizer.step()
     actor.scheduler.step(increment=1)
-    out = {k: sum(float(r[k]) for r in reports) for k in reports[0]} if reports else {}
+    # summed on the device: the step reduces and copies them to the host once (ppo/step.py)
+    out = {k: sum(r[k].detach() for r in reports) for k in reports[0]} if reports else {}
     out["grad_norm"] = float(grad_norm or 0.0)
     out["update_ok"] = bool(ok)
     return out

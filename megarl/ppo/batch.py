@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from megarl.distributed import device as dev
 from megarl.rollout.types import Sample
 
 
@@ -33,13 +34,23 @@ class Batch:
         return self.tokens.shape[0]
 
     def select(self, idx) -> "Batch":
-        """Rows `idx` (slice or index tensor) of every field."""
+        """Rows `idx` (slice or index tensor on the batch's device) of every field."""
         return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
 
-def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1) -> Batch:
+    def to(self, target: torch.device) -> "Batch":
+        """Every field on `target` (one copy per field)."""
+        return Batch(**{f.name: dev.put(getattr(self, f.name), target) for f in fields(self)})
+
+
+def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
+                target: torch.device | None = None) -> Batch:
     """Pad a list of samples. L = longest prompt+response rounded up to `multiple` (sequence
-    parallelism splits L over TP ranks), R = longest response."""
+    parallelism splits L over TP ranks), R = longest response. Built on the host, returned on
+    `target` (default: the trainer's device), where the models read it."""
     B = len(samples)
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     L = -(-L // multiple) * multiple
@@ -64,7 +75,8 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1) -> Batch:
             stored_mask[i, :m] = True
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float)
     finished = torch.tensor([s.finished for s in samples])
-    return Batch(tokens, resp_index, mask, behav, versions, scores, finished, stored, stored_mask)
+    batch = Batch(tokens, resp_index, mask, behav, versions, scores, finished, stored, stored_mask)
+    return batch.to(target or dev.current())
 
 
 def stitch_old_logprobs(computed: torch.Tensor, batch: Batch) -> torch.Tensor:

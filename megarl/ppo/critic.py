@@ -40,6 +40,7 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
                                extras={"old_values": old_values, "returns": returns})
     ok, grad_norm, _ = critic.optimizer.step()
     critic.scheduler.step(increment=1)
-    out = {k: sum(float(r[k]) for r in reports) for k in reports[0]} if reports else {}
+    # summed on the device: the step reduces and copies them to the host once (ppo/step.py)
+    out = {k: sum(r[k].detach() for r in reports) for k in reports[0]} if reports else {}
     out["critic_grad_norm"] = float(grad_norm or 0.0)
     return out

@@ -16,10 +16,10 @@ from megarl.distributed import parallel
 from megarl.ppo.batch import Batch
 
 
-def _causal_mask(length: int) -> torch.Tensor:
+def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
     # megatron's convention: True = masked. Padding is on the right, so causal masking alone
     # keeps real tokens from seeing it.
-    return torch.ones(1, 1, length, length, dtype=torch.bool).triu(diagonal=1)
+    return torch.ones(1, 1, length, length, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
 def run_microbatches(model, batch: Batch, micro_batch_size: int, loss_fn: Callable,
@@ -37,7 +37,8 @@ def run_microbatches(model, batch: Batch, micro_batch_size: int, loss_fn: Callab
     if n % micro_batch_size:
         raise ValueError(f"train.micro_batch_size={micro_batch_size} must divide the {n} rows on this rank")
     length = batch.tokens.shape[1]
-    mask = _causal_mask(length)
+    mask = _causal_mask(length, batch.device)
+    positions = torch.arange(length, device=batch.device).unsqueeze(0)
     micro = []
     for start in range(0, n, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -46,8 +47,7 @@ def run_microbatches(model, batch: Batch, micro_batch_size: int, loss_fn: Callab
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
         tokens = mb["batch"].tokens
-        positions = torch.arange(length).unsqueeze(0).expand_as(tokens)
-        output = model_chunk(tokens, positions, mask)
+        output = model_chunk(tokens, positions.expand_as(tokens), mask)
         return output, partial(loss_fn, mb)
 
     return get_forward_backward_func()(
@@ -61,13 +61,14 @@ def loss_scale(num_microbatches: int) -> float:
     return float(num_microbatches * parallel.dp_size())
 
 
-def share_from_last_stage(t: torch.Tensor | None, shape, dtype=torch.float) -> torch.Tensor:
+def share_from_last_stage(t: torch.Tensor | None, shape, device: torch.device,
+                          dtype=torch.float) -> torch.Tensor:
     """Every PP stage gets the last stage's result (forward-only outputs live there)."""
     if parallel.pp_size() == 1:
         return t
     import torch.distributed as dist
     if not parallel.is_last_stage():
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(t, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
     return t
 
@@ -89,9 +90,9 @@ def forward_per_token(model, batch: Batch, micro_batch_size: int, fn: Callable) 
     def loss_fn(mb, output):
         with torch.no_grad():
             value = fn(mb, output)
-        return torch.zeros((), requires_grad=False), {"value": value}
+        return torch.zeros((), device=value.device), {"value": value}
 
     with torch.no_grad():
         reports = run_microbatches(model, batch, micro_batch_size, loss_fn, forward_only=True)
     local = torch.cat([r["value"] for r in reports]) if reports else None
-    return share_from_last_stage(local, tuple(batch.resp_mask.shape))
+    return share_from_last_stage(local, tuple(batch.resp_mask.shape), batch.device)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.schema import AlgoConfig, RootConfig
+from megarl.distributed import device as dev
 from megarl.distributed import parallel
 from megarl.models.offload import resident
 from megarl.ppo import actor as actor_ops
@@ -37,7 +38,7 @@ def token_rewards(batch: Batch, kl: torch.Tensor | None, kl_coef: float) -> torc
     mask = batch.resp_mask
     rewards = torch.zeros_like(mask)
     last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    rewards[torch.arange(batch.size), last] = batch.scores
+    rewards[torch.arange(batch.size, device=mask.device), last] = batch.scores
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
     return rewards
@@ -86,9 +87,10 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     sums: dict[str, float] = {}
     n_mini = cfg.train.mini_batches
     train_actor = algo.name == "grpo" or step >= cfg.train.critic_warmup_steps
+    # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
     for _ in range(cfg.train.ppo_epochs):
-        order = torch.randperm(batch.size, generator=gen)
+        order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
         for chunk in order.chunk(n_mini):
             rows = chunk[dp_rows(len(chunk))]
             mini, local = batch.select(chunk), batch.select(rows)
@@ -99,46 +101,51 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
             if critic is not None:
                 with resident(critic.model):
                     _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
-    stats = _reduce_to_rank0(sums)
+    stats = _reduce_to_rank0(sums, batch.device)
     updates = cfg.train.ppo_epochs * n_mini
     tokens = max(stats.get("tokens", 0.0), 1.0)
-    out = {
+    on_device = {
         # reported as the k1 estimate whatever algo.kl_kind shapes the penalty with
-        "kl": float(masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(old_logp, ref_logp, "k1"), mask)),
+        "kl": masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(old_logp, ref_logp, "k1"), mask),
+        "advantage_mean": masked_mean(advantages, mask),
+        **is_stats, **mismatch_stats(old_logp, batch.behav_logp, mask),
+    }
+    if old_values is not None:
+        on_device["value_mean"] = masked_mean(old_values, mask)
+    out = {
         "policy_loss": stats.get("policy_loss", 0.0) / updates,
         "value_loss": stats.get("value_loss", 0.0) / updates,
         "clip_frac": stats.get("clip_tokens", 0.0) / tokens,
         "entropy": stats.get("entropy_sum", 0.0) / tokens,
         "grad_norm": stats.get("grad_norm", 0.0) / updates,
         "critic_grad_norm": stats.get("critic_grad_norm", 0.0) / updates,
-        "advantage_mean": float(masked_mean(advantages, mask)),
-        **{k: float(v) for k, v in is_stats.items()},
-        **{k: float(v) for k, v in mismatch_stats(old_logp, batch.behav_logp, mask).items()},
+        **dev.host_values(on_device),   # one device-to-host copy for all of them
     }
-    if old_values is not None:
-        out["value_mean"] = float(masked_mean(old_values, mask))
     return out
 
 
 def _add(acc: dict, d: dict) -> None:
+    """Sum update reports; tensors stay on the device until `_reduce_to_rank0`."""
     for k, v in d.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            acc[k] = acc.get(k, 0.0) + float(v)
+        if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
+            acc[k] = acc.get(k, 0.0) + v
 
 
 _SUMMED = ("policy_loss", "value_loss", "tokens", "clip_tokens", "entropy_sum", "kl_sum",
            "value_clip_tokens", "grad_norm", "critic_grad_norm")
 
 
-def _reduce_to_rank0(sums: dict) -> dict:
+def _reduce_to_rank0(sums: dict, device: torch.device) -> dict:
     """Update reports live on the last PP stage (identical on its TP ranks, partial per DP
     rank): sum one copy per DP rank over the world. Grad norms are global already, so they
-    come from one rank only."""
+    come from one rank only. One collective and one device-to-host copy per step."""
     own = parallel.is_last_stage() and parallel.tp_rank() == 0
-    vec = torch.tensor([sums.get(k, 0.0) if own else 0.0 for k in _SUMMED], dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    vec = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=device).reshape(())
+                       if own else zero for k in _SUMMED])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(vec)
-    out = dict(zip(_SUMMED, vec.tolist()))
+    out = dict(zip(_SUMMED, vec.cpu().tolist()))
     for k in ("grad_norm", "critic_grad_norm"):
         out[k] /= parallel.dp_size()
     return out
@@ -149,5 +156,5 @@ def trainer_logprobs(cfg: RootConfig, actor, samples, pad_id: int) -> list[list[
     (forward only; every rank computes all rows). Collective over all trainer ranks."""
     batch = build_batch(samples, pad_id, cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
     mbs = cfg.train.micro_batch_size if batch.size % cfg.train.micro_batch_size == 0 else 1
-    logp = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, cfg.rollout.temperature)
+    logp = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, cfg.rollout.temperature).cpu()
     return [logp[i, :len(s.response_ids)].tolist() for i, s in enumerate(samples)]

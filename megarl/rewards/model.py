@@ -50,8 +50,9 @@ def build_reward_model(path: str, tp: int, pp: int, dtype: torch.dtype, divisibl
 def _last_token_scores(batch: Batch, out: torch.Tensor) -> torch.Tensor:
     """out [b, L, 1] -> [b, R] holding each row's score in column 0 (shape of forward_per_token)."""
     lengths = batch.resp_mask.sum(dim=1).long()
-    last_pos = batch.resp_index[torch.arange(batch.size), (lengths - 1).clamp(min=0)] + 1
-    scores = out[torch.arange(batch.size), last_pos.clamp(max=out.shape[1] - 1), 0].float()
+    rows = torch.arange(batch.size, device=batch.device)
+    last_pos = batch.resp_index[rows, (lengths - 1).clamp(min=0)] + 1
+    scores = out[rows, last_pos.clamp(max=out.shape[1] - 1), 0].float()
     result = torch.zeros_like(batch.resp_mask)
     result[:, 0] = scores
     return result

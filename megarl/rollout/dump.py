@@ -32,3 +32,20 @@ def dump_samples(run_dir: str, step: int, samples: list[Sample], tokenizer) -> s
             f.write(json.dumps(sample_record(s, tokenizer)) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def read_samples(path: str) -> list[Sample]:
+    """Samples back from a dump (a recorded rollout to replay a training step on)."""
+    samples = []
+    with open(path) as f:
+        for row, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                samples.append(Sample(r["prompt_ids"], r["response_ids"], r["logprobs"], r["versions"],
+                                      r["finish_reason"] == "stop", r["group"], reward=r["reward"],
+                                      finish_reason=r["finish_reason"]))
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"{path}, row {row}: not a megarl sample record ({err!r})") from None
+    return samples

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from megarl.config import ConfigError
 from megarl.conversion.mapping import mapping_for
-from megarl.distributed import parallel
+from megarl.distributed import device, parallel
 from megarl.models.builders import ModelInfo, use_te
 
 PREFIX = "megarl-weights-"
@@ -67,7 +67,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = t.contiguous()
+        bucket[name] = t.contiguous()   # on the trainer's device; staged from the host
         size += nbytes
     if bucket:
         yield bucket
@@ -126,6 +126,7 @@ def staging_dir(base: str, tag: str, model=None) -> str:
     need = torch.tensor([stage_bytes(model) if writes else 0], dtype=torch.float64)
     multi = dist.is_initialized() and dist.get_world_size() > 1
     if multi:
+        need = device.put(need)   # NCCL reduces device tensors only
         dist.all_reduce(need)
     choice = [None, None]
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -159,6 +160,7 @@ def push(model, info: ModelInfo, pool, version: int, base: str, bucket_mb: int, 
         for k, bucket in enumerate(buckets(hf_tensors(model, info, timers), bucket_mb << 20)):
             if writer:
                 t = time.perf_counter()
+                bucket = {k: v.cpu() for k, v in bucket.items()}   # one D2H copy per tensor
                 save_file(bucket, os.path.join(folder, f"stage{parallel.pp_rank():03d}-{k:05d}.safetensors"))
                 stage_s += time.perf_counter() - t
                 nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
@@ -209,7 +211,7 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
         mbs = micro_batch_size if batch.size % micro_batch_size == 0 else 1
         trainer = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, temperature)
         mask = batch.resp_mask
-        gaps[name] = float(((trainer - batch.behav_logp).abs() * mask).sum() / mask.sum())
+        gaps[name] = float(((trainer - batch.behav_logp).abs() * mask).sum() / mask.sum())  # one sync per engine
     return gaps
 
 
