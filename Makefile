@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 MODEL  ?= artifacts/tiny_countdown
 STAMP  := $(VENV)/.megarl-installed
 
-.PHONY: demo test venv model clean-venv
+.PHONY: demo test venv model clean-venv gpu-wheels
 
 venv: $(STAMP)
 
@@ -28,6 +28,15 @@ demo: model
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
+
+# what tests/gpu/device_check.sh installs on a GPU machine without internet (Python 3.12,
+# CUDA torch and transformers already there): megatron-core, omegaconf and its parser runtime
+WHEELS ?= .whl
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d $(WHEELS) \
+	    megatron-core==0.16.1 omegaconf==2.3.0
+	$(PY) -m pip wheel -q --no-deps -w $(WHEELS) antlr4-python3-runtime==4.9.3
 
 clean-venv:
 	rm -rf $(VENV)

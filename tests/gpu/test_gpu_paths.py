@@ -69,3 +69,57 @@ def test_sequence_parallel_actor_matches_transformers(tiny_model, tmp_path):
                    "parallel.sequence_parallel=true"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(d < 1e-3 for d in json.loads(out.read_text()).values())
+
+
+PUSH_PROBE = r'''
+import json, sys, torch
+from megarl.config import load_config
+from megarl.distributed import parallel
+from megarl.distributed.env import init_distributed
+def main():
+    model, out, staging = sys.argv[1:4]
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model}", "model.dtype=float32",
+                      "rollout.engines=1", "rollout.enforce_eager=false", "rollout.temperature=0.7",
+                      f"weight_sync.staging_dir={staging}"])
+    init_distributed()
+    parallel.initialize(1, 1, 0)
+    from megarl.models.setup import build_all
+    from megarl.rollout import weight_sync
+    from megarl.rollout.pool import open_pool
+    models = build_all(cfg)
+    assert next(models.actor.model.parameters()).is_cuda
+    with torch.no_grad():   # an engine that missed the push cannot match by accident
+        for p in models.actor.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    pool = open_pool(cfg.rollout, cfg.model.path, 0, staging)
+    try:
+        timings = weight_sync.push(models.actor.model, models.actor.info, pool, 1, staging, 64, "gpu")
+        gaps = weight_sync.engine_mismatch(models.actor, pool, [[1, 20, 4], [1, 19, 4]], 8, 1, 0.7)
+    finally:
+        pool.close()
+    json.dump({"gaps": gaps, "version": pool.version, **timings}, open(out, "w"))
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _has_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_vllm(), reason="needs vLLM with CUDA")
+def test_weight_push_from_cuda_trainer_reaches_cuda_engine(tiny_model, tmp_path):
+    """The trainer's parameters live on the GPU: the push gathers them there, copies each
+    bucket to the host once, and the CUDA vLLM engine (CUDA graphs on) then samples with the
+    trainer's logprobs at T=0.7."""
+    script, out = tmp_path / "push.py", tmp_path / "out.json"
+    script.write_text(PUSH_PROBE)
+    proc = run_py([str(script), str(tiny_model), str(out), str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["version"] == 1
+    assert all(gap < 1e-3 for gap in result["gaps"].values()), result
