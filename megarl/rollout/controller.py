@@ -110,7 +110,8 @@ class PartialRolloutController:
     def __init__(self, pool, *, n: int, concurrency: int, max_new_tokens: int, temperature: float,
                  max_staleness: int, stale_policy: str, new_group: Callable[[], tuple[dict, list[int]]],
                  score: Callable[[Sample], float], seed: int,
-                 budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False):
+                 budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         self.pool, self.n, self.concurrency = pool, n, concurrency
         pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
@@ -118,6 +119,7 @@ class PartialRolloutController:
         self.new_group, self.score, self.seed = new_group, score, seed
         # benchmarks force lengths: budget_of(gid, index) tokens per sample, EOS ignored
         self.budget_of, self.ignore_eos = budget_of, ignore_eos
+        self.clock = clock             # the round's statistics' time source (virtual in the simulator)
         self.groups: dict[int, Group] = {}        # open (incomplete) groups, by gid
         self.completed: list[Group] = []           # complete, not yet handed to the trainer
         self.next_gid = 0
@@ -234,7 +236,7 @@ class PartialRolloutController:
 
     def _sample_occupancy(self) -> None:
         """Integrate in-flight count and busy engines over time (for the round's metrics)."""
-        now = time.perf_counter()
+        now = self.clock()
         st = self.stats
         if st.last_t:
             dt = now - st.last_t
@@ -292,7 +294,7 @@ class PartialRolloutController:
         `train_version`: the weight version of the step that will train them (the staleness
         bound is measured against it)."""
         self.stats = RoundStats()
-        self.stats.started = time.perf_counter()
+        self.stats.started = self.clock()
         self.apply_staleness(train_version)
         self._target, self._ending, self._error = target, False, None
         self._round_done = asyncio.Event()
@@ -305,7 +307,7 @@ class PartialRolloutController:
         await self.pool.abort()                 # in-flight requests resolve with their partials
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        self.stats.ended = time.perf_counter()
+        self.stats.ended = self.clock()
         self._round_done = None
         if self._error is not None:
             raise self._error

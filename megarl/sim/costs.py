@@ -1,0 +1,175 @@
+"""Cost models for the simulator: engines (per decode step) and the trainer (per step).
+
+Two calibrations:
+- `MeasuredEngine` / `MeasuredTrainer`: what `bench/rollout_speedup.py` measures on this
+  machine (the decode-step curve t(b), prefill seconds per token, per-request overhead, the
+  weight push, train seconds per trained token). `from_bench(result_json)` reads them.
+- `RooflineEngine` / `RooflineTrainer`: a GPU estimate from published hardware figures
+  (docs/simulator.md cites them). A decode step reads every weight once plus the KV cache of
+  every running sequence from HBM, and does 2 x params FLOPs per token: its time is the larger
+  of bytes / bandwidth and FLOPs / peak, over the engine's TP GPUs, plus a fixed per-step
+  launch/scheduling cost. Training costs 6 x params FLOPs per trained token (forward +
+  backward) for each trained model and 2 x params for each forward-only pass, at an achieved
+  fraction (MFU) of peak.
+All pure functions of their inputs: the simulator's clock only ever advances by them.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+
+def interp(curve: dict[int, float], x: float) -> float:
+    """Piecewise-linear t(x) through measured points; linear extrapolation past the ends."""
+    xs = sorted(curve)
+    if len(xs) == 1:
+        return curve[xs[0]] * max(x, 1) / xs[0]
+    if x <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif x >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        i = bisect.bisect_right(xs, x)
+        lo, hi = xs[i - 1], xs[i]
+    return max(0.0, curve[lo] + (curve[hi] - curve[lo]) * (x - lo) / (hi - lo))
+
+
+# -- engines --------------------------------------------------------------------------------
+@dataclass
+class MeasuredEngine:
+    """curve: seconds per decode step by running batch; prefill_s_per_token; request_s: extra
+    seconds per request admitted (client + scheduler work beyond its decode share)."""
+    curve: dict[int, float]
+    prefill_s_per_token: float
+    request_s: float
+    load_weights_s: float
+
+    def step_s(self, batch: int, context_tokens: int, prefill_tokens: int, new_requests: int) -> float:
+        return interp(self.curve, batch) + self.prefill_s_per_token * prefill_tokens + self.request_s * new_requests
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float          # dense peak
+    memory_bytes: float
+    link_bytes_per_s: float    # NVLink, per direction
+
+
+# NVIDIA's published figures (docs/simulator.md has the sources); dense BF16 (the datasheets'
+# 1979 TFLOP/s are with 2:4 sparsity)
+H100 = GPU("H100-SXM", 3.35e12, 989e12, 80e9, 450e9)
+H200 = GPU("H200-SXM", 4.8e12, 989e12, 141e9, 450e9)
+GPUS = {"h100": H100, "h200": H200}
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the cost of a decoder depends on (from its HF config)."""
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_param: int = 2   # bf16
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+
+# published architectures (config.json of each)
+MODELS = {
+    "qwen2.5-7b": Model("Qwen2.5-7B", 7.62e9, 28, 3584, 4, 128),
+    "qwen2.5-32b": Model("Qwen2.5-32B", 32.8e9, 64, 5120, 8, 128),
+    "llama3.1-70b": Model("Llama-3.1-70B", 70.6e9, 80, 8192, 8, 128),
+    "llama3.1-405b": Model("Llama-3.1-405B", 405.9e9, 126, 16384, 8, 128),
+}
+
+
+@dataclass
+class RooflineEngine:
+    model: Model
+    gpu: GPU
+    tp: int
+    bandwidth_eff: float = 0.7     # achieved share of HBM bandwidth in decode
+    flops_eff: float = 0.5         # achieved share of peak in prefill
+    step_overhead_s: float = 4e-3  # scheduling, sampling, launch per decode step (no CUDA graphs: more)
+    request_s: float = 2e-4        # per admitted request (tokenisation, scheduling, output)
+    load_weights_s: float = 0.0    # set from the weight-sync model
+
+    def step_s(self, batch: int, context_tokens: int, prefill_tokens: int, new_requests: int) -> float:
+        bw = self.gpu.hbm_bytes_per_s * self.bandwidth_eff * self.tp
+        flops = self.gpu.bf16_flops * self.flops_eff * self.tp
+        read = self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token
+        decode = max(read / bw, 2 * self.model.params * batch / flops)
+        prefill = 2 * self.model.params * prefill_tokens / flops
+        # TP all-reduces per layer: 2 x hidden x batch bytes over NVLink, twice per layer
+        comm = 0.0 if self.tp == 1 else (4 * self.model.layers * self.model.hidden * 2 * max(batch, 1)
+                                         / self.gpu.link_bytes_per_s + 2 * self.model.layers * 8e-6)
+        return decode + prefill + comm + self.step_overhead_s + self.request_s * new_requests
+
+
+# -- trainer --------------------------------------------------------------------------------
+@dataclass
+class MeasuredTrainer:
+    """train seconds = fixed + per_token * trained tokens (+ stitch_per_token * carried tokens
+    whose l_old the trainer computes at the round's end); push seconds on the trainer side."""
+    fixed_s: float
+    per_token_s: float
+    stitch_per_token_s: float = 0.0
+    push_s: float = 0.0
+
+    def train_s(self, trained_tokens: int, stitch_tokens: int = 0) -> float:
+        return self.fixed_s + self.per_token_s * trained_tokens + self.stitch_per_token_s * stitch_tokens
+
+
+@dataclass
+class RooflineTrainer:
+    """PPO with actor and critic trained (6 x params FLOPs per token each) and forward passes
+    for old logprobs, reference logprobs and values (2 x params each); GRPO has no critic."""
+    model: Model
+    gpu: GPU
+    gpus: int
+    mfu: float = 0.4
+    critic: bool = True
+    push_s: float = 0.0
+
+    def flops_per_token(self) -> float:
+        trained = 2 if self.critic else 1
+        forward_only = 3 if self.critic else 2
+        return (6 * trained + 2 * forward_only) * self.model.params
+
+    def train_s(self, trained_tokens: int, stitch_tokens: int = 0) -> float:
+        rate = self.gpu.bf16_flops * self.mfu * self.gpus
+        return (self.flops_per_token() * trained_tokens + 2 * self.model.params * stitch_tokens) / rate
+
+
+def weight_push_s(model: Model, gpu: GPU, engines: int, engine_tp: int, bucket_gbps: float = 25e9) -> tuple[float, float]:
+    """(trainer-side seconds, engine-side load seconds) of one weight sync over the network:
+    every engine receives the full bf16 weights, its TP ranks a share each in parallel; the
+    trainer side gathers and sends at `bucket_gbps` bytes/s (broadcast to all engines)."""
+    send = model.weight_bytes / bucket_gbps
+    load = model.weight_bytes / engine_tp / (gpu.hbm_bytes_per_s * 0.5)
+    return send, load + 0.5
+
+
+def engines_for_trainer_busy(train_s: float, tokens_per_step: float, engine_tokens_per_s: float,
+                             staleness: int) -> int:
+    """Provisioning rule: engines needed so that rollout never makes the trainer wait.
+
+    With staleness bound S (async: the next S rounds may generate while the trainer trains)
+    a step's tokens can be generated over (S + 1) x train_s... bounded by one train step of
+    overlap per version in this controller (rounds hold at each update): S >= 1 hides one
+    round behind one train step, so E >= tokens_per_step / (engine_tokens_per_s x train_s);
+    S = 0 (sync/partial) adds the rollout to the step, and no E hides it."""
+    if staleness <= 0:
+        return 0
+    return max(1, math.ceil(tokens_per_step / (engine_tokens_per_s * train_s)))

@@ -1,0 +1,173 @@
+"""The simulator's virtual clock and engine, pinned by hand-computable runs."""
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from megarl.rollout.engine import GenRequest
+from megarl.sim import clock as vclock
+from megarl.sim.costs import MeasuredEngine, MeasuredTrainer, interp
+from megarl.sim.engine import SimEngine
+from megarl.sim.run import SimSettings, simulate
+from megarl.sim.workload import Workload, parse_dist
+
+
+@dataclass
+class Linear:
+    """step = a + c * batch (+ p per prefill token, r per new request)."""
+    a: float
+    c: float = 0.0
+    p: float = 0.0
+    r: float = 0.0
+    load_weights_s: float = 0.0
+
+    def step_s(self, batch, context_tokens, prefill_tokens, new_requests):
+        return self.a + self.c * batch + self.p * prefill_tokens + self.r * new_requests
+
+
+def test_virtual_clock_adds_sleeps_without_waiting():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(asyncio.sleep(5.0), asyncio.sleep(3.0))
+        await asyncio.sleep(1.5)
+        return loop.time()
+    assert vclock.run(main()) == pytest.approx(6.5)
+
+
+def test_virtual_clock_reports_a_deadlock():
+    async def main():
+        await asyncio.Event().wait()
+    with pytest.raises(vclock.SimulationDeadlock):
+        vclock.run(main())
+
+
+def test_engine_batches_continuously():
+    """Requests of 3 and 5 tokens together: 3 steps at batch 2, then 2 at batch 1; prefill of
+    both prompts (4 tokens each) and 2 request costs in the first step."""
+    async def main():
+        e = SimEngine("e", Linear(a=0.010, c=0.002, p=0.001, r=0.005))
+        await e.start()
+        loop = asyncio.get_running_loop()
+        ends = {}
+
+        async def one(key, n):
+            res = await e.generate(GenRequest(key, [1, 2, 3, 4], n))
+            ends[key] = loop.time()
+            return res
+        res = await asyncio.gather(one("a", 3), one("b", 5))
+        await e.close()
+        return ends, res, e.log
+    ends, res, log = vclock.run(main())
+    first = 0.010 + 2 * 0.002 + 8 * 0.001 + 2 * 0.005
+    batch2 = 0.010 + 2 * 0.002
+    batch1 = 0.010 + 0.002
+    assert ends["a"] == pytest.approx(first + 2 * batch2)
+    assert ends["b"] == pytest.approx(first + 2 * batch2 + 2 * batch1)
+    assert [len(r.token_ids) for r in res] == [3, 5] and res[0].finish_reason == "length"
+    assert log.tokens == 8 and log.prefill_tokens == 8 and log.steps == 5
+
+
+def test_abort_keeps_partial_tokens_and_update_needs_pause():
+    async def main():
+        e = SimEngine("e", Linear(a=1.0, load_weights_s=2.0))
+        await e.start()
+        task = asyncio.ensure_future(e.generate(GenRequest("x", [1], 10)))
+        await asyncio.sleep(3.5)            # 3 steps done
+        with pytest.raises(RuntimeError, match="paused"):
+            await e.update_weights("w", 1)
+        await e.abort()
+        res = await task
+        await e.pause()
+        t = asyncio.get_running_loop().time()
+        await e.update_weights("w", 1)
+        took = asyncio.get_running_loop().time() - t
+        await e.close()
+        return res, took, e.version
+    res, took, version = vclock.run(main())
+    assert res.finish_reason == "abort" and len(res.token_ids) == 3 and res.versions == [0, 0, 0]
+    assert took == pytest.approx(2.0) and version == 1
+
+
+def _fixed(n=2, length=10):
+    return Workload(parse_dist(f"fixed:len={length}"), n=n, max_len=64, prompt_len=lambda g: 4)
+
+
+def test_sync_step_time_by_hand():
+    """2 groups x 2 samples of 10 tokens at a constant 0.01 s/step: rollout 0.1 s; then train
+    1.0 s, push 0.5 s on the trainer and a 0.25 s load on the engine."""
+    out = simulate(SimSettings(mode="sync", steps=3, groups_per_step=2), _fixed(),
+                   Linear(a=0.01, load_weights_s=0.25), MeasuredTrainer(1.0, 0.0, push_s=0.5))
+    assert out["wall_s"] == pytest.approx(3 * (0.1 + 1.0 + 0.5 + 0.25))
+    assert out["trained_tokens"] == 3 * 40 and out["requests"] == 12
+    assert out["per_step"][0]["rollout_s"] == pytest.approx(0.1)
+
+
+def test_partial_round_at_concurrency_two_by_hand():
+    """Concurrency 2, groups of 2 x 10 tokens: frontier-first runs group 0's two samples
+    together, then group 1's: round 0 takes 20 steps. Both of group 1's samples finish in the
+    same engine step, but the controller learns of them one at a time: after the first it
+    admits a sample of group 2 (the round's target is not reached yet), which starts an engine
+    step that is still running when the round's abort and the weight update come: round 1
+    waits for that step (21 steps). No token of it is kept (abort before the step ended)."""
+    out = simulate(SimSettings(mode="partial", steps=2, groups_per_step=2, concurrency=2), _fixed(),
+                   Linear(a=0.01), MeasuredTrainer(0.0, 0.0))
+    assert [s["rollout_s"] for s in out["per_step"]] == pytest.approx([0.20, 0.21])
+    assert out["generated_tokens"] == out["trained_tokens"] == 80
+    assert out["per_step"][0]["rollout_requests"] == 5
+
+
+def test_partial_carries_long_samples_and_counts_their_staleness():
+    """One long sample per group: rounds end before it finishes, it is carried and trained
+    later with tokens of older versions."""
+    w = Workload(parse_dist("pareto:alpha=1.1,xmin=4"), n=4, max_len=200, seed=3)
+    out = simulate(SimSettings(mode="partial", steps=8, groups_per_step=4, concurrency=16), w,
+                   Linear(a=0.01), MeasuredTrainer(0.1, 0.0))
+    assert out["staleness_max"] >= 1
+    assert out["generated_tokens"] > out["trained_tokens"]
+
+
+def test_async_hides_rollout_behind_training():
+    """Training (2 s) is far longer than a round (0.1 s): from step 1 on, the next round is
+    ready when the trainer asks (only the in-round weight update waits), tokens are 1 version
+    old, and the trainer is idle only during the first rollout and the pushes."""
+    out = simulate(SimSettings(mode="async", steps=5, groups_per_step=2, concurrency=4), _fixed(),
+                   Linear(a=0.01), MeasuredTrainer(2.0, 0.0))
+    assert out["per_step"][0]["rollout_s"] == pytest.approx(0.1)
+    assert all(s["rollout_s"] == pytest.approx(0.0) for s in out["per_step"][1:])
+    assert out["staleness_max"] == 1
+    assert out["wall_s"] == pytest.approx(0.1 + 5 * 2.0)
+
+
+def test_staleness_bound_restarts_carried_samples():
+    """Partial with max_staleness=0: a carried sample's old tokens are thrown away each round,
+    so everything trained is on-policy; unbounded, the same run trains stale tokens."""
+    w = Workload(parse_dist("pareto:alpha=1.1,xmin=4"), n=4, max_len=200, seed=3)
+    run = lambda bound: simulate(SimSettings(mode="partial", steps=8, groups_per_step=4, concurrency=16,
+                                             max_staleness=bound), w, Linear(a=0.01), MeasuredTrainer(0.1, 0.0))
+    bounded, free = run(0), run(10**9)
+    assert bounded["staleness_max"] == 0 and free["staleness_max"] >= 1
+    assert sum(s.get("restarted_samples", 0) for s in bounded["per_step"]) > 0
+    with pytest.raises(ValueError, match="max_staleness=0"):
+        SimSettings(mode="async", max_staleness=0)
+
+
+def test_interp_is_piecewise_linear():
+    curve = {1: 1.0, 4: 4.0, 8: 6.0}
+    assert interp(curve, 2) == pytest.approx(2.0)
+    assert interp(curve, 6) == pytest.approx(5.0)
+    assert interp(curve, 16) == pytest.approx(10.0)     # extrapolated
+    e = MeasuredEngine(curve, prefill_s_per_token=0.5, request_s=0.25, load_weights_s=0.0)
+    assert e.step_s(4, 0, 2, 1) == pytest.approx(4.0 + 1.0 + 0.25)
+
+
+@pytest.mark.parametrize("bad", ["lognormal:mu=3", "weibull:k=1", "pareto:alpha=0,xmin=1", "fixed:len=0"])
+def test_bad_length_distribution_is_named(bad):
+    with pytest.raises(ValueError, match="length distribution"):
+        parse_dist(bad)
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="mode"):
+        SimSettings(mode="overlap")
+    with pytest.raises(ValueError, match="concurrency=0"):
+        SimSettings(concurrency=0)
