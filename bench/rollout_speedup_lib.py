@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -73,34 +72,14 @@ async def abort_until_done(inner, keys=None, poll_s: float = 0.05) -> None:
             return
 
 
-# -- length distributions ------------------------------------------------------------------
-@dataclass
-class LengthDist:
-    kind: str
-    params: dict
-
-    def draw(self, rng: np.random.Generator, count: int, max_len: int) -> list[int]:
-        if self.kind == "lognormal":
-            x = np.exp(self.params["mu"] + self.params["sigma"] * rng.standard_normal(count))
-        else:  # pareto (type I): xmin * U^(-1/alpha)
-            u = 1.0 - rng.random(count)          # (0, 1]
-            x = self.params["xmin"] * u ** (-1.0 / self.params["alpha"])
-        return [int(v) for v in np.clip(np.rint(x), 1, max_len)]
-
-
-def parse_dist(spec: str) -> LengthDist:
-    """lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X"""
+# -- length distributions: megarl.sim.workload (shared with the simulator) -------------------
+def parse_dist(spec: str):
+    """lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X | fixed:len=L"""
+    from megarl.sim.workload import parse_dist as parse
     try:
-        kind, rest = spec.split(":", 1)
-        params = {k.strip(): float(v) for k, v in (kv.split("=") for kv in rest.split(","))}
-    except ValueError:
-        raise SystemExit(f"--length-dist {spec!r}: expected lognormal:mu=M,sigma=S or pareto:alpha=A,xmin=X") from None
-    need = {"lognormal": {"mu", "sigma"}, "pareto": {"alpha", "xmin"}}.get(kind)
-    if need is None or set(params) != need:
-        raise SystemExit(f"--length-dist {spec!r}: expected lognormal:mu=M,sigma=S or pareto:alpha=A,xmin=X")
-    if kind == "lognormal" and params["sigma"] < 0 or kind == "pareto" and (params["alpha"] <= 0 or params["xmin"] <= 0):
-        raise SystemExit(f"--length-dist {spec!r}: sigma must be >= 0, alpha and xmin > 0")
-    return LengthDist(kind, params)
+        return parse(spec)
+    except ValueError as err:
+        raise SystemExit(f"--length-dist: {err}") from None
 
 
 def summarize_lengths(length_of: Callable[[int, int], int], groups: int, n: int) -> dict:

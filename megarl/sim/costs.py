@@ -127,7 +127,7 @@ class MeasuredTrainer:
     stitch_per_token_s: float = 0.0
     push_s: float = 0.0
 
-    def train_s(self, trained_tokens: int, stitch_tokens: int = 0) -> float:
+    def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
         return self.fixed_s + self.per_token_s * trained_tokens + self.stitch_per_token_s * stitch_tokens
 
 
@@ -141,15 +141,17 @@ class RooflineTrainer:
     mfu: float = 0.4
     critic: bool = True
     push_s: float = 0.0
+    prompt_tokens: int = 256    # per sample: the trainer processes prompt + response
 
     def flops_per_token(self) -> float:
         trained = 2 if self.critic else 1
         forward_only = 3 if self.critic else 2
         return (6 * trained + 2 * forward_only) * self.model.params
 
-    def train_s(self, trained_tokens: int, stitch_tokens: int = 0) -> float:
+    def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
         rate = self.gpu.bf16_flops * self.mfu * self.gpus
-        return (self.flops_per_token() * trained_tokens + 2 * self.model.params * stitch_tokens) / rate
+        tokens = trained_tokens + samples * self.prompt_tokens
+        return (self.flops_per_token() * tokens + 2 * self.model.params * stitch_tokens) / rate
 
 
 def weight_push_s(model: Model, gpu: GPU, engines: int, engine_tp: int, bucket_gbps: float = 25e9) -> tuple[float, float]:
@@ -161,15 +163,13 @@ def weight_push_s(model: Model, gpu: GPU, engines: int, engine_tp: int, bucket_g
     return send, load + 0.5
 
 
-def engines_for_trainer_busy(train_s: float, tokens_per_step: float, engine_tokens_per_s: float,
-                             staleness: int) -> int:
-    """Provisioning rule: engines needed so that rollout never makes the trainer wait.
-
-    With staleness bound S (async: the next S rounds may generate while the trainer trains)
-    a step's tokens can be generated over (S + 1) x train_s... bounded by one train step of
-    overlap per version in this controller (rounds hold at each update): S >= 1 hides one
-    round behind one train step, so E >= tokens_per_step / (engine_tokens_per_s x train_s);
-    S = 0 (sync/partial) adds the rollout to the step, and no E hides it."""
-    if staleness <= 0:
-        return 0
-    return max(1, math.ceil(tokens_per_step / (engine_tokens_per_s * train_s)))
+def engines_to_keep_trainer_busy(train_s: float, push_s: float, tokens_per_step: float,
+                                  engine_tokens_per_s: float, waste: float = 0.0) -> int:
+    """Provisioning rule (async mode, staleness bound >= 1): round k+1 generates while the
+    trainer trains step k and pushes its weights, so the trainer never waits when E engines
+    generate a step's tokens (plus the share `waste` generated but not trained: aborted
+    continuations re-prefilled, the carry) within train_s + push_s:
+        E >= tokens_per_step * (1 + waste) / (engine_tokens_per_s * (train_s + push_s)).
+    engine_tokens_per_s is one engine's decode throughput at its share of the concurrency.
+    Sync and partial modes add the rollout to every step whatever E is (bound S = 0)."""
+    return max(1, math.ceil(tokens_per_step * (1 + waste) / (engine_tokens_per_s * (train_s + push_s))))

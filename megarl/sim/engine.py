@@ -12,6 +12,7 @@ once with the tokens so far. `update_weights` costs `costs.load_weights_s`.
 from __future__ import annotations
 
 import asyncio
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -30,15 +31,14 @@ class EngineCosts(Protocol):
 @dataclass
 class _Running:
     req: GenRequest
-    result: GenResult
-    context: int                       # prompt + tokens so far
     done: asyncio.Future
-    prefilled: bool = False
+    prompt: int                        # prompt tokens (incl. a continuation's partial response)
+    joined: int = -1                   # engine step count when its first step started (-1: waiting)
 
 
 @dataclass
 class EngineLog:
-    busy_s: float = 0.0                # time with at least one request in a step
+    busy_s: float = 0.0                # time spent in steps and weight loads
     steps: int = 0
     tokens: int = 0
     prefill_tokens: int = 0
@@ -48,12 +48,21 @@ class EngineLog:
 
 
 class SimEngine(Engine):
+    """Cost per step O(requests that start or end in it): a running request's token count is
+    the number of steps since it joined, and the weight version cannot change while it runs
+    (updates need an idle, paused engine), so its result is built once, when it ends."""
+
     def __init__(self, name: str, costs: EngineCosts, record_timeline: bool = False):
         self.name, self.costs = name, costs
         self.version, self.paused = 0, False
         self.log = EngineLog()
         self.record_timeline = record_timeline
         self._running: dict[str, _Running] = {}
+        self._ends: list[tuple[int, int, str]] = []   # heap: (step it ends after, tie, key)
+        self._tie = 0
+        self._step = 0                                 # steps completed
+        self._context = 0                              # sum over joined requests of prompt - joined
+        self._joined = 0
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
 
@@ -68,21 +77,25 @@ class SimEngine(Engine):
     async def generate(self, req: GenRequest) -> GenResult:
         if req.key in self._running:
             raise ValueError(f"request {req.key!r} is already running on {self.name}")
-        run = _Running(req, GenResult(req.key, engine=self.name), len(req.prompt_ids),
-                       asyncio.get_running_loop().create_future())
         self.log.requests += 1
         if req.max_tokens <= 0:
-            run.result.finish_reason = "length"
-            return run.result
+            return GenResult(req.key, finish_reason="length", engine=self.name)
+        run = _Running(req, asyncio.get_running_loop().create_future(), len(req.prompt_ids))
         self._running[req.key] = run
         self._wake.set()
         return await run.done
 
     def _finish(self, run: _Running, reason: str) -> None:
-        run.result.finish_reason = reason
+        count = 0
+        if run.joined >= 0:
+            count = self._step - run.joined
+            self._context -= run.prompt - run.joined
+            self._joined -= 1
         self._running.pop(run.req.key, None)
+        res = GenResult(run.req.key, [TOKEN] * count, [-1.0] * count, [self.version] * count,
+                        reason, self.name)
         if not run.done.done():
-            run.done.set_result(run.result)
+            run.done.set_result(res)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -91,27 +104,31 @@ class SimEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = list(self._running.values())
-            new = [r for r in batch if not r.prefilled]
-            prefill = sum(r.context for r in new)
-            context = sum(r.context for r in batch)
-            dt = self.costs.step_s(len(batch), context, prefill, len(new))
-            for r in new:
-                r.prefilled = True
+            new = [r for r in self._running.values() if r.joined < 0]
+            prefill = 0
+            for r in new:   # join at this step: prefill, and end after max_tokens steps
+                r.joined = self._step
+                prefill += r.prompt
+                self._context += r.prompt - r.joined
+                self._joined += 1
+                heapq.heappush(self._ends, (self._step + r.req.max_tokens, self._tie, r.req.key))
+                self._tie += 1
+            batch = self._joined
+            context = self._context + batch * self._step
+            dt = self.costs.step_s(batch, context, prefill, len(new))
             await asyncio.sleep(dt)
+            self._step += 1
             log = self.log
             log.busy_s += dt
             log.steps += 1
             log.prefill_tokens += prefill
-            log.batch_area += dt * len(batch)
-            for r in batch:
-                if r.req.key not in self._running:   # aborted during the step: no token
-                    continue
-                r.result.extend([TOKEN], [-1.0], self.version)
-                r.context += 1
-                log.tokens += 1
-                if len(r.result.token_ids) >= r.req.max_tokens:
-                    self._finish(r, "length")
+            log.batch_area += dt * batch
+            log.tokens += self._joined         # requests aborted during the step got no token
+            while self._ends and self._ends[0][0] <= self._step:
+                _, _, key = heapq.heappop(self._ends)
+                run = self._running.get(key)
+                if run is not None and run.joined >= 0:
+                    self._finish(run, "length")
             if self.record_timeline:
                 log.timeline.append((loop.time(), len(self._running)))
 

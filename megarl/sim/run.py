@@ -105,7 +105,7 @@ async def _simulate(s: SimSettings, w: Workload, engine_costs, trainer, record_t
                 nxt = asyncio.ensure_future(controller.run_round(G, k + 1))
         trained = sum(len(v) for v in tokens)
         t1 = loop.time()
-        await asyncio.sleep(trainer.train_s(trained, stitch))
+        await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)))
         t2 = loop.time()
         await asyncio.sleep(trainer.push_s)
         await pool.update_weights("simulated", k + 1)

@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""The simulator against the real thing on this CPU: one script, measured and predicted side by side.
+
+    .venv/bin/python bench/sim_validate.py [--steps 5] [--concurrency 32,64]
+        [--dists lognormal:mu=3,sigma=1.2;pareto:alpha=1.3,xmin=8;lognormal:mu=4,sigma=0.5]
+        [--out bench/out/sim_validate.json]
+
+For every (length distribution, concurrency): `bench/rollout_speedup.py` runs sync and partial
+rollout on the real vLLM engine (tiny model, forced lengths, a fixed simulated train phase,
+no per-cycle probes), then the simulator runs the same workload (same seeds, so the same
+per-sample lengths; the same prompts' token counts) with the engine cost model calibrated
+from THAT run's own probes: the decode-step curve t(b), prefill seconds per token, the
+per-request overhead, and the weight-reload time. Nothing is fitted to the rollout times
+being predicted. Prints the table (measured / predicted / error) and writes --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megarl.sim.costs import MeasuredEngine, MeasuredTrainer, interp  # noqa: E402
+from megarl.sim.run import SimSettings, simulate  # noqa: E402
+from megarl.sim.workload import Workload, parse_dist  # noqa: E402
+
+TRAIN_FIXED_S = 0.3
+
+
+def prompt_lengths() -> list[int]:
+    """Token counts of the dataset's prompts, in the order the benchmark uses them."""
+    from transformers import AutoTokenizer
+    from megarl.data.prompts import load_jsonl
+    from megarl.rollout.sync_rollout import encode_prompts
+    model = ROOT / "artifacts" / "tiny_countdown"
+    records = load_jsonl(str(model / "prompts.jsonl"), "prompt")
+    return [len(p) for p in encode_prompts(AutoTokenizer.from_pretrained(str(model)), records, "prompt")]
+
+
+def calibration(result: dict) -> tuple[MeasuredEngine, MeasuredTrainer]:
+    """The engine and trainer cost models from one benchmark result (its own probes)."""
+    curve = {int(b): t for b, t in result["decode_step_s"].items()}
+    C, E = result["concurrency"], result["engines"]
+    ovh = result["overheads"]
+    # the probe's per-request time includes one decode step's share at C in flight
+    request_s = max(0.0, ovh["request_s"] - interp(curve, C / E) / (C / E))
+    pushes = [s["push_s"] for m in ("sync", "partial") for s in result["per_step"][m]]
+    engine = MeasuredEngine(curve, ovh["prefill_s_per_token"], request_s, sum(pushes) / len(pushes))
+    return engine, MeasuredTrainer(TRAIN_FIXED_S, 0.0)
+
+
+def predict(result: dict, lengths: list[int]) -> dict:
+    engine, trainer = calibration(result)
+    w = Workload(parse_dist(result["length_dist"]), result["n"], result["max_len"], result["seed"],
+                 prompt_len=lambda gid: lengths[gid % len(lengths)])
+    out = {}
+    for mode in ("sync", "partial"):
+        s = SimSettings(mode=mode, steps=result["steps"], groups_per_step=result["groups_per_step"],
+                        concurrency=result["concurrency"], engines=result["engines"], seed=result["seed"])
+        out[mode] = simulate(s, w, engine, trainer)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dists", default="lognormal:mu=3,sigma=1.2;pareto:alpha=1.3,xmin=8;lognormal:mu=4,sigma=0.5")
+    p.add_argument("--concurrency", default="32,64")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--max-len", type=int, default=384)
+    p.add_argument("--out", default=str(ROOT / "bench/out/sim_validate.json"))
+    p.add_argument("--reuse", action="store_true", help="predict from existing benchmark JSONs only")
+    a = p.parse_args()
+    out_dir = Path(a.out).parent / "sim_validate"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lengths = prompt_lengths()
+    rows, t_begin = [], time.perf_counter()
+    for i, dist in enumerate(a.dists.split(";")):
+        for conc in (int(c) for c in a.concurrency.split(",")):
+            name = f"d{i}_c{conc}"
+            bench_json = out_dir / f"{name}.json"
+            if not a.reuse:
+                t = time.perf_counter()
+                cmd = [sys.executable, str(ROOT / "bench/rollout_speedup.py"), "--length-dist", dist,
+                       "--max-len", str(a.max_len), "--steps", str(a.steps), "--min-steps", str(a.steps),
+                       "--concurrency", str(conc), "--train", f"sim:fixed={TRAIN_FIXED_S},per_ktok=0",
+                       "--curve-pass-tokens", "0", "--out", str(bench_json), "--png", str(out_dir / f"{name}.png")]
+                with open(out_dir / f"{name}.log", "w") as log:
+                    subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                print(f"[{name}] measured in {time.perf_counter() - t:.0f} s", flush=True)
+            result = json.loads(bench_json.read_text())
+            sim = predict(result, lengths)
+            meas = {"sync": result["sync_rollout_s"], "partial": result["partial_rollout_s"]}
+            row = {"dist": dist, "concurrency": conc, "steps": result["steps"],
+                   "measured_sync_s": meas["sync"], "predicted_sync_s": sim["sync"]["rollout_s"],
+                   "measured_partial_s": meas["partial"], "predicted_partial_s": sim["partial"]["rollout_s"],
+                   "measured_speedup": meas["sync"] / meas["partial"],
+                   "predicted_speedup": sim["sync"]["rollout_s"] / sim["partial"]["rollout_s"],
+                   "measured_requests_partial": result["partial"]["requests"],
+                   "predicted_requests_partial": sim["partial"]["requests"],
+                   "trained_tokens_partial": [result["partial"]["trained_tokens"], sim["partial"]["trained_tokens"]],
+                   "load_avg_at_end": result["machine"]["load_avg_at_end"][0]}
+            for k in ("sync", "partial", "speedup"):
+                mk, pk = (f"measured_{k}_s", f"predicted_{k}_s") if k != "speedup" else ("measured_speedup", "predicted_speedup")
+                row[f"error_{k}"] = row[pk] / row[mk] - 1.0
+            rows.append(row)
+    print(f"\n| length distribution | C | sync s: measured / predicted (err) | partial s: measured / "
+          f"predicted (err) | speedup: measured / predicted (err) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dist']} | {r['concurrency']} | {r['measured_sync_s']:.1f} / {r['predicted_sync_s']:.1f} "
+              f"({100 * r['error_sync']:+.0f}%) | {r['measured_partial_s']:.1f} / {r['predicted_partial_s']:.1f} "
+              f"({100 * r['error_partial']:+.0f}%) | {r['measured_speedup']:.2f} / {r['predicted_speedup']:.2f} "
+              f"({100 * r['error_speedup']:+.0f}%) |")
+    worst = max(abs(r[f"error_{k}"]) for r in rows for k in ("sync", "partial", "speedup"))
+    within = sum(abs(r[f"error_{k}"]) <= 0.15 for r in rows for k in ("sync", "partial", "speedup"))
+    print(f"\n{within}/{3 * len(rows)} figures within 15% (worst {100 * worst:.0f}%); "
+          f"{time.perf_counter() - t_begin:.0f} s in all")
+    Path(a.out).write_text(json.dumps({"rows": rows, "worst_abs_error": worst,
+                                       "runtime_s": time.perf_counter() - t_begin}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
