@@ -2,7 +2,6 @@
 wrapper), the decode-curve interpolation and the timeline plot. No vLLM import here."""
 from __future__ import annotations
 
-import bisect
 import time
 from collections import defaultdict
 from typing import Callable, Optional
@@ -10,6 +9,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from megarl.rollout.controller import Group, PartialRolloutController
+from megarl.sim.costs import interp  # noqa: F401  (t(b) of the decode curve; re-exported)
 from megarl.rollout.engine import Engine, GenRequest, GenResult
 
 
@@ -91,20 +91,6 @@ def summarize_lengths(length_of: Callable[[int, int], int], groups: int, n: int)
 
 
 # -- decode curve --------------------------------------------------------------------------
-def interp(curve: dict, b: float) -> float:
-    """t(b), piecewise linear in b between measured batch sizes; flat below the smallest,
-    linear extrapolation above the largest."""
-    xs = sorted(curve)
-    if b <= xs[0]:
-        return curve[xs[0]]
-    if b >= xs[-1]:
-        x0, x1 = xs[-2], xs[-1]
-        return curve[x1] + (b - x1) * (curve[x1] - curve[x0]) / (x1 - x0)
-    i = bisect.bisect_left(xs, b)
-    x0, x1 = xs[i - 1], xs[i]
-    return curve[x0] + (b - x0) * (curve[x1] - curve[x0]) / (x1 - x0)
-
-
 def active_profile(lengths: list[int]) -> list[int]:
     """Requests still generating at decode step s = 1 .. max(lengths)."""
     ls = sorted(lengths)

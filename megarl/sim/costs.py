@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 
 def interp(curve: dict[int, float], x: float) -> float:
-    """Piecewise-linear t(x) through measured points; linear extrapolation past the ends."""
+    """Piecewise-linear t(x) through measured points: flat below the smallest, linear
+    extrapolation above the largest."""
     xs = sorted(curve)
-    if len(xs) == 1:
-        return curve[xs[0]] * max(x, 1) / xs[0]
     if x <= xs[0]:
-        lo, hi = xs[0], xs[1]
-    elif x >= xs[-1]:
+        return curve[xs[0]]
+    if len(xs) == 1:
+        return curve[xs[0]] * x / xs[0]
+    if x >= xs[-1]:
         lo, hi = xs[-2], xs[-1]
     else:
         i = bisect.bisect_right(xs, x)
