@@ -31,7 +31,24 @@ def main(argv=None) -> int:
     pl = sub.add_parser("plan", help="resolve and print a recipe without running it")
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    sm = sub.add_parser("simulate", help="project a recipe's step time on simulated hardware (docs/simulator.md)")
+    sm.add_argument("recipe")
+    sm.add_argument("overrides", nargs="*")
+    sm.add_argument("--lengths", default="lognormal:mu=3,sigma=1.2",
+                    help="response lengths: lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X | fixed:len=L")
+    sm.add_argument("--calibration", default="", help="a bench/rollout_speedup.py result JSON (this machine)")
+    sm.add_argument("--gpu", default="h100", help="roofline GPU when no --calibration: h100 | h200")
+    sm.add_argument("--model", default="qwen2.5-7b", help="roofline model: qwen2.5-7b | qwen2.5-32b | llama3.1-70b | llama3.1-405b")
+    sm.add_argument("--engine-tp", type=int, default=1)
+    sm.add_argument("--trainer-gpus", type=int, default=8)
+    sm.add_argument("--steps", type=int, default=10)
+    sm.add_argument("--json", action="store_true")
+    # key=value overrides may come after the options too (`--json train.steps=3`)
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = list(getattr(args, "overrides", [])) + extra
     quiet_known_warnings()
 
     try:
@@ -39,6 +56,8 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
+    if args.command == "simulate":
+        return _simulate(cfg, args)
     if args.command == "plan":
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -60,6 +79,21 @@ def main(argv=None) -> int:
     except FileNotFoundError as err:  # our messages name the setting and how to make the file
         print(f"megarl: missing input: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _simulate(cfg, args) -> int:
+    import json
+
+    from megarl.sim import recipe as sim
+    try:
+        costs = (sim.measured_costs(args.calibration) if args.calibration else
+                 sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp, args.trainer_gpus))
+        result = sim.run(cfg, args.lengths, costs, args.steps, cfg.run.seed)
+    except ConfigError as err:
+        print(f"megarl: config error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else sim.format_table(result))
     return 0
 
 

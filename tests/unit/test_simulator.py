@@ -171,3 +171,33 @@ def test_bad_settings_are_named():
         SimSettings(mode="overlap")
     with pytest.raises(ValueError, match="concurrency=0"):
         SimSettings(concurrency=0)
+
+
+def _bench_json(tmp_path):
+    result = {"decode_step_s": {"1": 0.01, "64": 0.02, "128": 0.035}, "concurrency": 64, "engines": 1,
+              "overheads": {"request_s": 0.0015, "prefill_s_per_token": 4e-5},
+              "per_step": {"sync": [{"push_s": 1.0, "train_s": 2.0, "tokens": 2000}],
+                           "partial": [{"push_s": 1.2, "train_s": 2.0, "tokens": 2000}]}}
+    path = tmp_path / "bench.json"
+    path.write_text(__import__("json").dumps(result))
+    return path
+
+
+def test_megarl_simulate_a_recipe(tmp_path, capsys):
+    from megarl.cli import main
+    rc = main(["simulate", "recipes/tiny_cpu.yaml", "--calibration", str(_bench_json(tmp_path)), "--steps", "3",
+               "--json", "rollout.max_new_tokens=128"])
+    assert rc == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert set(out["modes"]) == {"sync", "partial", "async"} and out["recipe_mode"] == "partial"
+    assert out["modes"]["async"]["trainer_idle_frac"] < out["modes"]["sync"]["trainer_idle_frac"]
+
+
+@pytest.mark.parametrize("args,named", [(["--gpu", "a100"], "--gpu"), (["--model", "gpt5"], "--model"),
+                                        (["--lengths", "zipf:s=1"], "--lengths"),
+                                        (["--calibration", "missing.json"], "--calibration")])
+def test_megarl_simulate_bad_input(args, named, capsys):
+    from megarl.cli import main
+    assert main(["simulate", "recipes/tiny_cpu.yaml", *args]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err

@@ -1,0 +1,77 @@
+"""`megarl simulate RECIPE`: a recipe's rollout settings on simulated hardware.
+
+The recipe gives the schedule (groups per step, n, concurrency, engines, staleness bound,
+generation budget, PPO or GRPO); the command line gives what a recipe does not hold: the
+response-length distribution and the hardware, either measured on this machine
+(`--calibration`, a `bench/rollout_speedup.py` result) or a GPU roofline (`--gpu`, `--model`,
+`--engine-tp`, `--trainer-gpus`). Prints step time, engine busy and trainer idle fractions and
+trained tokens/s for sync, partial and async mode, the recipe's own mode marked.
+"""
+from __future__ import annotations
+
+import json
+
+from megarl.config import ConfigError
+from megarl.sim.costs import GPUS, MODELS, MeasuredEngine, MeasuredTrainer, RooflineEngine, RooflineTrainer, interp, weight_push_s
+from megarl.sim.run import MODES, SimSettings, simulate
+from megarl.sim.workload import Workload, parse_dist
+
+
+def measured_costs(path: str):
+    """Engine and trainer models from a bench/rollout_speedup.py result JSON."""
+    try:
+        r = json.loads(open(path).read())
+        curve = {int(b): t for b, t in r["decode_step_s"].items()}
+        ovh, C, E = r["overheads"], r["concurrency"], r["engines"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"--calibration {path!r}: not a bench/rollout_speedup.py result ({err!r}); "
+                          f"run that benchmark first or use --gpu") from None
+    request_s = max(0.0, ovh["request_s"] - interp(curve, C / E) / (C / E))
+    pushes = [s["push_s"] for m in r["per_step"] for s in r["per_step"][m]]
+    trains = [s for m in r["per_step"] for s in r["per_step"][m]]
+    per_token = sum(s["train_s"] for s in trains) / max(1, sum(s["tokens"] for s in trains))
+    return (MeasuredEngine(curve, ovh["prefill_s_per_token"], request_s, sum(pushes) / len(pushes)),
+            MeasuredTrainer(0.0, per_token))
+
+
+def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int):
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
+    if model not in MODELS:
+        raise ConfigError(f"--model {model!r}: choose one of {sorted(MODELS)}")
+    m, g = MODELS[model], GPUS[gpu]
+    send, load = weight_push_s(m, g, cfg.rollout.engines, engine_tp)
+    return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
+            RooflineTrainer(m, g, trainer_gpus, critic=cfg.algo.name == "ppo", push_s=send))
+
+
+def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
+    try:
+        dist = parse_dist(lengths)
+    except ValueError as err:
+        raise ConfigError(f"--lengths: {err}") from None
+    r = cfg.rollout
+    recipe_mode = "sync" if r.mode == "sync" else ("async" if r.asynchronous else "partial")
+    out = {"recipe_mode": recipe_mode, "modes": {}}
+    for mode in MODES:
+        w = Workload(dist, r.n, r.max_new_tokens, seed)
+        s = SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
+                        concurrency=r.concurrency, engines=r.engines,
+                        max_staleness=max(r.max_staleness, 1) if mode == "async" else r.max_staleness,
+                        stale_policy=r.stale_policy, seed=seed)
+        res = simulate(s, w, *costs)
+        out["modes"][mode] = {k: res[k] for k in ("step_s_mean", "engine_busy_frac", "trainer_idle_frac",
+                                                  "trained_tokens_per_s", "staleness_max")} | {
+            "rollout_s_mean": res["rollout_s"] / steps, "train_s_mean": res["train_s"] / steps}
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = ["mode      step s  rollout s  train s  engine busy  trainer idle  trained tok/s  staleness"]
+    for mode, m in result["modes"].items():
+        mark = "*" if mode == result["recipe_mode"] else " "
+        lines.append(f"{mode:8s}{mark} {m['step_s_mean']:6.2f}  {m['rollout_s_mean']:9.2f}  {m['train_s_mean']:7.2f}  "
+                     f"{m['engine_busy_frac']:11.2f}  {m['trainer_idle_frac']:12.2f}  "
+                     f"{m['trained_tokens_per_s']:13.0f}  {m['staleness_max']:9d}")
+    lines.append("(* the recipe's rollout mode)")
+    return "\n".join(lines)
