@@ -145,6 +145,7 @@ class RolloutConfig:
     api_key: str = ""                  # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
     engine_timeout_s: float = 120.0    # an engine call (or a silent stream) longer than this is an error
     engine_start_timeout_s: float = 600.0  # local_servers / inprocess: time allowed for an engine to come up
+    engine_failures_max: int = 3       # engines retired after a failure before the run stops (it also stops when none is left)
     kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
@@ -174,6 +175,8 @@ class RolloutConfig:
             _require(str(url).startswith(("http://", "https://")), "rollout.engine_urls", url,
                      "each URL must start with http:// or https://")
         _require(self.engine_timeout_s > 0, "rollout.engine_timeout_s", self.engine_timeout_s, "must be > 0")
+        _require(self.engine_failures_max >= 0, "rollout.engine_failures_max", self.engine_failures_max,
+                 "must be >= 0 (0: the first engine failure stops the run)")
         _require(self.engine_start_timeout_s > 0, "rollout.engine_start_timeout_s",
                  self.engine_start_timeout_s, "must be > 0")
         _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")

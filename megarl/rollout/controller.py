@@ -167,9 +167,11 @@ class PartialRolloutController:
         engines = self.pool.engines
         self._turn += 1
         order = [engines[(self._turn + i) % len(engines)] for i in range(len(engines))]
-        return min(order, key=lambda e: self._load[e.name])
+        return min(order, key=lambda e: self._load.get(e.name, 0))
 
     def _fill(self) -> None:
+        if not self.pool.engines:   # every engine retired: the request that saw it ends the round
+            return
         while not self._ending and not self._holding and len(self._inflight) < self.concurrency:
             slot = self._next_slot()
             slot.attempts += 1

@@ -7,16 +7,27 @@ on an engine. The partial-rollout controller runs its own coroutines on the same
 
 Weight updates go to every engine at once: abort what runs, pause, load the staged files,
 reset the prefix cache, set the version, resume. If any engine fails, the error names it.
+
+Engine faults: an engine whose request fails (it died, hung past rollout.engine_timeout_s,
+or answered garbage) is retired: it leaves the pool, the event is logged and counted
+(`failures`), and the request continues on the least-loaded remaining engine from the tokens
+the failed engine had streamed (their versions kept). The pool gives up, with the last
+engine's error, only when no engine is left or after `failures_max` retirements. A retired
+engine takes no more requests or weights (a restarted server would join at the next push).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Optional, Sequence
 
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+
+log = logging.getLogger("megarl.engines")
 
 
 class LoopThread:
@@ -53,10 +64,13 @@ class LoopThread:
 class EnginePool:
     """Engines of one policy. Requests go to the least-loaded engine; versions move together."""
 
-    def __init__(self, engines: Sequence[Engine], timeout_s: float):
+    def __init__(self, engines: Sequence[Engine], timeout_s: float, failures_max: int = 0):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
-        self.engines = list(engines)
+        self.engines = list(engines)             # the live ones: requests and weights go here
+        self.retired: list[Engine] = []
+        self.failures: list[dict] = []           # {"t", "engine", "error"} per retirement
+        self.failures_max = failures_max
         self.timeout_s = timeout_s
         self._where: dict[str, Engine] = {}      # request key -> engine serving it
         self._order = itertools.count()          # tie-break: round-robin among equally loaded
@@ -72,7 +86,7 @@ class EnginePool:
             raise errors[0] if isinstance(errors[0], EngineError) else EngineError(str(errors[0]))
 
     async def close(self) -> None:
-        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+        await asyncio.gather(*(e.close() for e in self.engines + self.retired), return_exceptions=True)
 
     # -- requests ----------------------------------------------------------------------------
     def least_loaded(self) -> Engine:
@@ -81,17 +95,56 @@ class EnginePool:
         return min((self.engines[(tick + i) % n] for i in range(n)), key=lambda e: e.running)
 
     async def generate(self, req: GenRequest, engine: Optional[Engine] = None) -> GenResult:
-        """Serve `req` on `engine` (default: the least-loaded one)."""
-        engine = engine or self.least_loaded()
+        """Serve `req` on `engine` (default: the least-loaded one). If that engine fails, it is
+        retired and the request continues on another one (see the module docstring)."""
         if req.key in self._where:
             raise ValueError(f"request key {req.key!r} is already in flight")
-        self._where[req.key] = engine
-        try:
-            result = await engine.generate(req)
-        finally:
-            self._where.pop(req.key, None)
-        result.engine = engine.name
-        return result
+        engine = engine if engine in self.engines else (self.least_loaded() if self.engines else None)
+        done = GenResult(req.key)                # tokens served before a failure
+        current = req
+        while True:
+            if engine is None:
+                raise EngineError(f"no rollout engine left for request {req.key}")
+            self._where[req.key] = engine
+            try:
+                result = await engine.generate(current)
+            except EngineError as err:
+                partial = getattr(err, "partial", None)
+                if partial is not None and partial.token_ids:
+                    done.token_ids += partial.token_ids
+                    done.logprobs += partial.logprobs
+                    done.versions += partial.versions
+                self._retire(engine, err)
+                if len(done.token_ids) >= req.max_tokens:
+                    done.finish_reason, done.engine = "length", engine.name
+                    return done
+                engine = self.least_loaded()
+                current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
+                                     req.temperature, req.top_p, req.seed, req.ignore_eos)
+                continue
+            finally:
+                self._where.pop(req.key, None)
+            if done.token_ids:
+                result.token_ids = done.token_ids + result.token_ids
+                result.logprobs = done.logprobs + result.logprobs
+                result.versions = done.versions + result.versions
+            result.engine = engine.name
+            return result
+
+    def _retire(self, engine: Engine, err: EngineError) -> None:
+        """Take a failed engine out of service; raise once none is left or too many failed."""
+        if engine in self.engines:
+            self.engines.remove(engine)
+            self.retired.append(engine)
+            self.failures.append({"t": time.time(), "engine": engine.name, "error": str(err)})
+            log.warning("megarl: engine %s failed and was retired (%d left, %d of at most %d failures): %s",
+                        engine.name, len(self.engines), len(self.failures), self.failures_max, err)
+            asyncio.ensure_future(engine.close())   # stop its process; nothing waits on it
+        if not self.engines:
+            raise EngineError(f"no rollout engine left: {err}") from err
+        if len(self.failures) > self.failures_max:
+            raise EngineError(f"{len(self.failures)} engine failures (rollout.engine_failures_max="
+                              f"{self.failures_max}); the last: {err}") from err
 
     @property
     def running(self) -> int:
@@ -100,13 +153,24 @@ class EnginePool:
     async def abort(self, keys: Optional[list[str]] = None) -> None:
         """Abort `keys` (None: everything); returns once each aborted request has resolved."""
         if keys is None:
-            await asyncio.gather(*(e.abort(None) for e in self.engines))
+            await self._on_each(lambda e: e.abort(None))
             return
         by_engine: dict[int, list[str]] = {}
         for k in keys:
             if k in self._where:
                 by_engine.setdefault(id(self._where[k]), []).append(k)
-        await asyncio.gather(*(e.abort(by_engine[id(e)]) for e in self.engines if id(e) in by_engine))
+        await self._on_each(lambda e: e.abort(by_engine[id(e)]), [e for e in self.engines if id(e) in by_engine])
+
+    async def _on_each(self, fn, engines: Optional[list[Engine]] = None) -> None:
+        """fn(engine) on every live engine concurrently; an engine that fails is retired (which
+        raises when none is left or too many failed); other exceptions propagate."""
+        engines = list(self.engines if engines is None else engines)
+        results = await asyncio.gather(*(fn(e) for e in engines), return_exceptions=True)
+        for e, r in zip(engines, results):
+            if isinstance(r, EngineError):
+                self._retire(e, r)
+            elif isinstance(r, BaseException):
+                raise r
 
     # -- weights -----------------------------------------------------------------------------
     async def update_weights(self, path: str, version: int) -> None:
@@ -128,7 +192,7 @@ class EnginePool:
                 await e.update_weights(path, version)
             finally:
                 await e.resume()   # never leave an engine paused after an update (even a failed one)
-        await _gather_or_raise([one(e) for e in self.engines])
+        await self._on_each(one)   # an engine that cannot take the weights is retired
 
     @property
     def version(self) -> int:
@@ -194,7 +258,8 @@ def open_pool(cfg, model_path: str, seed: int, log_dir: str) -> SyncPool:
     from megarl.rollout.build import build_engines
     loop = LoopThread()
     try:
-        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir), cfg.engine_timeout_s)
+        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir), cfg.engine_timeout_s,
+                          cfg.engine_failures_max)
         return SyncPool(pool, loop, cfg.engine_start_timeout_s)
     except BaseException:
         loop.stop()

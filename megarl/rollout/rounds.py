@@ -52,7 +52,7 @@ class Rollout:
             samples = generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
                                       self.reward_fn, sample_seeds(self.cfg.run.seed, step, len(chosen)),
                                       r.temperature, tag=f"{step}-")
-            return samples, staleness_metrics(samples, version)
+            return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, r.max_new_tokens)
         if self._next is None:
             done = self.pool.call(self.controller.run_round(groups, step), f"rollout round {step}", deadline)
@@ -61,7 +61,12 @@ class Rollout:
             self._next = None
         samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
         # the trainer's weights at step k are version k
-        return samples, {**self.controller.metrics(), **staleness_metrics(samples, step)}
+        return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
+
+    def _engine_metrics(self) -> dict:
+        """Engines retired so far (each failure is also logged when it happens)."""
+        pool = self.pool.pool
+        return {"engine_failures": len(pool.failures), "engines_alive": len(pool.engines)}
 
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""

@@ -40,12 +40,36 @@ class KeyedEngine(ScriptedEngine):
                                                 req.top_p, req.seed))
 
 
+class DyingKeyedEngine(KeyedEngine):
+    """Dies at clock tick `at`: every request it runs then (and any later one) fails as a
+    dead server's does, handing back the tokens it had streamed."""
+
+    def __init__(self, name, clock, at):
+        super().__init__(name, clock)
+        self.at = at
+
+    async def generate(self, req):
+        from megarl.rollout.engine import EngineError
+        task = asyncio.ensure_future(super().generate(req))
+        while not task.done() and self.clock.ticks < self.at:
+            await self.clock.tick()
+        if task.done() and self.clock.ticks < self.at:
+            return task.result()
+        if not task.done():
+            await self.abort([req.key])
+        err = EngineError(f"engine {self.name}: connection lost")
+        err.partial = task.result()
+        raise err
+
+
 async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_staleness=8,
-                policy="restart", engines=2, state=None, start_version=0, on_round=None):
-    """Run `rounds` rounds like the trainer would: round, store old logprobs, bump version."""
+                policy="restart", engines=2, state=None, start_version=0, on_round=None, die_at=None):
+    """Run `rounds` rounds like the trainer would: round, store old logprobs, bump version.
+    die_at: the clock tick at which engine e1 dies (the pool retires it and carries on)."""
     clock = Clock()
     clock.start()
-    pool = EnginePool([KeyedEngine(f"e{i}", clock) for i in range(engines)], 30)
+    pool = EnginePool([DyingKeyedEngine(f"e{i}", clock, die_at) if die_at is not None and i == 1
+                       else KeyedEngine(f"e{i}", clock) for i in range(engines)], 30, failures_max=1)
     ctl = PartialRolloutController(
         pool, n=n, concurrency=concurrency, max_new_tokens=max_new, temperature=1.0,
         max_staleness=max_staleness, stale_policy=policy,
@@ -114,6 +138,24 @@ def test_each_group_is_emitted_once_and_tokens_survive_carry_over():
                 spans_versions += len(set(s.versions)) > 1
             assert g.rewards == [float(len(s.response_ids)) for s in g.slots]
     assert spans_versions > 0, "some trained sample must span weight versions"
+
+
+def test_an_engine_dying_mid_round_loses_no_token():
+    """e1 dies in the middle of round 2 with requests in flight: they continue on e0 from the
+    tokens e1 had streamed, every group is still trained once with exactly its script, and
+    the failure is counted."""
+    ctl, trained, metrics, clock = run(drive(5, concurrency=8, target=3, die_at=60))
+    assert [f["engine"] for f in ctl.pool.failures] == ["e1"] and [e.name for e in ctl.pool.engines] == ["e0"]
+    gids = [g.gid for _, groups in trained for g in groups]
+    assert len(gids) == len(set(gids)) == 15
+    for version, groups in trained:
+        for g in groups:
+            for s in g.slots:
+                L = min(length_of(g.gid, s.index), 64)
+                assert s.response_ids == [TOKEN0 + p for p in range(L)]
+                assert s.logprobs == [behaviour_logprob(p) for p in range(L)]
+    served_after = [e for e in ctl.pool.retired]
+    assert served_after and served_after[0].served > 0
 
 
 def test_frontier_first_admission_prefers_carried_then_nearly_complete_groups():

@@ -127,13 +127,63 @@ def test_update_aborts_pauses_loads_and_resumes_every_engine_and_versions_follow
 
 
 def test_failed_load_still_resumes_and_names_the_engine():
-    """An engine is never left paused after an update, even a failed one (AReaL #1160)."""
+    """An engine is never left paused after an update, even a failed one (AReaL #1160); with
+    rollout.engine_failures_max=0 the failure stops the run, naming the engine."""
     engines = [ScriptedEngine("e0"), ScriptedEngine("e1", fail_load=True)]
-    pool = EnginePool(engines, 10)
-    with pytest.raises(EngineError, match="e1"):
+    pool = EnginePool(engines, 10, failures_max=0)
+    with pytest.raises(EngineError, match="e1.*load failed"):
         run(pool.update_weights("/w", 3))
     assert all(not e.paused for e in engines)
-    assert pool.version == 0  # e1 still holds version 0: the pool reports the oldest
+
+
+def test_engine_that_cannot_load_is_retired_and_the_rest_move_on():
+    engines = [ScriptedEngine("e0"), ScriptedEngine("e1", fail_load=True), ScriptedEngine("e2")]
+    pool = EnginePool(engines, 10, failures_max=1)
+    run(pool.update_weights("/w", 3))
+    assert [e.name for e in pool.engines] == ["e0", "e2"] and pool.version == 3
+    assert [f["engine"] for f in pool.failures] == ["e1"] and "close" in engines[1].log
+    assert all(not e.paused for e in engines)
+
+
+class DyingEngine(ScriptedEngine):
+    """Serves `after` tokens of each request, then fails as a dead server does, handing back
+    the tokens it streamed."""
+
+    def __init__(self, name, after):
+        super().__init__(name)
+        self.after = after
+
+    async def generate(self, req):
+        partial = await super().generate(type(req)(req.key, req.prompt_ids, min(self.after, req.max_tokens)))
+        if req.max_tokens <= self.after:
+            return partial
+        err = EngineError(f"engine {self.name} at 127.0.0.1:1: connection lost")
+        err.partial = partial
+        raise err
+
+
+def test_request_continues_on_another_engine_from_the_streamed_tokens():
+    async def main():
+        pool = EnginePool([DyingEngine("e0", after=3), ScriptedEngine("e1")], 10, failures_max=1)
+        res = await pool.generate(GenRequest("r", [1, 2], 8), pool.engines[0])
+        return pool, res
+    pool, res = run(main())
+    # e0 streamed tokens 0..2, then e1 generated the remaining 5 (its script restarts at 0)
+    assert res.token_ids == [0, 1, 2, 0, 1, 2, 3, 4] and len(res.logprobs) == len(res.versions) == 8
+    assert res.engine == "e1" and res.finish_reason == "length"
+    assert [e.name for e in pool.engines] == ["e1"] and len(pool.failures) == 1
+
+
+@pytest.mark.parametrize("engines,failures_max,message", [
+    (1, 5, "no rollout engine left"),
+    (2, 0, r"engine_failures_max=0"),
+])
+def test_pool_gives_up_when_no_engine_is_left_or_too_many_failed(engines, failures_max, message):
+    async def main():
+        pool = EnginePool([DyingEngine(f"e{i}", after=2) for i in range(engines)], 10, failures_max=failures_max)
+        await pool.generate(GenRequest("r", [1], 8))
+    with pytest.raises(EngineError, match=message):
+        run(main())
 
 
 def test_duplicate_keys_in_flight_are_refused():
