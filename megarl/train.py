@@ -22,6 +22,7 @@ from megarl.distributed.stop import StopSignal
 def train(cfg: RootConfig) -> dict:
     env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_world(cfg, env.world_size)
+    lock = _lock_run_dir(cfg.run.dir, env.rank == 0)   # a second run on this run.dir stops here
     if cpu.apply_if_cpu():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
@@ -152,7 +153,26 @@ def train(cfg: RootConfig) -> dict:
             logger.close()
             pool.close()
         parallel.destroy()
+        if lock is not None:
+            lock.release()
     return last
+
+
+def _lock_run_dir(run_dir: str, is_rank0: bool):
+    """Collective: rank 0 takes the run directory's lock; a refusal raises the same
+    ConfigError on every rank (none is left waiting)."""
+    from megarl.checkpoint.run_lock import RunLock
+    lock, problem = None, None
+    if is_rank0:
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except ConfigError as err:
+            lock, problem = None, str(err)
+    problem = _broadcast(problem)
+    if problem:
+        raise ConfigError(problem)
+    return lock
 
 
 def rollout_metrics(samples, batch) -> dict:

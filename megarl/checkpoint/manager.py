@@ -80,7 +80,7 @@ def load_trainable(t: Trainable, folder: Path) -> None:
     t.optimizer.load_state_dict(state["optimizer"])
     t.optimizer.reload_model_params()  # main (fp32) params from the loaded model params
     _unshare_adam_steps(t.optimizer)
-    t.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+    t.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
 
 def _unshare_adam_steps(optimizer) -> None:
@@ -135,4 +135,5 @@ def load(path: str | Path, actor: Trainable, critic: Trainable | None) -> dict:
             raise FileNotFoundError(f"checkpoint {path} has no critic/ (it was written by a run "
                                     f"without a critic, e.g. algo.name=grpo); resume with the same algo.name")
         load_trainable(critic, path / "critic")
-    return torch.load(path / "driver.pt", weights_only=False)
+    # plain data only (numbers, strings, lists, dicts, tensors): nothing in a checkpoint can run code
+    return torch.load(path / "driver.pt", weights_only=True)
