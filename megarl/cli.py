@@ -62,12 +62,16 @@ def main(argv=None) -> int:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
+    from megarl.ppo.nonfinite import NonFiniteError
     from megarl.rollout.engine import EngineError
     from megarl.train import train
     try:
         train(cfg)
     except EngineError as err:  # names the engine, its URL and its log file
         print(f"megarl: engine error: {err}", file=sys.stderr)
+        return 1
+    except NonFiniteError as err:  # names the quantity and the step; no weights were written
+        print(f"megarl: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # engines and servers were stopped on the way out
         print("megarl: interrupted; the newest complete checkpoint is where a rerun resumes",

@@ -117,6 +117,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0             # clip the global gradient norm (0: off)
     critic_warmup_steps: int = 0       # steps that train only the critic (PPO)
+    on_nonfinite: str = "stop"         # NaN/Inf in rewards, logprobs, values, losses or gradients: stop | skip (the step's update)
 
     def __post_init__(self):
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
@@ -126,6 +127,7 @@ class TrainConfig:
         _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "must be >= 1")
         _one_of("train.lr_decay_style", self.lr_decay_style, {"constant", "linear", "cosine"})
         _one_of("train.recompute", self.recompute, {"none", "full"})
+        _one_of("train.on_nonfinite", self.on_nonfinite, {"stop", "skip"})
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(self.actor_lr > 0 and self.critic_lr > 0, "train.actor_lr/critic_lr",
                  (self.actor_lr, self.critic_lr), "learning rates must be > 0")

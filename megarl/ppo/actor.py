@@ -7,6 +7,7 @@ from megarl.config.schema import AlgoConfig
 from megarl.models.builders import Trainable
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.ppo.aggregate import aggregate
+from megarl.ppo.nonfinite import NonFiniteError, grads_nonfinite
 from megarl.ppo.batch import Batch, response_targets, to_response_layout
 from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
 from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
@@ -64,6 +65,8 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     actor.optimizer.zero_grad()
     reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras=extras)
+    if grads_nonfinite(actor.model):   # collective: every rank stops or skips together
+        raise NonFiniteError("actor gradients")
     ok, grad_norm, _ = actor.optimizer.step()
     actor.scheduler.step(increment=1)
     # summed on the device: the step reduces and copies them to the host once (ppo/step.py)

@@ -6,6 +6,7 @@ import torch
 from megarl.config.schema import AlgoConfig
 from megarl.models.builders import Trainable
 from megarl.ppo.aggregate import aggregate
+from megarl.ppo.nonfinite import NonFiniteError, grads_nonfinite
 from megarl.ppo.batch import Batch, to_response_layout
 from megarl.ppo.losses import value_loss
 from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
@@ -38,6 +39,8 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
     critic.optimizer.zero_grad()
     reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras={"old_values": old_values, "returns": returns})
+    if grads_nonfinite(critic.model):   # collective: every rank stops or skips together
+        raise NonFiniteError("critic gradients")
     ok, grad_norm, _ = critic.optimizer.step()
     critic.scheduler.step(increment=1)
     # summed on the device: the step reduces and copies them to the host once (ppo/step.py)

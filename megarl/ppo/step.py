@@ -20,7 +20,9 @@ from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized
 from megarl.ppo.aggregate import global_normalizer
 from megarl.ppo.batch import Batch, build_batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, mismatch_stats
+from megarl.ppo import nonfinite
 from megarl.ppo.losses import kl_penalty, masked_mean
+from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
 from megarl.ppo.schedule import gather_dp
 
 
@@ -83,24 +85,25 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     old_logp = stitch_old_logprobs(old_logp, batch)
     is_w, is_stats = behaviour_weights(old_logp, batch.behav_logp, mask, algo.is_mode, algo.is_level,
                                        algo.is_cap, algo.is_low, algo.is_high)
+    # NaN/Inf anywhere the update reads: stop or skip before any optimizer step (collective)
+    inputs = {"rewards (scores)": batch.scores, "behaviour logprobs": batch.behav_logp,
+              "old logprobs": old_logp, "reference logprobs": ref_logp, "advantages": advantages}
+    if old_values is not None:
+        inputs.update({"values": old_values, "returns": returns})
+    bad = first_nonfinite(inputs, mask)
+    if bad:
+        return nonfinite.report(bad, step, cfg.train.on_nonfinite)
 
     sums: dict[str, float] = {}
     n_mini = cfg.train.mini_batches
     train_actor = algo.name == "grpo" or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
-    for _ in range(cfg.train.ppo_epochs):
-        order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
-        for chunk in order.chunk(n_mini):
-            rows = chunk[dp_rows(len(chunk))]
-            mini, local = batch.select(chunk), batch.select(rows)
-            norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
-            if train_actor:
-                _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
-                                            is_w[rows], algo, mbs, norm, temp))
-            if critic is not None:
-                with resident(critic.model):
-                    _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
+    try:
+        _updates(cfg, actor, critic, batch, old_logp, ref_logp, advantages, is_w, old_values, returns,
+                 train_actor, gen, sums, temp)
+    except NonFiniteError as err:   # a loss or gradient: the remaining updates of the step are dropped
+        return nonfinite.report(str(err), step, cfg.train.on_nonfinite)
     stats = _reduce_to_rank0(sums, batch.device)
     updates = cfg.train.ppo_epochs * n_mini
     tokens = max(stats.get("tokens", 0.0), 1.0)
@@ -122,6 +125,24 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
         **dev.host_values(on_device),   # one device-to-host copy for all of them
     }
     return out
+
+
+def _updates(cfg, actor, critic, batch, old_logp, ref_logp, advantages, is_w, old_values, returns,
+             train_actor, gen, sums, temp) -> None:
+    """ppo_epochs x mini_batches optimizer steps of the actor (and critic); sums their reports."""
+    algo, mbs, n_mini = cfg.algo, cfg.train.micro_batch_size, cfg.train.mini_batches
+    for _ in range(cfg.train.ppo_epochs):
+        order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
+        for chunk in order.chunk(n_mini):
+            rows = chunk[dp_rows(len(chunk))]
+            mini, local = batch.select(chunk), batch.select(rows)
+            norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
+            if train_actor:
+                _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
+                                            is_w[rows], algo, mbs, norm, temp))
+            if critic is not None:
+                with resident(critic.model):
+                    _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
 
 
 def _add(acc: dict, d: dict) -> None:
