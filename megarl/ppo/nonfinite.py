@@ -16,11 +16,11 @@ class NonFiniteError(RuntimeError):
     """A NaN or Inf reached a quantity that would move the weights."""
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+def _any_rank(flag: torch.Tensor) -> bool:
+    """flag: a 1-element float tensor on the device (no host read until the end)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def first_nonfinite(named: dict, mask: torch.Tensor | None = None) -> str | None:
@@ -44,13 +44,14 @@ def first_nonfinite(named: dict, mask: torch.Tensor | None = None) -> str | None
 
 def grads_nonfinite(ddp_model) -> bool:
     """Collective: does any rank's gradient buffer (megatron DDP) hold a NaN/Inf?"""
-    flag = False
-    device = None
-    for buf in getattr(ddp_model, "buffers", []) + getattr(ddp_model, "expert_parallel_buffers", []):
-        if buf.grad_data is not None and buf.grad_data.numel():
-            device = buf.grad_data.device
-            flag = flag or not bool(torch.isfinite(buf.grad_data).all())
-    return _any_rank(flag, device or torch.device("cpu"))
+    grads = [b.grad_data for b in getattr(ddp_model, "buffers", []) + getattr(ddp_model, "expert_parallel_buffers", [])
+             if b.grad_data is not None and b.grad_data.numel()]
+    if not grads:
+        return _any_rank(torch.zeros(1))
+    flag = torch.zeros(1, device=grads[0].device)
+    for g in grads:   # one device-side reduction per buffer, one host read in all
+        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
+    return _any_rank(flag)
 
 
 def report(where: str, step: int, policy: str) -> dict:

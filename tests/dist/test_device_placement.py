@@ -36,11 +36,14 @@ def test_training_step_keeps_every_tensor_on_the_device(probe):
 
 
 def test_megarl_reads_results_back_per_step_not_per_micro_batch(probe):
-    # 2 mini-batches x 1 epoch; each rank has 16 rows per mini-batch = 4 micro-batches
+    # 2 mini-batches x 1 epoch = 2 optimizer steps per trained model (actor, and critic in
+    # PPO); each rank has 16 rows per mini-batch = 4 micro-batches: a read per micro-batch
+    # would show 8 or more times at one line
     for algo, sites in probe["sync_sites"].items():
         ours = {s: n for s, n in sites.items() if f"{os.sep}megarl{os.sep}" in s and ".venv" not in s}
         assert ours, algo
-        assert max(ours.values()) <= 2, (algo, ours)
+        models = 2 if algo == "ppo" else 1
+        assert max(ours.values()) <= 2 * models, (algo, ours)
 
 
 @pytest.mark.parametrize("field", ["tokens", "behav_logp", "resp_mask"])
