@@ -22,6 +22,11 @@ def quiet_known_warnings() -> None:
 from megarl.config import ConfigError, load_config
 
 
+def _debug() -> bool:
+    """MEGARL_DEBUG=1: handled errors show their traceback too (for bug reports)."""
+    return os.environ.get("MEGARL_DEBUG") == "1"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training of LLMs on megatron-core + vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -54,6 +59,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as err:
+        if _debug():
+            raise
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
     if args.command == "simulate":
@@ -68,9 +75,13 @@ def main(argv=None) -> int:
     try:
         train(cfg)
     except EngineError as err:  # names the engine, its URL and its log file
+        if _debug():
+            raise
         print(f"megarl: engine error: {err}", file=sys.stderr)
         return 1
     except NonFiniteError as err:  # names the quantity and the step; no weights were written
+        if _debug():
+            raise
         print(f"megarl: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # engines and servers were stopped on the way out
@@ -78,9 +89,13 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     except ConfigError as err:
+        if _debug():
+            raise
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:  # our messages name the setting and how to make the file
+        if _debug():
+            raise
         print(f"megarl: missing input: {err}", file=sys.stderr)
         return 2
     return 0

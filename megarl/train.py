@@ -14,6 +14,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, RootConfig, save_config, validate_world
+from megarl.config.paths import check_writable
 from megarl.distributed import cpu, device, parallel
 from megarl.distributed.env import init_distributed
 from megarl.distributed.stop import StopSignal
@@ -22,7 +23,6 @@ from megarl.distributed.stop import StopSignal
 def train(cfg: RootConfig) -> dict:
     env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_world(cfg, env.world_size)
-    lock = _lock_run_dir(cfg.run.dir, env.rank == 0)   # a second run on this run.dir stops here
     if cpu.apply_if_cpu():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
@@ -32,7 +32,7 @@ def train(cfg: RootConfig) -> dict:
     from megarl.checkpoint import manager as ckpt
     from megarl.data.prompts import PromptSampler, load_jsonl
     from megarl.metrics.logger import MetricsLogger
-    from megarl.models.setup import build_all
+    from megarl.models.setup import build_all, check_model_dir
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step, trainer_logprobs
     from megarl.rewards import get_reward_fn
@@ -49,6 +49,13 @@ def train(cfg: RootConfig) -> dict:
         reward_fn = get_reward_fn(cfg.reward.fn)
     except ValueError as err:
         raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
+    check_model_dir(cfg.model.path, "model.path")
+    if cfg.reward.model_path:
+        check_model_dir(cfg.reward.model_path, "reward.model_path")
+    check_writable(cfg.run.dir, "run.dir")
+    weight_sync.check_staging_base(cfg.weight_sync.staging_dir)
+    # nothing is written before this line: a bad input above leaves no trace
+    lock = _lock_run_dir(cfg.run.dir, env.rank == 0)   # a second run on this run.dir stops here
     models = build_all(cfg)
     tokenizer = models.tokenizer
     if os.environ.get("MEGARL_DEVICE_GUARD") == "1":   # debugging: fail on any host/device mix-up

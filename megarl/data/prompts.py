@@ -13,18 +13,28 @@ def load_jsonl(path: str, prompt_key: str) -> list[dict]:
     if not p.is_file():
         raise FileNotFoundError(f"data.prompts={path!r} does not exist: build it with "
                                 f"`python tools/make_tiny_model.py` or point data.prompts at a jsonl file")
+    from megarl.config import ConfigError
     records = []
     with p.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            if prompt_key not in rec:
-                raise ValueError(f"{path}:{lineno} has no field {prompt_key!r} (data.prompt_key): "
-                                 f"fields are {sorted(rec)}")
+            try:
+                rec = json.loads(line)
+            except ValueError as err:
+                raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}): fix or remove "
+                                  f"that row") from None
+            if not isinstance(rec, dict) or prompt_key not in rec:
+                fields = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                raise ConfigError(f"data.prompts={path!r}, row {lineno}: no field {prompt_key!r} "
+                                  f"(data.prompt_key); the row has {fields}: set data.prompt_key or fix the row")
+            if not isinstance(rec[prompt_key], str) or not rec[prompt_key].strip():
+                raise ConfigError(f"data.prompts={path!r}, row {lineno}: field {prompt_key!r} (data.prompt_key) "
+                                  f"is {rec[prompt_key]!r}, not a non-empty text: fix the row")
             records.append(rec)
     if not records:
-        raise ValueError(f"data.prompts={path!r} holds no records")
+        raise ConfigError(f"data.prompts={path!r} holds no records: point it at a jsonl file with one "
+                          f"{{\"{prompt_key}\": ...}} object per line")
     return records
 
 

@@ -37,6 +37,20 @@ def read_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_model_dir(path: str, setting: str) -> None:
+    """A HF model folder: config.json and *.safetensors (before anything is built or written)."""
+    from megarl.config import ConfigError
+    if not os.path.isdir(path):
+        raise ConfigError(f"{setting}={path!r} does not exist: build the tiny model with "
+                          f"`python tools/make_tiny_model.py --out {path}` or point {setting} at a HF folder")
+    missing = [n for n in ("config.json",) if not os.path.isfile(os.path.join(path, n))]
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise ConfigError(f"{setting}={path!r} is not a HF model folder (no {', '.join(missing)}): "
+                          f"convert a megatron checkpoint with tools/convert_megatron_to_hf.py, or fix {setting}")
+
+
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     if not os.path.isdir(cfg.model.path):
         raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: run "

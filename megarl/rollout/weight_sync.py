@@ -117,6 +117,12 @@ def _staging_problem(base: str, need: int) -> str | None:
     return None
 
 
+def check_staging_base(base: str) -> None:
+    """Before a run writes anything: weight_sync.staging_dir is a writable folder."""
+    if not os.path.isdir(base) or not os.access(base, os.W_OK):
+        raise ConfigError(_staging_problem(base, 0))
+
+
 def staging_dir(base: str, tag: str, model=None) -> str:
     """Collective: a fresh owner-only folder all ranks agree on. Rank 0 checks that `base` is
     writable and can hold one full sync of `model`, removes stale folders, and creates it
