@@ -79,8 +79,11 @@ def run(p: Preset, gpu: str, mode: str, steps: int, **over) -> dict:
     s = SimSettings(mode=mode, steps=steps, groups_per_step=p.groups_per_step,
                     concurrency=over.pop("concurrency", p.concurrency), engines=engines,
                     max_staleness=over.pop("max_staleness", 2 if mode != "sync" else 10**9), **over)
-    r = simulate(s, w, engine, trainer)
-    r.pop("per_step_full", None)
+    return with_steady_state(simulate(s, w, engine, trainer))
+
+
+def with_steady_state(r: dict) -> dict:
+    """Figures without the first step (async has nothing to overlap with there)."""
     after_first = r["per_step"][1:] or r["per_step"]
     r["trainer_idle_after_first"] = sum(x["rollout_s"] + x["push_s"] for x in after_first) / sum(
         x["step_s"] for x in after_first)
@@ -158,7 +161,7 @@ def anchor_areal(steps: int) -> dict:
     for mode in ("sync", "async"):
         s = SimSettings(mode=mode, steps=steps, groups_per_step=p.groups_per_step, concurrency=p.concurrency,
                         engines=p.engines, max_staleness=8 if mode == "async" else 10**9)
-        res[mode] = summary(simulate(s, w, engine, trainer))
+        res[mode] = summary(with_steady_state(simulate(s, w, engine, trainer)))
     return {"reported_speedup": 41.0 / 14.8, "simulated_speedup": res["sync"]["step_s_after_first"]
             / res["async"]["step_s_after_first"], "modes": res, "lengths": w.stats(500)}
 
@@ -176,7 +179,7 @@ def anchor_nemo_aligner(steps: int) -> dict:
     trainer = RooflineTrainer(model, gpu, 96, critic=True, push_s=send, prompt_tokens=256)
     w = Workload(parse_dist("lognormal:mu=5.6,sigma=0.6"), 1, 2048, prompt_len=lambda g: 256)
     s = SimSettings(mode="sync", steps=steps, groups_per_step=1024, concurrency=1024, engines=16)
-    r = summary(simulate(s, w, engine, trainer))
+    r = summary(with_steady_state(simulate(s, w, engine, trainer)))
     return {"reported_step_s": 366.7, "simulated_step_s": r["step_s_after_first"], "sim": r,
             "lengths": w.stats(500)}
 
@@ -222,13 +225,17 @@ def main() -> None:
     p.add_argument("--png", default=str(ROOT / "bench/simulate.png"))
     a = p.parse_args()
     t0 = time.perf_counter()
-    results = {name: project(name, PRESETS[name], a.gpu, a.steps) for name in a.presets.split(",")}
-    out = {"gpu": a.gpu, "steps": a.steps, "presets": results}
+    out = {"gpu": a.gpu, "steps": a.steps}
     if a.anchors:
         out["anchors"] = {"areal": anchor_areal(a.steps), "nemo_aligner_70b": anchor_nemo_aligner(a.steps)}
+        print("anchors:", json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)}
+                                      for k, v in out["anchors"].items()}), flush=True)
+    results = {name: project(name, PRESETS[name], a.gpu, a.steps) for name in a.presets.split(",") if name}
+    out["presets"] = results
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
-    plot(results, a.png)
+    if results:
+        plot(results, a.png)
 
     print("\n| preset | mode | step s | rollout s | train s | push s | engine busy | trainer idle | trained tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")

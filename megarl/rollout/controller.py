@@ -124,6 +124,7 @@ class PartialRolloutController:
         self.completed: list[Group] = []           # complete, not yet handed to the trainer
         self.next_gid = 0
         self._inflight: dict[str, Slot] = {}
+        self._busy: set[tuple[int, int]] = set()     # (gid, index) of the slots in flight
         # requests this controller has on each engine, counted when admitted (an engine's own
         # `running` only moves once the request's task starts, after a whole burst is admitted)
         self._load: dict[str, int] = {e.name: 0 for e in pool.engines}
@@ -138,20 +139,37 @@ class PartialRolloutController:
 
     # -- admission -------------------------------------------------------------------------
     def _waiting(self) -> list[Slot]:
+        busy = self._busy
         return [s for g in self.groups.values() for s in g.slots
-                if not s.finished and self._key(s) not in self._inflight]
+                if not s.finished and (s.gid, s.index) not in busy]
 
     def _key(self, slot: Slot) -> str:
         return f"g{slot.gid}s{slot.index}a{slot.attempts}"
 
+    def _admission_order(self) -> list[Slot]:
+        """Waiting slots, best first. Frontier-first: carried samples, then samples of the
+        groups closest to completion (older groups first on ties). Admitting one changes no
+        other's rank (nothing completes while `_fill` runs), so one sort serves a whole fill;
+        at 512 in flight this scan is the controller's main cost (found by the simulator)."""
+        busy, ranked = self._busy, []
+        for g in self.groups.values():   # one pass: each group's done count and its waiting slots
+            done, waiting = 0, []
+            for s in g.slots:
+                if s.finish_reason in ("stop", "length"):
+                    done += 1
+                elif (s.gid, s.index) not in busy:
+                    waiting.append(s)
+            ranked += [((not s.response_ids, -done, s.gid, s.index), s) for s in waiting]
+        ranked.sort(key=lambda item: item[0])
+        return [s for _, s in ranked]
+
     def _next_slot(self) -> Slot:
-        """Frontier-first: carried samples, then samples of the groups closest to completion
-        (older groups first on ties); a new group only when nothing else waits."""
-        waiting = self._waiting()
-        if not waiting:
+        """The slot admitted next; a new group only when nothing else waits."""
+        order = self._admission_order()
+        if not order:
             self._open_group()
-            waiting = self._waiting()
-        return min(waiting, key=lambda s: (not s.response_ids, -self.groups[s.gid].done, s.gid, s.index))
+            order = self._admission_order()
+        return order[0]
 
     def _open_group(self) -> Group:
         record, prompt = self.new_group()
@@ -172,11 +190,19 @@ class PartialRolloutController:
     def _fill(self) -> None:
         if not self.pool.engines:   # every engine retired: the request that saw it ends the round
             return
+        order: list[Slot] = []
         while not self._ending and not self._holding and len(self._inflight) < self.concurrency:
-            slot = self._next_slot()
+            if not order:
+                order = self._admission_order()
+                if not order:
+                    self._open_group()
+                    order = self._admission_order()
+                order.reverse()   # pop() from the end = best first
+            slot = order.pop()
             slot.attempts += 1
             key = self._key(slot)
             self._inflight[key] = slot
+            self._busy.add((slot.gid, slot.index))
             engine = self._least_loaded()
             self._load[engine.name] += 1
             task = asyncio.ensure_future(self._serve(key, slot, engine))
@@ -195,6 +221,7 @@ class PartialRolloutController:
         except BaseException as err:  # an engine failure ends the round with the error
             self._load[engine.name] -= 1
             self._inflight.pop(key, None)
+            self._busy.discard((slot.gid, slot.index))
             if self._error is None:
                 self._error = err if isinstance(err, Exception) else EngineError(str(err))
             if self._round_done is not None:
@@ -202,6 +229,7 @@ class PartialRolloutController:
             return
         self._load[engine.name] -= 1
         self._inflight.pop(key, None)
+        self._busy.discard((slot.gid, slot.index))
         self._absorb(slot, result)
         if slot.finished and group.complete and not group.reward_done:
             self._emit(group)
