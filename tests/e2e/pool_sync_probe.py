@@ -1,7 +1,8 @@
 """Subprocess body of test_pool_sync: weight sync from several trainer layouts into a pool.
 
-Run under torchrun with 4 ranks. Rank 0 opens one engine pool per engine mode (2 engines
-each: in-process and/or local vLLM servers); then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the
+Run under torchrun with 4 ranks. Rank 0 opens one engine pool per engine mode (one
+engine each: in-process and/or a local vLLM server; several engines in one pool are covered by
+test_train_cli's two-engine run); then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the
 same world) every rank builds the actor from the tiny model, perturbs its weights (so an
 engine that missed the push cannot match by accident), pushes them as a new version, and
 measures per engine the mean |engine - trainer| logprob of tokens the engine samples at
@@ -24,7 +25,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
 
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", f"data.prompts={model_dir}/prompts.jsonl", "run.dir=unused",
-        "rollout.engines=2", f"rollout.temperature={TEMPERATURE}",
+        "rollout.engines=1", f"rollout.temperature={TEMPERATURE}",
         f"weight_sync.staging_dir={staging}", "rollout.engine_timeout_s=60"])
     env = init_distributed("gloo")
     cpu.apply()

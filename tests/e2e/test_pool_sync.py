@@ -6,8 +6,8 @@ from conftest import run_py
 
 
 def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_model, tmp_path):
-    """Contract: after a push from TP=2, PP=2 and TP=2 x PP=2 (4 gloo ranks), each of 2
-    in-process engines and 2 local vLLM servers samples at temperature 0.7 with logprobs
+    """Contract: after a push from TP=2, PP=2 and TP=2 x PP=2 (4 gloo ranks), each of
+    an in-process engine and a local vLLM server samples at temperature 0.7 with logprobs
     equal to the trainer's within 1e-4 (fp32), reports the pushed version, and is left
     running; a push that drops one bucket is caught by the same measure (and by `verify`);
     no staging folder is left behind."""
@@ -21,7 +21,7 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
     r = json.loads(out.read_text())
     assert set(r["layouts"]) == {"tp2pp1", "tp1pp2", "tp2pp2"}
     for layout, entry in r["layouts"].items():
-        assert len(entry["gaps"]) == 4, entry
+        assert len(entry["gaps"]) == 2, entry
         for engine, gap in entry["gaps"].items():
             assert gap < 1e-4, (layout, engine, gap)
     assert r["versions_ok"]

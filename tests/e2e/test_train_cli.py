@@ -81,26 +81,23 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, tmp_path, ppo_r
         assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-4)
 
 
-def test_grpo_run_has_no_critic(tiny_model, tmp_path):
-    """algo.name=grpo trains without a critic: no value loss, group-normalised advantages."""
-    _, rows = train(tiny_model, tmp_path / "grpo", "train.steps=2", "algo.name=grpo")
-    assert len(rows) == 2
-    assert all(r["value_loss"] == 0.0 and "value_mean" not in r for r in rows)
-    assert all(abs(r["advantage_mean"]) < 0.5 for r in rows)
-    assert all(r["critic_grad_norm"] == 0.0 and r["grad_norm"] > 0 for r in rows)  # only the actor learns
-
-
 def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_path):
     """`megarl train ... parallel.tp=2` on 2 torchrun ranks with 2 engines sampling at
     temperature 0.7: its pushes (TP shards gathered, QKV and gate/up regrouped) reach both
     engines, and the trainer's logprobs of the sampled tokens (logits / 0.7) equal the
     engines' processed logprobs at the fp32 level. The dumped samples carry, per token, the
-    version it was generated under (within the staleness bound) and the engine's logprob."""
+    version it was generated under (within the staleness bound) and the engine's logprob. GRPO:
+    no critic is built or trained."""
     run_dir = tmp_path / "tp2"
     _, rows = train(tiny_model, run_dir, "train.steps=2", "parallel.tp=2", "rollout.engines=2",
-                    "rollout.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true", nproc=2)
+                    "rollout.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true",
+                    "algo.name=grpo", nproc=2)
     assert len(rows) == 2
     assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows
+    # GRPO trains without a critic: no value loss, group-normalised advantages, only the actor learns
+    assert all(r["value_loss"] == 0.0 and "value_mean" not in r for r in rows)
+    assert all(abs(r["advantage_mean"]) < 0.5 for r in rows)
+    assert all(r["critic_grad_norm"] == 0.0 and r["grad_norm"] > 0 for r in rows)
     for step in (0, 1):
         dumped = [json.loads(x) for x in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
         assert len(dumped) == 16 * 4
