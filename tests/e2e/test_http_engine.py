@@ -243,6 +243,10 @@ def test_server_death_mid_request_raises_with_log_path(tiny_model, tmp_path):
     assert errors, f"no request failed: {results}"
     assert all(isinstance(r, EngineError) or r.finish_reason == "length" for r in results)
     assert all(str(log) in str(e) and "doomed" in str(e) for e in errors)
+    # the tokens streamed before the death travel with the error (the pool continues from them)
+    d0 = results[0]
+    assert isinstance(d0, EngineError) and d0.partial.token_ids and \
+        len(d0.partial.token_ids) == len(d0.partial.logprobs) == len(d0.partial.versions)
     assert any("exited" in str(e) for e in errors)     # exit code and log tail are in the message
     assert elapsed < 20
     assert not srv.process_alive()
