@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megarl.sim.costs import MeasuredEngine, MeasuredTrainer, interp  # noqa: E402
+from megarl.sim.costs import MeasuredTrainer  # noqa: E402
+from megarl.sim.recipe import measured_costs  # noqa: E402
 from megarl.sim.run import SimSettings, simulate  # noqa: E402
 from megarl.sim.workload import Workload, parse_dist  # noqa: E402
 
@@ -42,20 +43,9 @@ def prompt_lengths() -> list[int]:
     return [len(p) for p in encode_prompts(AutoTokenizer.from_pretrained(str(model)), records, "prompt")]
 
 
-def calibration(result: dict) -> tuple[MeasuredEngine, MeasuredTrainer]:
-    """The engine and trainer cost models from one benchmark result (its own probes)."""
-    curve = {int(b): t for b, t in result["decode_step_s"].items()}
-    C, E = result["concurrency"], result["engines"]
-    ovh = result["overheads"]
-    # the probe's per-request time includes one decode step's share at C in flight
-    request_s = max(0.0, ovh["request_s"] - interp(curve, C / E) / (C / E))
-    pushes = [s["push_s"] for m in ("sync", "partial") for s in result["per_step"][m]]
-    engine = MeasuredEngine(curve, ovh["prefill_s_per_token"], request_s, sum(pushes) / len(pushes))
-    return engine, MeasuredTrainer(TRAIN_FIXED_S, 0.0)
-
-
-def predict(result: dict, lengths: list[int]) -> dict:
-    engine, trainer = calibration(result)
+def predict(result: dict, bench_json: Path, lengths: list[int]) -> dict:
+    engine, _ = measured_costs(str(bench_json))     # the engine model from this run's own probes
+    trainer = MeasuredTrainer(TRAIN_FIXED_S, 0.0)   # the benchmark's simulated train phase
     w = Workload(parse_dist(result["length_dist"]), result["n"], result["max_len"], result["seed"],
                  prompt_len=lambda gid: lengths[gid % len(lengths)])
     out = {}
@@ -93,7 +83,7 @@ def main() -> None:
                     subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
                 print(f"[{name}] measured in {time.perf_counter() - t:.0f} s", flush=True)
             result = json.loads(bench_json.read_text())
-            sim = predict(result, lengths)
+            sim = predict(result, bench_json, lengths)
             meas = {"sync": result["sync_rollout_s"], "partial": result["partial_rollout_s"]}
             row = {"dist": dist, "concurrency": conc, "steps": result["steps"],
                    "measured_sync_s": meas["sync"], "predicted_sync_s": sim["sync"]["rollout_s"],
