@@ -1,5 +1,6 @@
 """The simulator's virtual clock and engine, pinned by hand-computable runs."""
 import asyncio
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -179,7 +180,7 @@ def _bench_json(tmp_path):
               "per_step": {"sync": [{"push_s": 1.0, "train_s": 2.0, "tokens": 2000}],
                            "partial": [{"push_s": 1.2, "train_s": 2.0, "tokens": 2000}]}}
     path = tmp_path / "bench.json"
-    path.write_text(__import__("json").dumps(result))
+    path.write_text(json.dumps(result))
     return path
 
 
@@ -188,7 +189,7 @@ def test_megarl_simulate_a_recipe(tmp_path, capsys):
     rc = main(["simulate", "recipes/tiny_cpu.yaml", "--calibration", str(_bench_json(tmp_path)), "--steps", "3",
                "--json", "rollout.max_new_tokens=128"])
     assert rc == 0
-    out = __import__("json").loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
     assert set(out["modes"]) == {"sync", "partial", "async"} and out["recipe_mode"] == "partial"
     assert out["modes"]["async"]["trainer_idle_frac"] < out["modes"]["sync"]["trainer_idle_frac"]
 
