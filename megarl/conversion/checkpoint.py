@@ -634,7 +634,7 @@ def compare_logits(hf_dir: str, megatron_dir: str, prompts: int = 4, length: int
     tokens = random_prompts(info.vocab_size, prompts, length, seed)
     positions = torch.arange(length).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
-        mg = model(tokens, positions, _causal_mask(length))[..., :info.vocab_size]
+        mg = model(tokens, positions, _causal_mask(length, tokens.device))[..., :info.vocab_size]
     del model
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
