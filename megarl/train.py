@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, RootConfig, save_config, validate_world
 from megarl.config.paths import check_writable
-from megarl.distributed import cpu, device, parallel
+from megarl.distributed import cpu, device, faults, parallel
 from megarl.distributed.env import init_distributed
 from megarl.distributed.stop import StopSignal
 
@@ -145,6 +145,7 @@ def train(cfg: RootConfig) -> dict:
                         # the trainer waits while the round generates (no overlap yet)
                         "trainer_idle_frac": rollout_s / step_s, "weight_version": pool.version}
                 logger.log(step, last)
+            faults.point("step_end")
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                 save(step)
             if stop.should_stop():

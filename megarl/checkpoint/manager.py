@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarl.distributed import faults
 from megarl.models.builders import Trainable
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -114,6 +115,7 @@ def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None
     save_trainable(actor, tmp / "actor")
     if critic is not None:
         save_trainable(critic, tmp / "critic")
+    faults.point("save")
     if _is_rank0():
         torch.save(driver, tmp / "driver.pt")
         (tmp / "config.yaml").write_text(config_text)

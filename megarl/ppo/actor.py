@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config.schema import AlgoConfig
+from megarl.distributed import faults
 from megarl.models.builders import Trainable
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.ppo.aggregate import aggregate
@@ -65,6 +66,7 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     actor.optimizer.zero_grad()
     reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras=extras)
+    faults.point("update")
     if grads_nonfinite(actor.model):   # collective: every rank stops or skips together
         raise NonFiniteError("actor gradients")
     ok, grad_norm, _ = actor.optimizer.step()

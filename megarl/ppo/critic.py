@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config.schema import AlgoConfig
+from megarl.distributed import faults
 from megarl.models.builders import Trainable
 from megarl.ppo.aggregate import aggregate
 from megarl.ppo.nonfinite import NonFiniteError, grads_nonfinite
@@ -39,6 +40,7 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
     critic.optimizer.zero_grad()
     reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras={"old_values": old_values, "returns": returns})
+    faults.point("update")
     if grads_nonfinite(critic.model):   # collective: every rank stops or skips together
         raise NonFiniteError("critic gradients")
     ok, grad_norm, _ = critic.optimizer.step()

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from megarl.distributed import faults
 from megarl.rollout.engine import EngineError, GenRequest, GenResult
 from megarl.rollout.types import Sample
 
@@ -242,6 +243,7 @@ class PartialRolloutController:
         return self.budget_of(slot.gid, slot.index) if self.budget_of else self.max_new_tokens
 
     def _absorb(self, slot: Slot, r: GenResult) -> None:
+        faults.point("rollout_result")
         slot.response_ids += r.token_ids
         slot.logprobs += r.logprobs
         slot.versions += r.versions

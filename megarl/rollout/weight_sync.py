@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from megarl.config import ConfigError
 from megarl.conversion.mapping import mapping_for
-from megarl.distributed import device, parallel
+from megarl.distributed import device, faults, parallel
 from megarl.models.builders import ModelInfo, use_te
 
 PREFIX = "megarl-weights-"
@@ -169,6 +169,7 @@ def push(model, info: ModelInfo, pool, version: int, base: str, bucket_mb: int, 
                 bucket = {k: v.cpu() for k, v in bucket.items()}   # one D2H copy per tensor
                 save_file(bucket, os.path.join(folder, f"stage{parallel.pp_rank():03d}-{k:05d}.safetensors"))
                 stage_s += time.perf_counter() - t
+                faults.point("sync_bucket")
                 nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
         dist.barrier()  # every stage's files are on disk
         if pool is not None:
