@@ -18,11 +18,13 @@ from megarl.config.paths import check_writable
 from megarl.distributed import cpu, device, faults, parallel
 from megarl.distributed.env import init_distributed
 from megarl.distributed.stop import StopSignal
+from megarl.rollout import reaper
 
 
 def train(cfg: RootConfig) -> dict:
     env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_world(cfg, env.world_size)
+    reaper.guard_descendants()   # engines, checkpoint writers: nothing outlives a SIGKILLed rank
     if cpu.apply_if_cpu():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
