@@ -139,11 +139,6 @@ class PartialRolloutController:
         self.stats = RoundStats()
 
     # -- admission -------------------------------------------------------------------------
-    def _waiting(self) -> list[Slot]:
-        busy = self._busy
-        return [s for g in self.groups.values() for s in g.slots
-                if not s.finished and (s.gid, s.index) not in busy]
-
     def _key(self, slot: Slot) -> str:
         return f"g{slot.gid}s{slot.index}a{slot.attempts}"
 
@@ -156,21 +151,13 @@ class PartialRolloutController:
         for g in self.groups.values():   # one pass: each group's done count and its waiting slots
             done, waiting = 0, []
             for s in g.slots:
-                if s.finish_reason in ("stop", "length"):
+                if s.finished:
                     done += 1
                 elif (s.gid, s.index) not in busy:
                     waiting.append(s)
             ranked += [((not s.response_ids, -done, s.gid, s.index), s) for s in waiting]
         ranked.sort(key=lambda item: item[0])
         return [s for _, s in ranked]
-
-    def _next_slot(self) -> Slot:
-        """The slot admitted next; a new group only when nothing else waits."""
-        order = self._admission_order()
-        if not order:
-            self._open_group()
-            order = self._admission_order()
-        return order[0]
 
     def _open_group(self) -> Group:
         record, prompt = self.new_group()

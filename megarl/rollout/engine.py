@@ -26,7 +26,13 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class EngineError(RuntimeError):
-    """An engine failed, died or did not answer in time. The message names the engine."""
+    """An engine failed, died or did not answer in time. The message names the engine.
+    `partial`: what the failed request had generated (a GenResult), when the engine knows;
+    the pool continues the request elsewhere from it."""
+
+    def __init__(self, message: str, partial: "GenResult | None" = None):
+        super().__init__(message)
+        self.partial = partial
 
 
 @dataclass(frozen=True)

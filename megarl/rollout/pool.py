@@ -71,6 +71,7 @@ class EnginePool:
         self.retired: list[Engine] = []
         self.failures: list[dict] = []           # {"t", "engine", "error"} per retirement
         self.failures_max = failures_max
+        self._closing: list[asyncio.Future] = []  # close() of retired engines, in flight
         self.timeout_s = timeout_s
         self._where: dict[str, Engine] = {}      # request key -> engine serving it
         self._order = itertools.count()          # tie-break: round-robin among equally loaded
@@ -86,7 +87,7 @@ class EnginePool:
             raise errors[0] if isinstance(errors[0], EngineError) else EngineError(str(errors[0]))
 
     async def close(self) -> None:
-        await asyncio.gather(*(e.close() for e in self.engines + self.retired), return_exceptions=True)
+        await asyncio.gather(*self._closing, *(e.close() for e in self.engines), return_exceptions=True)
 
     # -- requests ----------------------------------------------------------------------------
     def least_loaded(self) -> Engine:
@@ -109,11 +110,10 @@ class EnginePool:
             try:
                 result = await engine.generate(current)
             except EngineError as err:
-                partial = getattr(err, "partial", None)
-                if partial is not None and partial.token_ids:
-                    done.token_ids += partial.token_ids
-                    done.logprobs += partial.logprobs
-                    done.versions += partial.versions
+                if err.partial is not None:
+                    done.token_ids += err.partial.token_ids
+                    done.logprobs += err.partial.logprobs
+                    done.versions += err.partial.versions
                 self._retire(engine, err)
                 if len(done.token_ids) >= req.max_tokens:
                     done.finish_reason, done.engine = "length", engine.name
@@ -139,7 +139,8 @@ class EnginePool:
             self.failures.append({"t": time.time(), "engine": engine.name, "error": str(err)})
             log.warning("megarl: engine %s failed and was retired (%d left, %d of at most %d failures): %s",
                         engine.name, len(self.engines), len(self.failures), self.failures_max, err)
-            asyncio.ensure_future(engine.close())   # stop its process; nothing waits on it
+            # stop its process; nothing waits on it, but the task is kept so it is not collected
+            self._closing.append(asyncio.ensure_future(engine.close()))
         if not self.engines:
             raise EngineError(f"no rollout engine left: {err}") from err
         if len(self.failures) > self.failures_max:

@@ -247,14 +247,12 @@ class HTTPVLLMEngine(Engine):
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as err:
             if not (f.aborted or f._stopped):
                 await self._settle()
-                lost = EngineError(f"{self._where()}: connection lost during request {req.key} "
-                                   f"({type(err).__name__}: {err}); the server may have died, see its log."
-                                   f"{self._failure_detail()}")
-                lost.partial = f.result      # the tokens streamed before: the pool continues from them
-                raise lost from err
+                raise EngineError(f"{self._where()}: connection lost during request {req.key} "
+                                  f"({type(err).__name__}: {err}); the server may have died, see its log."
+                                  f"{self._failure_detail()}", partial=f.result) from err
             # we aborted it: the tokens streamed so far are the result
         except EngineError as err:   # HTTP error, garbage, a silent stream: keep what arrived too
-            if getattr(err, "partial", None) is None:
+            if err.partial is None:
                 err.partial = f.result
             raise
         finally:

@@ -58,7 +58,7 @@ class SimEngine(Engine):
         self.log = EngineLog()
         self.record_timeline = record_timeline
         self._running: dict[str, _Running] = {}
-        self._ends: list[tuple[int, int, str]] = []   # heap: (step it ends after, tie, key)
+        self._ends: list[tuple[int, int, _Running]] = []   # heap: (step it ends after, tie, run)
         self._tie = 0
         self._step = 0                                 # steps completed
         self._context = 0                              # sum over joined requests of prompt - joined
@@ -111,7 +111,7 @@ class SimEngine(Engine):
                 prefill += r.prompt
                 self._context += r.prompt - r.joined
                 self._joined += 1
-                heapq.heappush(self._ends, (self._step + r.req.max_tokens, self._tie, r.req.key))
+                heapq.heappush(self._ends, (self._step + r.req.max_tokens, self._tie, r))
                 self._tie += 1
             batch = self._joined
             context = self._context + batch * self._step
@@ -125,9 +125,9 @@ class SimEngine(Engine):
             log.batch_area += dt * batch
             log.tokens += self._joined         # requests aborted during the step got no token
             while self._ends and self._ends[0][0] <= self._step:
-                _, _, key = heapq.heappop(self._ends)
-                run = self._running.get(key)
-                if run is not None and run.joined >= 0:
+                _, _, run = heapq.heappop(self._ends)
+                # an aborted run's entry stays behind; its key may be running again as a new run
+                if self._running.get(run.req.key) is run:
                     self._finish(run, "length")
             if self.record_timeline:
                 log.timeline.append((loop.time(), len(self._running)))

@@ -157,9 +157,7 @@ class DyingEngine(ScriptedEngine):
         partial = await super().generate(type(req)(req.key, req.prompt_ids, min(self.after, req.max_tokens)))
         if req.max_tokens <= self.after:
             return partial
-        err = EngineError(f"engine {self.name} at 127.0.0.1:1: connection lost")
-        err.partial = partial
-        raise err
+        raise EngineError(f"engine {self.name} at 127.0.0.1:1: connection lost", partial=partial)
 
 
 def test_request_continues_on_another_engine_from_the_streamed_tokens():

@@ -89,6 +89,23 @@ def test_abort_keeps_partial_tokens_and_update_needs_pause():
     assert took == pytest.approx(2.0) and version == 1
 
 
+def test_a_key_resubmitted_after_an_abort_runs_its_full_length():
+    """The pool re-sends a failed request under the same key: the aborted run's end must not
+    end the new one early."""
+    async def main():
+        e = SimEngine("e", Linear(a=1.0))
+        await e.start()
+        first = asyncio.ensure_future(e.generate(GenRequest("k", [1], 5)))
+        await asyncio.sleep(2.5)            # 2 steps done; the first run would end after step 5
+        await e.abort(["k"])
+        await first
+        res = await e.generate(GenRequest("k", [1], 5))
+        await e.close()
+        return res
+    res = vclock.run(main())
+    assert len(res.token_ids) == 5 and res.finish_reason == "length"
+
+
 def _fixed(n=2, length=10):
     return Workload(parse_dist(f"fixed:len={length}"), n=n, max_len=64, prompt_len=lambda g: 4)
 
