@@ -59,10 +59,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as err:
-        if _debug():
-            raise
-        print(f"megarl: config error: {err}", file=sys.stderr)
-        return 2
+        return _explain(err, "config error", 2)
     if args.command == "simulate":
         return _simulate(cfg, args)
     if args.command == "plan":
@@ -72,33 +69,28 @@ def main(argv=None) -> int:
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.rollout.engine import EngineError
     from megarl.train import train
+    explained = {EngineError: ("engine error", 1),         # names the engine, its URL and log
+                 NonFiniteError: ("stopped", 1),            # names the quantity and the step
+                 ConfigError: ("config error", 2),
+                 FileNotFoundError: ("missing input", 2)}   # our messages name the setting
     try:
         train(cfg)
-    except EngineError as err:  # names the engine, its URL and its log file
-        if _debug():
-            raise
-        print(f"megarl: engine error: {err}", file=sys.stderr)
-        return 1
-    except NonFiniteError as err:  # names the quantity and the step; no weights were written
-        if _debug():
-            raise
-        print(f"megarl: stopped: {err}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # engines and servers were stopped on the way out
         print("megarl: interrupted; the newest complete checkpoint is where a rerun resumes",
               file=sys.stderr)
         return 130
-    except ConfigError as err:
-        if _debug():
-            raise
-        print(f"megarl: config error: {err}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as err:  # our messages name the setting and how to make the file
-        if _debug():
-            raise
-        print(f"megarl: missing input: {err}", file=sys.stderr)
-        return 2
+    except tuple(explained) as err:
+        what, code = next(v for t, v in explained.items() if isinstance(err, t))
+        return _explain(err, what, code)
     return 0
+
+
+def _explain(err: Exception, what: str, code: int) -> int:
+    """One line for an error megarl explains; MEGARL_DEBUG=1 re-raises it with its traceback."""
+    if _debug():
+        raise err
+    print(f"megarl: {what}: {err}", file=sys.stderr)
+    return code
 
 
 def _simulate(cfg, args) -> int:
@@ -110,8 +102,7 @@ def _simulate(cfg, args) -> int:
                  sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp, args.trainer_gpus))
         result = sim.run(cfg, args.lengths, costs, args.steps, cfg.run.seed)
     except ConfigError as err:
-        print(f"megarl: config error: {err}", file=sys.stderr)
-        return 2
+        return _explain(err, "config error", 2)
     print(json.dumps(result, indent=1) if args.json else sim.format_table(result))
     return 0
 

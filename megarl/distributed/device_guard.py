@@ -78,7 +78,7 @@ def _target_is_device(args, kwargs) -> bool | None:
     return None
 
 
-def _where(func) -> str:
+def _where() -> str:
     """The innermost call site outside torch: the line that made the offending call."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         if "/torch/" not in frame.filename and not frame.filename.endswith("device_guard.py"):
@@ -93,23 +93,24 @@ def _describe(tensors) -> str:
 class DeviceGuard(TorchFunctionMode):
     """Follows intended placement through torch calls; raises MixedDeviceError on a mix.
 
-    `syncs` counts device-to-host reads (item/tolist/float...) made while active.
+    `sync_sites` counts device-to-host reads (item/tolist/float...) per call site while active.
     """
 
-    def __init__(self, tag_existing: bool = True):
+    def __init__(self):
         super().__init__()
-        self.tag_existing = tag_existing
-        self.syncs = 0
         self.sync_sites: dict[str, int] = {}
 
+    @property
+    def syncs(self) -> int:
+        return sum(self.sync_sites.values())
+
     def __enter__(self):
-        if self.tag_existing:
-            # what exists now (models, optimizer state, buffers) is where a GPU run keeps it
-            with warnings.catch_warnings():   # isinstance() wakes lazy modules' deprecations
-                warnings.simplefilter("ignore")
-                for obj in gc.get_objects():
-                    if isinstance(obj, torch.Tensor) and placement(obj) is None:
-                        mark(obj, DEVICE)
+        # what exists now (models, optimizer state, buffers) is where a GPU run keeps it
+        with warnings.catch_warnings():   # isinstance() wakes lazy modules' deprecations
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor) and placement(obj) is None:
+                    mark(obj, DEVICE)
         return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -121,14 +122,14 @@ class DeviceGuard(TorchFunctionMode):
 
         if func in _SYNCS:
             if DEVICE in tags:
-                self.syncs += 1
-                site = _where(func)
+                site = _where()
                 self.sync_sites[site] = self.sync_sites.get(site, 0) + 1
             return result
         if func in _MOVES:
             return self._moved(func, args, kwargs, tags, result)
         self._check(func, args, inputs, tags)
-        if not _tensors(result, []):
+        outputs = _tensors(result, [])
+        if not outputs:
             return result
         if DEVICE in tags:
             out = DEVICE
@@ -138,7 +139,7 @@ class DeviceGuard(TorchFunctionMode):
             out = DEVICE if kwargs.get("device") is not None else HOST
         else:
             return result  # made from tensors of unknown origin (e.g. unpickled): leave unknown
-        for t in _tensors(result, []):
+        for t in outputs:
             if placement(t) is None or not any(t is i for i in inputs):
                 mark(t, out)   # (an in-place op's result is its tagged input: left as it is)
         return result
@@ -158,7 +159,7 @@ class DeviceGuard(TorchFunctionMode):
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
             raise MixedDeviceError(
                 f"{name} mixes host tensor(s) [{_describe(host)}] with device tensor(s) "
-                f"[{_describe(dev)}] at {_where(func)}: a GPU run fails here; build it with "
+                f"[{_describe(dev)}] at {_where()}: a GPU run fails here; build it with "
                 f"device= or move it with megarl.distributed.device.put")
 
     def _moved(self, func, args, kwargs, tags, result):

@@ -52,9 +52,7 @@ def check_model_dir(path: str, setting: str) -> None:
 
 
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
-    if not os.path.isdir(cfg.model.path):
-        raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: run "
-                                f"`python tools/make_tiny_model.py --out {cfg.model.path}` first")
+    check_model_dir(cfg.model.path, "model.path")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path) if with_tokenizer else None
     hf_state = read_hf_state(cfg.model.path)

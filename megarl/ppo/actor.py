@@ -4,14 +4,13 @@ from __future__ import annotations
 import torch
 
 from megarl.config.schema import AlgoConfig
-from megarl.distributed import faults
 from megarl.models.builders import Trainable
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.ppo.aggregate import aggregate
-from megarl.ppo.nonfinite import NonFiniteError, grads_nonfinite
+from megarl.ppo.nonfinite import optimizer_step
 from megarl.ppo.batch import Batch, response_targets, to_response_layout
 from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
-from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
+from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches, sum_reports
 
 
 def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, with_entropy: bool,
@@ -66,13 +65,5 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     actor.optimizer.zero_grad()
     reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras=extras)
-    faults.point("update")
-    if grads_nonfinite(actor.model):   # collective: every rank stops or skips together
-        raise NonFiniteError("actor gradients")
-    ok, grad_norm, _ = actor.optimizer.step()
-    actor.scheduler.step(increment=1)
-    # summed on the device: the step reduces and copies them to the host once (ppo/step.py)
-    out = {k: sum(r[k].detach() for r in reports) for k in reports[0]} if reports else {}
-    out["grad_norm"] = float(grad_norm or 0.0)
-    out["update_ok"] = bool(ok)
-    return out
+    ok, grad_norm = optimizer_step(actor, "actor")
+    return {**sum_reports(reports), "grad_norm": grad_norm, "update_ok": ok}

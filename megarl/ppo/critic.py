@@ -4,13 +4,12 @@ from __future__ import annotations
 import torch
 
 from megarl.config.schema import AlgoConfig
-from megarl.distributed import faults
 from megarl.models.builders import Trainable
 from megarl.ppo.aggregate import aggregate
-from megarl.ppo.nonfinite import NonFiniteError, grads_nonfinite
+from megarl.ppo.nonfinite import optimizer_step
 from megarl.ppo.batch import Batch, to_response_layout
 from megarl.ppo.losses import value_loss
-from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches
+from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches, sum_reports
 
 
 def _values(b: Batch, out: torch.Tensor) -> torch.Tensor:
@@ -40,12 +39,5 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
     critic.optimizer.zero_grad()
     reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras={"old_values": old_values, "returns": returns})
-    faults.point("update")
-    if grads_nonfinite(critic.model):   # collective: every rank stops or skips together
-        raise NonFiniteError("critic gradients")
-    ok, grad_norm, _ = critic.optimizer.step()
-    critic.scheduler.step(increment=1)
-    # summed on the device: the step reduces and copies them to the host once (ppo/step.py)
-    out = {k: sum(r[k].detach() for r in reports) for k in reports[0]} if reports else {}
-    out["critic_grad_norm"] = float(grad_norm or 0.0)
-    return out
+    _, grad_norm = optimizer_step(critic, "critic")
+    return {**sum_reports(reports), "critic_grad_norm": grad_norm}

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import device as dev
+from megarl.distributed import faults
+
 
 class NonFiniteError(RuntimeError):
     """A NaN or Inf reached a quantity that would move the weights."""
@@ -46,12 +49,21 @@ def grads_nonfinite(ddp_model) -> bool:
     """Collective: does any rank's gradient buffer (megatron DDP) hold a NaN/Inf?"""
     grads = [b.grad_data for b in getattr(ddp_model, "buffers", []) + getattr(ddp_model, "expert_parallel_buffers", [])
              if b.grad_data is not None and b.grad_data.numel()]
-    if not grads:
-        return _any_rank(torch.zeros(1))
-    flag = torch.zeros(1, device=grads[0].device)
+    flag = torch.zeros(1, device=dev.current())   # a rank without gradients still votes
     for g in grads:   # one device-side reduction per buffer, one host read in all
         flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
     return _any_rank(flag)
+
+
+def optimizer_step(trainable, name: str) -> tuple[bool, float]:
+    """The optimizer and LR-schedule step of `trainable` (actor or critic), refused when its
+    gradients hold a NaN/Inf (collective: every rank stops or skips together)."""
+    faults.point("update")
+    if grads_nonfinite(trainable.model):
+        raise NonFiniteError(f"{name} gradients")
+    ok, grad_norm, _ = trainable.optimizer.step()
+    trainable.scheduler.step(increment=1)
+    return bool(ok), float(grad_norm or 0.0)
 
 
 def report(where: str, step: int, policy: str) -> dict:

@@ -56,6 +56,12 @@ def run_microbatches(model, batch: Batch, micro_batch_size: int, loss_fn: Callab
         forward_only=forward_only)
 
 
+def sum_reports(reports: list[dict]) -> dict:
+    """Per-key sums of micro-batch reports, left on the device: the step reduces them over
+    ranks and copies them to the host once (ppo/step.py)."""
+    return {k: sum(r[k].detach() for r in reports) for k in reports[0]} if reports else {}
+
+
 def loss_scale(num_microbatches: int) -> float:
     """Undo megatron's mean over micro-batches and DP ranks: our losses are global sums."""
     return float(num_microbatches * parallel.dp_size())

@@ -100,8 +100,18 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
     try:
-        _updates(cfg, actor, critic, batch, old_logp, ref_logp, advantages, is_w, old_values, returns,
-                 train_actor, gen, sums, temp)
+        for _ in range(cfg.train.ppo_epochs):
+            order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
+            for chunk in order.chunk(n_mini):
+                rows = chunk[dp_rows(len(chunk))]
+                mini, local = batch.select(chunk), batch.select(rows)
+                norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
+                if train_actor:
+                    _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
+                                                is_w[rows], algo, mbs, norm, temp))
+                if critic is not None:
+                    with resident(critic.model):
+                        _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
     except NonFiniteError as err:   # a loss or gradient: the remaining updates of the step are dropped
         return nonfinite.report(str(err), step, cfg.train.on_nonfinite)
     stats = _reduce_to_rank0(sums, batch.device)
@@ -125,24 +135,6 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
         **dev.host_values(on_device),   # one device-to-host copy for all of them
     }
     return out
-
-
-def _updates(cfg, actor, critic, batch, old_logp, ref_logp, advantages, is_w, old_values, returns,
-             train_actor, gen, sums, temp) -> None:
-    """ppo_epochs x mini_batches optimizer steps of the actor (and critic); sums their reports."""
-    algo, mbs, n_mini = cfg.algo, cfg.train.micro_batch_size, cfg.train.mini_batches
-    for _ in range(cfg.train.ppo_epochs):
-        order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
-        for chunk in order.chunk(n_mini):
-            rows = chunk[dp_rows(len(chunk))]
-            mini, local = batch.select(chunk), batch.select(rows)
-            norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
-            if train_actor:
-                _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
-                                            is_w[rows], algo, mbs, norm, temp))
-            if critic is not None:
-                with resident(critic.model):
-                    _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
 
 
 def _add(acc: dict, d: dict) -> None:

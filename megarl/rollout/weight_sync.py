@@ -119,8 +119,9 @@ def _staging_problem(base: str, need: int) -> str | None:
 
 def check_staging_base(base: str) -> None:
     """Before a run writes anything: weight_sync.staging_dir is a writable folder."""
-    if not os.path.isdir(base) or not os.access(base, os.W_OK):
-        raise ConfigError(_staging_problem(base, 0))
+    problem = _staging_problem(base, 0)
+    if problem:
+        raise ConfigError(problem)
 
 
 def staging_dir(base: str, tag: str, model=None) -> str:
@@ -166,11 +167,11 @@ def push(model, info: ModelInfo, pool, version: int, base: str, bucket_mb: int, 
         for k, bucket in enumerate(buckets(hf_tensors(model, info, timers), bucket_mb << 20)):
             if writer:
                 t = time.perf_counter()
-                bucket = {k: v.cpu() for k, v in bucket.items()}   # one D2H copy per tensor
-                save_file(bucket, os.path.join(folder, f"stage{parallel.pp_rank():03d}-{k:05d}.safetensors"))
+                host = {name: tensor.cpu() for name, tensor in bucket.items()}   # one D2H copy each
+                save_file(host, os.path.join(folder, f"stage{parallel.pp_rank():03d}-{k:05d}.safetensors"))
                 stage_s += time.perf_counter() - t
                 faults.point("sync_bucket")
-                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
+                nbytes += sum(tensor.numel() * tensor.element_size() for tensor in host.values())
         dist.barrier()  # every stage's files are on disk
         if pool is not None:
             t = time.perf_counter()
