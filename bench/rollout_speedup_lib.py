@@ -54,24 +54,6 @@ class EndOnTarget(Measured):
             self._ending = True
 
 
-async def abort_until_done(inner, keys=None, poll_s: float = 0.05) -> None:
-    """The abort as AsyncVLLMEngine.abort does it since commit 61f1096, for older checkouts:
-    vLLM's abort of a request id it has not registered yet (its stream task has not reached
-    AsyncLLM.add_request) is a no-op, and that request then ran to its full budget while
-    abort() waited for it. Re-issue the abort for whatever is still running every poll_s."""
-    import asyncio
-    wanted = set(keys) if keys is not None else None
-    while True:
-        rids = [r for r in inner._inflight if wanted is None or r.rsplit("#", 1)[0] in wanted]
-        if not rids:
-            return
-        tasks = [inner._inflight[r] for r in rids]
-        await inner.llm.abort(rids)
-        _, pending = await asyncio.wait(tasks, timeout=poll_s)
-        if not pending:
-            return
-
-
 # -- length distributions: megarl.sim.workload (shared with the simulator) -------------------
 def parse_dist(spec: str):
     """lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X | fixed:len=L"""
@@ -119,7 +101,6 @@ class Recorder:
         self.prompt_len: Callable[[int], int] = lambda gid: 0
         self.last_emit: Optional[float] = None
         self.aborts: list[tuple[str, float, float]] = []          # (mode, start, end) per engine abort
-        self.robust_abort_modes: set[str] = set()
 
     def begin(self, mode: str, kind: str) -> None:
         self.mode, self.kind, self._t0 = mode, kind, time.perf_counter()
@@ -232,10 +213,7 @@ class Tracked(Engine):
     async def abort(self, keys=None) -> None:
         t = time.perf_counter()
         try:
-            if self.rec.mode in self.rec.robust_abort_modes and hasattr(self.inner, "llm"):
-                await abort_until_done(self.inner, keys)
-            else:
-                await self.inner.abort(keys)
+            await self.inner.abort(keys)
         finally:
             if self.rec.mode is not None:
                 self.rec.aborts.append((self.rec.mode, t, time.perf_counter()))

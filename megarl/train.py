@@ -188,7 +188,8 @@ def _lock_run_dir(run_dir: str, is_rank0: bool):
 def rollout_metrics(samples, batch) -> dict:
     lengths = [len(s.response_ids) for s in samples]
     mean = sum(lengths) / len(lengths)
-    return {"response_len_mean": mean,
+    return {"samples": len(samples),
+            "response_len_mean": mean,
             "response_len_max": max(lengths),
             # share of decode slots doing useful work when the whole batch waits for its longest
             # sample: what partial rollout wins back

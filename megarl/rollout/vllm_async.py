@@ -51,15 +51,11 @@ class AsyncVLLMEngine(Engine):
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-        from megarl.rollout import reaper
-        before = reaper.children()
         try:
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self.engine_args))
         except Exception as err:  # vLLM raises many kinds; the user needs to know which engine
             raise EngineError(f"engine {self.name} (in-process vLLM, model {self.model_path}) failed "
                               f"to start: {type(err).__name__}: {err}") from err
-        # the engine core runs in child processes: they must not outlive a SIGKILLed trainer
-        self._sidecar = reaper.guard(reaper.new_children(before))
 
     @property
     def running(self) -> int:

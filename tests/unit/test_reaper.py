@@ -1,4 +1,5 @@
-"""Engine child processes die with a SIGKILLed trainer (they used to be orphaned, holding memory)."""
+"""Processes a trainer started die with it when it is SIGKILLed (engine cores and a
+checkpoint writer used to be orphaned, holding memory)."""
 import os
 import signal
 import subprocess
@@ -6,19 +7,25 @@ import sys
 import time
 
 import psutil
+import pytest
 
 PARENT = """
 import subprocess, sys, time
 from megarl.rollout import reaper
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-grandchild_holder = reaper.guard([child.pid])
+def sleeper():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+{body}
+time.sleep(1.5)                      # a poll of the watch sees the child
 print(child.pid, flush=True)
 time.sleep(600)
 """
+BEFORE = "child = sleeper()\nreaper.guard_descendants()"
+AFTER = "reaper.guard_descendants()\ntime.sleep(0.3)\nchild = sleeper()"
 
 
-def test_guarded_children_die_when_the_parent_is_killed():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("body", [BEFORE, AFTER], ids=["started_before_the_watch", "started_after"])
+def test_children_die_when_the_parent_is_killed(body):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(body=body)], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
     try:
         assert psutil.pid_exists(child_pid)
@@ -33,44 +40,7 @@ def test_guarded_children_die_when_the_parent_is_killed():
                 break
             time.sleep(0.2)
         else:
-            raise AssertionError("the guarded child outlived its SIGKILLed parent by 10 s")
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-        try:
-            os.kill(child_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-LATER = """
-import subprocess, sys, time
-from megarl.rollout import reaper
-reaper.guard_descendants()
-time.sleep(0.3)
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # started after
-time.sleep(1.5)                                                                     # a poll sees it
-print(child.pid, flush=True)
-time.sleep(600)
-"""
-
-
-def test_descendants_started_later_die_too():
-    parent = subprocess.Popen([sys.executable, "-c", LATER], stdout=subprocess.PIPE, text=True)
-    child_pid = int(parent.stdout.readline())
-    try:
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=30)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                if psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("a descendant started after the watch outlived its SIGKILLed parent")
+            raise AssertionError("the child outlived its SIGKILLed parent by 10 s")
     finally:
         if parent.poll() is None:
             parent.kill()
