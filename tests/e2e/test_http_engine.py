@@ -1,10 +1,15 @@
 """HTTPVLLMEngine / LocalServerEngine against real vLLM OpenAI servers on the tiny model.
 
 One server serves the whole module (startup is 30-80 s on CPU); the server-death test starts
-its own. Logprobs are checked against a transformers forward of the same weights, with the
-logits divided by the sampling temperature (the server runs --logprobs-mode processed_logprobs).
+its own. The server runs a copy of the tiny model whose config allows 4096 positions (RoPE has
+no learned position table, so the weights are the same): the abort and pause tests need
+requests that cannot finish before the abort reaches them, and at 256 positions a fast idle
+machine generated a whole 220-token budget first. Logprobs are checked against a transformers
+forward of the same weights, with the logits divided by the sampling temperature (the server
+runs --logprobs-mode processed_logprobs).
 """
 import asyncio
+import json
 import os
 import random
 import secrets
@@ -20,7 +25,8 @@ from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.servers import LocalServer, LocalServerEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
 
-MAX_LEN = 256
+MAX_LEN = 4096
+LONG = 4000          # a budget no request finishes while a test waits to abort or pause it
 START_TIMEOUT_S = 300
 
 
@@ -51,10 +57,23 @@ async def wait_until(cond, timeout_s=120.0, what="condition"):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def long_model(tiny_model, tmp_path_factory):
+    """The tiny model with max_position_embeddings = MAX_LEN (same weights)."""
+    out = tmp_path_factory.mktemp("long_model")
+    for f in tiny_model.iterdir():
+        if f.is_file():
+            shutil.copy(f, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = MAX_LEN
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(long_model, tmp_path_factory):
     """One vLLM server for the module (the engines under test connect to it)."""
     log = tmp_path_factory.mktemp("engines") / "engine_0.log"
-    srv = LocalServer(tiny_model, log, api_key=secrets.token_hex(8), seed=0, max_model_len=MAX_LEN,
+    srv = LocalServer(long_model, log, api_key=secrets.token_hex(8), seed=0, max_model_len=MAX_LEN,
                       kv_cache_mb=64)
 
     srv.start()
@@ -66,8 +85,8 @@ def server(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_model):
-    return hf_model(tiny_model)
+def hf(long_model):
+    return hf_model(long_model)
 
 
 def run_with_engine(server, body, timeout_s=60.0):
@@ -97,7 +116,7 @@ def test_sampled_logprobs_match_transformers_at_temperature(server, hf):
 
 
 def test_abort_keeps_partial_and_greedy_continuation_matches(server):
-    p, budget = prompt(100), 200
+    p, budget = prompt(100), 600
 
     async def body(engine):
         full = await engine.generate(GenRequest("full", p, budget, temperature=0.0, ignore_eos=True))
@@ -126,7 +145,7 @@ def test_abort_keeps_partial_and_greedy_continuation_matches(server):
 
 def test_abort_all_resolves_every_running_request(server):
     async def body(engine):
-        reqs = [GenRequest(f"a{i}", prompt(200 + i), 220, temperature=1.0, seed=i, ignore_eos=True)
+        reqs = [GenRequest(f"a{i}", prompt(200 + i), LONG, temperature=1.0, seed=i, ignore_eos=True)
                 for i in range(4)]
         tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
         await wait_until(lambda: all(engine.progress(r.key) > 0 for r in reqs) or any(t.done() for t in tasks),
@@ -138,17 +157,17 @@ def test_abort_all_resolves_every_running_request(server):
     results, running = run_with_engine(server, body)
     assert running == 0
     for r in results:
-        assert r.finish_reason == "abort" and 0 < len(r.token_ids) < 220
+        assert r.finish_reason == "abort" and 0 < len(r.token_ids) < LONG
         assert len(r.logprobs) == len(r.token_ids)
 
 
-def test_weight_update_needs_pause_and_stamps_new_version(server, tiny_model, hf, tmp_path):
+def test_weight_update_needs_pause_and_stamps_new_version(server, long_model, hf, tmp_path):
     from safetensors.torch import load_file, save_file
     new_dir = tmp_path / "w09"
     new_dir.mkdir()
-    sd = load_file(str(tiny_model / "model.safetensors"))
+    sd = load_file(str(long_model / "model.safetensors"))
     save_file({k: (v * 0.9).contiguous() for k, v in sd.items()}, str(new_dir / "model.safetensors"))
-    shutil.copy(tiny_model / "config.json", new_dir)
+    shutil.copy(long_model / "config.json", new_dir)
     hf_new = hf_model(new_dir)
     p = prompt(300)
 
@@ -156,7 +175,7 @@ def test_weight_update_needs_pause_and_stamps_new_version(server, tiny_model, hf
         with pytest.raises(EngineError, match="paused"):
             await engine.update_weights(str(new_dir), 3)
         # a request held by the pause must be aborted before the update
-        held = asyncio.create_task(engine.generate(GenRequest("held", p, 220, temperature=1.0, ignore_eos=True)))
+        held = asyncio.create_task(engine.generate(GenRequest("held", p, LONG, temperature=1.0, ignore_eos=True)))
         await wait_until(lambda: engine.progress("held") > 0 or held.done(), what="held request streaming")
         await engine.pause()
         assert (await engine.health()).paused
@@ -171,7 +190,7 @@ def test_weight_update_needs_pause_and_stamps_new_version(server, tiny_model, hf
             res = await engine.generate(GenRequest("new", p, 24, temperature=0.7, seed=1, ignore_eos=True))
         finally:   # the module's other tests expect the original weights
             await engine.pause()
-            await engine.update_weights(str(tiny_model), 0)
+            await engine.update_weights(str(long_model), 0)
             await engine.resume()
         return health, res
 
@@ -213,16 +232,16 @@ def _live_children() -> set:
     return {c.pid for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
 
 
-def test_server_death_mid_request_raises_with_log_path(tiny_model, tmp_path):
+def test_server_death_mid_request_raises_with_log_path(long_model, tmp_path):
     before = _live_children()                          # the module's server, if it is running
     log = tmp_path / "engine_1.log"
-    srv = LocalServer(tiny_model, log, api_key=secrets.token_hex(8), seed=1, max_model_len=MAX_LEN)
+    srv = LocalServer(long_model, log, api_key=secrets.token_hex(8), seed=1, max_model_len=MAX_LEN)
     engine = LocalServerEngine("doomed", srv, timeout_s=20, start_timeout_s=START_TIMEOUT_S)
 
     async def body():
         await engine.start()
         try:
-            reqs = [GenRequest(f"d{i}", prompt(400 + i), 220, temperature=1.0, seed=i, ignore_eos=True)
+            reqs = [GenRequest(f"d{i}", prompt(400 + i), LONG, temperature=1.0, seed=i, ignore_eos=True)
                     for i in range(4)]
             tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
             await wait_until(lambda: engine.progress("d0") > 0, what="streaming")
