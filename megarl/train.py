@@ -32,12 +32,12 @@ def train(cfg: RootConfig) -> dict:
 
     # imported after the shim: megatron reads torch.cuda state at import time
     from megarl.checkpoint import manager as ckpt
-    from megarl.data.prompts import PromptSampler, load_jsonl
+    from megarl.data.prompts import PromptSampler, check_chat_template, load_prompts
     from megarl.metrics.logger import MetricsLogger
-    from megarl.models.setup import build_all, check_model_dir
+    from megarl.models.setup import build_all, check_megatron_dir, check_model_dir
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step, trainer_logprobs
-    from megarl.rewards import get_reward_fn
+    from megarl.rewards import NEEDS_ANSWER, build_verifier
     from megarl.rewards import model as reward_model
     from megarl.rollout import weight_sync
     from megarl.rollout.dump import dump_samples
@@ -45,13 +45,16 @@ def train(cfg: RootConfig) -> dict:
     from megarl.rollout.rounds import Rollout
 
     # cheap inputs first: a bad data path or reward name fails before any model is built
-    records = load_jsonl(cfg.data.prompts, cfg.data.prompt_key)
+    d = cfg.data
+    records = load_prompts(d.prompts, d.prompt_key, d.messages_key,
+                           d.answer_key if cfg.reward.fn in NEEDS_ANSWER else None)
     sampler = PromptSampler(len(records), cfg.run.seed, cfg.data.shuffle)
-    try:
-        reward_fn = get_reward_fn(cfg.reward.fn)
-    except ValueError as err:
-        raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
     check_model_dir(cfg.model.path, "model.path")
+    if cfg.model.megatron_path:
+        check_megatron_dir(cfg.model.megatron_path, "model.megatron_path")
+    check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, d.prompts)
+    # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
+    reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
     if cfg.reward.model_path:
         check_model_dir(cfg.reward.model_path, "reward.model_path")
     check_writable(cfg.run.dir, "run.dir")
@@ -142,7 +145,8 @@ def train(cfg: RootConfig) -> dict:
                                                              cfg.rollout.temperature)
             if is_driver:
                 step_s = time.perf_counter() - t_step
-                last = {**rollout_metrics(samples, batch), **round_metrics, **extra, **metrics, **sync,
+                last = {**rollout_metrics(samples, batch), **round_metrics, **reward_fn.take_counts(),
+                        **extra, **metrics, **sync,
                         "rollout_time_s": rollout_s, "train_time_s": train_s, "step_time_s": step_s,
                         # the trainer waits while the round generates (no overlap yet)
                         "trainer_idle_frac": rollout_s / step_s, "weight_version": pool.version}
@@ -159,6 +163,7 @@ def train(cfg: RootConfig) -> dict:
             if not finished_on_schedule:
                 save(step)
     finally:
+        reward_fn.close()
         if is_driver:
             logger.close()
             pool.close()

@@ -24,3 +24,24 @@ def run_py(args, timeout=900, env=None, **kw) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A factory: small_disk(mb) mounts a tmpfs of that size (a disk that fills) and returns its
+    path; unmounted at teardown. Skips where this process may not mount (it needs root)."""
+    mounted = []
+
+    def make(mb: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m,mode=0700", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode})")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -11,6 +11,7 @@ moment leaves the previous checkpoint intact. Only the newest `keep` are kept.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarl.checkpoint import CheckpointError
 from megarl.distributed import faults
 from megarl.models.builders import Trainable
 
@@ -103,27 +105,99 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def room_problem(root: Path, need: int, free: int, step: int, previous: Path) -> str | None:
+    """Why a save of about `need` bytes (the previous checkpoint's size) does not fit in `free`."""
+    if free >= need:
+        return None
+    return (f"checkpoint step_{step} needs about {need >> 20} MiB (the size of {previous.name}) but "
+            f"{root} has {free >> 20} MiB free; {_intact(previous)}: free space there, lower "
+            f"checkpoint.keep, or set checkpoint.dir to a filesystem with room")
+
+
+def _intact(previous: Path | None) -> str:
+    return (f"the previous checkpoint {previous} is intact and a rerun resumes from it" if previous
+            else "no checkpoint was saved yet")
+
+
+def _disk_errno(err: BaseException) -> int | None:
+    """The errno of an OSError anywhere in err's chain (torch.distributed.checkpoint wraps a
+    writer's exception in a CheckpointException holding each rank's failure)."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)   # CheckpointException: {rank: (exception, trace)}
+        if isinstance(failures, dict):
+            for f in failures.values():
+                todo.append(f[0] if isinstance(f, tuple) else f)
+    return None
+
+
+def _agree(problem: str | None) -> str | None:
+    """Rank 0's verdict on every rank (a refusal must stop all of them, none left waiting)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    return problem
+
+
 def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None, driver: dict,
          config_text: str, keep: int) -> Path:
-    """Collective. Writes step_<step> atomically and prunes to the newest `keep`."""
+    """Collective. Writes step_<step> atomically and prunes to the newest `keep`.
+
+    Raises CheckpointError, with the previous checkpoint intact and no partial folder left,
+    when the filesystem refuses the write (checked up front against the previous checkpoint's
+    size, and caught if it fills during the write)."""
     root = Path(root)
     tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
+    done = complete_checkpoints(root) if _is_rank0() else []
+    previous = done[-1] if done else None
+    problem = None
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    save_trainable(actor, tmp / "actor")
-    if critic is not None:
-        save_trainable(critic, tmp / "critic")
-    faults.point("save")
-    if _is_rank0():
-        torch.save(driver, tmp / "driver.pt")
-        (tmp / "config.yaml").write_text(config_text)
-        (tmp / "COMPLETE").write_text(str(step))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        if previous is not None:
+            need = folder_bytes(previous) * 21 // 20    # 5% margin: optimizer metadata grows
+            problem = room_problem(root, need, shutil.disk_usage(root).free, step, previous)
+    problem = _agree(problem)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        if _is_rank0():
+            tmp.mkdir(parents=True)
+        _barrier()
+        save_trainable(actor, tmp / "actor")
+        if critic is not None:
+            save_trainable(critic, tmp / "critic")
+        faults.point("save")
+        if _is_rank0():
+            torch.save(driver, tmp / "driver.pt")
+            (tmp / "config.yaml").write_text(config_text)
+            (tmp / "COMPLETE").write_text(str(step))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as err:
+        code = _disk_errno(err)
+        if code not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EFBIG):
+            raise
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint step_{step} could not be written to {root}: "
+                              f"{os.strerror(code)}; the partial folder was removed and "
+                              f"{_intact(previous)}: free space there, or set checkpoint.dir to a "
+                              f"filesystem with room") from err
     _barrier()
     return final
 

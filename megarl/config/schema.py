@@ -32,15 +32,59 @@ class RunConfig:
 
 
 @dataclass
+class ArchConfig:
+    """Architecture facts of model.path (its config.json), so `megarl plan` can size a run
+    without the checkpoint at hand. 0 everywhere (the default): read them from
+    model.path/config.json. Recipes keep them in recipes/models/<model>.yaml."""
+    hidden_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0                 # attention (query) heads
+    num_kv_heads: int = 0              # GQA key/value heads (= num_heads for MHA)
+    head_dim: int = 0                  # 0: hidden_size / num_heads
+    ffn_hidden_size: int = 0           # SwiGLU intermediate size
+    vocab_size: int = 0                # the tokenizer's vocab (megatron pads it)
+    max_position_embeddings: int = 0
+    tie_embeddings: bool = False       # output layer shares the input embedding
+    qkv_bias: bool = False             # Qwen2 has QKV biases, Llama does not
+
+    @property
+    def given(self) -> bool:
+        return self.num_layers > 0
+
+    def __post_init__(self):
+        sizes = {k: getattr(self, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                                 "head_dim", "ffn_hidden_size", "vocab_size",
+                                                 "max_position_embeddings")}
+        for k, v in sizes.items():
+            _require(v >= 0, f"model.arch.{k}", v, "must be >= 0 (0: read from model.path/config.json)")
+        if not any(v for k, v in sizes.items() if k != "head_dim"):
+            return
+        for k, v in sizes.items():
+            _require(k == "head_dim" or v > 0, f"model.arch.{k}", v,
+                     "give every architecture fact, or none (then config.json is read)")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.arch.num_kv_heads", self.num_kv_heads,
+                 f"must divide model.arch.num_heads={self.num_heads} (GQA groups)")
+        _require(self.head_dim > 0 or self.hidden_size % self.num_heads == 0, "model.arch.head_dim",
+                 self.head_dim, f"set it: hidden_size {self.hidden_size} is not a multiple of "
+                 f"num_heads {self.num_heads}")
+
+
+@dataclass
 class ModelConfig:
     path: str = "artifacts/tiny_countdown"  # HF checkpoint dir (config.json, safetensors, tokenizer)
     dtype: str = "float32"             # trainer parameter dtype: float32 | bfloat16
     make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
+    arch: ArchConfig = field(default_factory=ArchConfig)  # facts for `megarl plan` (0: from config.json)
+    # weights from a megatron dist checkpoint (tools/convert_hf_to_megatron.py --out), at any TP x PP;
+    # model.path still gives config.json and the tokenizer. "": weights from model.path's safetensors
+    megatron_path: str = ""
 
     def __post_init__(self):
         _one_of("model.dtype", self.dtype, {"float32", "bfloat16"})
         _require(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
                  self.make_vocab_size_divisible_by, "must be >= 1")
+        _require(self.megatron_path != self.path, "model.megatron_path", self.megatron_path,
+                 "is model.path; point it at the output folder of tools/convert_hf_to_megatron.py")
 
 
 @dataclass
@@ -148,6 +192,7 @@ class RolloutConfig:
     engine_timeout_s: float = 120.0    # an engine call (or a silent stream) longer than this is an error
     engine_start_timeout_s: float = 600.0  # local_servers / inprocess: time allowed for an engine to come up
     engine_failures_max: int = 3       # engines retired after a failure before the run stops (it also stops when none is left)
+    engine_restart: bool = True        # start a fresh engine in place of a failed one; it joins at the next weight push
     kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
@@ -200,18 +245,30 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "artifacts/tiny_countdown/prompts.jsonl"  # jsonl with a "prompt" (text) per line
+    prompts: str = "artifacts/tiny_countdown/prompts.jsonl"  # .jsonl or .parquet file, one record per row (docs/data.md)
     prompt_key: str = "prompt"         # field of each record holding the prompt text
+    messages_key: str = "messages"     # or: field holding chat messages [{role, content}], rendered with the tokenizer's chat template
+    answer_key: str = "answer"         # field holding the gold answer (reward.fn=math | exact need it)
     shuffle: bool = True               # reshuffle each epoch (seeded by run.seed)
+
+    def __post_init__(self):
+        for key in ("prompt_key", "messages_key", "answer_key"):
+            _require(bool(str(getattr(self, key)).strip()), f"data.{key}", getattr(self, key),
+                     "must name a field of the data rows")
 
 
 @dataclass
 class RewardConfig:
-    fn: str = "countdown"              # rule-based verifier name (see megarl.rewards); "none": no verifier
+    fn: str = "countdown"              # verifier: countdown | math | exact | format | none (no verifier; docs/data.md)
     model_path: str = ""               # HF *ForSequenceClassification reward model, scored on the trainer ranks
     model_coef: float = 1.0            # score = verifier + model_coef * reward model
+    timeout_s: float = 5.0             # a verifier taking longer than this on one sample scores it 0 (counted: reward_timeouts)
 
     def __post_init__(self):
+        from megarl.rewards import REWARD_FNS   # lazy: the registry is light, but schema imports nothing of megarl
+        _require(self.fn in REWARD_FNS, "reward.fn", self.fn,
+                 f"unknown verifier: use one of {sorted(REWARD_FNS)} (docs/data.md)")
+        _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 (seconds per sample)")
         _require(self.fn != "none" or bool(self.model_path), "reward.fn", self.fn,
                  "with reward.fn=none set reward.model_path, or nothing scores the samples")
 
@@ -247,6 +304,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The hardware a recipe is sized for: `megarl plan` checks placement and memory against
+    it, cluster scripts read the node split. gpus_per_node=0 (the default): a CPU-only
+    machine, nothing to place."""
+    nodes: int = 1                     # machines in the allocation
+    gpus_per_node: int = 0             # accelerators per node; 0: CPU only
+    gpu_mem_gb: float = 80.0           # memory per GPU, GiB (H100-80GB: 80, H200: 141)
+    gpu: str = ""                      # informative name, e.g. H100-SXM-80GB
+    trainer_nodes: int = 0             # nodes of the trainer ranks; 0: nodes - engine_nodes
+    engine_nodes: int = 0              # nodes of the vLLM engines (their own GPU pool)
+    reserve_gb: float = 4.0            # per GPU, left out of every estimate: CUDA context, NCCL buffers, fragmentation
+
+    def __post_init__(self):
+        _require(self.nodes >= 1, "cluster.nodes", self.nodes, "must be >= 1")
+        _require(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node,
+                 "must be >= 0 (0: CPU only)")
+        _require(self.gpu_mem_gb > 0, "cluster.gpu_mem_gb", self.gpu_mem_gb, "must be > 0 (GiB per GPU)")
+        _require(self.trainer_nodes >= 0, "cluster.trainer_nodes", self.trainer_nodes, "must be >= 0")
+        _require(self.engine_nodes >= 0, "cluster.engine_nodes", self.engine_nodes, "must be >= 0")
+        _require(self.trainer_nodes + self.engine_nodes <= self.nodes, "cluster.trainer_nodes + engine_nodes",
+                 self.trainer_nodes + self.engine_nodes, f"must be <= cluster.nodes={self.nodes}")
+        _require(0 <= self.reserve_gb < self.gpu_mem_gb, "cluster.reserve_gb", self.reserve_gb,
+                 f"must be in [0, cluster.gpu_mem_gb={self.gpu_mem_gb})")
+
+    @property
+    def trainer_node_count(self) -> int:
+        return self.trainer_nodes or self.nodes - self.engine_nodes
+
+
+@dataclass
 class RootConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -259,6 +346,7 @@ class RootConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self):
         if self.algo.name == "grpo":

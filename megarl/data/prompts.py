@@ -1,4 +1,10 @@
-"""Prompt datasets and a resumable, seeded sampler over them."""
+"""Prompt datasets and a resumable, seeded sampler over them.
+
+A dataset is a JSONL or parquet file (docs/data.md); each row holds the prompt as text
+(`data.prompt_key`) or as chat messages (`data.messages_key`, rendered with the tokenizer's chat
+template when encoded), and, for verifiers that need one, a gold answer (`data.answer_key`).
+Rows are checked once at load, so a bad row stops the run before anything expensive starts.
+"""
 from __future__ import annotations
 
 import json
@@ -7,14 +13,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def load_jsonl(path: str, prompt_key: str) -> list[dict]:
-    """Records of a jsonl file; each must hold `prompt_key` (the prompt text)."""
+def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "messages",
+                 answer_key: str | None = None) -> list[dict]:
+    """Records of a .jsonl or .parquet file. Each row must hold `prompt_key` (a non-empty text)
+    or `messages_key` (a non-empty list of {"role", "content"} texts); with `answer_key` set
+    (the verifier needs a gold answer) also that field, a text or a number."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data.prompts={path!r} does not exist: build it with "
-                                f"`python tools/make_tiny_model.py` or point data.prompts at a jsonl file")
+                                f"`python tools/make_tiny_model.py` or point data.prompts at a "
+                                f".jsonl or .parquet file")
     from megarl.config import ConfigError
     records = []
+    for row, rec in _rows(p, path):
+        _check_row(rec, path, row, prompt_key, messages_key, answer_key)
+        records.append(rec)
+    if not records:
+        raise ConfigError(f"data.prompts={path!r} holds no records: point it at a .jsonl file with one "
+                          f"{{\"{prompt_key}\": ...}} object per line, or a .parquet file with rows")
+    return records
+
+
+# the name of the JSONL-only loader this one replaced (bench scripts call it)
+load_jsonl = load_prompts
+
+
+def _rows(p: Path, path: str):
+    """(row number, record) pairs: JSONL rows are line numbers (blank lines skipped), parquet
+    rows count from 1."""
+    from megarl.config import ConfigError
+    if p.suffix.lower() == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"data.prompts={path!r}: reading parquet needs pyarrow (a megarl "
+                              f"dependency): `pip install pyarrow`, or give a .jsonl file") from None
+        try:
+            table = pq.read_table(p)
+        except Exception as err:   # pyarrow raises several types for a file that is not parquet
+            raise ConfigError(f"data.prompts={path!r}: not a readable parquet file ({err}): "
+                              f"rewrite it, or give a .jsonl file") from None
+        # a column holds a null where a row has no such field (mixed text and chat rows):
+        # a missing field, as in JSONL
+        for row, rec in enumerate(table.to_pylist(), 1):
+            yield row, {k: v for k, v in rec.items() if v is not None}
+        return
     with p.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -24,18 +67,80 @@ def load_jsonl(path: str, prompt_key: str) -> list[dict]:
             except ValueError as err:
                 raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}): fix or remove "
                                   f"that row") from None
-            if not isinstance(rec, dict) or prompt_key not in rec:
-                fields = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise ConfigError(f"data.prompts={path!r}, row {lineno}: no field {prompt_key!r} "
-                                  f"(data.prompt_key); the row has {fields}: set data.prompt_key or fix the row")
-            if not isinstance(rec[prompt_key], str) or not rec[prompt_key].strip():
-                raise ConfigError(f"data.prompts={path!r}, row {lineno}: field {prompt_key!r} (data.prompt_key) "
-                                  f"is {rec[prompt_key]!r}, not a non-empty text: fix the row")
-            records.append(rec)
-    if not records:
-        raise ConfigError(f"data.prompts={path!r} holds no records: point it at a jsonl file with one "
-                          f"{{\"{prompt_key}\": ...}} object per line")
-    return records
+            yield lineno, rec
+
+
+def _check_row(rec, path: str, row: int, prompt_key: str, messages_key: str, answer_key: str | None) -> None:
+    from megarl.config import ConfigError
+    where = f"data.prompts={path!r}, row {row}"
+    if not isinstance(rec, dict) or (prompt_key not in rec and messages_key not in rec):
+        fields = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        raise ConfigError(f"{where}: no field {prompt_key!r} (data.prompt_key) nor {messages_key!r} "
+                          f"(data.messages_key); the row has {fields}: set data.prompt_key / "
+                          f"data.messages_key or fix the row")
+    if isinstance(rec.get(prompt_key), str) or messages_key not in rec:
+        # a text prompt (it wins over messages when a row holds both)
+        if not isinstance(rec[prompt_key], str) or not rec[prompt_key].strip():
+            raise ConfigError(f"{where}: field {prompt_key!r} (data.prompt_key) is {rec[prompt_key]!r}, "
+                              f"not a non-empty text: fix the row")
+    else:
+        problem = _messages_problem(rec[messages_key])
+        if problem:
+            raise ConfigError(f"{where}: field {messages_key!r} (data.messages_key) {problem}: fix the row, "
+                              f"a list of {{\"role\": ..., \"content\": ...}} objects with texts, e.g. "
+                              f"[{{\"role\": \"user\", \"content\": \"What is 1+1?\"}}]")
+    if answer_key is not None:
+        if answer_key not in rec:
+            raise ConfigError(f"{where}: no field {answer_key!r} (data.answer_key), which the verifier "
+                              f"reward.fn needs; the row has {sorted(rec)}: set data.answer_key or fix the row")
+        answer = rec[answer_key]
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+            raise ConfigError(f"{where}: field {answer_key!r} (data.answer_key) is {answer!r}, not a "
+                              f"non-empty text or number: fix the row")
+
+
+def _messages_problem(messages) -> str:
+    """Why `messages` is not a chat (empty when it is one)."""
+    if not isinstance(messages, list) or not messages:
+        return f"is {messages!r}, not a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"has message {i} = {m!r}, not a {{\"role\": text, \"content\": text}} object"
+    return ""
+
+
+def prompt_text(record: dict, tokenizer, prompt_key: str, messages_key: str) -> str:
+    """The text to tokenize: the prompt field, or the messages rendered with the tokenizer's
+    chat template and the assistant's turn opened (add_generation_prompt)."""
+    text = record.get(prompt_key)
+    if isinstance(text, str):
+        return text
+    return tokenizer.apply_chat_template(record[messages_key], add_generation_prompt=True, tokenize=False)
+
+
+def check_chat_template(records: list[dict], model_path: str, prompt_key: str, messages_key: str,
+                        path: str, tokenizer=None) -> None:
+    """Chat rows need a tokenizer with a chat template: checked (and the first chat row rendered)
+    before any model is built. Loads the tokenizer of `model_path` only when there is a chat row."""
+    from megarl.config import ConfigError
+    first = next((r for r in records if not isinstance(r.get(prompt_key), str)), None)
+    if first is None:
+        return
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    chats = sum(not isinstance(r.get(prompt_key), str) for r in records)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.messages_key={messages_key!r}: {chats} rows of data.prompts={path!r} hold chat "
+                          f"messages, but the tokenizer of model.path={model_path!r} has no chat template: "
+                          f"add a \"chat_template\" to its tokenizer_config.json, use a chat model, or give "
+                          f"the rows a prompt text (data.prompt_key={prompt_key!r})")
+    try:
+        prompt_text(first, tokenizer, prompt_key, messages_key)
+    except Exception as err:   # jinja raises its own types (e.g. a template's raise_exception)
+        raise ConfigError(f"data.messages_key={messages_key!r}: the chat template of model.path={model_path!r} "
+                          f"cannot render the first chat row of data.prompts={path!r} ({err}): fix the "
+                          f"messages (roles, order) or the template") from None
 
 
 @dataclass
@@ -66,6 +171,11 @@ class PromptSampler:
             out.append(self._order[self.cursor])
             self.cursor += 1
         return out
+
+    @property
+    def drawn(self) -> int:
+        """Prompts taken so far (a resumed sampler counts those before its checkpoint)."""
+        return self.epoch * self.size + self.cursor
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -12,6 +12,10 @@ rank). Unset, `point()` is a dictionary lookup. Points in the code:
 | `sync_bucket` | a weight-sync bucket was staged, before the engines load |
 | `save` | a checkpoint's models were written, before COMPLETE and the rename |
 | `step_end` | a step was logged, before any checkpoint of it |
+
+`engine_fail@N` is not a kill: the engine pool's N-th request fails its engine as if the
+engine had died at that moment (`faults.hit`); the pool retires it and the request goes on
+elsewhere, which is the engine-failure path without a real process to kill.
 """
 from __future__ import annotations
 
@@ -42,11 +46,23 @@ def _active() -> dict[str, int]:
     return _plan
 
 
-def point(name: str) -> None:
-    """Count an arrival at `name`; SIGKILL this process if the plan says so."""
+def hit(name: str) -> bool:
+    """Count an arrival at `name`; True on the arrival the plan names."""
     plan = _active()
     if name not in plan:
-        return
+        return False
     _seen[name] = _seen.get(name, 0) + 1
-    if _seen[name] == plan[name]:
+    return _seen[name] == plan[name]
+
+
+def point(name: str) -> None:
+    """Count an arrival at `name`; SIGKILL this process if the plan says so."""
+    if hit(name):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reset() -> None:
+    """Forget the plan and the counts (tests that change MEGARL_FAULT in one process)."""
+    global _plan
+    _plan = None
+    _seen.clear()

@@ -15,7 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megarl.conversion.mapping import mapping_for, padded_vocab_size
+from megarl.conversion.mapping import padded_vocab_size
 from megarl.distributed import parallel
 
 
@@ -112,31 +112,6 @@ def build_model(hf_config, config: TransformerConfig, divisible_by: int, role: s
     per_stage = hf_config.num_hidden_layers // pp
     info = ModelInfo(hf_config, config, vocab, padded, parallel.pp_rank() * per_stage)
     return model, info
-
-
-def load_hf_weights(model: GPTModel, info: ModelInfo, hf_state: dict, role: str) -> None:
-    """Copy full HF tensors into this rank's megatron shards (TP split, PP stage, vocab pad)."""
-    table = mapping_for(info.hf_config, te_names=use_te())
-    shards = table.hf_to_megatron(hf_state, tp=parallel.tp_size(), pp=parallel.pp_size(),
-                                  num_layers=info.hf_config.num_hidden_layers,
-                                  padded_vocab=info.padded_vocab)
-    local = shards[parallel.pp_rank()][parallel.tp_rank()]
-    if role == "critic":
-        local = {k: v for k, v in local.items() if not k.startswith("output_layer.")}
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    if role == "critic" and parallel.is_last_stage():
-        own = {k: v for k, v in own.items() if not k.startswith("output_layer.")}
-    missing = sorted(set(own) - set(local))
-    unexpected = sorted(set(local) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"HF -> megatron mapping does not cover the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, tensor in own.items():
-            if tensor.shape != local[name].shape:
-                raise ValueError(f"{name}: megatron shape {tuple(tensor.shape)} != mapped HF shape "
-                                 f"{tuple(local[name].shape)}")
-            tensor.copy_(local[name])
 
 
 @dataclass

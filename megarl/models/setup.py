@@ -6,12 +6,12 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from megarl.config.schema import RootConfig
-from megarl.models.builders import Trainable, build_model, load_hf_weights, make_trainable
+from megarl.models.builders import Trainable, build_model, make_trainable, use_te
 from megarl.models.config import transformer_config
+from megarl.models.loading import check_megatron_dir  # noqa: F401 - train.py checks early with it
 
 
 @dataclass
@@ -21,20 +21,6 @@ class Models:
     critic: Trainable | None
     tokenizer: object
     reward_model: torch.nn.Module | None = None
-
-
-def read_hf_state(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint folder (every *.safetensors file)."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"model.path={path!r} holds no *.safetensors files: build the tiny "
-                                f"model with `python tools/make_tiny_model.py` or convert a checkpoint")
-    state = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
-                state[k] = sf.get_tensor(k)
-    return state
 
 
 def check_model_dir(path: str, setting: str) -> None:
@@ -51,23 +37,47 @@ def check_model_dir(path: str, setting: str) -> None:
                           f"convert a megatron checkpoint with tools/convert_megatron_to_hf.py, or fix {setting}")
 
 
+def weight_source(cfg: RootConfig, hf_config):
+    """(load(model, info, role), make_vocab_size_divisible_by) for this run's weights.
+
+    HF (default): every rank reads only its shard's slices of model.path's safetensors
+    (megarl.models.loading), names and shapes checked from the headers first.
+    model.megatron_path: megatron loads and reshards the dist checkpoint; the vocab padding is
+    the checkpoint's, so its embedding's global shape matches at any TP.
+    """
+    from megarl.models import loading
+    if cfg.model.megatron_path:
+        path = cfg.model.megatron_path
+        check_megatron_dir(path)
+        divisible_by = loading.megatron_divisible_by(path, hf_config, cfg.parallel.tp)
+        return (lambda model, info, role: loading.load_megatron_shard(model, path, role)), divisible_by
+    from megarl.conversion.mapping import mapping_for
+    mapping = mapping_for(hf_config, te_names=use_te())
+    loading.open_checked(cfg.model.path, mapping).close()
+
+    def load(model, info, role):
+        loading.load_hf_shard(model, info, loading.HFCheckpoint(cfg.model.path), role, mapping)
+    return load, cfg.model.make_vocab_size_divisible_by
+
+
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     check_model_dir(cfg.model.path, "model.path")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    from megarl.plan import check_arch_matches   # recipe's model.arch (what `megarl plan` sized) = the checkpoint
+    check_arch_matches(cfg, hf_config.to_dict())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path) if with_tokenizer else None
-    hf_state = read_hf_state(cfg.model.path)
     dtype = getattr(torch, cfg.model.dtype)
     on_gpu = torch.cuda.is_available()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     updates = cfg.train.steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+    load, divisible_by = weight_source(cfg, hf_config)
 
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
         tcfg = transformer_config(hf_config, tp, pp, dtype, on_gpu, cfg.train.recompute,
                                   cfg.parallel.sequence_parallel)
-        model, info = build_model(hf_config, tcfg,
-                                  cfg.model.make_vocab_size_divisible_by, role)
-        load_hf_weights(model, info, hf_state, role)
+        model, info = build_model(hf_config, tcfg, divisible_by, role)
+        load(model, info, role)
         return model, info
 
     t = cfg.train
@@ -81,7 +91,7 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
         critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip, **schedule)
     reward_model = None
     if cfg.reward.model_path:
-        from megarl.rewards.model import build_reward_model
+        from megarl.models.reward import build_reward_model
         reward_model = build_reward_model(cfg.reward.model_path, tp, pp, dtype,
                                           cfg.model.make_vocab_size_divisible_by)
     if t.offload_idle:

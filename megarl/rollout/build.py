@@ -15,28 +15,30 @@ from megarl.rollout.engine import Engine
 
 def build_engines(cfg, model_path: str, seed: int, log_dir: str) -> list[Engine]:
     """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log."""
+    return [build_engine(cfg, model_path, seed, log_dir, i) for i in range(cfg.engine_count)]
+
+
+def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int) -> Engine:
+    """Engine i of the pool, unstarted; called again for a replacement of a failed engine i
+    (a fresh object: a new server process, or a new connection to the same remote URL)."""
     mode = cfg.engine_mode
     if mode == "inprocess":
         from megarl.rollout import vllm_async
-        return [vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i),
-                                           cfg.engine_timeout_s) for i in range(cfg.engines)]
+        return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i),
+                                          cfg.engine_timeout_s)
     if mode == "local_servers":
         from megarl.rollout.servers import LocalServer, LocalServerEngine
-        # the servers listen on 127.0.0.1 only; the key still keeps other local users off /v1
-        api_key = cfg.api_key or secrets.token_hex(16)
-        engines = []
-        for i in range(cfg.engines):
-            server = LocalServer(model_path, os.path.join(log_dir, f"engine_{i}.log"), api_key=api_key,
-                                 seed=seed + i, max_model_len=cfg.max_model_len, tp=cfg.engine_tp,
-                                 enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
-                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
-            engines.append(LocalServerEngine(f"engine{i}", server, cfg.engine_timeout_s,
-                                             cfg.engine_start_timeout_s))
-        return engines
+        # the server listens on 127.0.0.1 only; the key still keeps other local users off /v1.
+        # Its log is appended to: a replacement's lines follow those of the engine it replaces.
+        server = LocalServer(model_path, os.path.join(log_dir, f"engine_{i}.log"),
+                             api_key=cfg.api_key or secrets.token_hex(16), seed=seed + i,
+                             max_model_len=cfg.max_model_len, tp=cfg.engine_tp,
+                             enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
+                             gpu_memory_utilization=cfg.gpu_memory_utilization)
+        return LocalServerEngine(f"engine{i}", server, cfg.engine_timeout_s, cfg.engine_start_timeout_s)
     if mode == "remote":
         from megarl.rollout.vllm_http import HTTPVLLMEngine
         api_key = cfg.api_key or os.environ.get("MEGARL_ENGINE_API_KEY", "")
-        return [HTTPVLLMEngine(f"engine{i}", url, api_key, cfg.engine_timeout_s,
-                               start_timeout_s=cfg.engine_start_timeout_s)
-                for i, url in enumerate(cfg.engine_urls)]
+        return HTTPVLLMEngine(f"engine{i}", cfg.engine_urls[i], api_key, cfg.engine_timeout_s,
+                              start_timeout_s=cfg.engine_start_timeout_s)
     raise ValueError(f"rollout.engine_mode={mode!r}: expected inprocess, local_servers or remote")

@@ -63,7 +63,7 @@ class Slot:
 @dataclass
 class Group:
     """n samples of one prompt."""
-    gid: int
+    gid: int        # one per new_group() call: the n-th prompt drawn in the run (Sample.uid)
     record: dict
     prompt_ids: list[int]
     slots: list[Slot]
@@ -96,6 +96,14 @@ class RoundStats:
     restarted: int = 0
     dropped_groups: int = 0
     groups_emitted: int = 0
+
+
+def group_state(g: Group) -> dict:
+    """A group as plain lists and numbers (what a checkpoint keeps)."""
+    return {"gid": g.gid, "record": g.record, "prompt_ids": list(g.prompt_ids),
+            "rewards": list(g.rewards), "reward_done": g.reward_done,
+            "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
+                      for s in g.slots]}
 
 
 def request_seed(slot: Slot) -> int:
@@ -339,7 +347,8 @@ class PartialRolloutController:
         for s in group.slots:
             smp = Sample(group.prompt_ids, list(s.response_ids), list(s.logprobs), list(s.versions),
                          s.finish_reason == "stop", local_index, group.record,
-                         finish_reason=s.finish_reason or "abort", old_logprobs=list(s.old_logprobs))
+                         finish_reason=s.finish_reason or "abort", old_logprobs=list(s.old_logprobs),
+                         uid=group.gid)
             out.append(smp)
         for smp, r in zip(out, group.rewards):
             smp.reward = r
@@ -385,11 +394,6 @@ class PartialRolloutController:
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain lists and numbers: the carry, open and completed groups, the group counter."""
-        def group_state(g: Group) -> dict:
-            return {"gid": g.gid, "record": g.record, "prompt_ids": list(g.prompt_ids),
-                    "rewards": list(g.rewards), "reward_done": g.reward_done,
-                    "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
-                              for s in g.slots]}
         if self._inflight:
             raise RuntimeError("controller state saved while requests are in flight: save between rounds")
         return {"next_gid": self.next_gid, "open": [group_state(g) for g in self.groups.values()],

@@ -13,7 +13,7 @@ from megarl.rollout.types import Sample
 
 
 def sample_record(s: Sample, tokenizer) -> dict:
-    return {"group": s.group,
+    return {"group": s.group, "uid": s.uid,
             "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False),
             "response": tokenizer.decode(s.response_ids, skip_special_tokens=False),
             "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
@@ -45,7 +45,7 @@ def read_samples(path: str) -> list[Sample]:
                 r = json.loads(line)
                 samples.append(Sample(r["prompt_ids"], r["response_ids"], r["logprobs"], r["versions"],
                                       r["finish_reason"] == "stop", r["group"], reward=r["reward"],
-                                      finish_reason=r["finish_reason"]))
+                                      finish_reason=r["finish_reason"], uid=r.get("uid", -1)))
             except (ValueError, KeyError) as err:
                 raise ValueError(f"{path}, row {row}: not a megarl sample record ({err!r})") from None
     return samples

@@ -13,7 +13,9 @@ or answered garbage) is retired: it leaves the pool, the event is logged and cou
 (`failures`), and the request continues on the least-loaded remaining engine from the tokens
 the failed engine had streamed (their versions kept). The pool gives up, with the last
 engine's error, only when no engine is left or after `failures_max` retirements. A retired
-engine takes no more requests or weights (a restarted server would join at the next push).
+engine takes no more requests or weights. With a `replace` factory (rollout.engine_restart),
+a fresh engine is started in its place in the background; it joins at the next weight update,
+after loading that version, so it never serves weights other than the pool's.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Awaitable, Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
+from megarl.distributed import faults
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 log = logging.getLogger("megarl.engines")
@@ -64,7 +67,8 @@ class LoopThread:
 class EnginePool:
     """Engines of one policy. Requests go to the least-loaded engine; versions move together."""
 
-    def __init__(self, engines: Sequence[Engine], timeout_s: float, failures_max: int = 0):
+    def __init__(self, engines: Sequence[Engine], timeout_s: float, failures_max: int = 0,
+                 replace: Optional[Callable[[Engine], Engine]] = None):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = list(engines)             # the live ones: requests and weights go here
@@ -76,6 +80,10 @@ class EnginePool:
         self._where: dict[str, Engine] = {}      # request key -> engine serving it
         self._order = itertools.count()          # tie-break: round-robin among equally loaded
         self.holders: list = []                  # schedulers to hold around weight updates (async rounds)
+        self.replace = replace                   # failed engine -> an unstarted replacement
+        self.joining: list[Engine] = []          # replacements started, waiting for the next update
+        self.restarts = 0                        # replacements that joined the pool
+        self._starting: list[asyncio.Future] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,7 +95,11 @@ class EnginePool:
             raise errors[0] if isinstance(errors[0], EngineError) else EngineError(str(errors[0]))
 
     async def close(self) -> None:
-        await asyncio.gather(*self._closing, *(e.close() for e in self.engines), return_exceptions=True)
+        for t in self._starting:
+            t.cancel()
+        await asyncio.gather(*self._starting, return_exceptions=True)
+        await asyncio.gather(*self._closing, *(e.close() for e in self.engines + self.joining),
+                             return_exceptions=True)
 
     # -- requests ----------------------------------------------------------------------------
     def least_loaded(self) -> Engine:
@@ -108,6 +120,8 @@ class EnginePool:
                 raise EngineError(f"no rollout engine left for request {req.key}")
             self._where[req.key] = engine
             try:
+                if faults.hit("engine_fail"):   # reliability tests: MEGARL_FAULT=engine_fail@N
+                    raise EngineError(f"engine {engine.name}: failed on purpose (MEGARL_FAULT)")
                 result = await engine.generate(current)
             except EngineError as err:
                 if err.partial is not None:
@@ -140,12 +154,29 @@ class EnginePool:
             log.warning("megarl: engine %s failed and was retired (%d left, %d of at most %d failures): %s",
                         engine.name, len(self.engines), len(self.failures), self.failures_max, err)
             # stop its process; nothing waits on it, but the task is kept so it is not collected
-            self._closing.append(asyncio.ensure_future(engine.close()))
+            closing = asyncio.ensure_future(engine.close())
+            self._closing.append(closing)
+            if self.replace is not None and len(self.failures) <= self.failures_max:
+                self._starting.append(asyncio.ensure_future(self._start_replacement(engine, closing)))
         if not self.engines:
             raise EngineError(f"no rollout engine left: {err}") from err
         if len(self.failures) > self.failures_max:
             raise EngineError(f"{len(self.failures)} engine failures (rollout.engine_failures_max="
                               f"{self.failures_max}); the last: {err}") from err
+
+    async def _start_replacement(self, failed: Engine, closing: asyncio.Future) -> None:
+        """Start a fresh engine in place of `failed` (after its process is gone: the
+        replacement may need the same port, GPU or memory); it joins at the next update."""
+        await asyncio.gather(closing, return_exceptions=True)
+        fresh = self.replace(failed)
+        try:
+            await fresh.start()
+        except Exception as err:   # noqa: BLE001 - logged; the pool goes on without it
+            log.warning("megarl: engine %s could not be restarted: %s", failed.name, err)
+            await asyncio.gather(fresh.close(), return_exceptions=True)
+            return
+        log.warning("megarl: engine %s restarted; it joins at the next weight update", fresh.name)
+        self.joining.append(fresh)
 
     @property
     def running(self) -> int:
@@ -193,6 +224,10 @@ class EnginePool:
                 await e.update_weights(path, version)
             finally:
                 await e.resume()   # never leave an engine paused after an update (even a failed one)
+        joining, self.joining = self.joining, []
+        if joining:               # restarted engines load this version before they serve
+            self.engines += joining
+            self.restarts += len(joining)
         await self._on_each(one)   # an engine that cannot take the weights is retired
 
     @property
@@ -256,11 +291,13 @@ class SyncPool:
 def open_pool(cfg, model_path: str, seed: int, log_dir: str) -> SyncPool:
     """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread.
     On failure every engine started so far is stopped and the loop ends."""
-    from megarl.rollout.build import build_engines
+    from megarl.rollout.build import build_engine, build_engines
     loop = LoopThread()
     try:
+        def replace(failed):   # the same slot of the pool: engine<i> -> a fresh engine<i>
+            return build_engine(cfg, model_path, seed, log_dir, int(failed.name.removeprefix("engine")))
         pool = EnginePool(build_engines(cfg, model_path, seed, log_dir), cfg.engine_timeout_s,
-                          cfg.engine_failures_max)
+                          cfg.engine_failures_max, replace if cfg.engine_restart else None)
         return SyncPool(pool, loop, cfg.engine_start_timeout_s)
     except BaseException:
         loop.stop()

@@ -19,7 +19,7 @@ import copy
 from collections import Counter
 from typing import Callable
 
-from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.controller import PartialRolloutController, group_state
 from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds, score
 from megarl.rollout.types import Sample
 
@@ -41,17 +41,19 @@ class Rollout:
 
     def _new_group(self) -> tuple[dict, list[int]]:
         record = self.records[self.sampler.take(1)[0]]
-        return record, encode_prompts(self.tokenizer, [record], self.cfg.data.prompt_key)[0]
+        return record, encode_prompts(self.tokenizer, [record], self.cfg.data.prompt_key,
+                                      self.cfg.data.messages_key)[0]
 
     def round(self, step: int) -> tuple[list[Sample], dict]:
         r, groups = self.cfg.rollout, self.cfg.train.groups_per_step
         version = self.pool.version
         if self.controller is None:
+            first_uid = self.sampler.drawn
             chosen = [self.records[i] for i in self.sampler.take(groups)]
-            prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key)
+            prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
             samples = generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
                                       self.reward_fn, sample_seeds(self.cfg.run.seed, step, len(chosen)),
-                                      r.temperature, tag=f"{step}-")
+                                      r.temperature, tag=f"{step}-", first_uid=first_uid)
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, r.max_new_tokens)
         if self._next is None:
@@ -64,9 +66,10 @@ class Rollout:
         return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
 
     def _engine_metrics(self) -> dict:
-        """Engines retired so far (each failure is also logged when it happens)."""
+        """Engines retired and restarted so far (each event is also logged when it happens)."""
         pool = self.pool.pool
-        return {"engine_failures": len(pool.failures), "engines_alive": len(pool.engines)}
+        return {"engine_failures": len(pool.failures), "engines_alive": len(pool.engines),
+                "engine_restarts": pool.restarts}
 
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""
@@ -92,7 +95,14 @@ class Rollout:
         async def snapshot():   # hold a running (prefetched) round: no request may be in flight
             await self.controller.hold()
             try:
-                return copy.deepcopy(self.controller.state_dict()), self.sampler.state_dict()
+                state = copy.deepcopy(self.controller.state_dict())
+                # a prefetched round that already returned took its groups out of the
+                # controller: complete and untrained, they belong to the carry too (first:
+                # the resumed run's first round takes them, as round() would have)
+                ready = self._next
+                if ready is not None and ready.done() and ready.exception() is None:
+                    state["completed"] = [group_state(g) for g in ready.result()] + state["completed"]
+                return state, self.sampler.state_dict()
             finally:
                 self.controller.release()
         if self.controller is None:

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 from typing import Callable
 
+from megarl.data.prompts import prompt_text
 from megarl.rollout.engine import GenRequest
 from megarl.rollout.types import Sample
 
 
-def encode_prompts(tokenizer, records: list[dict], key: str) -> list[list[int]]:
-    return [tokenizer(r[key], add_special_tokens=False)["input_ids"] for r in records]
+def encode_prompts(tokenizer, records: list[dict], key: str, messages_key: str = "messages") -> list[list[int]]:
+    """Token ids of each record's prompt: the text field `key`, or the chat `messages_key`
+    rendered with the tokenizer's chat template (megarl.data.prompts.prompt_text). No special
+    tokens are added: prompts and chat templates carry their own."""
+    return [tokenizer(prompt_text(r, tokenizer, key, messages_key), add_special_tokens=False)["input_ids"]
+            for r in records]
 
 
 def score(sample: Sample, tokenizer, reward_fn: Callable) -> float:
@@ -38,15 +43,16 @@ def group_requests(prompts: list[list[int]], n: int, max_new_tokens: int, temper
 def generate_groups(pool, records: list[dict], prompts: list[list[int]], n: int,
                     max_new_tokens: int, tokenizer, reward_fn: Callable,
                     seeds: list[int] | None = None, temperature: float = 1.0,
-                    tag: str = "") -> list[Sample]:
+                    tag: str = "", first_uid: int = -1) -> list[Sample]:
     """n samples per prompt from the engine pool (a SyncPool), scored, in group order
-    (group g = records[g]). Token versions are the ones the engines reported."""
+    (group g = records[g], uid first_uid + g when first_uid >= 0). Token versions are the ones
+    the engines reported."""
     results = pool.generate_many(group_requests(prompts, n, max_new_tokens, temperature, seeds, tag))
     samples = []
     for k, r in enumerate(results):
         g = k // n
         s = Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.finished, g, records[g],
-                   finish_reason=r.finish_reason)
+                   finish_reason=r.finish_reason, uid=first_uid + g if first_uid >= 0 else -1)
         s.reward = score(s, tokenizer, reward_fn)
         samples.append(s)
     return samples

@@ -19,6 +19,9 @@ class Sample:
     # trainer logprobs (l_old) already computed for a prefix of the response, each under the
     # version that produced its token (partial rollout's stitching); empty: compute them all
     old_logprobs: list[float] = field(default_factory=list)
+    # the prompt's number in the run's data stream (the n-th prompt drawn, from 0): the same
+    # prompt in an interrupted and an uninterrupted run of one seed; -1 when not known
+    uid: int = -1
 
     @property
     def staleness(self) -> int:

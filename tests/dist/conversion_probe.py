@@ -53,7 +53,7 @@ def make_hf_model(arch: str, out: Path, tokenizer_dir: Path | None, seed: int = 
 
 
 def roundtrip(work: Path, tokenizer_dir: Path) -> None:
-    from megarl.conversion.checkpoint import cli_hf_to_megatron, cli_megatron_to_hf
+    from megarl.conversion.cli import cli_hf_to_megatron, cli_megatron_to_hf
     results = {}
     for arch in ARCHS:
         hf = work / arch
@@ -75,14 +75,14 @@ def roundtrip(work: Path, tokenizer_dir: Path) -> None:
 
 def wrong_gate_up(hf: str, out: str) -> int:
     from megarl.conversion import ops
-    from megarl.conversion.checkpoint import cli_hf_to_megatron
+    from megarl.conversion.cli import cli_hf_to_megatron
     right = ops.fc1_shards_from_gate_up
     ops.fc1_shards_from_gate_up = lambda gate, up, tp: right(up, gate, tp)  # forked ranks inherit it
     return cli_hf_to_megatron(["--hf", hf, "--out", out, "--tp", "2", "--no-progress"])
 
 
 def errors(work: Path) -> None:
-    from megarl.conversion.checkpoint import cli_hf_to_megatron, cli_megatron_to_hf
+    from megarl.conversion.cli import cli_hf_to_megatron, cli_megatron_to_hf
 
     good = work / "good"
     make_hf_model("llama", good, None)

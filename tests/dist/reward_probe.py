@@ -17,7 +17,8 @@ def main(rm_dir: str, out_path: str, overrides: list[str]) -> None:
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, 0)
     from transformers import AutoModelForSequenceClassification
     from megarl.ppo.batch import build_batch
-    from megarl.rewards.model import build_reward_model, score
+    from megarl.models.reward import build_reward_model
+    from megarl.rewards.model import score
     from megarl.rollout.types import Sample
     model = build_reward_model(rm_dir, cfg.parallel.tp, cfg.parallel.pp, torch.float32, 128)
     g = torch.Generator().manual_seed(0)

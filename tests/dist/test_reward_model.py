@@ -39,6 +39,6 @@ def test_reward_model_scores_match_transformers(reward_model_dir, tmp_path, npro
 def test_causal_lm_is_refused_as_reward_model(tiny_model):
     """Pointing reward.model_path at a causal LM fails with what a reward model must be."""
     from transformers import AutoConfig
-    from megarl.rewards.model import _as_causal_lm
+    from megarl.models.reward import _as_causal_lm
     with pytest.raises(ValueError, match="ForSequenceClassification"):
         _as_causal_lm(AutoConfig.from_pretrained(tiny_model))

@@ -32,9 +32,10 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     torch.set_num_threads(1)
     from transformers import AutoConfig
 
-    from megarl.models.builders import build_model, load_hf_weights, make_trainable
+    from megarl.conversion.hf_reader import HFCheckpoint
+    from megarl.models.builders import build_model, make_trainable
     from megarl.models.config import transformer_config
-    from megarl.models.setup import read_hf_state
+    from megarl.models.loading import load_hf_shard
     from megarl.rollout import weight_sync
     from megarl.rollout.pool import open_pool
 
@@ -43,7 +44,6 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
         c = dataclasses.replace(cfg.rollout, engine_mode=mode)
         pools[mode] = open_pool(c, model_dir, 0, f"{logs}/{mode}") if env.rank == 0 else None
     hf_config = AutoConfig.from_pretrained(model_dir)
-    hf_state = read_hf_state(model_dir)
     prompts = [[1, 5 + i, 9, 12 + 3 * i] for i in range(6)]
     result = {"layouts": {}, "versions_ok": True}
     try:
@@ -52,7 +52,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
             parallel.initialize(tp, pp, 0)
             tcfg = transformer_config(hf_config, tp, pp, torch.float32, False, "none", False)
             model, info = build_model(hf_config, tcfg, 128, "actor")
-            load_hf_weights(model, info, hf_state, "actor")
+            load_hf_shard(model, info, HFCheckpoint(model_dir), "actor")
             actor = make_trainable(model, info, 1e-4, 0.0, 1.0, 0, 1)
             # noise seeded by the shard's position: TP shards differ, while tensors replicated
             # over TP (norms) and DP replicas stay identical, as training keeps them

@@ -45,6 +45,9 @@ CASES = [
     ("data_missing_field", ["data.prompts={tmp}/no_field.jsonl"], "data.prompt_key"),
     ("data_empty_prompt", ["data.prompts={tmp}/empty_prompt.jsonl"], "data.prompt_key"),
     ("data_empty_file", ["data.prompts={tmp}/empty.jsonl"], "data.prompts"),
+    ("data_no_answer", ["reward.fn=math", "data.prompts={tmp}/no_answer.jsonl"], "data.answer_key"),
+    ("chat_without_template", ["data.prompts={tmp}/chat.jsonl"], "data.messages_key"),
+    ("reward_timeout_zero", ["reward.timeout_s=0"], "reward.timeout_s"),
     ("model_missing", ["model.path={tmp}/no_model"], "model.path"),
     ("model_not_hf", ["model.path={tmp}/not_a_model"], "model.path"),
     ("reward_model_missing", ["reward.model_path={tmp}/no_rm"], "reward.model_path"),
@@ -61,6 +64,8 @@ def results(tiny_model, tmp_path_factory):
     (tmp / "no_field.jsonl").write_text('{"question": "1+1"}\n')
     (tmp / "empty_prompt.jsonl").write_text('{"prompt": ""}\n')
     (tmp / "empty.jsonl").write_text("\n")
+    (tmp / "no_answer.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"}\n')
+    (tmp / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "n1"}]}\n')
     (tmp / "not_a_model").mkdir()
     (tmp / "not_a_model" / "config.json").write_text("{}")
     (tmp / "a_file").write_text("not a folder")

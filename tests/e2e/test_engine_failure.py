@@ -29,13 +29,15 @@ def _wait_rows(proc, path, count, timeout=600):
         time.sleep(0.5)
 
 
-def test_a_dead_server_is_retired_and_the_last_one_dying_stops_the_run(tiny_model, tmp_path):
-    """Contract: `megarl train` with 2 local vLLM servers (partial rollout). One server is
-    SIGKILLed while steps run: the run goes on on the other one (its in-flight requests
-    continue there), every later step trains a full batch, and each step's metrics count the
-    failure. Then the last server is killed: the run exits non-zero well within the engine
-    timeout with one line naming that engine and its log file; every process megarl started
-    is gone and the staging folder is empty."""
+def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model, tmp_path):
+    """Contract: `megarl train` with 2 local vLLM servers (partial rollout,
+    rollout.engine_failures_max=1). One server is SIGKILLed while steps run: the run goes on
+    on the other one (its in-flight requests continue there), every later step trains a full
+    batch, each step's metrics count the failure, and a fresh server started in its place
+    joins at a weight push (engines_alive back to 2, engine_restarts 1). Then every server is
+    killed: the second failure is one too many, and the run exits non-zero well within the
+    engine timeout with one line naming an engine and its log file; every process megarl
+    started is gone and the staging folder is empty."""
     staging = tmp_path / "staging"
     staging.mkdir()
     run_dir = tmp_path / "run"
@@ -43,7 +45,8 @@ def test_a_dead_server_is_retired_and_the_last_one_dying_stops_the_run(tiny_mode
     cmd = [sys.executable, "-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml",
            f"model.path={tiny_model}", f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}",
            "train.steps=500", "rollout.engine_mode=local_servers", "rollout.engines=2",
-           "rollout.engine_timeout_s=30", f"weight_sync.staging_dir={staging}", "checkpoint.resume=false"]
+           "rollout.engine_timeout_s=30", "rollout.engine_failures_max=1", f"weight_sync.staging_dir={staging}",
+           "checkpoint.resume=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:
@@ -53,10 +56,18 @@ def test_a_dead_server_is_retired_and_the_last_one_dying_stops_the_run(tiny_mode
         servers[1].send_signal(signal.SIGKILL)
         killed_at = len(_rows(metrics))
         _wait_rows(proc, metrics, killed_at + 3)     # the run goes on with one engine
-        argv = servers[0].cmdline()
-        port = argv[argv.index("--port") + 1]
+        deadline = time.time() + 300                 # ... and the replacement joins at a push
+        while not any(r["engines_alive"] == 2 for r in _rows(metrics)[killed_at + 1:]):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.time() < deadline, "the replacement never joined"
+            time.sleep(0.5)
+        tree2, now = _servers(proc)
+        assert len(now) == 2 and servers[0].pid in {p.pid for p in now}, [p.cmdline() for p in now]
+        ports = {p.cmdline()[p.cmdline().index("--port") + 1] for p in now}
+        tree = tree + [p for p in tree2 if p.pid not in {q.pid for q in tree}]
         t_kill = time.time()
-        servers[0].send_signal(signal.SIGKILL)
+        for p in now:
+            p.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
         elapsed = time.time() - t_kill
     finally:
@@ -66,15 +77,18 @@ def test_a_dead_server_is_retired_and_the_last_one_dying_stops_the_run(tiny_mode
     rows = _rows(metrics)
     assert [r["step"] for r in rows] == list(range(len(rows)))     # no step lost or repeated
     after = rows[killed_at + 1:]
-    assert after and all(r["engine_failures"] == 1 and r["engines_alive"] == 1 for r in after)
+    assert after and all(r["engine_failures"] == 1 for r in after)
+    assert after[0]["engines_alive"] == 1 and after[-1]["engines_alive"] == 2, after
+    assert all(r["engine_restarts"] == (r["engines_alive"] == 2) for r in after), after
     # a full batch every step (tiny recipe: 16 groups x 4 samples), all of it generated
     assert all(r["samples"] == 16 * 4 and r["response_len_mean"] > 0 for r in after), after
-    assert err.count("failed and was retired") >= 1, err[-3000:]
+    assert err.count("failed and was retired") >= 2 and "restarted; it joins" in err, err[-3000:]
     assert proc.returncode not in (0, None)
     assert elapsed < 120, elapsed
     last = [line for line in err.strip().splitlines() if line.startswith("megarl:")]
     assert last and "engine error" in last[-1], err[-3000:]
-    assert f"127.0.0.1:{port}" in last[-1] and ".log" in last[-1], last[-1]
+    assert "rollout.engine_failures_max=1" in last[-1] or "no rollout engine left" in last[-1], last[-1]
+    assert any(f"127.0.0.1:{port}" in last[-1] for port in ports) and ".log" in last[-1], last[-1]
     time.sleep(2)
     leftovers = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, [(p.pid, p.cmdline()) for p in leftovers]

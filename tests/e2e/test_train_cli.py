@@ -108,39 +108,3 @@ def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_pat
             assert d["versions"][-1] <= step
             assert d["finish_reason"] in ("stop", "length") and 0.0 <= d["reward"] <= 1.0
             assert d["prompt"].startswith("<bos>") and isinstance(d["response"], str)
-
-
-def test_partial_run_checkpoints_its_carry_and_resumes_with_it(tiny_model, tmp_path):
-    """rollout.mode=partial (the recipe's default): rounds keep 64 requests in flight, carry
-    unfinished samples, and bound their staleness; the checkpoint holds the carry (tokens,
-    logprobs, versions, stored l_old) and a resumed run continues those samples: its first
-    step trains tokens generated before the restart, and no group is trained twice."""
-    import torch
-    run_dir = tmp_path / "partial"
-    _, rows = train(tiny_model, run_dir, "train.steps=3", "checkpoint.every=3", "rollout.max_staleness=1")
-    # (a round that already had its groups from the previous one generates nothing: no minimum)
-    assert all(r.get("rollout_inflight_min", 64) == 64 for r in rows), rows
-    assert any("rollout_inflight_min" in r for r in rows)
-    assert all(r["staleness_max"] <= 1 for r in rows)
-    assert sum(r["samples_spanning_versions"] for r in rows) > 0
-    driver = torch.load(run_dir / "checkpoints" / "step_2" / "driver.pt", weights_only=False)
-    carry = driver["rollout"]["controller"]
-    carried = [s for g in carry["open"] for s in g["slots"] if s["response_ids"] and not s["finish_reason"]]
-    assert carried, "the checkpoint must hold partial samples"
-    for s in carried:
-        assert len(s["response_ids"]) == len(s["logprobs"]) == len(s["versions"]) == len(s["old_logprobs"])
-        assert max(s["versions"]) <= 2
-    _, resumed = train(tiny_model, run_dir, "train.steps=4", "rollout.max_staleness=1")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    assert resumed[-1]["staleness_max"] >= 1   # tokens from before the restart were trained
-
-
-def test_async_rounds_generate_while_training_within_the_bound(tiny_model, tmp_path):
-    """rollout.async=true: the next round generates while the trainer trains, so trained
-    tokens are up to one version old, and never more than rollout.max_staleness=1."""
-    _, rows = train(tiny_model, tmp_path / "async", "train.steps=3", "rollout.async=true",
-                    "rollout.max_staleness=1")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["staleness_max"] <= 1 for r in rows), [r["staleness_max"] for r in rows]
-    assert any(r.get("staleness_frac_1", 0) > 0 for r in rows[1:])
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)

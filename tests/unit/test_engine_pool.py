@@ -172,6 +172,74 @@ def test_request_continues_on_another_engine_from_the_streamed_tokens():
     assert [e.name for e in pool.engines] == ["e1"] and len(pool.failures) == 1
 
 
+class StartFails(ScriptedEngine):
+    async def start(self):
+        raise EngineError(f"engine {self.name}: port in use")
+
+
+@pytest.mark.parametrize("replacement_starts", [True, False])
+def test_a_failed_engine_is_replaced_and_the_replacement_loads_before_it_serves(replacement_starts):
+    """rollout.engine_restart: the failed engine is closed, a fresh one is started in its
+    place, and it joins only at the next weight update, after loading that version: the first
+    thing it does after starting is pause + load, and the requests after the update are spread
+    over both engines again. A replacement that cannot start is logged and left out."""
+    made = []
+
+    def replace(failed):
+        made.append((ScriptedEngine if replacement_starts else StartFails)(failed.name + "'"))
+        return made[-1]
+
+    async def main():
+        dying, other = DyingEngine("e0", after=3), ScriptedEngine("e1")
+        pool = EnginePool([dying, other], 10, failures_max=2, replace=replace)
+        first = await pool.generate(GenRequest("r", [1], 8), dying)
+        for _ in range(100):             # the replacement starts in the background
+            if pool.joining or (made and not replacement_starts and pool._starting[0].done()):
+                break
+            await asyncio.sleep(0.01)
+        assert [e.name for e in pool.engines] == ["e1"]        # not serving before the update
+        await pool.update_weights("/w/v1", 1)
+        after = await asyncio.gather(*(pool.generate(GenRequest(f"q{i}", [1], 4)) for i in range(4)))
+        await pool.close()
+        return dying, pool, first, after
+
+    dying, pool, first, after = run(main())
+    assert first.engine == "e1" and len(first.token_ids) == 8
+    assert "close" in dying.log and len(pool.failures) == 1
+    if replacement_starts:
+        fresh = made[0]
+        assert fresh.log[:4] == ["start", "pause", "load /w/v1 v1", "resume"], fresh.log
+        assert fresh.version == 1 and pool.version == 1 and pool.restarts == 1
+        assert {r.engine for r in after} == {"e0'", "e1"}
+    else:
+        assert [e.name for e in pool.engines] == ["e1"] and pool.restarts == 0
+        assert {r.engine for r in after} == {"e1"}
+
+
+def test_injected_engine_failure_retires_that_engine_and_every_request_completes(monkeypatch):
+    """MEGARL_FAULT=engine_fail@4 (the fault harness): the pool's 4th request fails its engine;
+    the engine is retired and closed, and all 9 requests finish on the other two."""
+    from megarl.distributed import faults
+    monkeypatch.setenv("MEGARL_FAULT", "engine_fail@4")
+    faults.reset()
+    try:
+        async def main():
+            engines = [ScriptedEngine(f"e{i}") for i in range(3)]
+            pool = EnginePool(engines, 10, failures_max=1)
+            results = await asyncio.gather(*(pool.generate(GenRequest(f"r{i}", [1], 5)) for i in range(9)))
+            await pool.close()
+            return engines, pool, results
+        engines, pool, results = run(main())
+    finally:
+        faults.reset()
+    assert len(pool.failures) == 1 and "on purpose" in pool.failures[0]["error"]
+    dead = pool.retired[0]
+    assert dead not in pool.engines and "close" in dead.log and len(pool.engines) == 2
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 5 for r in results)
+    # only requests admitted before the failure (3) may have finished on the failed engine
+    assert sum(r.engine == dead.name for r in results) <= 3
+
+
 @pytest.mark.parametrize("engines,failures_max,message", [
     (1, 5, "no rollout engine left"),
     (2, 0, r"engine_failures_max=0"),

@@ -1,0 +1,141 @@
+"""HF -> megatron dist checkpoint: one gloo rank per (tp, pp) position builds ITS GPTModel shard
+and fills it from the HF files through `megarl.models.loading` (the trainer's own loader), then
+saves it.
+
+Layout of a converted megatron folder (OUT):
+  metadata.json, common.pt, .metadata, __*.distcp   the torch_dist checkpoint of
+                                   `{"model": GPTModel.sharded_state_dict()}`, the same "model"
+                                   key layout as the trainer's `step_<N>/actor/` folders
+  hf_config/                       config.json, generation_config.json and the tokenizer files
+                                   (every tokenizer* / *.py file: auto_map may name local code)
+  megarl_conversion.json           tp, pp, source, architecture, dtype, padded vocab
+
+Peak memory per rank: its megatron shard (which must exist to be saved) + one parameter's TP
+slice of the HF tensors (+ megatron's save clones tensors that are views: the gate and up
+halves of every SwiGLU fc1; see bench/RESULTS.md).
+
+The conversion always runs on the CPU (gloo, megatron's local layer spec, the CPU shim). The
+checkpoint keys are the ones the trainer's own checkpoints have; megatron maps the local spec's
+norm names onto Transformer Engine's fused ones (`linear_qkv.layer_norm_weight`), so a TE model
+should load them too (not tested here: no GPU).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.config.schema import ModelConfig
+from megarl.conversion.hf_reader import (ConversionError, HFCheckpoint, check_hf_checkpoint,
+                                         copy_side_files, load_hf_config)
+from megarl.conversion.launch import init_world, launch
+
+CONVERSION_JSON = "megarl_conversion.json"
+HF_CONFIG_DIR = "hf_config"
+DEFAULT_DIVISIBLE_BY = ModelConfig().make_vocab_size_divisible_by  # the schema owns the default
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model_dtype(hf: HFCheckpoint, hf_config, requested: str) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    dtype = hf.meta("model.embed_tokens.weight").dtype if "model.embed_tokens.weight" in hf.files \
+        else torch.float32
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ConversionError(f"HF weights are {dtype}; megarl models are float32 or bfloat16: "
+                              f"pass --dtype float32 or --dtype bfloat16")
+    return dtype
+
+
+def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir: str, out: str,
+                         tp: int, pp: int, dtype_name: str, divisible_by: int,
+                         progress: bool) -> None:
+    """One gloo rank: build this (tp, pp) position's GPTModel, fill it from the HF files, save."""
+    init_world(rank, world, port, threads)
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from tqdm import tqdm
+
+    from megarl.conversion.mapping import mapping_for
+    from megarl.distributed import parallel
+    from megarl.models.builders import build_model
+    from megarl.models.config import transformer_config
+    from megarl.models.loading import load_hf_shard
+
+    parallel.initialize(tp, pp, seed=0)
+    hf_config = load_hf_config(hf_dir)
+    cfg = transformer_config(hf_config, tp, pp, _DTYPES[dtype_name], on_gpu=False)
+    cfg.perform_initialization = False  # every parameter is overwritten below
+    model, info = build_model(hf_config, cfg, divisible_by, "actor")
+    # the trainer's loader: this rank reads only its TP slices of its PP stage's tensors
+    bar = lambda names: tqdm(names, desc=f"HF -> megatron (rank {rank}/{world})",  # noqa: E731
+                             unit="tensor", disable=not progress or rank != 0, file=sys.stderr)
+    load_hf_shard(model, info, HFCheckpoint(hf_dir), "actor",
+                  mapping_for(hf_config, te_names=False), progress=bar)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, out)
+    dist.barrier()
+    parallel.destroy()
+    dist.destroy_process_group()
+
+
+def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str = "auto",
+                   divisible_by: int = DEFAULT_DIVISIBLE_BY, force: bool = False,
+                   progress: bool = True) -> dict:
+    """Convert an HF folder into a megatron dist checkpoint at TP x PP (launches tp*pp ranks).
+
+    Returns the megarl_conversion.json record.
+    """
+    if tp < 1 or pp < 1:
+        raise ConversionError(f"--tp and --pp must be >= 1, got tp={tp}, pp={pp}")
+    hf = HFCheckpoint(hf_dir)
+    hf_config = load_hf_config(hf_dir)
+    from megarl.conversion.mapping import mapping_for, padded_vocab_size
+    from megarl.models.config import transformer_config
+    mapping = mapping_for(hf_config)
+    model_dtype = _model_dtype(hf, hf_config, dtype)
+    transformer_config(hf_config, tp, pp, model_dtype, on_gpu=False)  # TP/PP vs heads/layers
+    check_hf_checkpoint(hf, mapping)
+    hf.close()
+
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()):
+        if not force:
+            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
+        shutil.rmtree(out_path)
+    out_path.mkdir(parents=True, exist_ok=True)
+
+    world = tp * pp
+    threads = max(1, (os.cpu_count() or 1) // world)
+    args = (str(hf_dir), str(out_path), tp, pp, str(model_dtype).removeprefix("torch."),
+            divisible_by, progress)
+    t0 = time.perf_counter()
+    launch(_hf_to_megatron_rank, world, threads, args, "convert_hf_to_megatron")
+    record = {
+        "format": "megatron-core torch_dist", "key": "model",
+        "tp": tp, "pp": pp, "source": str(Path(hf_dir).resolve()),
+        "architecture": mapping.arch, "dtype": str(model_dtype).removeprefix("torch."),
+        "vocab_size": mapping.dims.vocab, "make_vocab_size_divisible_by": divisible_by,
+        "padded_vocab_size": padded_vocab_size(mapping.dims.vocab, divisible_by, tp),
+        "num_layers": mapping.dims.num_layers, "tied_embeddings": mapping.dims.tied,
+        "megatron_core": _mcore_version(),
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    record["hf_files"] = copy_side_files(Path(hf_dir), out_path / HF_CONFIG_DIR)
+    (out_path / CONVERSION_JSON).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _mcore_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001
+        return "unknown"

@@ -1,0 +1,201 @@
+"""Memory per GPU of megarl's models: pure arithmetic on architecture facts and layout.
+
+What is counted follows what the code builds (megarl/models/builders.py, setup.py,
+offload.py), not a generic rule:
+- a trainable model (actor, critic) is megatron DDP + distributed optimizer with
+  `grad_reduce_in_fp32=True`: per parameter its weight (dtype bytes), an fp32 gradient buffer
+  (4, not sharded), and Adam state sharded over DP: fp32 main weight + m + v (12) for a bf16
+  model, m + v (8) for an fp32 one (its main weights are the model's own). ZeRO's mixed
+  precision count (Rajbhandari et al. 2020, sec. 3.1) is 2 + 2 + 12 = 16 bytes/param; megarl's
+  fp32 gradient buffer makes it 18.
+- frozen models (reference, reward model): their weights only.
+- activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", sec. 4.1) per layer, re-derived for what the models are (RMSNorm,
+  SwiGLU, GQA, no dropout, flash attention on GPU), plus the logits on the last stage.
+- engine: the bf16 weights over engine TP and the KV cache 2 x layers x kv_heads x head_dim x
+  bytes per token (Kwon et al. 2023, vLLM).
+Bytes everywhere; GiB only when printed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB = 2 ** 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The decoder facts memory depends on (HF config.json names in comments)."""
+    hidden: int          # hidden_size
+    layers: int          # num_hidden_layers
+    heads: int           # num_attention_heads
+    kv_heads: int        # num_key_value_heads
+    head_dim: int        # head_dim or hidden / heads
+    ffn: int             # intermediate_size (SwiGLU)
+    vocab: int           # vocab_size
+    max_positions: int = 0
+    tied: bool = False   # tie_word_embeddings
+    qkv_bias: bool = False
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocab (= conversion.mapping.padded_vocab_size, kept torch-free here)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+# -- parameters ------------------------------------------------------------------------------
+def layer_params(a: Arch, tp: int = 1) -> float:
+    """Parameters of one transformer layer held by one TP rank. The four attention and three
+    SwiGLU matrices (and the QKV bias) are split over TP; the two RMSNorm weights are not."""
+    q = a.heads * a.head_dim
+    kv = 2 * a.kv_heads * a.head_dim
+    attn = a.hidden * (q + kv) + q * a.hidden + ((q + kv) if a.qkv_bias else 0)
+    mlp = 3 * a.hidden * a.ffn
+    return (attn + mlp) / tp + 2 * a.hidden
+
+
+def total_params(a: Arch) -> int:
+    """Parameters of the HF model (untied: embedding and LM head each vocab x hidden)."""
+    emb = a.vocab * a.hidden * (1 if a.tied else 2)
+    return int(a.layers * layer_params(a) + emb + a.hidden)
+
+
+def stage_params(a: Arch, tp: int, pp: int, stage: int, role: str, divisible_by: int = 128) -> float:
+    """Parameters of one (TP rank, PP stage) of a built model. role: actor | reference |
+    critic | reward. The first stage has the (padded, TP-split) embedding; the last the final
+    norm and the output layer: the LM head for actor/reference (a second copy of the embedding
+    when tied and pp > 1, as megatron keeps one), a 1 x hidden value head for critic/reward."""
+    v = padded_vocab(a.vocab, divisible_by, tp)
+    n = a.layers // pp * layer_params(a, tp)
+    if stage == 0:
+        n += v * a.hidden / tp
+    if stage == pp - 1:
+        n += a.hidden  # final norm
+        if role in ("critic", "reward"):
+            n += a.hidden
+        elif not a.tied or pp > 1:
+            n += v * a.hidden / tp
+    return n
+
+
+def trainable_bytes_per_param(dtype: str, dp: int) -> dict[str, float]:
+    """Bytes per parameter of a megatron DDP model with the distributed optimizer, as
+    builders.make_trainable configures it (grad_reduce_in_fp32, use_distributed_optimizer)."""
+    w = DTYPE_BYTES[dtype]
+    opt = (4 + 8) if w == 2 else 8    # bf16: fp32 main copy + Adam m, v; fp32: m, v only
+    return {"weights": w, "grads": 4, "optimizer": opt / dp}
+
+
+# -- activations -----------------------------------------------------------------------------
+def layer_activation_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int = 2,
+                           sequence_parallel: bool = False, fused: bool = True) -> float:
+    """Activations one layer keeps for backward, per micro-batch (Korthikanti et al. 2022
+    sec. 4.1, terms re-derived for RMSNorm + GQA + SwiGLU, no dropout).
+
+    Korthikanti's GPT layer stores sbh(34 + 5as/h) bytes at 2 bytes per value: sbh x {4 for the
+    two LayerNorm inputs, 2 + 2 for the inputs of QKV and of the MLP, 4 + 2 for Q, K, V,
+    2 for the output projection's input, 8 + 8 for GeLU's input and output, 1 + 1 dropout
+    masks} + 5as^2b for the scores (softmax output 2, its dropout mask 1 and output 2).
+    Here, in units of act_bytes x s x b, on the GPU path (`fused`: Transformer Engine's fused
+    RMSNorm + linear and flash attention, megatron's fused SwiGLU):
+    - not split over TP (unless sequence parallel): the two norm inputs, the QKV input and
+      the MLP input: 4h;
+    - split over TP: Q (heads x head_dim) and K, V (kv_heads x head_dim each) after RoPE, the
+      attention output that feeds the projection (h), SwiGLU's gate|up output (2f, the fused
+      kernel recomputes the rest) and its output feeding the down projection (f): q + 2kv + h + 3f;
+    - no dropout masks (dropout is off in every megarl model); no a x s x s scores (flash).
+    With GeLU in place of SwiGLU (2f instead of 3f, f = 4h), MHA (q = kv = h) and the masks
+    put back this is Korthikanti's sbh(10 + 24/t) (tests/unit/test_plan.py).
+    `fused=False` is megatron's local spec (the CPU path, measured by bench/plan_check.py):
+    each unfused RMSNorm also keeps its normalised value (+2h), K and V are expanded to every
+    query head (2q instead of 2kv), the unfused SwiGLU keeps gate|up, the up copy, silu's
+    output and the product (5f), and the softmax output (a x s per token) is kept."""
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    if fused:
+        replicated, split = 4 * a.hidden, q + 2 * kv + a.hidden + 3 * a.ffn
+    else:
+        replicated, split = 6 * a.hidden, 3 * q + a.hidden + 5 * a.ffn + a.heads * seq
+    per_token = replicated / (tp if sequence_parallel else 1) + split / tp
+    return act_bytes * seq * mbs * per_token
+
+
+def layer_input_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int = 2,
+                      sequence_parallel: bool = False) -> float:
+    """What full recomputation keeps per layer: its input, 2sbh (Korthikanti et al. 2022), split
+    over TP only with sequence parallelism."""
+    return act_bytes * seq * mbs * a.hidden / (tp if sequence_parallel else 1)
+
+
+def head_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int = 2, divisible_by: int = 128,
+               fused: bool = True, logits: bool = True) -> float:
+    """The last stage's output for one micro-batch, kept for backward: the final RMSNorm (its
+    input and the output layer's input; + the normalised value unfused) and, with an LM head,
+    the three fp32 copies of this TP rank's vocab slice models/logprobs.py keeps (shifted
+    logits, exp, probabilities for the entropy). The critic's value head output is negligible."""
+    out = act_bytes * seq * mbs * a.hidden * (2 if fused else 3)
+    if logits:
+        out += seq * mbs * padded_vocab(a.vocab, divisible_by, tp) / tp * 4 * 3
+    return out
+
+
+def in_flight_microbatches(pp: int, stage: int, microbatches: int) -> int:
+    """1F1B keeps pp - stage micro-batches' activations on a stage at its peak (Narayanan et
+    al. 2021); never more than there are micro-batches. pp = 1: one at a time."""
+    return max(1, min(pp - stage, microbatches))
+
+
+def stage_activation_bytes(a: Arch, seq: int, mbs: int, tp: int, pp: int, stage: int, microbatches: int,
+                           act_bytes: int = 2, sequence_parallel: bool = False, fused: bool = True,
+                           recompute: str = "none", with_logits: bool = True,
+                           divisible_by: int = 128) -> float:
+    """Peak activations of one stage in a training pass. Without recomputation every layer
+    of every in-flight micro-batch keeps its activations; with `full` only each layer's input
+    is kept, plus one layer's full set while it is recomputed in backward. The last stage
+    (one micro-batch in flight) adds its head."""
+    per_stage_layers = a.layers // pp
+    k = in_flight_microbatches(pp, stage, microbatches)
+    full = layer_activation_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel, fused)
+    if recompute == "full":
+        kept = k * per_stage_layers * layer_input_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel) + full
+    else:
+        kept = k * per_stage_layers * full
+    if stage == pp - 1:
+        kept += head_bytes(a, seq, mbs, tp, act_bytes, divisible_by, fused, with_logits)
+    return kept
+
+
+def forward_only_bytes(a: Arch, seq: int, mbs: int, tp: int, pp: int, stage: int, act_bytes: int = 2,
+                       sequence_parallel: bool = False, fused: bool = True, with_logits: bool = True,
+                       divisible_by: int = 128) -> float:
+    """A forward-only pass (old/reference logprobs, values, reward) frees each layer's
+    activations as it goes: one layer's set, and the head on the last stage."""
+    out = layer_activation_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel, fused)
+    if stage == pp - 1:
+        out += head_bytes(a, seq, mbs, tp, act_bytes, divisible_by, fused, with_logits)
+    return out
+
+
+# -- engines ---------------------------------------------------------------------------------
+def kv_bytes_per_token(a: Arch, engine_tp: int, kv_bytes: int = 2) -> float:
+    """One token's KV cache on one GPU of an engine: 2 (K and V) x layers x kv_heads x head_dim
+    x bytes, the kv heads split over TP; vLLM replicates them when TP exceeds them."""
+    heads_per_gpu = max(a.kv_heads / engine_tp, 1)
+    return 2 * a.layers * heads_per_gpu * a.head_dim * kv_bytes
+
+
+def engine_weight_bytes(a: Arch, engine_tp: int, w_bytes: int = 2) -> float:
+    """An engine GPU's share of the bf16 weights (vLLM pads the vocab only to 64: ignored)."""
+    return total_params(a) * w_bytes / engine_tp
+
+
+def engine_workspace_bytes(a: Arch, engine_tp: int, seqs: int, batched_tokens: int = 8192) -> float:
+    """vLLM's non-KV working memory, approximately: fp32 logits of the running batch over the
+    full vocab (sampling), and one prefill chunk's activations (hidden, q/kv, gate/up) at
+    bf16. vLLM measures it in a profiling run; this is the same order of magnitude."""
+    logits = seqs * a.vocab * 4
+    act = batched_tokens * 2 * 2 * (a.hidden + (a.heads + 2 * a.kv_heads) * a.head_dim / engine_tp
+                                    + 3 * a.ffn / engine_tp)
+    return logits + act

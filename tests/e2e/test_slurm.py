@@ -1,0 +1,161 @@
+"""`sbatch slurm/ppo_70b.sh` end to end under the local slurm stand-in (tests/slurm_standin).
+
+Two fake nodes on this machine: the first runs the trainer (srun + torchrun, one gloo rank), the
+second one vLLM server (srun + `python -m megarl.rollout.serve`) on CPU; the tiny recipe comes in
+through the script's own variables. SIGTERM to the batch shell (what `#SBATCH
+--signal=B:TERM@...` does) makes the trainer save and stop, the job requeues itself, and the
+second run resumes from the same RUN_DIR.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+
+import psutil
+
+from conftest import ROOT
+
+STANDIN = ROOT / "tests" / "slurm_standin" / "bin"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+class Tree(threading.Thread):
+    """Every process below `pid`, sampled every 0.3 s while it runs (servers' ids, env, argv)."""
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.root, self.seen, self.info, self.done = pid, {}, {}, False
+
+    def run(self):
+        while not self.done:
+            try:
+                for p in psutil.Process(self.root).children(recursive=True):
+                    key = (p.pid, p.create_time())
+                    if key not in self.seen:
+                        self.seen[key] = p
+                    if key not in self.info:
+                        try:
+                            argv = p.cmdline()
+                            if "vllm.entrypoints.openai.api_server" in argv or "megarl.cli" in argv:
+                                self.info[key] = (argv, p.environ())
+                        except psutil.Error:
+                            pass
+            except psutil.Error:
+                pass
+            time.sleep(0.3)
+
+    def servers(self):
+        return [v for v in self.info.values() if "vllm.entrypoints.openai.api_server" in v[0]]
+
+    def ranks(self):   # torchrun's workers (not torchrun, the task shell or `megarl plan`)
+        return [v for v in self.info.values() if "megarl.cli" in v[0] and "LOCAL_RANK" in v[1]]
+
+
+def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_model, tmp_path):
+    """Contract: under the stand-in, `sbatch slurm/ppo_70b.sh` with the tiny recipe starts one
+    trainer rank and one vLLM server (bound to the node's address, API key only in its
+    environment), trains; SIGTERM to the batch shell makes the trainer save a checkpoint and
+    exit 0; the job requeues itself and resumes from the newest checkpoint in the same RUN_DIR:
+    metrics rows 0..2 each once. Each run writes a log folder (git revision, resolved config,
+    job and environment without the key, trainer and engine logs), and no process is left."""
+    run_dir, state = tmp_path / "run", tmp_path / "state"
+    port = _free_port()
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
+           "PATH": f"{STANDIN}:{os.environ['PATH']}", "SLURM_STANDIN_STATE": str(state),
+           "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
+           "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
+           "PORT_BASE": str(port), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
+           "STOP_TIMEOUT": "20", "ENGINE_START_TIMEOUT": "900",
+           "EXTRA": f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=3 "
+                    f"rollout.mode=sync metrics.tensorboard=false"}
+    for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    t0 = time.time()
+    proc = subprocess.Popen(["sbatch", "--nodes=2", f"--output={tmp_path}/slurm-%j.out", "slurm/ppo_70b.sh"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tree = Tree(proc.pid)
+    tree.start()
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        job = proc.stdout.readline().split()[-1]                # "Submitted batch job N"
+        deadline = time.time() + 900
+        while not _rows(metrics):
+            assert proc.poll() is None, (proc.stdout.read(), _logs(tmp_path, run_dir))
+            assert time.time() < deadline, _logs(tmp_path, run_dir)
+            time.sleep(0.3)
+        # the time limit is near: slurm signals the batch shell (#SBATCH --signal=B:TERM@...)
+        subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=env, check=True)
+        out, _ = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", job], env=env)
+            proc.kill()
+            proc.wait()
+        tree.done = True
+        tree.join()
+    wall = time.time() - t0
+    logs = _logs(tmp_path, run_dir)
+    assert proc.returncode == 0, (out, logs)
+
+    # two runs of job N: the first stopped on SIGTERM after a checkpoint, the second resumed
+    first, second = run_dir / f"slurm-{job}", run_dir / f"slurm-{job}-restart1"
+    first_log, second_log = (first / "trainer.log").read_text(), (second / "trainer.log").read_text()
+    assert "stopping after step" in first_log and "SIGTERM" in first_log, first_log[-3000:]
+    stopped = int(re.search(r"stopping after step (\d+)", first_log).group(1))
+    assert stopped < 2, first_log[-3000:]
+    assert re.search(rf"resumed from \S*step_{stopped} at step {stopped + 1}", second_log), second_log[-3000:]
+    assert f"requeueing job {job}" in logs
+    assert [r["step"] for r in _rows(metrics)] == [0, 1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step_2"
+
+    # per-run log folders
+    for folder in (first, second):
+        names = {p.name for p in folder.iterdir()}
+        assert {"git.txt", "config.yaml", "job.txt", "env.txt", "overrides.txt", "trainer.log", "engines"} <= names
+        config = (folder / "config.yaml").read_text()
+        assert "engine_mode: remote" in config and f"http://127.0.0.1:{port}" in config
+        assert re.match(r"[0-9a-f]{40}|not a git checkout", (folder / "git.txt").read_text())
+        assert "SLURM_JOB_ID=" in (folder / "env.txt").read_text()
+        engine_log = (folder / "engines" / "engine_0.log").read_text()
+        assert "--logprobs-mode processed_logprobs" in engine_log and f"--host 127.0.0.1 --port {port}" in engine_log
+    assert "restart 1" in (second / "job.txt").read_text()
+
+    # one server per run, bound to the node's address; its key in the environment only, and
+    # nowhere in the logs; one trainer rank per run, talking to it in remote mode
+    servers, ranks = tree.servers(), tree.ranks()
+    assert len(servers) == 2 and len(ranks) == 2, (len(servers), len(ranks))
+    for argv, senv in servers:
+        assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--api-key" not in argv
+        key = senv["VLLM_API_KEY"]
+        assert len(key) >= 32
+        for path in [*tmp_path.glob("slurm-*.out"), *run_dir.rglob("*.txt"), *run_dir.rglob("*.log"),
+                     *run_dir.rglob("*.yaml")]:
+            assert key not in path.read_text(errors="replace"), path
+    assert all(renv.get("MEGARL_ENGINE_API_KEY") == senv["VLLM_API_KEY"]
+               for (_, renv), (_, senv) in zip(ranks, servers))
+
+    time.sleep(2)
+    left = [p for p in tree.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+    print(f"slurm stand-in: 2 runs of job {job} in {wall:.0f} s")
+
+
+def _logs(tmp_path, run_dir) -> str:
+    """The batch output and the newest trainer/engine log tails, for assertion messages."""
+    parts = []
+    for path in [*tmp_path.glob("slurm-*.out"), *run_dir.glob("slurm-*/trainer.log"),
+                 *run_dir.glob("slurm-*/engines/*.log")]:
+        parts.append(f"--- {path}\n{path.read_text(errors='replace')[-2500:]}")
+    return "\n".join(parts)

@@ -1,0 +1,73 @@
+"""`python -m megarl.rollout.serve`: the cluster scripts' vLLM server (same argv as LocalServer)
+and their health wait."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megarl.rollout import serve
+from megarl.rollout.servers import LocalServer
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """os.execve replaced: what serve would have become."""
+    got = {}
+
+    def fake_execve(path, argv, env):
+        got.update(path=path, argv=list(argv), env=dict(env))
+        raise SystemExit(0)
+    monkeypatch.setattr(serve.os, "execve", fake_execve)
+    return got
+
+
+def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(captured, monkeypatch):
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "k" * 32)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    with pytest.raises(SystemExit):
+        serve.main(["serve", "recipes/tiny_cpu.yaml", "rollout.kv_cache_mb=32", "--host", "10.1.2.3",
+                    "--port", "8123", "--index", "2", "run.seed=5"])
+    want = LocalServer("artifacts/tiny_countdown", "/dev/null", api_key="", seed=7, max_model_len=256,
+                       kv_cache_mb=32, port=8123, host="10.1.2.3").command()
+    assert captured["argv"] == want
+    argv = captured["argv"]
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert "--api-key" not in argv and "k" * 32 not in " ".join(argv)
+    env = captured["env"]
+    assert env["VLLM_API_KEY"] == "k" * 32 and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "MEGARL_ENGINE_API_KEY" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+@pytest.mark.parametrize("host,key,fragment", [("0.0.0.0", "x" * 32, "cluster-internal"),
+                                               ("10.1.2.3", "", "MEGARL_ENGINE_API_KEY")])
+def test_serve_refuses_a_wildcard_address_or_no_key(captured, monkeypatch, capsys, host, key, fragment):
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", key)
+    assert serve.main(["serve", "recipes/tiny_cpu.yaml", "--host", host, "--port", "8123"]) == 2
+    assert fragment in capsys.readouterr().err and not captured
+
+
+def test_serve_rejects_a_bad_override(captured, monkeypatch, capsys):
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "x" * 32)
+    assert serve.main(["serve", "recipes/tiny_cpu.yaml", "train.stepz=1", "--host", "h", "--port", "1"]) == 2
+    assert "train.stepz" in capsys.readouterr().err and not captured
+
+
+def test_wait_times_out_with_the_log_tail(tmp_path, capsys):
+    log = tmp_path / "engine_0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    t0 = time.monotonic()
+    assert serve.main(["wait", "--timeout", "1", "--interval", "0.2", f"http://127.0.0.1:9={log}"]) == 1
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert "not healthy after 1 s" in err and "line 99" in err and "line 10\n" not in err
+
+
+def test_wait_stops_when_a_watched_process_exits(tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    t0 = time.monotonic()
+    assert serve.main(["wait", "--timeout", "600", "--watch-pid", str(dead.pid),
+                       f"http://127.0.0.1:9={tmp_path / 'missing.log'}"]) == 1
+    assert time.monotonic() - t0 < 30
+    assert f"process {dead.pid} exited" in capsys.readouterr().err
