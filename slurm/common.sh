@@ -40,20 +40,34 @@ node_addr() {
 # this task's rank, so global rank 0 is on the head node). torchrun's own SIGTERM handling
 # would SIGKILL the ranks 30 s later, before a large checkpoint is written: torchrun ignores
 # SIGTERM here and this shell hands it to the ranks (under slurm they also get it directly).
-# A rank that is still starting ignores SIGTERM (inherited from torchrun): repeat it every 10 s
-# until torchrun is gone, so a stop requested during start-up is not lost.
+# A rank that is still starting ignores SIGTERM (inherited from torchrun); a rank that has
+# finished its work and is exiting has SIGTERM's default action again (Python's shutdown) and
+# must not get it. So every rank gets SIGTERM once its handler is installed (SigCgt in
+# /proc/PID/status), checked every 2 s until torchrun is gone: a stop requested during
+# start-up is not lost, and a rank is never signalled while it exits.
 TORCHRUN_PID=""
 RESENDER_PID=""
-term_ranks() {
+catches_term() {    # pid: is a handler installed for SIGTERM (signal 15: bit 14)?
+    local mask
+    mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) || return 1
+    [[ -n $mask ]] && (((16#$mask >> 14) & 1))
+}
+deliver_term() {    # SIGTERM to each rank once, as soon as it catches it
     local pid
-    for pid in $(ps -o pid= --ppid "$TORCHRUN_PID" 2>/dev/null || true); do
-        kill -TERM "$pid" 2>/dev/null || true
+    local -A done_pids=()
+    while kill -0 "$TORCHRUN_PID" 2>/dev/null; do
+        for pid in $(ps -o pid= --ppid "$TORCHRUN_PID" 2>/dev/null || true); do
+            if [[ -z ${done_pids[$pid]:-} ]] && catches_term "$pid"; then
+                kill -TERM "$pid" 2>/dev/null || true
+                done_pids[$pid]=1
+            fi
+        done
+        sleep 2
     done
 }
 forward_term() {
-    term_ranks
     [[ -z $RESENDER_PID ]] || return 0
-    (while kill -0 "$TORCHRUN_PID" 2>/dev/null; do sleep 10; term_ranks; done) &
+    deliver_term &
     RESENDER_PID=$!
 }
 

@@ -123,9 +123,14 @@ def _intact(previous: Path | None) -> str:
             else "no checkpoint was saved yet")
 
 
+FULL_BYTES = 4 << 20        # less free than this after a failed write: the disk filled up
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
 def _disk_errno(err: BaseException) -> int | None:
     """The errno of an OSError anywhere in err's chain (torch.distributed.checkpoint wraps a
-    writer's exception in a CheckpointException holding each rank's failure)."""
+    writer's exception in a CheckpointException holding each rank's failure), or named in
+    the text of one."""
     seen, todo = set(), [err]
     while todo:
         e = todo.pop()
@@ -134,12 +139,23 @@ def _disk_errno(err: BaseException) -> int | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno is not None:
             return e.errno
+        # megatron's file writer runs in worker processes and re-raises their error as text:
+        # RuntimeError("Worker failure: [Errno 28] No space left on device")
+        if m := _ERRNO_TEXT.search(str(e)):
+            return int(m.group(1))
         todo += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)   # CheckpointException: {rank: (exception, trace)}
         if isinstance(failures, dict):
             for f in failures.values():
                 todo.append(f[0] if isinstance(f, tuple) else f)
     return None
+
+
+def _is_full(root: Path) -> bool:
+    try:
+        return shutil.disk_usage(root).free < FULL_BYTES
+    except OSError:
+        return False
 
 
 def _agree(problem: str | None) -> str | None:
@@ -188,8 +204,14 @@ def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None
             os.replace(tmp, final)
             for old in complete_checkpoints(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    except Exception as err:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:   # torch's CheckpointException is a BaseException
         code = _disk_errno(err)
+        if code is None and _is_full(root):
+            # a short write can surface without an errno at all (torch.save's zip writer:
+            # "enforce fail at inline_container.cc ... unexpected pos"): the disk says why
+            code = errno.ENOSPC
         if code not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EFBIG):
             raise
         if _is_rank0():

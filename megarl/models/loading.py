@@ -117,7 +117,6 @@ def open_checked(path: str, mapping, ignore: tuple[str, ...] = ()) -> HFCheckpoi
     return hf
 
 
-
 # ---------------------------------------------------------------------------------------------
 # weights from a converted megatron checkpoint (model.megatron_path)
 # ---------------------------------------------------------------------------------------------

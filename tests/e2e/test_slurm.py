@@ -49,7 +49,7 @@ class Tree(threading.Thread):
                         try:
                             argv = p.cmdline()
                             if "vllm.entrypoints.openai.api_server" in argv or "megarl.cli" in argv:
-                                self.info[key] = (argv, p.environ())
+                                self.info[key] = (argv, p.environ(), p.parent().cmdline())
                         except psutil.Error:
                             pass
             except psutil.Error:
@@ -59,8 +59,8 @@ class Tree(threading.Thread):
     def servers(self):
         return [v for v in self.info.values() if "vllm.entrypoints.openai.api_server" in v[0]]
 
-    def ranks(self):   # torchrun's workers (not torchrun, the task shell or `megarl plan`)
-        return [v for v in self.info.values() if "megarl.cli" in v[0] and "LOCAL_RANK" in v[1]]
+    def ranks(self):   # torchrun's workers (not torchrun, the task shell, `megarl plan`, forks)
+        return [v for v in self.info.values() if "megarl.cli" in v[0] and "torch.distributed.run" in v[2]]
 
 
 def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_model, tmp_path):
@@ -136,7 +136,7 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     # nowhere in the logs; one trainer rank per run, talking to it in remote mode
     servers, ranks = tree.servers(), tree.ranks()
     assert len(servers) == 2 and len(ranks) == 2, (len(servers), len(ranks))
-    for argv, senv in servers:
+    for argv, senv, _ in servers:
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--api-key" not in argv
         key = senv["VLLM_API_KEY"]
         assert len(key) >= 32
@@ -144,12 +144,50 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
                      *run_dir.rglob("*.yaml")]:
             assert key not in path.read_text(errors="replace"), path
     assert all(renv.get("MEGARL_ENGINE_API_KEY") == senv["VLLM_API_KEY"]
-               for (_, renv), (_, senv) in zip(ranks, servers))
+               for (_, renv, _), (_, senv, _) in zip(ranks, servers))
 
     time.sleep(2)
     left = [p for p in tree.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [(p.pid, p.cmdline()) for p in left]
     print(f"slurm stand-in: 2 runs of job {job} in {wall:.0f} s")
+
+
+def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_model, tmp_path):
+    """Contract: a server that does not answer /health within ENGINE_START_TIMEOUT stops the
+    job: exit 1, the batch output names the server and shows the last lines of its log, the
+    trainer step that was starting is stopped too, and no process is left."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
+           "PATH": f"{STANDIN}:{os.environ['PATH']}", "SLURM_STANDIN_STATE": str(tmp_path / "state"),
+           "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
+           "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
+           "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
+           "STOP_TIMEOUT": "10", "ENGINE_START_TIMEOUT": "3",
+           "EXTRA": f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1"}
+    for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.Popen(["sbatch", "--nodes=2", f"--output={tmp_path}/slurm-%j.out", "slurm/ppo_7b.sh"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tree = Tree(proc.pid)
+    tree.start()
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tree.done = True
+        tree.join()
+    logs = _logs(tmp_path, run_dir)
+    assert proc.returncode == 1, (out, logs)
+    batch = next(tmp_path.glob("slurm-*.out")).read_text()
+    assert "not healthy after 3 s" in batch and "Last lines of its log" in batch, batch
+    assert "# megarl: engine 0 at http://127.0.0.1:" in batch        # the server log's first line
+    assert "the engines did not come up" in batch
+    assert not (run_dir / "metrics.jsonl").exists()
+    time.sleep(2)
+    left = [p for p in tree.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
 
 
 def _logs(tmp_path, run_dir) -> str:

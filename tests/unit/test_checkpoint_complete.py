@@ -33,6 +33,8 @@ def test_a_disk_error_is_found_inside_torch_checkpoint_exceptions():
             raise RuntimeError("megatron: save failed") from err
     except RuntimeError as outer:
         assert _disk_errno(outer) == errno.ENOSPC
+    # megatron's writer workers send their error back as text (seen with a full tmpfs)
+    assert _disk_errno(RuntimeError("Worker failure: [Errno 28] No space left on device")) == errno.ENOSPC
     assert _disk_errno(CheckpointException("x", {1: (ValueError("bad"), None)})) is None
     assert _disk_errno(ValueError("no disk involved")) is None
 
