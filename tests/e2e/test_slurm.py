@@ -162,7 +162,7 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
            "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
            "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
            "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
-           "STOP_TIMEOUT": "10", "ENGINE_START_TIMEOUT": "3",
+           "STOP_TIMEOUT": "10", "ENGINE_START_TIMEOUT": "25",
            "EXTRA": f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1"}
     for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
         env.pop(var, None)
@@ -181,7 +181,7 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     logs = _logs(tmp_path, run_dir)
     assert proc.returncode == 1, (out, logs)
     batch = next(tmp_path.glob("slurm-*.out")).read_text()
-    assert "not healthy after 3 s" in batch and "Last lines of its log" in batch, batch
+    assert "not healthy after 25 s" in batch and "Last lines of its log" in batch, batch
     assert "# megarl: engine 0 at http://127.0.0.1:" in batch        # the server log's first line
     assert "the engines did not come up" in batch
     assert not (run_dir / "metrics.jsonl").exists()
