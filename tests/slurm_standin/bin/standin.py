@@ -63,19 +63,51 @@ def killpg(pgid: int, sig) -> bool:
         return False
 
 
+def descendants(pid: int) -> list:
+    """Every process below `pid` now (from /proc): what slurm's cgroup would hold, including
+    processes that started their own session (torchrun's workers, megarl's reaper)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int, sig) -> bool:
+    """`sig` to the process group led by `pid` and to every descendant; True if any was there."""
+    hit = killpg(pid, sig)
+    for p in descendants(pid):
+        try:
+            os.kill(p, sig)
+            hit = True
+        except (ProcessLookupError, PermissionError):
+            pass
+    return hit
+
+
 def kill_job(job: str, sig, batch_pid: int) -> None:
     for pgid in [batch_pid] + groups(job):
-        killpg(pgid, sig)
+        kill_tree(pgid, sig)
 
 
 def reap_steps(job: str, batch_pid: int, grace_s: float = 5.0) -> None:
     """The job has ended: SIGTERM, then SIGKILL, whatever its batch shell and steps left."""
     pgids = [batch_pid] + groups(job)
-    alive = [p for p in pgids if killpg(p, signal.SIGTERM)]
+    alive = [p for p in pgids if kill_tree(p, signal.SIGTERM)]
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [p for p in alive if killpg(p, 0)]
+        alive = [p for p in alive if killpg(p, 0) or descendants(p)]
     for p in alive:
-        killpg(p, signal.SIGKILL)
+        kill_tree(p, signal.SIGKILL)
     clear(os.path.join(job, "pgids"))
