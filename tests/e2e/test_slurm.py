@@ -68,8 +68,9 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     trainer rank and one vLLM server (bound to the node's address, API key only in its
     environment), trains; SIGTERM to the batch shell makes the trainer save a checkpoint and
     exit 0; the job requeues itself and resumes from the newest checkpoint in the same RUN_DIR:
-    metrics rows 0..2 each once. Each run writes a log folder (git revision, resolved config,
-    job and environment without the key, trainer and engine logs), and no process is left."""
+    metrics rows 0..2 each once; a second `sbatch` with train.steps=4 resumes at step 3. Each
+    run writes a log folder (git revision, resolved config, job and environment without the
+    key, trainer and engine logs), and no process is left."""
     run_dir, state = tmp_path / "run", tmp_path / "state"
     port = _free_port()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
@@ -146,10 +147,31 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     assert all(renv.get("MEGARL_ENGINE_API_KEY") == senv["VLLM_API_KEY"]
                for (_, renv, _), (_, senv, _) in zip(ranks, servers))
 
+    # a second submission on the same RUN_DIR (a longer run) resumes from the newest checkpoint
+    env["EXTRA"] = env["EXTRA"].replace("train.steps=3", "train.steps=4")
+    again = subprocess.Popen(["sbatch", "--nodes=2", f"--output={tmp_path}/slurm-%j.out", "slurm/ppo_70b.sh"],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tree2 = Tree(again.pid)
+    tree2.start()
+    try:
+        job2 = again.stdout.readline().split()[-1]
+        out2, _ = again.communicate(timeout=1200)
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+        tree2.done = True
+        tree2.join()
+    assert again.returncode == 0 and job2 != job, (out2, _logs(tmp_path, run_dir))
+    third_log = (run_dir / f"slurm-{job2}" / "trainer.log").read_text()
+    assert re.search(r"resumed from \S*step_2 at step 3", third_log), third_log[-3000:]
+    assert [r["step"] for r in _rows(metrics)] == [0, 1, 2, 3]
+
     time.sleep(2)
-    left = [p for p in tree.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = [p for p in [*tree.seen.values(), *tree2.seen.values()]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [(p.pid, p.cmdline()) for p in left]
-    print(f"slurm stand-in: 2 runs of job {job} in {wall:.0f} s")
+    print(f"slurm stand-in: 2 runs of job {job} in {wall:.0f} s, then job {job2}")
 
 
 def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_model, tmp_path):
