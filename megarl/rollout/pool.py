@@ -68,7 +68,7 @@ class EnginePool:
     """Engines of one policy. Requests go to the least-loaded engine; versions move together."""
 
     def __init__(self, engines: Sequence[Engine], timeout_s: float, failures_max: int = 0,
-                 replace: Optional[Callable[[Engine], Engine]] = None):
+                 replace: Optional[Callable[[int], Engine]] = None):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = list(engines)             # the live ones: requests and weights go here
@@ -80,7 +80,8 @@ class EnginePool:
         self._where: dict[str, Engine] = {}      # request key -> engine serving it
         self._order = itertools.count()          # tie-break: round-robin among equally loaded
         self.holders: list = []                  # schedulers to hold around weight updates (async rounds)
-        self.replace = replace                   # failed engine -> an unstarted replacement
+        self.replace = replace                   # slot i -> an unstarted engine for it
+        self._slot = {id(e): i for i, e in enumerate(self.engines)}   # engine -> its slot
         self.joining: list[Engine] = []          # replacements started, waiting for the next update
         self.restarts = 0                        # replacements that joined the pool
         self._starting: list[asyncio.Future] = []
@@ -168,7 +169,9 @@ class EnginePool:
         """Start a fresh engine in place of `failed` (after its process is gone: the
         replacement may need the same port, GPU or memory); it joins at the next update."""
         await asyncio.gather(closing, return_exceptions=True)
-        fresh = self.replace(failed)
+        slot = self._slot[id(failed)]
+        fresh = self.replace(slot)
+        self._slot[id(fresh)] = slot
         try:
             await fresh.start()
         except Exception as err:   # noqa: BLE001 - logged; the pool goes on without it
@@ -294,8 +297,8 @@ def open_pool(cfg, model_path: str, seed: int, log_dir: str) -> SyncPool:
     from megarl.rollout.build import build_engine, build_engines
     loop = LoopThread()
     try:
-        def replace(failed):   # the same slot of the pool: engine<i> -> a fresh engine<i>
-            return build_engine(cfg, model_path, seed, log_dir, int(failed.name.removeprefix("engine")))
+        def replace(slot):     # a fresh engine<slot>: same settings, seed and log file
+            return build_engine(cfg, model_path, seed, log_dir, slot)
         pool = EnginePool(build_engines(cfg, model_path, seed, log_dir), cfg.engine_timeout_s,
                           cfg.engine_failures_max, replace if cfg.engine_restart else None)
         return SyncPool(pool, loop, cfg.engine_start_timeout_s)

@@ -185,8 +185,8 @@ def test_a_failed_engine_is_replaced_and_the_replacement_loads_before_it_serves(
     over both engines again. A replacement that cannot start is logged and left out."""
     made = []
 
-    def replace(failed):
-        made.append((ScriptedEngine if replacement_starts else StartFails)(failed.name + "'"))
+    def replace(slot):
+        made.append((ScriptedEngine if replacement_starts else StartFails)(f"e{slot}'"))
         return made[-1]
 
     async def main():
