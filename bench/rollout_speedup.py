@@ -224,7 +224,7 @@ def main() -> None:
     G, n, C, E = args.groups_per_step, args.n, args.concurrency, args.engines
 
     import torch
-    from megarl.data.prompts import load_jsonl
+    from megarl.data.prompts import load_prompts
     from megarl.rewards import get_reward_fn
     from megarl.rollout.engine import GenRequest
     from megarl.rollout.sync_rollout import encode_prompts, score
@@ -235,7 +235,7 @@ def main() -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     model = bench_model(ROOT / "artifacts/tiny_countdown", out_dir / "tiny_countdown_long",
                         max(1024, args.max_len + 64))
-    records = load_jsonl(str(ROOT / "artifacts/tiny_countdown/prompts.jsonl"), "prompt")
+    records = load_prompts(str(ROOT / "artifacts/tiny_countdown/prompts.jsonl"), "prompt")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompts_all = encode_prompts(tokenizer, records, "prompt")

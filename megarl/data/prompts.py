@@ -34,10 +34,6 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
     return records
 
 
-# the name of the JSONL-only loader this one replaced (bench scripts call it)
-load_jsonl = load_prompts
-
-
 def _rows(p: Path, path: str):
     """(row number, record) pairs: JSONL rows are line numbers (blank lines skipped), parquet
     rows count from 1."""

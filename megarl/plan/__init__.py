@@ -111,8 +111,8 @@ def check_layout(arch: Arch, tp: int, pp: int) -> None:
 
 
 def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True, rm_arch: Arch | None = None) -> dict:
-    """fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU)."""
-    """Peak bytes per trainer GPU over its phases, on the worst PP stage, by role."""
+    """Peak bytes per trainer GPU over its phases, on the worst PP stage, by role.
+    fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU)."""
     t, tp, pp, dp = cfg.train, lay.tp, lay.pp, lay.dp
     div, wb = cfg.model.make_vocab_size_divisible_by, mem.DTYPE_BYTES[cfg.model.dtype]
     seq, mbs = cfg.rollout.max_model_len, t.micro_batch_size
@@ -178,8 +178,7 @@ def best_layout(cfg, arch, gpus, gpus_per_node, fused, rm_arch) -> tuple[Layout,
     best = None
     for lay in candidate_layouts(arch, gpus, gpus_per_node):
         try:
-            validate_world(cfg, gpus) if lay.tp == cfg.parallel.tp and lay.pp == cfg.parallel.pp else \
-                validate_world(replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp)), gpus)
+            validate_world(replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp)), gpus)
         except ConfigError:
             continue
         peak = trainer_memory(cfg, arch, lay, fused, rm_arch)["peak_bytes"]

@@ -50,7 +50,8 @@ def exact_score(response_text: str, record: dict, *, finished: bool, answer_key:
     got = extract_answer(response_text)
     if got is None:
         got = response_text
-    return float(normalize(got) == normalize(record[answer_key]) and bool(normalize(got)))
+    got = normalize(got)
+    return float(bool(got) and got == normalize(record[answer_key]))
 
 
 def format_score(response_text: str, record: dict, *, finished: bool) -> float:

@@ -10,6 +10,10 @@ off: a response that does not parse is a wrong answer (0), not a verifier error.
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
+
+# math-verify warns "timeout disabled" on every call: ours is outside it (see above)
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def _parse(text: str):
@@ -17,18 +21,21 @@ def _parse(text: str):
     return parse(text, parsing_timeout=None)
 
 
+@lru_cache(maxsize=1024)   # the n samples of a group share their gold answer: parse it once
+def _parse_gold_text(text: str) -> tuple:
+    parsed = _parse(text) if ("$" in text or "\\boxed" in text) else []
+    return tuple(parsed or _parse(f"${text}$"))
+
+
 def parse_gold(answer) -> list:
     """The gold answer parsed; a bare answer ("x^2+1") is read as LaTeX math (wrapped in $...$)."""
-    text = str(answer).strip()
-    parsed = _parse(text) if ("$" in text or "\\boxed" in text) else []
-    return parsed or _parse(f"${text}$")
+    return list(_parse_gold_text(str(answer).strip()))
 
 
 def math_score(response_text: str, record: dict, *, finished: bool, answer_key: str = "answer") -> float:
     """1.0 when the response's answer equals the gold `record[answer_key]` mathematically, else 0.0.
     A gold answer that does not parse raises (counted as reward_errors: a data problem)."""
     from math_verify import verify
-    logging.getLogger("math_verify").setLevel(logging.ERROR)   # "timeout disabled" warnings: ours is outside
     gold = parse_gold(record[answer_key])
     if not gold:
         raise ValueError(f"gold answer {record[answer_key]!r} (data.answer_key={answer_key!r}) does not parse")

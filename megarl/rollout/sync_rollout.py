@@ -43,16 +43,16 @@ def group_requests(prompts: list[list[int]], n: int, max_new_tokens: int, temper
 def generate_groups(pool, records: list[dict], prompts: list[list[int]], n: int,
                     max_new_tokens: int, tokenizer, reward_fn: Callable,
                     seeds: list[int] | None = None, temperature: float = 1.0,
-                    tag: str = "", first_uid: int = -1) -> list[Sample]:
+                    tag: str = "", first_uid: int = 0) -> list[Sample]:
     """n samples per prompt from the engine pool (a SyncPool), scored, in group order
-    (group g = records[g], uid first_uid + g when first_uid >= 0). Token versions are the ones
+    (group g = records[g], uid first_uid + g). Token versions are the ones
     the engines reported."""
     results = pool.generate_many(group_requests(prompts, n, max_new_tokens, temperature, seeds, tag))
     samples = []
     for k, r in enumerate(results):
         g = k // n
         s = Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.finished, g, records[g],
-                   finish_reason=r.finish_reason, uid=first_uid + g if first_uid >= 0 else -1)
+                   finish_reason=r.finish_reason, uid=first_uid + g)
         s.reward = score(s, tokenizer, reward_fn)
         samples.append(s)
     return samples
