@@ -34,7 +34,8 @@ def train(cfg: RootConfig) -> dict:
     from megarl.checkpoint import manager as ckpt
     from megarl.data.prompts import PromptSampler, check_chat_template, load_prompts
     from megarl.metrics.logger import MetricsLogger
-    from megarl.models.setup import build_all, check_megatron_dir, check_model_dir
+    from megarl.models.loading import check_megatron_dir
+    from megarl.models.setup import build_all, check_model_dir
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step, trainer_logprobs
     from megarl.rewards import NEEDS_ANSWER, build_verifier

@@ -29,6 +29,17 @@ class ConversionError(Exception):
     """A problem with the user's input; the CLIs print it without a traceback and exit 2."""
 
 
+def prepare_out(out: str, force: bool) -> Path:
+    """The converters' output folder, empty: a non-empty one is refused unless `force`."""
+    path = Path(out)
+    if path.exists() and any(path.iterdir()):
+        if not force:
+            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 class HFCheckpoint:
     """An HF folder's safetensors, read lazily one tensor at a time.
 

@@ -12,21 +12,20 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
 import sys
 from pathlib import Path
 
 import torch
 
-from megarl.conversion.hf_reader import INDEX_JSON, ConversionError, copy_side_files, load_hf_config
+from megarl.conversion.hf_reader import (_ST_TO_TORCH, INDEX_JSON, ConversionError, copy_side_files,
+                                         load_hf_config, prepare_out)
 from megarl.conversion.to_megatron import HF_CONFIG_DIR
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.float64: "F64"}
+_ST_DTYPES = {t: s for s, t in _ST_TO_TORCH.items()}   # torch dtype -> safetensors name
 
 
 class ShardWriter:
@@ -46,7 +45,7 @@ class ShardWriter:
         for name, shape, dtype in plan:
             if dtype not in _ST_DTYPES:
                 raise ConversionError(f"{name}: dtype {dtype} cannot be written as safetensors here")
-            nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+            nbytes = math.prod(shape) * dtype.itemsize
             if not self.shards or (self.shards[-1] and size + nbytes > shard_bytes):
                 self.shards.append([])
                 size = 0
@@ -229,12 +228,7 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
             shape = reader.shape(key)[0 if layer is None else 1:]
             meta = torch.empty(shape, dtype=reader.dtype(key), device="meta")
             plan += [(h, tuple(t.shape), t.dtype) for h, t in mapping.megatron_to_hf(n, [meta]).items()]
-    out_path = Path(out)
-    if out_path.exists() and any(out_path.iterdir()):
-        if not force:
-            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
-        shutil.rmtree(out_path)
-    out_path.mkdir(parents=True, exist_ok=True)
+    out_path = prepare_out(out, force)
     writer = ShardWriter(out_path, plan, max(1, int(shard_mb * 2**20)))
     bar = tqdm(total=len(names), desc="megatron -> HF", unit="tensor", disable=not progress,
                file=sys.stderr)

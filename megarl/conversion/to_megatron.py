@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from megarl.config.schema import ModelConfig
 from megarl.conversion.hf_reader import (ConversionError, HFCheckpoint, check_hf_checkpoint,
-                                         copy_side_files, load_hf_config)
+                                         copy_side_files, load_hf_config, prepare_out)
 from megarl.conversion.launch import init_world, launch
 
 CONVERSION_JSON = "megarl_conversion.json"
@@ -42,7 +41,7 @@ DEFAULT_DIVISIBLE_BY = ModelConfig().make_vocab_size_divisible_by  # the schema 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _model_dtype(hf: HFCheckpoint, hf_config, requested: str) -> torch.dtype:
+def _model_dtype(hf: HFCheckpoint, requested: str) -> torch.dtype:
     if requested != "auto":
         return _DTYPES[requested]
     dtype = hf.meta("model.embed_tokens.weight").dtype if "model.embed_tokens.weight" in hf.files \
@@ -99,28 +98,24 @@ def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str =
     from megarl.conversion.mapping import mapping_for, padded_vocab_size
     from megarl.models.config import transformer_config
     mapping = mapping_for(hf_config)
-    model_dtype = _model_dtype(hf, hf_config, dtype)
+    model_dtype = _model_dtype(hf, dtype)
+    dtype_name = str(model_dtype).removeprefix("torch.")
     transformer_config(hf_config, tp, pp, model_dtype, on_gpu=False)  # TP/PP vs heads/layers
     check_hf_checkpoint(hf, mapping)
     hf.close()
 
-    out_path = Path(out)
-    if out_path.exists() and any(out_path.iterdir()):
-        if not force:
-            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
-        shutil.rmtree(out_path)
-    out_path.mkdir(parents=True, exist_ok=True)
+    out_path = prepare_out(out, force)
 
     world = tp * pp
     threads = max(1, (os.cpu_count() or 1) // world)
-    args = (str(hf_dir), str(out_path), tp, pp, str(model_dtype).removeprefix("torch."),
+    args = (str(hf_dir), str(out_path), tp, pp, dtype_name,
             divisible_by, progress)
     t0 = time.perf_counter()
     launch(_hf_to_megatron_rank, world, threads, args, "convert_hf_to_megatron")
     record = {
         "format": "megatron-core torch_dist", "key": "model",
         "tp": tp, "pp": pp, "source": str(Path(hf_dir).resolve()),
-        "architecture": mapping.arch, "dtype": str(model_dtype).removeprefix("torch."),
+        "architecture": mapping.arch, "dtype": dtype_name,
         "vocab_size": mapping.dims.vocab, "make_vocab_size_divisible_by": divisible_by,
         "padded_vocab_size": padded_vocab_size(mapping.dims.vocab, divisible_by, tp),
         "num_layers": mapping.dims.num_layers, "tied_embeddings": mapping.dims.tied,

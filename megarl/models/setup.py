@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from megarl.config.schema import RootConfig
 from megarl.models.builders import Trainable, build_model, make_trainable, use_te
 from megarl.models.config import transformer_config
-from megarl.models.loading import check_megatron_dir  # noqa: F401 - train.py checks early with it
+from megarl.models.loading import check_megatron_dir
 
 
 @dataclass
