@@ -12,9 +12,15 @@ TINY = ROOT / "artifacts" / "tiny_countdown"
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The demo's tiny countdown model (tools/make_tiny_model.py is idempotent: a no-op when built)."""
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(TINY)],
-                   check=True, cwd=ROOT)
+    """The demo's tiny countdown model (tools/make_tiny_model.py is idempotent: a no-op when built).
+    Under pytest-xdist every worker runs this fixture: the lock lets one build it while the
+    others wait, instead of two writing the same folder."""
+    from filelock import FileLock
+
+    TINY.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(TINY) + ".lock"):
+        subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(TINY)],
+                       check=True, cwd=ROOT)
     return TINY
 
 

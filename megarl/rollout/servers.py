@@ -26,7 +26,7 @@ from typing import Optional
 
 from megarl.distributed.env import free_port
 from megarl.rollout.engine import EngineError
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.vllm_http import SERVER_KEEPALIVE_S, HTTPVLLMEngine
 
 SERVED_MODEL_NAME = "megarl-policy"
 _PR_SET_PDEATHSIG = 1
@@ -104,6 +104,8 @@ class LocalServer:
 
     def env(self) -> dict:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        # idle connections stay open well past the client's reuse window (vllm_http.CLIENT_KEEPALIVE_S)
+        env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
         # the legacy CPU variable (whole GiB) overrides --kv-cache-memory-bytes: drop it
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return env

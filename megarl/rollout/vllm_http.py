@@ -33,6 +33,12 @@ from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest,
 # an aborted stream ends within milliseconds on a healthy server; past this grace we close
 # the connection ourselves (vLLM aborts a request whose client disconnected), so abort never hangs
 ABORT_GRACE_S = 5.0
+# vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
+# aiohttp would reuse one idle for up to 15 s, and a request sent as the server closes it fails
+# with ServerDisconnectedError on a healthy engine. Reusing only connections idle for less than
+# this keeps every request clear of that close (megarl's own servers also get a longer one).
+CLIENT_KEEPALIVE_S = 2.0
+SERVER_KEEPALIVE_S = 60
 _POLL_S = 0.25
 
 
@@ -99,13 +105,16 @@ class HTTPVLLMEngine(Engine):
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
+        self._open_session()
+        await self._wait_healthy(self.start_timeout_s)
+        await self._discover()
+
+    def _open_session(self) -> None:
         if self._session is None:
             # limit=0: one connection per streamed request; aiohttp's default caps at 100
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
                 headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None)
-        await self._wait_healthy(self.start_timeout_s)
-        await self._discover()
 
     async def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
