@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared by slurm/ppo_*.sh (docs/cluster.md). Two uses:
-#   source slurm/common.sh; megarl_job          the batch shell, after its settings block
+#   source slurm/common.sh; megarl_settings; megarl_job
+#                                               the batch shell, after its own settings
 #   bash slurm/common.sh trainer_task|engine_task RECIPE [key=value ...]
 #                                               one srun task (the batch shell starts these)
 # The job: the first TRAINER_NODES nodes run the trainer (srun: one task per node, each a
@@ -154,6 +155,28 @@ write_job_info() {  # the per-job log folder: revision, resolved config, nodes, 
     # never the API key
     env | grep -E '^(SLURM_|SLURMD_|NCCL_|CUDA_|VLLM_|TORCH|OMP_|MASTER_|MEGARL_|NODE_ADDRS|PYTHON|PATH=|LD_LIBRARY_PATH=|HOSTNAME=)' \
         | grep -v -E 'API_KEY' | sort >"$dir/env.txt" || true
+}
+
+# The settings every job shares, as ${VAR:-default}: a value in sbatch's environment wins. The
+# per-size scripts set RECIPE, TRAINER_NODES, ENGINE_NODES, ENGINE_TP and MEGARL_ROOT first.
+megarl_settings() {
+    GPUS_PER_NODE=${GPUS_PER_NODE:-8}                  # 0: CPU (the local stand-in)
+    TRAINER_PROCS_PER_NODE=${TRAINER_PROCS_PER_NODE:-$GPUS_PER_NODE}   # torchrun ranks per trainer node
+    ENGINES_PER_NODE=${ENGINES_PER_NODE:-$((GPUS_PER_NODE / ENGINE_TP))}
+    PORT_BASE=${PORT_BASE:-8100}                       # servers listen on PORT_BASE, PORT_BASE+1, ...
+    MASTER_PORT=${MASTER_PORT:-29500}                  # torchrun rendezvous on the first trainer node
+    RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megarl}}   # stable across requeues: resumes here
+    STAGING_DIR=${STAGING_DIR:-$RUN_DIR/weight_staging}   # weight pushes: shared by trainer and engine nodes
+    MEGARL_PY=${MEGARL_PY:-$MEGARL_ROOT/.venv/bin/python}
+    ENGINE_START_TIMEOUT=${ENGINE_START_TIMEOUT:-1800}   # seconds for every server to answer /health
+    EXTRA=${EXTRA:-}                                   # more key=value overrides, space separated
+    SRUN_EXTRA=${SRUN_EXTRA:-}                         # more srun options for every step (e.g. --cpu-bind=none)
+    NODE_ADDRS=${NODE_ADDRS:-}                         # node=addr,... : the address each node is reached at
+    REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-1}              # 1: a job stopped by SIGTERM requeues itself
+    STOP_TIMEOUT=${STOP_TIMEOUT:-60}                   # seconds between SIGTERM and SIGKILL for the servers
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}   # megatron TP comm overlap
+    export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}   # the same in trainer and vLLM (vLLM uses 0)
+    : "${RECIPE:?set by slurm/ppo_<size>.sh}" "${TRAINER_NODES:?}" "${ENGINE_NODES:?}" "${ENGINE_TP:?}"
 }
 
 megarl_job() {

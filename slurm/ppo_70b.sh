@@ -4,8 +4,9 @@
 # (docs/cluster.md):
 #   sbatch slurm/ppo_70b.sh
 #   EXTRA="train.steps=500 checkpoint.every=5" RUN_DIR=runs/my_exp sbatch slurm/ppo_70b.sh
-# Every setting below can be set in the environment of sbatch. The same RUN_DIR resumes from its
-# newest complete checkpoint: on requeue, and on a new submission.
+# Every setting (below, and megarl_settings in slurm/common.sh) can be set in the environment
+# of sbatch. The same RUN_DIR resumes from its newest complete checkpoint: on requeue, and on a
+# new submission.
 #SBATCH --job-name=megarl-ppo-70b
 #SBATCH --nodes=8
 #SBATCH --gpus-per-node=8
@@ -17,30 +18,15 @@
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 
-# ---- settings ----------------------------------------------------------------------------
+# ---- settings: this job's defaults. Every other setting and its default is in
+# megarl_settings (slurm/common.sh) and docs/cluster.md; all can be set in sbatch's environment.
+RECIPE=${RECIPE:-recipes/llama3.1_70b.yaml}
+TRAINER_NODES=${TRAINER_NODES:-5}        # the first nodes of the job; rank 0 on the first
+ENGINE_NODES=${ENGINE_NODES:-3}          # the next nodes: vLLM servers
+ENGINE_TP=${ENGINE_TP:-4}             # GPUs per vLLM server (rollout.engine_tp)
 # the batch script runs from a copy in slurm's spool folder: find the repository from where
 # sbatch was called
 MEGARL_ROOT=${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
-RECIPE=${RECIPE:-recipes/llama3.1_70b.yaml}
-TRAINER_NODES=${TRAINER_NODES:-5}                 # the first nodes of the job; rank 0 on the first
-ENGINE_NODES=${ENGINE_NODES:-3}                   # the next nodes: vLLM servers
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}                 # 0: CPU (the local stand-in)
-TRAINER_PROCS_PER_NODE=${TRAINER_PROCS_PER_NODE:-$GPUS_PER_NODE}   # torchrun ranks per trainer node
-ENGINE_TP=${ENGINE_TP:-4}                      # GPUs per vLLM server (rollout.engine_tp)
-ENGINES_PER_NODE=${ENGINES_PER_NODE:-$((GPUS_PER_NODE / ENGINE_TP))}
-PORT_BASE=${PORT_BASE:-8100}                      # servers listen on PORT_BASE, PORT_BASE+1, ...
-MASTER_PORT=${MASTER_PORT:-29500}                 # torchrun rendezvous on the first trainer node
-RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megarl-ppo-70b}}   # stable across requeues: resumes here
-STAGING_DIR=${STAGING_DIR:-$RUN_DIR/weight_staging}   # weight pushes: shared by trainer and engine nodes
-MEGARL_PY=${MEGARL_PY:-$MEGARL_ROOT/.venv/bin/python}
-ENGINE_START_TIMEOUT=${ENGINE_START_TIMEOUT:-1800}    # seconds for every server to answer /health
-EXTRA=${EXTRA:-}                                 # more key=value overrides, space separated
-SRUN_EXTRA=${SRUN_EXTRA:-}                       # more srun options for every step (e.g. --cpu-bind=none)
-NODE_ADDRS=${NODE_ADDRS:-}                       # node=addr,... : the address each node is reached at
-REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-1}             # 1: a job stopped by SIGTERM requeues itself
-STOP_TIMEOUT=${STOP_TIMEOUT:-60}                  # seconds between SIGTERM and SIGKILL for the servers
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}   # megatron TP comm overlap
-export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}   # the same in trainer and vLLM (vLLM uses 0)
 # -------------------------------------------------------------------------------------------
 
 [[ -f $MEGARL_ROOT/slurm/common.sh ]] || {
@@ -49,4 +35,5 @@ export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}   # the same in trainer and vLL
 }
 # shellcheck source=slurm/common.sh
 source "$MEGARL_ROOT/slurm/common.sh"
+megarl_settings
 megarl_job

@@ -63,6 +63,56 @@ class Tree(threading.Thread):
         return [v for v in self.info.values() if "megarl.cli" in v[0] and "torch.distributed.run" in v[2]]
 
 
+def _env(tmp_path, run_dir, extra: str, **settings) -> dict:
+    """sbatch's environment: the stand-in first on PATH, the tiny recipe on two CPU "nodes"
+    through the script's variables, `settings` on top; nothing of an outer job or run."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
+           "PATH": f"{STANDIN}:{os.environ['PATH']}", "SLURM_STANDIN_STATE": str(tmp_path / "state"),
+           "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
+           "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
+           "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
+           "EXTRA": extra, **settings}
+    for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    return env
+
+
+class Submission:
+    """`sbatch SCRIPT` under the stand-in with its process tree watched. Leaving the block while
+    the job still runs (a failed assertion, a timeout) cancels it: scancel, then sbatch killed."""
+
+    def __init__(self, script: str, env: dict, tmp_path):
+        self.script, self.env, self.tmp_path = script, env, tmp_path
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(["sbatch", "--nodes=2", f"--output={self.tmp_path}/slurm-%j.out", self.script],
+                                     cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.tree = Tree(self.proc.pid)
+        self.tree.start()
+        first = self.proc.stdout.readline()                      # "Submitted batch job N"
+        self.job = first.split()[-1] if first.startswith("Submitted batch job") else None
+        if self.job is None:                                      # sbatch refused: say why
+            self.__exit__(None, None, None)
+            raise AssertionError(f"sbatch {self.script} did not submit: {first}{self.proc.stdout.read()}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            if self.job is not None:
+                subprocess.run(["scancel", self.job], env=self.env)
+            self.proc.kill()
+            self.proc.wait()
+        self.tree.done = True
+        self.tree.join()
+
+
+def _assert_nothing_left(*trees: Tree) -> None:
+    time.sleep(2)
+    left = [p for t in trees for p in t.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+
+
 def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_model, tmp_path):
     """Contract: under the stand-in, `sbatch slurm/ppo_70b.sh` with the tiny recipe starts one
     trainer rank and one vLLM server (bound to the node's address, API key only in its
@@ -71,26 +121,15 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     metrics rows 0..2 each once; a second `sbatch` with train.steps=4 resumes at step 3. Each
     run writes a log folder (git revision, resolved config, job and environment without the
     key, trainer and engine logs), and no process is left."""
-    run_dir, state = tmp_path / "run", tmp_path / "state"
-    port = _free_port()
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
-           "PATH": f"{STANDIN}:{os.environ['PATH']}", "SLURM_STANDIN_STATE": str(state),
-           "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
-           "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
-           "PORT_BASE": str(port), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
-           "STOP_TIMEOUT": "20", "ENGINE_START_TIMEOUT": "900",
-           "EXTRA": f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=3 "
-                    f"rollout.mode=sync metrics.tensorboard=false"}
-    for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
-        env.pop(var, None)
+    run_dir = tmp_path / "run"
+    env = _env(tmp_path, run_dir, f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl "
+                                  f"train.steps=3 rollout.mode=sync metrics.tensorboard=false",
+               STOP_TIMEOUT="20", ENGINE_START_TIMEOUT="900")
+    port = int(env["PORT_BASE"])
     t0 = time.time()
-    proc = subprocess.Popen(["sbatch", "--nodes=2", f"--output={tmp_path}/slurm-%j.out", "slurm/ppo_70b.sh"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tree = Tree(proc.pid)
-    tree.start()
     metrics = run_dir / "metrics.jsonl"
-    try:
-        job = proc.stdout.readline().split()[-1]                # "Submitted batch job N"
+    with Submission("slurm/ppo_70b.sh", env, tmp_path) as sub:
+        proc, job, tree = sub.proc, sub.job, sub.tree
         deadline = time.time() + 900
         while not _rows(metrics):
             assert proc.poll() is None, (proc.stdout.read(), _logs(tmp_path, run_dir))
@@ -99,13 +138,6 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
         # the time limit is near: slurm signals the batch shell (#SBATCH --signal=B:TERM@...)
         subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=env, check=True)
         out, _ = proc.communicate(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            subprocess.run(["scancel", job], env=env)
-            proc.kill()
-            proc.wait()
-        tree.done = True
-        tree.join()
     wall = time.time() - t0
     logs = _logs(tmp_path, run_dir)
     assert proc.returncode == 0, (out, logs)
@@ -149,29 +181,14 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
 
     # a second submission on the same RUN_DIR (a longer run) resumes from the newest checkpoint
     env["EXTRA"] = env["EXTRA"].replace("train.steps=3", "train.steps=4")
-    again = subprocess.Popen(["sbatch", "--nodes=2", f"--output={tmp_path}/slurm-%j.out", "slurm/ppo_70b.sh"],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tree2 = Tree(again.pid)
-    tree2.start()
-    try:
-        job2 = again.stdout.readline().split()[-1]
-        out2, _ = again.communicate(timeout=1200)
-    finally:
-        if again.poll() is None:
-            again.kill()
-            again.wait()
-        tree2.done = True
-        tree2.join()
-    assert again.returncode == 0 and job2 != job, (out2, _logs(tmp_path, run_dir))
-    third_log = (run_dir / f"slurm-{job2}" / "trainer.log").read_text()
+    with Submission("slurm/ppo_70b.sh", env, tmp_path) as again:
+        out2, _ = again.proc.communicate(timeout=1200)
+    assert again.proc.returncode == 0 and again.job != job, (out2, _logs(tmp_path, run_dir))
+    third_log = (run_dir / f"slurm-{again.job}" / "trainer.log").read_text()
     assert re.search(r"resumed from \S*step_2 at step 3", third_log), third_log[-3000:]
     assert [r["step"] for r in _rows(metrics)] == [0, 1, 2, 3]
-
-    time.sleep(2)
-    left = [p for p in [*tree.seen.values(), *tree2.seen.values()]
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, [(p.pid, p.cmdline()) for p in left]
-    print(f"slurm stand-in: 2 runs of job {job} in {wall:.0f} s, then job {job2}")
+    _assert_nothing_left(tree, again.tree)
+    print(f"slurm stand-in: 2 runs of job {job} in {wall:.0f} s, then job {again.job}")
 
 
 def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_model, tmp_path):
@@ -179,27 +196,11 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     job: exit 1, the batch output names the server and shows the last lines of its log, the
     trainer step that was starting is stopped too, and no process is left."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
-           "PATH": f"{STANDIN}:{os.environ['PATH']}", "SLURM_STANDIN_STATE": str(tmp_path / "state"),
-           "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
-           "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
-           "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
-           "STOP_TIMEOUT": "10", "ENGINE_START_TIMEOUT": "25",
-           "EXTRA": f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1"}
-    for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    proc = subprocess.Popen(["sbatch", "--nodes=2", f"--output={tmp_path}/slurm-%j.out", "slurm/ppo_7b.sh"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tree = Tree(proc.pid)
-    tree.start()
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        tree.done = True
-        tree.join()
+    env = _env(tmp_path, run_dir, f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1",
+               STOP_TIMEOUT="10", ENGINE_START_TIMEOUT="25")
+    with Submission("slurm/ppo_7b.sh", env, tmp_path) as sub:
+        out, _ = sub.proc.communicate(timeout=300)
+    proc = sub.proc
     logs = _logs(tmp_path, run_dir)
     assert proc.returncode == 1, (out, logs)
     batch = next(tmp_path.glob("slurm-*.out")).read_text()
@@ -207,9 +208,7 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     assert "# megarl: engine 0 at http://127.0.0.1:" in batch        # the server log's first line
     assert "the engines did not come up" in batch
     assert not (run_dir / "metrics.jsonl").exists()
-    time.sleep(2)
-    left = [p for p in tree.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, [(p.pid, p.cmdline()) for p in left]
+    _assert_nothing_left(sub.tree)
 
 
 def _logs(tmp_path, run_dir) -> str:

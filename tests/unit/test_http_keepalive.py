@@ -13,8 +13,6 @@ which is what a client sees when its request meets the server's close.
 import asyncio
 import time
 
-import pytest
-
 from megarl.rollout.vllm_http import HTTPVLLMEngine
 
 SERVER_KEEPALIVE_S = 5.0     # vLLM's default VLLM_HTTP_TIMEOUT_KEEP_ALIVE
@@ -53,44 +51,40 @@ class RacingServer:
             writer.close()
 
 
-def test_a_connection_idle_past_the_servers_keepalive_is_not_reused():
+def with_engine(body):
+    """Run `body(engine)` against a fresh RacingServer; returns the server (its counters)."""
     async def main():
         srv = RacingServer()
         server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         engine = HTTPVLLMEngine("e0", f"http://127.0.0.1:{port}", api_key="", timeout_s=10)
+        engine._open_session()
         try:
-            engine._open_session()
-            assert (await engine._call("POST", "/pause?mode=keep"))[0] == 200
-            await asyncio.sleep(SERVER_KEEPALIVE_S + 0.5)
-            status, _ = await engine._call("POST", "/resume")     # raised EngineError before the fix
-            assert status == 200
-            return srv
+            await body(engine)
         finally:
             await engine.close()
             server.close()
             await server.wait_closed()
+        return srv
 
-    srv = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_connection_idle_past_the_servers_keepalive_is_not_reused():
+    async def body(engine):
+        assert (await engine._call("POST", "/pause?mode=keep"))[0] == 200
+        await asyncio.sleep(SERVER_KEEPALIVE_S + 0.5)
+        assert (await engine._call("POST", "/resume"))[0] == 200   # EngineError before the fix
+
+    srv = with_engine(body)
     assert srv.dropped == 0
     assert srv.connections == 2          # the idle connection was replaced, not reused
 
 
 def test_back_to_back_requests_share_one_connection():
     """The keep-alive limit must not turn into one connection per request."""
-    async def main():
-        srv = RacingServer()
-        server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        engine = HTTPVLLMEngine("e0", f"http://127.0.0.1:{port}", api_key="", timeout_s=10)
-        try:
-            engine._open_session()
-            for _ in range(5):
-                assert (await engine._call("GET", "/health"))[0] == 200
-            return srv
-        finally:
-            await engine.close()
-            server.close()
-            await server.wait_closed()
+    async def body(engine):
+        for _ in range(5):
+            assert (await engine._call("GET", "/health"))[0] == 200
 
-    assert asyncio.run(main()).connections == 1
+    assert with_engine(body).connections == 1

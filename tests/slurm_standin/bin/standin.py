@@ -41,16 +41,29 @@ def clear(path: str) -> None:
         pass
 
 
+def start_time(pid: int):
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or None if no
+    process has that id. A pid and its start time name one process: after it is reaped its pid
+    may be given to an unrelated one, which then has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def add_group(job: str, pgid: int) -> None:
+    """Record a step task's process group (its leader's pid and start time)."""
     with open(os.path.join(job, "pgids"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.write(f"{pgid}\n")
+        fh.write(f"{pgid} {start_time(pgid)}\n")
 
 
 def groups(job: str) -> list:
+    """[(pgid, leader start time)] of the job's step tasks."""
     try:
         with open(os.path.join(job, "pgids")) as fh:
-            return [int(x) for x in fh.read().split()]
+            return [(int(a), int(b)) for a, b in (line.split() for line in fh if line.strip())]
     except FileNotFoundError:
         return []
 
@@ -83,8 +96,15 @@ def descendants(pid: int) -> list:
     return found
 
 
-def kill_tree(pid: int, sig) -> bool:
-    """`sig` to the process group led by `pid` and to every descendant; True if any was there."""
+def kill_tree(group, sig) -> bool:
+    """`sig` to the process group of `group` = (leader pid, its start time) and to every
+    descendant of the leader; True if any was there. A pid now held by another process (the
+    leader was reaped and its pid reused) is left alone. With the leader gone its group may live
+    on, and while it does its id is not reused, so signalling the group stays safe."""
+    pid, started = group
+    now = start_time(pid)
+    if started is not None and now is not None and now != started:
+        return False
     hit = killpg(pid, sig)
     for p in descendants(pid):
         try:
@@ -95,19 +115,19 @@ def kill_tree(pid: int, sig) -> bool:
     return hit
 
 
-def kill_job(job: str, sig, batch_pid: int) -> None:
-    for pgid in [batch_pid] + groups(job):
-        kill_tree(pgid, sig)
+def kill_job(job: str, sig, batch) -> None:
+    """`sig` to the batch shell's tree (batch = (pid, start time)) and every step's."""
+    for group in [batch] + groups(job):
+        kill_tree(group, sig)
 
 
-def reap_steps(job: str, batch_pid: int, grace_s: float = 5.0) -> None:
+def reap_steps(job: str, batch, grace_s: float = 5.0) -> None:
     """The job has ended: SIGTERM, then SIGKILL, whatever its batch shell and steps left."""
-    pgids = [batch_pid] + groups(job)
-    alive = [p for p in pgids if kill_tree(p, signal.SIGTERM)]
+    alive = [g for g in [batch] + groups(job) if kill_tree(g, signal.SIGTERM)]
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [p for p in alive if killpg(p, 0) or descendants(p)]
-    for p in alive:
-        kill_tree(p, signal.SIGKILL)
+        alive = [g for g in alive if start_time(g[0]) in (None, g[1]) and (killpg(g[0], 0) or descendants(g[0]))]
+    for g in alive:
+        kill_tree(g, signal.SIGKILL)
     clear(os.path.join(job, "pgids"))
