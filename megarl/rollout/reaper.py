@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import psutil
+
 _SIDECAR = r"""
 import os, sys, time
 import psutil
@@ -42,3 +44,14 @@ def guard_descendants() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _SIDECAR, str(os.getpid())],
                             start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running? An exited child its parent has not reaped yet (a zombie)
+    counts as gone; one we may not signal (another user's) as running."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True

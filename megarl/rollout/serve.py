@@ -25,6 +25,8 @@ import time
 import urllib.request
 from collections import deque
 
+from megarl.rollout.reaper import pid_alive
+
 KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
 
@@ -69,20 +71,6 @@ def _tail(path: str, lines: int = 30) -> str:
         return f"(no log: {err})\n"
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:    # exited but not yet reaped by its parent (the batch shell)
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _wait(args) -> int:
     servers = []
     for item in args.servers:
@@ -105,7 +93,7 @@ def _wait(args) -> int:
                 pass
         if not pending:
             break
-        gone = [pid for pid in args.watch_pid if _pid_gone(pid)]
+        gone = [pid for pid in args.watch_pid if not pid_alive(pid)]
         late = time.monotonic() - t0 > args.timeout
         if gone or late:
             why = (f"process {', '.join(map(str, gone))} exited" if gone

@@ -29,6 +29,7 @@ from megarl.config import ConfigError
 from megarl.conversion.mapping import mapping_for
 from megarl.distributed import device, faults, parallel
 from megarl.models.builders import ModelInfo, use_te
+from megarl.rollout.reaper import pid_alive
 
 PREFIX = "megarl-weights-"
 
@@ -73,16 +74,6 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale(base: str) -> list[str]:
     """Remove staging folders under `base` whose owning process is gone (a crashed run's
     weights would otherwise sit in shared memory until reboot). Returns what was removed."""
@@ -92,7 +83,7 @@ def clean_stale(base: str) -> list[str]:
             pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
