@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megarl.sim.costs import (GPUS, MODELS, Model, RooflineEngine, RooflineTrainer,  # noqa: E402
+from megarl.sim.costs import (GPUS, Model, RooflineEngine, RooflineTrainer, published_models,  # noqa: E402
                               engines_to_keep_trainer_busy, weight_push_s)
 from megarl.sim.run import SimSettings, simulate  # noqa: E402
 from megarl.sim.workload import Workload, parse_dist  # noqa: E402
@@ -63,7 +63,7 @@ PRESETS = {
 
 
 def costs(p: Preset, gpu_name: str, engines: int | None = None):
-    model, gpu = MODELS[p.model], GPUS[gpu_name]
+    model, gpu = published_models()[p.model], GPUS[gpu_name]
     e = engines or p.engines
     send, load = weight_push_s(model, gpu, e, p.engine_tp)
     engine = RooflineEngine(model, gpu, p.engine_tp, load_weights_s=load)
@@ -175,7 +175,7 @@ def anchor_nemo_aligner(steps: int) -> dict:
     on) and PPO sync. Modelled: 16 engines of TP4 on the actor GPUs (colocated: generation and
     training alternate), trainer = the 96 GPUs' training (actor 64 + critic 32)."""
     gpu = GPUS["h100"]
-    model = MODELS["llama3.1-70b"]
+    model = published_models()["llama3.1-70b"]
     send, load = weight_push_s(model, gpu, 16, 4)
     engine = RooflineEngine(model, gpu, 4, load_weights_s=load)
     trainer = RooflineTrainer(model, gpu, 96, critic=True, push_s=send, prompt_tokens=256)

@@ -49,9 +49,12 @@ def main(argv=None) -> int:
                     help="response lengths: lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X | fixed:len=L")
     sm.add_argument("--calibration", default="", help="a bench/rollout_speedup.py result JSON (this machine)")
     sm.add_argument("--gpu", default="h100", help="roofline GPU when no --calibration: h100 | h200")
-    sm.add_argument("--model", default="qwen2.5-7b", help="roofline model: qwen2.5-7b | qwen2.5-32b | llama3.1-70b | llama3.1-405b")
-    sm.add_argument("--engine-tp", type=int, default=1)
-    sm.add_argument("--trainer-gpus", type=int, default=8)
+    sm.add_argument("--model", default="",
+                    help="roofline model: a file of recipes/models/ (llama3.1-70b, qwen2.5-7b, ...); "
+                         "default: the recipe's own model")
+    sm.add_argument("--engine-tp", type=int, default=0, help="GPUs per engine (default: rollout.engine_tp)")
+    sm.add_argument("--trainer-gpus", type=int, default=0,
+                    help="trainer GPUs (default: the recipe's cluster: trainer nodes x gpus_per_node, else 8)")
     sm.add_argument("--steps", type=int, default=10)
     sm.add_argument("--json", action="store_true")
     # key=value overrides may come after the options too (`--json train.steps=3`)
@@ -132,7 +135,8 @@ def _simulate(cfg, args) -> int:
     from megarl.sim import recipe as sim
     try:
         costs = (sim.measured_costs(args.calibration) if args.calibration else
-                 sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp, args.trainer_gpus))
+                 sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp or cfg.rollout.engine_tp,
+                                    args.trainer_gpus or sim.trainer_gpus(cfg)))
         result = sim.run(cfg, args.lengths, costs, args.steps, cfg.run.seed)
     except ConfigError as err:
         return _explain(err, "config error", 2)

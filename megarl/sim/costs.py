@@ -18,6 +18,13 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from megarl.plan.memory import Arch, total_params
+
+# architecture facts of published models (config.json of each), one file per model
+MODEL_FACTS = Path(__file__).resolve().parents[2] / "recipes" / "models"
 
 
 def interp(curve: dict[int, float], x: float) -> float:
@@ -77,6 +84,10 @@ class Model:
     head_dim: int
     bytes_per_param: int = 2   # bf16
 
+    @classmethod
+    def from_arch(cls, name: str, a: Arch) -> "Model":
+        return cls(name, float(total_params(a)), a.layers, a.hidden, a.kv_heads, a.head_dim)
+
     @property
     def weight_bytes(self) -> float:
         return self.params * self.bytes_per_param
@@ -86,13 +97,18 @@ class Model:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
 
 
-# published architectures (config.json of each)
-MODELS = {
-    "qwen2.5-7b": Model("Qwen2.5-7B", 7.62e9, 28, 3584, 4, 128),
-    "qwen2.5-32b": Model("Qwen2.5-32B", 32.8e9, 64, 5120, 8, 128),
-    "llama3.1-70b": Model("Llama-3.1-70B", 70.6e9, 80, 8192, 8, 128),
-    "llama3.1-405b": Model("Llama-3.1-405B", 405.9e9, 126, 16384, 8, 128),
-}
+@lru_cache(maxsize=1)
+def published_models() -> dict[str, Model]:
+    """{name: Model} from recipes/models/*.yaml (the facts the recipes and `megarl plan` use),
+    named after the file: llama3.1_70b.yaml -> "llama3.1-70b"."""
+    from megarl.config import load_config
+    from megarl.plan import resolve_arch
+    models = {}
+    for path in sorted(MODEL_FACTS.glob("*.yaml")):
+        arch, _ = resolve_arch(load_config(str(path)))
+        name = path.stem.replace("_", "-")
+        models[name] = Model.from_arch(name, arch)
+    return models
 
 
 @dataclass

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 
 from megarl.config import ConfigError
-from megarl.sim.costs import GPUS, MODELS, MeasuredEngine, MeasuredTrainer, RooflineEngine, RooflineTrainer, interp, weight_push_s
+from megarl.sim.costs import (GPUS, MeasuredEngine, MeasuredTrainer, Model, RooflineEngine, RooflineTrainer, interp,
+                              published_models, weight_push_s)
 from megarl.sim.run import MODES, SimSettings, simulate
 from megarl.sim.workload import Workload, parse_dist
 
@@ -34,12 +35,30 @@ def measured_costs(path: str):
             MeasuredTrainer(0.0, per_token))
 
 
+def roofline_model(cfg, model: str = "") -> Model:
+    """--model NAME (recipes/models/NAME.yaml, "_" written "-"), else the recipe's own model
+    (model.arch, else model.path/config.json)."""
+    if not model:
+        from megarl.plan import resolve_arch
+        arch, _ = resolve_arch(cfg)
+        return Model.from_arch(cfg.model.path, arch)
+    known = published_models()
+    if model not in known:
+        raise ConfigError(f"--model {model!r}: choose one of {sorted(known)} (recipes/models/), "
+                          f"or leave it out for the recipe's own model")
+    return known[model]
+
+
+def trainer_gpus(cfg) -> int:
+    """The trainer's GPUs in the recipe's cluster section; 8 (one node) for a CPU recipe."""
+    c = cfg.cluster
+    return c.trainer_node_count * c.gpus_per_node if c.gpus_per_node else 8
+
+
 def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int):
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
-    if model not in MODELS:
-        raise ConfigError(f"--model {model!r}: choose one of {sorted(MODELS)}")
-    m, g = MODELS[model], GPUS[gpu]
+    m, g = roofline_model(cfg, model), GPUS[gpu]
     send, load = weight_push_s(m, g, cfg.rollout.engines, engine_tp)
     return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
             RooflineTrainer(m, g, trainer_gpus, critic=cfg.algo.name == "ppo", push_s=send))

@@ -7,7 +7,8 @@ import pytest
 from megarl.config import load_config, validate_world
 from megarl.plan import make_plan, resolve_arch
 from megarl.plan.memory import total_params
-from megarl.sim.costs import MODELS
+from megarl.sim.costs import published_models
+from megarl.sim.recipe import roofline_model
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "base.yaml")
@@ -47,13 +48,18 @@ def test_cluster_recipe_names_its_hardware_and_fits(recipe):
 
 
 @pytest.mark.parametrize("facts", MODEL_FACTS, ids=lambda p: p.name)
-def test_model_facts_load_alone_and_match_the_simulator(facts):
-    """recipes/models/*.yaml are schema-valid on their own, and agree with the simulator's
-    roofline table (megarl/sim/costs.py MODELS) where it has the same model."""
+def test_model_facts_load_alone_and_feed_the_simulator(facts):
+    """recipes/models/*.yaml are schema-valid on their own, and are the simulator's roofline
+    models (one table of model facts for plan and simulate)."""
     cfg = load_config(facts)
     arch, _ = resolve_arch(cfg)
-    key = facts.stem.replace("_", "-")
-    if key in MODELS:
-        m = MODELS[key]
-        assert (m.layers, m.hidden, m.kv_heads, m.head_dim) == (arch.layers, arch.hidden, arch.kv_heads, arch.head_dim)
-        assert abs(total_params(arch) / m.params - 1) < 0.01
+    m = published_models()[facts.stem.replace("_", "-")]
+    assert (m.layers, m.hidden, m.kv_heads, m.head_dim) == (arch.layers, arch.hidden, arch.kv_heads, arch.head_dim)
+    assert m.params == total_params(arch)
+
+
+@pytest.mark.parametrize("recipe", [p for p in RECIPES if load_config(p).model.arch.given], ids=lambda p: p.name)
+def test_simulate_defaults_to_the_recipes_own_model(recipe):
+    cfg = load_config(recipe)
+    arch, _ = resolve_arch(cfg)
+    assert roofline_model(cfg).params == total_params(arch)
