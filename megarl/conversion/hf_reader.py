@@ -138,10 +138,9 @@ def check_hf_checkpoint(hf: HFCheckpoint, mapping, ignore: tuple[str, ...] = (),
     embedding and lm_head when the config ties them and `compare_tied`, to check that they are
     equal). `ignore`: names the mapping does not cover (a reward model's `score.weight`)."""
     metas = {n: hf.meta(n) for n in hf.names() if n not in ignore}
-    if mapping.dims.tied and "lm_head.weight" in metas and not compare_tied:
-        del metas["lm_head.weight"]  # the trainer never reads it: a tied model uses the embedding
     if mapping.dims.tied and "lm_head.weight" in metas:
-        if "model.embed_tokens.weight" in metas and not torch.equal(
+        # a tied model's output layer is its embedding: lm_head is never read, only compared
+        if compare_tied and "model.embed_tokens.weight" in metas and not torch.equal(
                 hf.get("lm_head.weight"), hf.get("model.embed_tokens.weight")):
             raise ConversionError("tie_word_embeddings=True but 'lm_head.weight' differs from "
                                   "'model.embed_tokens.weight'; fix the config or the weights")
