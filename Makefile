@@ -26,8 +26,13 @@ model: $(STAMP)
 demo: model
 	$(VENV)/bin/megarl train recipes/tiny_cpu.yaml checkpoint.resume=false
 
+# Two pytest-xdist workers: most of the suite's time is single-threaded process start-up
+# (torch, megatron and vLLM imports in every rank and engine), which two workers overlap on two
+# cores. A test file stays on one worker (its module fixtures, e.g. one vLLM server, start
+# once). TEST_WORKERS=0: one process, in order; TEST_WORKERS=auto: one per core.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
 
 # what tests/gpu/device_check.sh installs on a GPU machine without internet (Python 3.12,
 # CUDA torch and transformers already there): megatron-core, omegaconf and its parser runtime

@@ -5,8 +5,13 @@ Builds actor, reference and critic from the tiny model at the launched layout, r
 seed, so every layout sees identical data), and writes per-step losses, gradient norms and
 the actor's post-step logprobs to argv[2] (rank 0).
 usage: layout_probe.py MODEL_DIR OUT_JSON key=value... [save=DIR] [resume=DIR]
+       layout_probe.py MODEL_DIR OUT_JSON --case NAME key=value... [--case NAME key=value...]
 `save=DIR` writes a checkpoint after the last step; `resume=DIR` loads the newest one first
 and continues from the step after it (at whatever layout this run was launched with).
+With `--case`, the cases run one after the other in the same ranks (the models are built
+anew for each; the world is shared, so they are layouts of the same world size) and OUT_JSON
+maps each NAME to its history: one launch instead of one per case, as each launch spends
+most of its time importing torch and megatron in every rank.
 """
 import json
 import random
@@ -29,20 +34,16 @@ def synthetic_samples(seed: int, groups: int, n: int, vocab: int):
     return samples
 
 
-def main(model_dir: str, out_path: str, args: list[str]) -> None:
+def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     from megarl.config import load_config, validate_world
+    from megarl.distributed import parallel
     extra = dict(a.split("=", 1) for a in args if a.startswith(("save=", "resume=")))
     overrides = [a for a in args if not a.startswith(("save=", "resume="))]
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "train.groups_per_step=8", "rollout.n=4", "train.mini_batches=2",
         "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=2e-4", "train.critic_lr=2e-4",
         *overrides])
-    from megarl.distributed import cpu, parallel
-    from megarl.distributed.env import init_distributed
-    env = init_distributed()
-    validate_world(cfg, env.world_size)
-    cpu.apply()
-    torch.set_num_threads(1)
+    validate_world(cfg, world_size)
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
@@ -64,10 +65,39 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
                        | {"logp": logp[batch.resp_mask > 0].tolist()})
     if "save" in extra:
         ckpt.save(extra["save"], steps - 1, models.actor, models.critic, {"step": steps - 1}, "", keep=1)
+    parallel.destroy()
+    return history
+
+
+def split_cases(args: list[str]) -> dict[str, list[str]] | None:
+    """`--case NAME a b --case NAME2 c` -> {NAME: [a, b], NAME2: [c]}; None without --case."""
+    if "--case" not in args:
+        return None
+    if args[0] != "--case":
+        raise SystemExit(f"layout_probe: {args[0]!r} before the first --case")
+    cases, it = {}, iter(args)
+    for a in it:
+        if a == "--case":
+            current = cases.setdefault(next(it), [])
+        else:
+            current.append(a)
+    return cases
+
+
+def main(model_dir: str, out_path: str, args: list[str]) -> None:
+    from megarl.distributed import cpu
+    from megarl.distributed.env import init_distributed
+    env = init_distributed()
+    cpu.apply()
+    torch.set_num_threads(1)
+    cases = split_cases(args)
+    if cases is None:
+        out = run_case(model_dir, args, env.world_size)
+    else:
+        out = {name: run_case(model_dir, case_args, env.world_size) for name, case_args in cases.items()}
     if env.rank == 0:
         with open(out_path, "w") as f:
-            json.dump(history, f)
-    parallel.destroy()
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

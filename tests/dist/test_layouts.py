@@ -6,14 +6,15 @@ import pytest
 from conftest import run_py
 
 
-def probe(tiny_model, tmp_path, name, nproc, overrides):
+def probe(tiny_model, tmp_path, name, nproc, args):
+    """One launch of layout_probe.py on `nproc` ranks; `args` may hold several --case groups."""
     out = tmp_path / f"{name}.json"
     if nproc == 1:
-        args = ["tests/dist/layout_probe.py"]
+        launch = ["tests/dist/layout_probe.py"]
     else:
-        args = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-                "tests/dist/layout_probe.py"]
-    proc = run_py(args + [str(tiny_model), str(out), *overrides])
+        launch = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                  "tests/dist/layout_probe.py"]
+    proc = run_py(launch + [str(tiny_model), str(out), *args])
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -31,33 +32,53 @@ def assert_close(a, b, rel=1e-5, what=""):
         assert x["logp"] == pytest.approx(y["logp"], rel=rel, abs=2e-5), f"{what} step {step} logprobs"
 
 
+LAYOUTS = {   # name: (ranks, overrides)
+    "tp2": (2, ["parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "dp2": (2, []),
+    "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "tp2_recompute": (2, ["parallel.tp=2", "train.recompute=full"]),
+    "dp2_offload": (2, ["train.offload_idle=true"]),
+}
+MICRO_BATCHES = (1, 2)
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model, tmp_path_factory):
-    return probe(tiny_model, tmp_path_factory.mktemp("ref"), "ref", 1, ["train.steps=3"])
+def runs(tiny_model, tmp_path_factory):
+    """3 PPO steps of every case, one launch per world size (the cases of a launch run one
+    after the other in its ranks, each with its models built anew): the single-rank reference
+    and its micro-batch splits on 1 rank, the layouts on 2 and on 4 ranks."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    cases = {1: ["--case", "ref", "train.steps=3"]}
+    for mbs in MICRO_BATCHES:
+        cases[1] += ["--case", f"mbs{mbs}", "train.steps=3", f"train.micro_batch_size={mbs}"]
+    for name, (nproc, overrides) in LAYOUTS.items():
+        cases.setdefault(nproc, []).extend(["--case", name, "train.steps=3", *overrides])
+    out = {}
+    for nproc, args in cases.items():
+        out.update(probe(tiny_model, tmp, f"world{nproc}", nproc, args))
+    return out
 
 
-@pytest.mark.parametrize("name,nproc,overrides", [
-    ("tp2", 2, ["parallel.tp=2"]),
-    ("pp2", 2, ["parallel.pp=2"]),
-    ("dp2", 2, []),
-    ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
-    ("tp2_recompute", 2, ["parallel.tp=2", "train.recompute=full"]),
-    ("dp2_offload", 2, ["train.offload_idle=true"]),
-])
-def test_layout_matches_single_rank(tiny_model, tmp_path, reference, name, nproc, overrides):
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs["ref"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_rank(runs, reference, name):
     """Over 3 PPO steps (2 optimizer updates each) actor and critic losses, gradient norms and
     post-step logprobs at this layout equal TP=PP=DP=1 within 1e-5 relative (fp32)."""
-    got = probe(tiny_model, tmp_path, name, nproc, ["train.steps=3", *overrides])
+    got = runs[name]
     assert len(got) == 3
     assert_close(got, reference, what=name)
 
 
-def test_microbatch_split_leaves_update_unchanged(tiny_model, tmp_path, reference):
+def test_microbatch_split_leaves_update_unchanged(runs, reference):
     """Splitting each mini-batch into micro-batches of 1 or 2 instead of 4 rows gives the same
     losses and updates (the loss is normalised by the global batch, not per micro-batch)."""
-    for mbs in (1, 2):
-        got = probe(tiny_model, tmp_path, f"mbs{mbs}", 1, ["train.steps=3", f"train.micro_batch_size={mbs}"])
-        assert_close(got, reference, what=f"micro_batch_size={mbs}")
+    for mbs in MICRO_BATCHES:
+        assert_close(runs[f"mbs{mbs}"], reference, what=f"micro_batch_size={mbs}")
 
 
 def test_reference_run_learns_something(reference):

@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -71,7 +72,7 @@ def _env(tmp_path, run_dir, extra: str, **settings) -> dict:
            "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
            "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
            "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
-           "EXTRA": extra, **settings}
+           "MEGARL_PY": sys.executable, "EXTRA": extra, **settings}
     for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
         env.pop(var, None)
     return env
