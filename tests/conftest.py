@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (built once per machine) and a subprocess runner."""
+"""Shared fixtures: the tiny model (built once per machine), a subprocess runner, one vLLM
+server per test process for the runs that do not test engines, a small disk."""
 import os
 import subprocess
 import sys
@@ -22,6 +23,32 @@ def tiny_model() -> Path:
         subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(TINY)],
                        check=True, cwd=ROOT)
     return TINY
+
+
+@pytest.fixture(scope="session")
+def remote_engine(tiny_model, tmp_path_factory):
+    """A vLLM server on the tiny model, for the end-to-end runs that test something other than
+    the engines (crash consistency, disk full, data, loading): `megarl train ...
+    *remote_engine.overrides` uses it as `rollout.engine_mode=remote`, as a cluster job does,
+    instead of starting an in-process engine of its own (~40 s of CPU per run, most of it
+    imports). Every run pushes its own weights before it generates, and a run killed
+    mid-sync leaves it paused, which the next run's first push ends: runs need nothing reset.
+    One per test process (pytest-xdist worker); the key goes through the environment."""
+    import secrets
+    from types import SimpleNamespace
+
+    from megarl.rollout.servers import LocalServer
+
+    log = tmp_path_factory.mktemp("remote_engine") / "engine_0.log"
+    server = LocalServer(tiny_model, log, api_key=secrets.token_hex(16), seed=0, max_model_len=256,
+                         kv_cache_mb=64)
+    server.start()
+    try:
+        server.wait_healthy(600)
+        yield SimpleNamespace(server=server, env={"MEGARL_ENGINE_API_KEY": server.api_key},
+                              overrides=["rollout.engine_mode=remote", f"rollout.engine_urls=[{server.url}]"])
+    finally:
+        server.stop()
 
 
 def run_py(args, timeout=900, env=None, **kw) -> subprocess.CompletedProcess:

@@ -63,15 +63,16 @@ def test_not_a_megatron_checkpoint_is_a_clear_error(tiny_model, tmp_path):
         check_megatron_dir(str(tmp_path / "nope"), "model.megatron_path")
 
 
-def test_megarl_train_starts_from_megatron_checkpoint(tiny_model, megatron_tp2, tmp_path):
-    """`megarl train` at TP=2 (2 ranks, real vLLM engine) accepts model.megatron_path: one step
-    runs, and the engine's logprobs (of the weights the trainer pushed) match the trainer's."""
+def test_megarl_train_starts_from_megatron_checkpoint(tiny_model, megatron_tp2, remote_engine, tmp_path):
+    """`megarl train` at TP=2 (2 ranks, a real vLLM server as remote engine) accepts
+    model.megatron_path: one step runs, and the engine's logprobs (of the weights the trainer
+    pushed) match the trainer's."""
     run_dir = tmp_path / "run"
     cli = ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "megarl.cli",
            "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
            f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", "parallel.tp=2",
-           "train.steps=1", "rollout.mode=sync", f"model.megatron_path={megatron_tp2}"]
-    proc = run_py(cli)
+           "train.steps=1", "rollout.mode=sync", f"model.megatron_path={megatron_tp2}", *remote_engine.overrides]
+    proc = run_py(cli, env=remote_engine.env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0]

@@ -3,7 +3,9 @@ uninterrupted run of the same seed.
 
 Both runs are the recipe's partial rollout with rollout.async=true (the next round generates
 while the trainer trains, so partial samples are in flight at every kill), a checkpoint after
-every step and every step's samples dumped. The chained run is killed (MEGARL_FAULT, see
+every step and every step's samples dumped. Both are served by one vLLM server they reach as a remote engine
+(as on a cluster, the server outlives each killed trainer: a leg killed mid-rollout leaves
+requests in flight there, one killed mid-sync leaves it paused). The chained run is killed (MEGARL_FAULT, see
 megarl/distributed/faults.py) mid-update, mid-weight-sync, mid-checkpoint-save and mid-rollout,
 each leg resuming from the newest complete checkpoint the previous one left.
 
@@ -36,10 +38,10 @@ LEGS = [("update@7", "step 1's second mini-batch: actor and critic have stepped 
         ("rollout_result@30", "its first round, continuing the carried samples")]
 
 
-def _train(tiny_model, run_dir, fault=None):
+def _train(tiny_model, engine, run_dir, fault=None):
     cli = ["-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
-           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", *COMMON]
-    return run_py(cli, env={"MEGARL_FAULT": fault} if fault else None)
+           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", *COMMON, *engine.overrides]
+    return run_py(cli, env={**engine.env, **({"MEGARL_FAULT": fault} if fault else {})})
 
 
 def _step(ckpt) -> int:
@@ -82,9 +84,9 @@ def _metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model, tmp_path_factory):
+def uninterrupted(tiny_model, remote_engine, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("crash") / "uninterrupted"
-    proc = _train(tiny_model, run_dir)
+    proc = _train(tiny_model, remote_engine, run_dir)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return run_dir
 
@@ -113,12 +115,12 @@ def test_async_rounds_generate_while_training_within_the_bound(uninterrupted):
     assert any(s["old_logprobs"] for s in carried)
 
 
-def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, tmp_path, uninterrupted):
+def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, remote_engine, tmp_path, uninterrupted):
     run_dir = tmp_path / "chained"
     resumes = []     # (checkpoint a leg resumed from, its carry, the leg's output)
     for fault, doing in LEGS + [(None, "the rest of the run")]:
         found = _complete(run_dir) if (run_dir / "checkpoints").exists() else []
-        proc = _train(tiny_model, run_dir, fault)
+        proc = _train(tiny_model, remote_engine, run_dir, fault)
         if fault is None:
             assert proc.returncode == 0, proc.stderr[-6000:]
         else:

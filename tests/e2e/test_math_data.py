@@ -24,7 +24,7 @@ def chat_model(tiny_model, tmp_path):
     return model
 
 
-def test_math_verifier_trains_on_parquet_text_and_chat_rows(chat_model, tmp_path):
+def test_math_verifier_trains_on_parquet_text_and_chat_rows(chat_model, remote_engine, tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
     rows = [json.loads(line) for line in (ROOT / "tests/data/math_sample.jsonl").read_text().splitlines()]
@@ -34,7 +34,8 @@ def test_math_verifier_trains_on_parquet_text_and_chat_rows(chat_model, tmp_path
     run_dir = tmp_path / "run"
     proc = run_py(["-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={chat_model}",
                    f"data.prompts={data}", f"run.dir={run_dir}", "reward.fn=math", "train.steps=2",
-                   "train.groups_per_step=8", "rollout.dump_every=1"])
+                   "train.groups_per_step=8", "rollout.dump_every=1", *remote_engine.overrides],
+                  env=remote_engine.env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
