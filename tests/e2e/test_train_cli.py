@@ -11,11 +11,11 @@ REQUIRED = ("step", "reward_mean", "response_len_mean", "response_len_max", "kl"
             "sync_time_s", "logprob_mismatch_mean", "weight_version")
 
 
-def train(tiny_model, run_dir, *overrides, nproc=1):
+def train(tiny_model, run_dir, *overrides, nproc=1, env=None):
     cli = ["-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
            f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", *overrides]
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    proc = run_py(launcher + cli if nproc > 1 else cli)
+    proc = run_py(launcher + cli if nproc > 1 else cli, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return proc, rows
@@ -48,19 +48,22 @@ def test_ppo_run_writes_metrics_tensorboard_and_config(ppo_run):
     assert proc.stderr.count("step    ") + proc.stdout.count("step    ") >= 3
 
 
-def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, tmp_path, ppo_run):
+def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, remote_engine, tmp_path, ppo_run):
     """SIGTERM mid-run (slurm pre-emption) makes every rank save and exit cleanly; `megarl train`
     on the same run dir resumes after the checkpoint, and the resumed run's rewards and losses
-    equal the uninterrupted run's step for step."""
+    equal the uninterrupted run's step for step. Both legs use a vLLM server as a remote engine
+    and the uninterrupted run an in-process one: sampling depends on the seed alone, not on
+    the kind of engine."""
     import signal
     import subprocess
     import sys
     import time
     run_dir = tmp_path / "preempted"
     cli = [sys.executable, "-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
-           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", "train.steps=2", "rollout.mode=sync"]
+           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", "train.steps=2", "rollout.mode=sync",
+           *remote_engine.overrides]
     proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **remote_engine.env})
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
@@ -72,7 +75,8 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, tmp_path, ppo_r
     assert saved and all(name.startswith("step_") for name in saved), saved
     assert "stopping after step" in out + err
 
-    _, rows = train(tiny_model, run_dir, "train.steps=2", "rollout.mode=sync")
+    _, rows = train(tiny_model, run_dir, "train.steps=2", "rollout.mode=sync", *remote_engine.overrides,
+                    env=remote_engine.env)
     expected = ppo_run[2]
     assert [r["step"] for r in rows] == [0, 1]
     for got, want in zip(rows, expected):
