@@ -93,7 +93,8 @@ def uninterrupted(tiny_model, remote_engine, tmp_path_factory):
 
 def test_async_rounds_generate_while_training_within_the_bound(uninterrupted):
     """rollout.async=true: rounds run while the trainer trains, so trained tokens are up to
-    rollout.max_staleness versions old and some are older than the current version."""
+    rollout.max_staleness versions old and some are older than the current version; every
+    checkpoint holds the carry."""
     rows = _metrics(uninterrupted)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["staleness_max"] <= 5 for r in rows), [r["staleness_max"] for r in rows]
@@ -101,7 +102,8 @@ def test_async_rounds_generate_while_training_within_the_bound(uninterrupted):
     assert all(r.get("rollout_inflight_min", 64) == 64 for r in rows) and \
         any("rollout_inflight_min" in r for r in rows), rows
     assert any(r.get("staleness_frac_1", 0) > 0 for r in rows[1:])
-    assert sum(r["samples_spanning_versions"] for r in rows) > 0
+    # (whether a sample spans two versions depends on timing here: a prefetched round that
+    # finishes before the push has none; tests/e2e/test_partial_rollout.py checks spanning)
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["samples"] == GROUPS * N for r in rows)
     # every checkpoint holds the carry: partial samples with tokens, logprobs, versions and the
     # trainer's l_old of a prefix (async: tokens generated while the trainer trained get theirs

@@ -5,6 +5,7 @@ ends. By then the task may have been reaped and its pid given to an unrelated pr
 test's server, under pytest-xdist): a pid is only trusted together with the start time it had
 when it was recorded.
 """
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import time
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "tests" / "slurm_standin" / "bin"))
+BIN = ROOT / "tests" / "slurm_standin" / "bin"
+sys.path.insert(0, str(BIN))
 import standin  # noqa: E402
 
 
@@ -49,3 +51,29 @@ def test_job_groups_are_recorded_with_their_start_times(tmp_path):
         task.kill()
         task.wait()
 
+
+
+def test_what_a_finished_task_left_running_ends_with_the_step(tmp_path):
+    """A task that started a process in a session of its own and exited (a torchrun killed
+    before its ranks) leaves that process re-parented: to srun, a subreaper, which ends it with
+    the step, as slurm's cgroup would; re-parented to init it would outlive the job."""
+    state, pidfile = tmp_path / "state", tmp_path / "orphan.pid"
+    (state / "job7").mkdir(parents=True)
+    env = {**os.environ, "SLURM_STANDIN_STATE": str(state), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    task = f"setsid sleep 300 >/dev/null 2>&1 & echo $! > {pidfile}"
+    proc = subprocess.run([str(BIN / "srun"), "--ntasks=1", "sh", "-c", task],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    orphan = int(pidfile.read_text())
+    deadline = time.time() + 10
+    while standin.start_time(orphan) is not None and _state(orphan) != "Z" and time.time() < deadline:
+        time.sleep(0.1)
+    assert standin.start_time(orphan) is None or _state(orphan) == "Z", "the orphan outlived its step"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

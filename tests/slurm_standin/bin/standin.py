@@ -105,8 +105,9 @@ def kill_tree(group, sig) -> bool:
     now = start_time(pid)
     if started is not None and now is not None and now != started:
         return False
+    below = descendants(pid)    # first: once the group is signalled they may be re-parented
     hit = killpg(pid, sig)
-    for p in descendants(pid):
+    for p in below:
         try:
             os.kill(p, sig)
             hit = True
