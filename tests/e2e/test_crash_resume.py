@@ -108,13 +108,20 @@ def test_async_rounds_generate_while_training_within_the_bound(uninterrupted):
     # every checkpoint holds the carry: partial samples with tokens, logprobs, versions and the
     # trainer's l_old of a prefix (async: tokens generated while the trainer trained get theirs
     # at the next step, see docs/partial_rollout.md)
-    carried = [s for ck in _complete(uninterrupted)
-               for g in torch.load(ck / "driver.pt", weights_only=True)["rollout"]["controller"]["open"]
+    # Which carried tokens already hold l_old depends on timing (those generated after the
+    # step's pending() get it at the next step); what must hold: a checkpoint saved with weight
+    # version V (after step V-1) stores l_old for every token sampled under V-2 or older, since
+    # step V-1's pending() saw them.
+    carried = [(driver["version"], s) for ck in _complete(uninterrupted)
+               for driver in [torch.load(ck / "driver.pt", weights_only=True)]
+               for g in driver["rollout"]["controller"]["open"]
                for s in g["slots"] if s["response_ids"] and not s["finish_reason"]]
     assert carried, "no checkpoint held a partial sample"
-    for s in carried:
+    for version, s in carried:
         assert len(s["response_ids"]) == len(s["logprobs"]) == len(s["versions"]) >= len(s["old_logprobs"])
-    assert any(s["old_logprobs"] for s in carried)
+        assert s["versions"] == sorted(s["versions"]), s["versions"]
+        older = sum(v <= version - 2 for v in s["versions"])
+        assert len(s["old_logprobs"]) >= older, (version, s["versions"], len(s["old_logprobs"]))
 
 
 def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, remote_engine, tmp_path, uninterrupted):
