@@ -16,9 +16,18 @@ def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _is_server(p) -> bool:
+    """A vLLM API server, not one of its forks (caught between fork and exec they show its argv)."""
+    try:
+        return "vllm.entrypoints.openai.api_server" in p.cmdline() and \
+            "vllm.entrypoints.openai.api_server" not in p.parent().cmdline()
+    except psutil.Error:
+        return False
+
+
 def _servers(proc):
     tree = psutil.Process(proc.pid).children(recursive=True)
-    return tree, [p for p in tree if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+    return tree, [p for p in tree if _is_server(p)]
 
 
 def _wait_rows(proc, path, count, timeout=600):

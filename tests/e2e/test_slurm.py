@@ -57,8 +57,9 @@ class Tree(threading.Thread):
                 pass
             time.sleep(0.3)
 
-    def servers(self):
-        return [v for v in self.info.values() if "vllm.entrypoints.openai.api_server" in v[0]]
+    def servers(self):   # not a server's own forks (caught between fork and exec they show its argv)
+        return [v for v in self.info.values()
+                if "vllm.entrypoints.openai.api_server" in v[0] and "vllm.entrypoints.openai.api_server" not in v[2]]
 
     def ranks(self):   # torchrun's workers (not torchrun, the task shell, `megarl plan`, forks)
         return [v for v in self.info.values() if "megarl.cli" in v[0] and "torch.distributed.run" in v[2]]
