@@ -29,10 +29,11 @@ demo: model
 # Two pytest-xdist workers: most of the suite's time is single-threaded process start-up
 # (torch, megatron and vLLM imports in every rank and engine), which two workers overlap on two
 # cores. A test file stays on one worker (its module fixtures, e.g. one vLLM server, start
-# once). TEST_WORKERS=0: one process, in order; TEST_WORKERS=auto: one per core.
+# once), and files go longest first (tests/conftest.py LONGEST_FIRST; --no-loadscope-reorder keeps
+# that order). TEST_WORKERS=0: one process, in order; TEST_WORKERS=auto: one per core.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # what tests/gpu/device_check.sh installs on a GPU machine without internet (Python 3.12,
 # CUDA torch and transformers already there): megatron-core, omegaconf and its parser runtime

@@ -10,6 +10,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "artifacts" / "tiny_countdown"
 
+# The files that take minutes (vLLM engine starts, torchrun launches), longest first, as
+# measured with `--durations` under `make test`. pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`) hands files to its workers in collection order: starting the long
+# ones first and ending with the many short ones keeps both workers busy to the end, where
+# xdist's default order (most tests first) left a one-test file of 7 minutes for last.
+LONGEST_FIRST = [
+    "tests/e2e/test_engine_failure.py", "tests/e2e/test_slurm.py", "tests/dist/test_conversion_tools.py",
+    "tests/e2e/test_train_cli.py", "tests/dist/test_layouts.py", "tests/e2e/test_crash_resume.py",
+    "tests/dist/test_megatron_load.py", "tests/e2e/test_pool_sync.py", "tests/e2e/test_http_engine.py",
+    "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_bad_inputs.py",
+    "tests/dist/test_reward_model.py", "tests/e2e/test_disk_full.py", "tests/dist/test_device_placement.py",
+    "tests/e2e/test_math_data.py", "tests/dist/test_nonfinite.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (LONGEST_FIRST), then the rest in their usual order; a file's tests
+    stay together and in order (module fixtures, and tests that rely on running last)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
