@@ -10,9 +10,14 @@ PR_SET_PDEATHSIG, see servers.py.)
 """
 from __future__ import annotations
 
+import atexit
+import glob
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from typing import Optional
 
 import psutil
 
@@ -55,3 +60,52 @@ def pid_alive(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def remove_stale(base: str, prefix: str) -> list[str]:
+    """Remove the folders `<base>/<prefix><pid>-...` whose process is gone (what a killed run
+    left: staged weights, engine sockets). Returns what was removed."""
+    removed = []
+    for path in glob.glob(os.path.join(base, prefix + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(prefix):].split("-")[0])
+        except ValueError:
+            continue
+        if not pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+RPC_PREFIX = "megarl-rpc-"
+_UNIX_SOCKET_PATH_MAX = 107          # sun_path is 108 bytes with its terminating NUL
+_rpc_dir: Optional[str] = None
+
+
+def private_rpc_dir() -> Optional[str]:
+    """One owner-only folder for the ZMQ sockets of this process's vLLM engines.
+
+    vLLM creates its IPC sockets as `$VLLM_RPC_BASE_PATH/<uuid>` (default: the temp folder)
+    and leaves them there: about three files per engine start pile up in /tmp of every node.
+    Here they go into `<tmp>/megarl-rpc-<pid>-*`, removed when this process exits and, if it
+    was killed, by the next megarl process's `remove_stale`. Local servers inherit it through
+    their environment. A VLLM_RPC_BASE_PATH the user set is kept (one inherited from another
+    megarl process is not the user's); so is vLLM's default when the folder would make socket
+    paths too long for Unix sockets. Returns the folder used (None: vLLM's default)."""
+    global _rpc_dir
+    if _rpc_dir is not None:
+        return _rpc_dir
+    preset = os.environ.get("VLLM_RPC_BASE_PATH")
+    if preset and not os.path.basename(preset.rstrip("/")).startswith(RPC_PREFIX):
+        return preset
+    base = tempfile.gettempdir()
+    remove_stale(base, RPC_PREFIX)
+    path = tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-", dir=base)   # mode 0700
+    if len(os.path.join(path, "x" * 36)) > _UNIX_SOCKET_PATH_MAX:             # <uuid4> inside
+        os.rmdir(path)
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        return None
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    atexit.register(shutil.rmtree, path, True)
+    _rpc_dir = path
+    return path

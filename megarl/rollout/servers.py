@@ -25,6 +25,7 @@ from collections import deque
 from typing import Optional
 
 from megarl.distributed.env import free_port
+from megarl.rollout import reaper
 from megarl.rollout.engine import EngineError
 from megarl.rollout.vllm_http import SERVER_KEEPALIVE_S, HTTPVLLMEngine
 
@@ -113,6 +114,7 @@ class LocalServer:
     def start(self) -> None:
         if self.proc is not None:
             return
+        reaper.private_rpc_dir()      # its sockets in this process's own folder (env())
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         shown = " ".join(self.command())
         if self.api_key:

@@ -12,6 +12,7 @@ import asyncio
 import os
 from typing import Optional
 
+from megarl.rollout import reaper
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 
@@ -49,6 +50,7 @@ class AsyncVLLMEngine(Engine):
         self._ids = 0
 
     async def start(self) -> None:
+        reaper.private_rpc_dir()      # before vLLM reads VLLM_RPC_BASE_PATH
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         try:

@@ -14,7 +14,6 @@ GPU route (NCCL broadcast into vLLM's weight-transfer engine) uses the same buck
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import tempfile
@@ -29,7 +28,7 @@ from megarl.config import ConfigError
 from megarl.conversion.mapping import mapping_for
 from megarl.distributed import device, faults, parallel
 from megarl.models.builders import ModelInfo, use_te
-from megarl.rollout.reaper import pid_alive
+from megarl.rollout.reaper import remove_stale
 
 PREFIX = "megarl-weights-"
 
@@ -77,16 +76,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 def clean_stale(base: str) -> list[str]:
     """Remove staging folders under `base` whose owning process is gone (a crashed run's
     weights would otherwise sit in shared memory until reboot). Returns what was removed."""
-    removed = []
-    for path in glob.glob(os.path.join(base, PREFIX + "*")):
-        try:
-            pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if not pid_alive(pid):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    return remove_stale(base, PREFIX)
 
 
 def stage_bytes(model) -> int:

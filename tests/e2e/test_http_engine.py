@@ -15,12 +15,14 @@ import random
 import secrets
 import shutil
 import signal
+import stat
 import time
 
 import psutil
 import pytest
 import torch
 
+from megarl.rollout import reaper
 from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.servers import LocalServer, LocalServerEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
@@ -232,6 +234,21 @@ def _group_members(pgid):
 
 def _live_children() -> set:
     return {c.pid for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_engine_sockets_live_in_a_private_folder(server):
+    """vLLM's ZMQ sockets (API server <-> engine core <-> worker) are files in
+    $VLLM_RPC_BASE_PATH, which vLLM never removes: a server megarl starts puts them in the
+    owner-only folder of the process that started it (megarl.rollout.reaper.private_rpc_dir),
+    removed with that process, not loose in /tmp."""
+    folder = reaper.private_rpc_dir()
+    assert folder and os.path.basename(folder).startswith(reaper.RPC_PREFIX)
+    root = psutil.Process(server.proc.pid)
+    paths = {c.laddr for p in [root, *root.children(recursive=True)]
+             for c in p.net_connections(kind="unix") if c.laddr}
+    ipc = {x for x in paths if os.path.basename(x).count("-") == 4}      # <uuid4> names
+    assert ipc and all(os.path.dirname(x) == folder for x in ipc), (folder, paths)
+    assert all(stat.S_ISSOCK(os.stat(x).st_mode) for x in ipc)
 
 
 def test_server_death_mid_request_raises_with_log_path(server):
