@@ -199,14 +199,15 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     trainer step that was starting is stopped too, and no process is left."""
     run_dir = tmp_path / "run"
     env = _env(tmp_path, run_dir, f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1",
-               STOP_TIMEOUT="10", ENGINE_START_TIMEOUT="12")
+               # long enough for `megarl.rollout.serve` to print its first line under load (12 s was not)
+               STOP_TIMEOUT="10", ENGINE_START_TIMEOUT="25")
     with Submission("slurm/ppo_7b.sh", env, tmp_path) as sub:
         out, _ = sub.proc.communicate(timeout=300)
     proc = sub.proc
     logs = _logs(tmp_path, run_dir)
     assert proc.returncode == 1, (out, logs)
     batch = next(tmp_path.glob("slurm-*.out")).read_text()
-    assert "not healthy after 12 s" in batch and "Last lines of its log" in batch, batch
+    assert "not healthy after 25 s" in batch and "Last lines of its log" in batch, batch
     assert "# megarl: engine 0 at http://127.0.0.1:" in batch        # the server log's first line
     assert "the engines did not come up" in batch
     assert not (run_dir / "metrics.jsonl").exists()
