@@ -32,6 +32,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+
+
+def is_vllm_server(argv: list[str], parent_argv: list[str]) -> bool:
+    """A vLLM API server process, not one of its own forks (caught between fork and exec, a
+    fork still shows the server's argv)."""
+    return VLLM_SERVER in argv and VLLM_SERVER not in parent_argv
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The demo's tiny countdown model (tools/make_tiny_model.py is idempotent: a no-op when built).

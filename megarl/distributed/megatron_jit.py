@@ -59,6 +59,9 @@ class _Loader(importlib.abc.Loader):
         self.inner.exec_module(module)
         make_lazy(module)
 
+    def __getattr__(self, name):          # get_source, get_filename ...: the real loader's
+        return getattr(self.inner, name)
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
@@ -72,7 +75,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Idempotent; also patches a megatron.core.jit imported before megarl."""
+    """Idempotent. If megatron.core.jit was imported before megarl, the functions decorated
+    so far keep their torch.compile wrapper; later ones get the lazy one."""
     if TARGET in sys.modules:
         make_lazy(sys.modules[TARGET])
         return

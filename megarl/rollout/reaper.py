@@ -11,6 +11,7 @@ PR_SET_PDEATHSIG, see servers.py.)
 from __future__ import annotations
 
 import atexit
+import functools
 import glob
 import os
 import shutil
@@ -79,22 +80,20 @@ def remove_stale(base: str, prefix: str) -> list[str]:
 
 RPC_PREFIX = "megarl-rpc-"
 _UNIX_SOCKET_PATH_MAX = 107          # sun_path is 108 bytes with its terminating NUL
-_rpc_dir: Optional[str] = None
 
 
+@functools.cache
 def private_rpc_dir() -> Optional[str]:
-    """One owner-only folder for the ZMQ sockets of this process's vLLM engines.
+    """One owner-only folder for the ZMQ sockets of this process's vLLM engines (decided once).
 
     vLLM creates its IPC sockets as `$VLLM_RPC_BASE_PATH/<uuid>` (default: the temp folder)
     and leaves them there: about three files per engine start pile up in /tmp of every node.
     Here they go into `<tmp>/megarl-rpc-<pid>-*`, removed when this process exits and, if it
-    was killed, by the next megarl process's `remove_stale`. Local servers inherit it through
-    their environment. A VLLM_RPC_BASE_PATH the user set is kept (one inherited from another
-    megarl process is not the user's); so is vLLM's default when the folder would make socket
-    paths too long for Unix sockets. Returns the folder used (None: vLLM's default)."""
-    global _rpc_dir
-    if _rpc_dir is not None:
-        return _rpc_dir
+    was killed, by the next megarl process's `remove_stale`. In-process engines read it from
+    this process's environment, servers from `LocalServer.env()`. A VLLM_RPC_BASE_PATH the
+    user set is kept (one inherited from another megarl process is not the user's); so is
+    vLLM's default when the folder would make socket paths too long for Unix sockets.
+    Returns the folder used (None: vLLM's default)."""
     preset = os.environ.get("VLLM_RPC_BASE_PATH")
     if preset and not os.path.basename(preset.rstrip("/")).startswith(RPC_PREFIX):
         return preset
@@ -107,5 +106,4 @@ def private_rpc_dir() -> Optional[str]:
         return None
     os.environ["VLLM_RPC_BASE_PATH"] = path
     atexit.register(shutil.rmtree, path, True)
-    _rpc_dir = path
     return path

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from collections import deque
 
-from megarl.rollout.reaper import pid_alive, private_rpc_dir
+from megarl.rollout.reaper import pid_alive
 
 KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
@@ -53,9 +53,8 @@ def _serve(args) -> int:
                          max_model_len=ro.max_model_len, tp=ro.engine_tp, enforce_eager=ro.enforce_eager,
                          kv_cache_mb=ro.kv_cache_mb, gpu_memory_utilization=ro.gpu_memory_utilization,
                          port=args.port, host=args.host)
-    # its sockets in a folder named after this pid, which the server keeps: once it is gone, the
-    # next megarl process on the node removes the folder (reaper.remove_stale)
-    private_rpc_dir()
+    # env() names a socket folder after this pid, which the server keeps (exec): once it is
+    # gone, the next megarl process on the node removes the folder (reaper.remove_stale)
     cmd, env = server.command(), server.env()
     env["VLLM_API_KEY"] = key       # vLLM's --api-key fallback: the key stays out of argv
     env.pop(KEY_ENV, None)

@@ -105,6 +105,10 @@ class LocalServer:
 
     def env(self) -> dict:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        # its socket files in this process's own folder, not loose in /tmp (reaper.private_rpc_dir)
+        rpc_dir = reaper.private_rpc_dir()
+        if rpc_dir:
+            env["VLLM_RPC_BASE_PATH"] = rpc_dir
         # idle connections stay open well past the client's reuse window (vllm_http.CLIENT_KEEPALIVE_S)
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
         # the legacy CPU variable (whole GiB) overrides --kv-cache-memory-bytes: drop it
@@ -114,7 +118,6 @@ class LocalServer:
     def start(self) -> None:
         if self.proc is not None:
             return
-        reaper.private_rpc_dir()      # its sockets in this process's own folder (env())
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         shown = " ".join(self.command())
         if self.api_key:

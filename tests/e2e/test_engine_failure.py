@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from conftest import ROOT
+from conftest import ROOT, is_vllm_server
 
 
 def _rows(path):
@@ -17,10 +17,8 @@ def _rows(path):
 
 
 def _is_server(p) -> bool:
-    """A vLLM API server, not one of its forks (caught between fork and exec they show its argv)."""
     try:
-        return "vllm.entrypoints.openai.api_server" in p.cmdline() and \
-            "vllm.entrypoints.openai.api_server" not in p.parent().cmdline()
+        return is_vllm_server(p.cmdline(), p.parent().cmdline())
     except psutil.Error:
         return False
 

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from conftest import ROOT
+from conftest import ROOT, VLLM_SERVER, is_vllm_server
 
 STANDIN = ROOT / "tests" / "slurm_standin" / "bin"
 
@@ -49,7 +49,7 @@ class Tree(threading.Thread):
                     if key not in self.info:
                         try:
                             argv = p.cmdline()
-                            if "vllm.entrypoints.openai.api_server" in argv or "megarl.cli" in argv:
+                            if VLLM_SERVER in argv or "megarl.cli" in argv:
                                 self.info[key] = (argv, p.environ(), p.parent().cmdline())
                         except psutil.Error:
                             pass
@@ -57,9 +57,8 @@ class Tree(threading.Thread):
                 pass
             time.sleep(0.3)
 
-    def servers(self):   # not a server's own forks (caught between fork and exec they show its argv)
-        return [v for v in self.info.values()
-                if "vllm.entrypoints.openai.api_server" in v[0] and "vllm.entrypoints.openai.api_server" not in v[2]]
+    def servers(self):
+        return [v for v in self.info.values() if is_vllm_server(v[0], v[2])]
 
     def ranks(self):   # torchrun's workers (not torchrun, the task shell, `megarl plan`, forks)
         return [v for v in self.info.values() if "megarl.cli" in v[0] and "torch.distributed.run" in v[2]]
@@ -173,6 +172,8 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     assert len(servers) == 2 and len(ranks) == 2, (len(servers), len(ranks))
     for argv, senv, _ in servers:
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--api-key" not in argv
+        # its socket files in the owner-only folder `megarl.rollout.serve` named after itself
+        assert os.path.basename(senv["VLLM_RPC_BASE_PATH"]).startswith("megarl-rpc-"), senv.get("VLLM_RPC_BASE_PATH")
         key = senv["VLLM_API_KEY"]
         assert len(key) >= 32
         for path in [*tmp_path.glob("slurm-*.out"), *run_dir.rglob("*.txt"), *run_dir.rglob("*.log"),
