@@ -121,13 +121,14 @@ def train(cfg: RootConfig) -> dict:
                 if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
                     dump_samples(cfg.run.dir, step, samples, tokenizer)
             rollout_s = time.perf_counter() - t_step
-            samples, partials = _broadcast((samples, partials))
+            samples = _broadcast(samples)
 
             t_train = time.perf_counter()
-            if partials:  # stitching: l_old of the carried tokens, under the weights that made them
-                old = trainer_logprobs(cfg, models.actor, partials, tokenizer.pad_token_id)
-                if is_driver:
-                    rollout.store(old)
+            # stitching: l_old of the carried tokens, under the weights that made them (every
+            # rank takes part: the carry goes out from the driver as tensors, split over DP)
+            old = trainer_logprobs(cfg, models.actor, partials, tokenizer.pad_token_id)
+            if is_driver and old:
+                rollout.store(old)
             batch = build_batch(samples, tokenizer.pad_token_id,
                                 cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
             extra = {}

@@ -18,7 +18,7 @@ from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
 from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized_scores, masked_whiten
 from megarl.ppo.aggregate import global_normalizer
-from megarl.ppo.batch import Batch, build_batch, stitch_old_logprobs
+from megarl.ppo.batch import Batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, mismatch_stats
 from megarl.ppo import nonfinite
 from megarl.ppo.losses import kl_penalty, masked_mean
@@ -82,7 +82,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
             advantages = masked_whiten(advantages, mask)
     # partial rollout: tokens of earlier versions keep the l_old stored when they were generated
     # (stitching); the KL above used the current weights' logprobs, as it should
-    old_logp = stitch_old_logprobs(old_logp, batch)
+    cur_logp, old_logp = old_logp, stitch_old_logprobs(old_logp, batch)
     is_w, is_stats = behaviour_weights(old_logp, batch.behav_logp, mask, algo.is_mode, algo.is_level,
                                        algo.is_cap, algo.is_low, algo.is_high)
     # NaN/Inf anywhere the update reads: stop or skip before any optimizer step (collective)
@@ -118,8 +118,10 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     updates = cfg.train.ppo_epochs * n_mini
     tokens = max(stats.get("tokens", 0.0), 1.0)
     on_device = {
-        # reported as the k1 estimate whatever algo.kl_kind shapes the penalty with
-        "kl": masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(old_logp, ref_logp, "k1"), mask),
+        # the k1 estimate of KL(current weights || reference) whatever algo.kl_kind shapes the
+        # penalty with: from the logprobs of the current weights, as the penalty itself, never
+        # the stitched l_old (carried tokens keep older versions' values there)
+        "kl": masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask, mask),
         "advantage_mean": masked_mean(advantages, mask),
         **is_stats, **mismatch_stats(old_logp, batch.behav_logp, mask),
     }
@@ -164,10 +166,95 @@ def _reduce_to_rank0(sums: dict, device: torch.device) -> dict:
     return out
 
 
-def trainer_logprobs(cfg: RootConfig, actor, samples, pad_id: int) -> list[list[float]]:
-    """Per sample, the actor's logprob of each response token at the rollout temperature
-    (forward only; every rank computes all rows). Collective over all trainer ranks."""
-    batch = build_batch(samples, pad_id, cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
-    mbs = cfg.train.micro_batch_size if batch.size % cfg.train.micro_batch_size == 0 else 1
-    logp = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, cfg.rollout.temperature).cpu()
-    return [logp[i, :len(s.response_ids)].tolist() for i, s in enumerate(samples)]
+def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) -> list[list[float]]:
+    """l_old of the carry: per sample, the actor's logprob of each response token at the
+    rollout temperature (forward only). Collective over all trainer ranks.
+
+    Only global rank 0 (the driver, which holds the carry) needs to pass `samples`; the
+    other ranks pass None. The samples go out as three tensors (one broadcast each, not a
+    pickled list), each DP rank computes its own share of the rows in whole micro-batches
+    (padded, never shrunk to micro-batch 1), and the shares are gathered back: every rank
+    returns the values of every sample, in order ([] when there is none).
+    """
+    tokens, lens, width = _share_carry(samples if _global_rank() == 0 else None, pad_id,
+                                       cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    count = lens.shape[0]
+    if count == 0:
+        return []
+    dp = parallel.dp_size()
+    rows, mbs = carry_layout(count, dp, cfg.train.micro_batch_size)
+    # the padded order: the real rows, then copies of row 0 (computed, then dropped) so that
+    # every micro-batch is full; DP rank r takes positions r*rows .. (r+1)*rows-1
+    order = torch.zeros(rows * dp, dtype=torch.long)
+    order[:count] = torch.arange(count)
+    mine = dev.put(order[parallel.dp_rank() * rows:(parallel.dp_rank() + 1) * rows], tokens.device)
+    local = _logprob_batch(tokens[mine], lens[mine], width)
+    logp = actor_ops.logprobs(actor.model, local, mbs, actor.info.vocab_size, cfg.rollout.temperature)
+    logp = gather_dp(logp)[:count].cpu()      # DP-rank order = the padded order
+    resp = lens[:, 1].cpu().tolist()
+    return [logp[i, :n].tolist() for i, n in enumerate(resp)]
+
+
+def carry_layout(count: int, dp: int, micro_batch_size: int) -> tuple[int, int]:
+    """(rows per DP rank, micro-batch size) for a forward-only pass over `count` rows: as few
+    micro-batches per rank as train.micro_batch_size allows, each as small as they can be
+    while all are full (61 rows, dp=1, mbs=16: 4 micro-batches of 16, 3 rows of padding;
+    3 rows: one micro-batch of 3). Padding is less than a row per micro-batch."""
+    per_rank = -(-count // dp)
+    n_micro = -(-per_rank // micro_batch_size)
+    mbs = -(-per_rank // n_micro)
+    return n_micro * mbs, mbs
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _share_carry(samples: list | None, pad_id: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Global rank 0's samples on every rank as tensors on the trainer's device: tokens [B, L]
+    (prompt + response, right-padded, L a multiple of `multiple`), lens [B, 2] (prompt and
+    response length of each row), and the longest response. Three broadcasts: the shapes,
+    then the two tensors."""
+    device = dev.current()
+    head = torch.zeros(3, dtype=torch.long)
+    if samples:
+        longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        head = torch.tensor([len(samples), -(-longest // multiple) * multiple,
+                             max(len(s.response_ids) for s in samples)])
+    head = dev.put(head, device)
+    if _world() > 1:
+        dist.broadcast(head, src=0)
+    count, length, width = head.cpu().tolist()
+    if samples is not None:
+        tokens = torch.full((count, length), pad_id, dtype=torch.long)
+        lens = torch.zeros((count, 2), dtype=torch.long)
+        for i, s in enumerate(samples):
+            ids = s.prompt_ids + s.response_ids
+            tokens[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lens[i] = torch.tensor([len(s.prompt_ids), len(s.response_ids)])
+        tokens, lens = dev.put(tokens, device), dev.put(lens, device)
+    else:
+        tokens = torch.empty((count, length), dtype=torch.long, device=device)
+        lens = torch.empty((count, 2), dtype=torch.long, device=device)
+    if _world() > 1 and count:
+        dist.broadcast(tokens, src=0)
+        dist.broadcast(lens, src=0)
+    return tokens, lens, width
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _logprob_batch(tokens: torch.Tensor, lens: torch.Tensor, width: int) -> Batch:
+    """The Batch fields a forward-only logprob pass reads (tokens, resp_index, resp_mask), laid
+    out as build_batch does (width: the longest response); the other fields are zeros."""
+    count, length = tokens.shape
+    width = max(width, 1)
+    cols = torch.arange(width, device=tokens.device)
+    resp_index = (lens[:, :1] - 1 + cols).clamp(max=length - 1)
+    mask = (cols < lens[:, 1:]).float()
+    zeros = torch.zeros_like(mask)
+    return Batch(tokens, resp_index, mask, zeros, torch.zeros_like(resp_index), zeros[:, 0],
+                 torch.zeros(count, dtype=torch.bool, device=tokens.device), zeros,
+                 torch.zeros_like(mask, dtype=torch.bool))
