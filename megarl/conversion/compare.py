@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
+from megarl.conversion.dist_reader import HF_CONFIG_DIR
 from megarl.conversion.hf_reader import ConversionError, load_hf_config
 from megarl.conversion.launch import init_world
-from megarl.conversion.to_megatron import HF_CONFIG_DIR
 from megarl.distributed.env import free_port
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 import sys
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from megarl.conversion.dist_reader import HF_CONFIG_DIR, DistCheckpointReader
 from megarl.conversion.hf_reader import (_ST_TO_TORCH, INDEX_JSON, ConversionError, copy_side_files,
                                          load_hf_config, prepare_out)
-from megarl.conversion.to_megatron import HF_CONFIG_DIR
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -107,73 +106,6 @@ def _ckpt_key(name: str, metadata: dict) -> tuple[str, int | None]:
     if name in metadata:
         return name, None  # non-homogeneous layout: one key per layer
     return f"decoder.layers.{m.group(2)}", int(m.group(1))
-
-
-class DistCheckpointReader:
-    """Reads regions of a megatron torch_dist checkpoint's global tensors.
-
-    The torch_dist format is a torch.distributed.checkpoint (DCP) folder. megatron's own
-    `dist_checkpointing.load` cannot read a slice of a global tensor in a one-rank world (it
-    assumes every other grid fragment belongs to some other rank), so regions are read with
-    DCP's resharding planner directly: no process group, no model.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise ConversionError(f"megatron checkpoint folder {str(path)!r} does not exist")
-        meta_json = self.path / "metadata.json"
-        if not meta_json.is_file():
-            raise ConversionError(f"{str(path)!r} is not a megatron dist checkpoint (no metadata.json)")
-        backend = json.loads(meta_json.read_text()).get("sharded_backend")
-        if backend != "torch_dist":
-            raise ConversionError(f"{str(path)!r} uses sharded_backend={backend!r}; only torch_dist "
-                                  f"checkpoints are supported")
-        self._reader_cls = FileSystemReader
-        self.metadata = {k: v for k, v in
-                         FileSystemReader(str(self.path)).read_metadata().state_dict_metadata.items()
-                         if isinstance(v, TensorStorageMetadata)}
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.metadata[key].size)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.metadata[key].properties.dtype
-
-    def read(self, regions: dict[str, tuple[int, ...] | None]) -> dict[str, torch.Tensor]:
-        """{key: offsets} -> {key: tensor}. offsets=(i,) reads entry i of the first axis (the
-        result drops that axis); None reads the whole tensor."""
-        from torch.distributed.checkpoint import DefaultLoadPlanner, load
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-        dests, offsets = {}, {}
-        for key, index in regions.items():
-            shape = self.shape(key)
-            if index is None:
-                dests[key], offsets[key] = torch.empty(shape, dtype=self.dtype(key)), (0,) * len(shape)
-            else:
-                dests[key] = torch.empty((len(index), *shape[len(index):]), dtype=self.dtype(key))
-                offsets[key] = (*index, *(0,) * (len(shape) - len(index)))
-
-        class RegionPlanner(DefaultLoadPlanner):
-            def create_local_plan(self):
-                items = []
-                for key, dest in self.state_dict.items():
-                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets[key]), sizes=dest.size())
-                    items += create_read_items_for_chunk_list(
-                        key, self.metadata.state_dict_metadata[key], [chunk])
-                return LoadPlan(items)
-
-            def lookup_tensor(self, index):
-                return self.state_dict[index.fqn]
-
-        load(dests, storage_reader=self._reader_cls(str(self.path)),
-             planner=RegionPlanner(flatten_state_dict=False, allow_partial_load=True), no_dist=True)
-        return {k: (t[0] if regions[k] is not None else t) for k, t in dests.items()}
 
 
 def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config_dir: str | None = None,

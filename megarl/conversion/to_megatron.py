@@ -31,12 +31,11 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import ModelConfig
+from megarl.conversion.dist_reader import CONVERSION_JSON, HF_CONFIG_DIR
 from megarl.conversion.hf_reader import (ConversionError, HFCheckpoint, check_hf_checkpoint,
                                          copy_side_files, load_hf_config, prepare_out)
 from megarl.conversion.launch import init_world, launch
 
-CONVERSION_JSON = "megarl_conversion.json"
-HF_CONFIG_DIR = "hf_config"
 DEFAULT_DIVISIBLE_BY = ModelConfig().make_vocab_size_divisible_by  # the schema owns the default
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

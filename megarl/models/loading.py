@@ -152,8 +152,8 @@ def megatron_divisible_by(path: str, hf_config, tp: int, setting: str = "model.m
     vocab at TP=tp (a dist checkpoint's embedding has one global shape; the trainer must build
     the same one to load it at another layout). Checks the checkpoint against the HF config."""
     from megarl.config import ConfigError
+    from megarl.conversion.dist_reader import DistCheckpointReader
     from megarl.conversion.hf_reader import ConversionError
-    from megarl.conversion.to_hf import DistCheckpointReader
     try:
         reader = DistCheckpointReader(path)
     except ConversionError as e:
