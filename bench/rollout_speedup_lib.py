@@ -224,8 +224,8 @@ class Tracked(Engine):
     async def resume(self) -> None:
         await self.inner.resume()
 
-    async def update_weights(self, path: str, version: int) -> None:
-        await self.inner.update_weights(path, version)
+    async def reload_weights(self, path: str, version: int) -> None:
+        await self.inner.reload_weights(path, version)
 
     async def health(self):
         return await self.inner.health()
@@ -347,7 +347,7 @@ class FakeEngine(Engine):
         self._paused = False
         self._wake.set()
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def reload_weights(self, path: str, version: int) -> None:
         self.version = version
 
     async def health(self):

@@ -52,8 +52,8 @@ class SubPool:
         self.sync_pool = sync_pool
         self.pool = EnginePool(sync_pool.engines[:n], sync_pool.pool.timeout_s)
 
-    def update_weights(self, path: str, version: int) -> None:
-        self.sync_pool.call(self.pool.update_weights(path, version), f"loading weight version {version}")
+    def reload_weights(self, path: str, version: int) -> None:
+        self.sync_pool.call(self.pool.reload_weights(path, version), f"loading weight version {version}")
 
 
 class OneRank:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megarl.config import ConfigError, RootConfig, save_config, validate_world
+from megarl.config import ConfigError, RootConfig, preflight, save_config, validate_world
 from megarl.config.paths import check_writable
 from megarl.distributed import cpu, device, faults, parallel
 from megarl.distributed.env import init_distributed
@@ -42,6 +42,7 @@ def train(cfg: RootConfig) -> dict:
     from megarl.rewards import model as reward_model
     from megarl.rollout import weight_sync
     from megarl.rollout.dump import dump_samples
+    from megarl.rollout.build import weight_backend
     from megarl.rollout.pool import open_pool
     from megarl.rollout.rounds import Rollout
 
@@ -51,15 +52,29 @@ def train(cfg: RootConfig) -> dict:
                            d.answer_key if cfg.reward.fn in NEEDS_ANSWER else None)
     sampler = PromptSampler(len(records), cfg.run.seed, cfg.data.shuffle)
     check_model_dir(cfg.model.path, "model.path")
+    preflight.check_model_files(cfg.model.path, "model.path")   # weights complete, a tokenizer there
+    hf_config = preflight.read_hf_config(cfg.model.path)
+    preflight.check_engines_fit(cfg, hf_config)                 # engine TP vs the model and this machine
     if cfg.model.megatron_path:
         check_megatron_dir(cfg.model.megatron_path, "model.megatron_path")
-    check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, d.prompts)
+    tokenizer = preflight.load_tokenizer(cfg.model.path)
+    check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, d.prompts, tokenizer)
+    # every prompt encodes and fits the engine's context with its response budget (rank 0
+    # tokenizes the dataset once; every rank gets the verdict)
+    _agree(lambda: preflight.prompts_problem(records, tokenizer, cfg, hf_config.get("vocab_size")),
+           env.rank == 0)
     # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
     reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
     if cfg.reward.model_path:
         check_model_dir(cfg.reward.model_path, "reward.model_path")
+        preflight.check_model_files(cfg.reward.model_path, "reward.model_path", tokenizer=False)
     check_writable(cfg.run.dir, "run.dir")
-    weight_sync.check_staging_base(cfg.weight_sync.staging_dir)
+    if cfg.weight_sync.transport == "files":
+        from megarl.rollout.transfer.files import check_staging_base
+        check_staging_base(cfg.weight_sync.staging_dir)
+    # the newest intact checkpoint (damaged newer ones are named and skipped); all damaged: stop
+    resume_from = _agree(lambda: ckpt.resume_point(cfg.checkpoint_dir) if cfg.checkpoint.resume else None,
+                         env.rank == 0)
     # nothing is written before this line: a bad input above leaves no trace
     lock = _lock_run_dir(cfg.run.dir, env.rank == 0)   # a second run on this run.dir stops here
     models = build_all(cfg)
@@ -71,7 +86,7 @@ def train(cfg: RootConfig) -> dict:
 
     # resume: models, optimizers, data cursor and RNG from the newest complete checkpoint
     start = 0
-    found = ckpt.complete_checkpoints(cfg.checkpoint_dir) if cfg.checkpoint.resume else []
+    found = [resume_from] if resume_from is not None else []
     if found:
         driver = ckpt.load(found[-1], models.actor, models.critic)
         sampler.load_state_dict(driver["sampler"])
@@ -82,7 +97,8 @@ def train(cfg: RootConfig) -> dict:
     pool, logger, rollout = None, None, None
     if is_driver:
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-        pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"))
+        pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
+                         weight_backend(cfg.weight_sync))
         rollout = Rollout(cfg, pool, records, sampler, tokenizer, reward_fn)
         if found and "rollout" in driver:  # the carry: partial samples, untrained groups
             rollout.load_state_dict(driver["rollout"])
@@ -102,9 +118,10 @@ def train(cfg: RootConfig) -> dict:
         ckpt.save(cfg.checkpoint_dir, step, models.actor, models.critic, driver_state,
                   OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.checkpoint.keep)
 
+    transport = weight_sync.open_transport(cfg.weight_sync, pool, cfg.rollout.engine_mode != "remote")
+
     def push(version: int) -> dict:
-        return weight_sync.push(models.actor.model, models.actor.info, pool, version,
-                                cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, cfg.run.name)
+        return transport.push(models.actor.model, models.actor.info, version)
 
     last, step = {}, start - 1
     try:
@@ -167,6 +184,7 @@ def train(cfg: RootConfig) -> dict:
     finally:
         reward_fn.close()
         if is_driver:
+            transport.close()
             logger.close()
             pool.close()
         parallel.destroy()
@@ -190,6 +208,21 @@ def _lock_run_dir(run_dir: str, is_rank0: bool):
     if problem:
         raise ConfigError(problem)
     return lock
+
+
+def _agree(check, is_rank0: bool):
+    """Collective: rank 0 runs `check` (the others wait for its verdict); a ConfigError it
+    raises is raised on every rank, else every rank gets its result."""
+    result, problem = None, None
+    if is_rank0:
+        try:
+            result = check()
+        except ConfigError as err:
+            problem = str(err)
+    result, problem = _broadcast((result, problem))
+    if problem:
+        raise ConfigError(problem)
+    return result
 
 
 def rollout_metrics(samples, batch) -> dict:

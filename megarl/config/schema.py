@@ -190,7 +190,7 @@ class RolloutConfig:
     engine_urls: list[str] = field(default_factory=list)  # remote: base URLs of running vLLM servers
     api_key: str = ""                  # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
     engine_timeout_s: float = 120.0    # an engine call (or a silent stream) longer than this is an error
-    engine_start_timeout_s: float = 600.0  # local_servers / inprocess: time allowed for an engine to come up
+    engine_start_timeout_s: float = 600.0  # time allowed for an engine to come up (remote: to answer /health)
     engine_failures_max: int = 3       # engines retired after a failure before the run stops (it also stops when none is left)
     engine_restart: bool = True        # start a fresh engine in place of a failed one; it joins at the next weight push
     kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
@@ -200,7 +200,7 @@ class RolloutConfig:
     mode: str = "partial"              # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
     concurrency: int = 64              # partial: sample requests kept in flight across all engines
     max_staleness: int = 2             # partial: a token may be at most this many weight versions older than the step training on it
-    stale_policy: str = "restart"      # partial: a sample past max_staleness is restarted from its prompt | drop (its whole group)
+    stale_policy: str = "finish"       # partial: finish (a sample about to pass max_staleness is finished before the round ends; admission throttled; nothing discarded) | restart (from its prompt) | drop (its whole group); docs/partial_rollout.md
     asynchronous: bool = False         # partial (`rollout.async` in recipes): round k+1 generates under version k while the trainer trains round k
 
     def __post_init__(self):
@@ -221,6 +221,17 @@ class RolloutConfig:
         for url in self.engine_urls:
             _require(str(url).startswith(("http://", "https://")), "rollout.engine_urls", url,
                      "each URL must start with http:// or https://")
+        # settings another one makes unused: refused, not silently ignored
+        _require(self.engine_mode == "remote" or not self.engine_urls, "rollout.engine_urls",
+                 list(self.engine_urls), f"are used only with rollout.engine_mode=remote (it is "
+                 f"{self.engine_mode!r}, which starts its own engines): add rollout.engine_mode=remote, "
+                 f"or remove rollout.engine_urls")
+        _require(self.engine_mode != "inprocess" or not self.api_key, "rollout.api_key", "<set>",
+                 "is used only by engine servers (rollout.engine_mode=local_servers or remote); "
+                 "in-process engines have no key: remove it, or change rollout.engine_mode")
+        _require(self.max_new_tokens < self.max_model_len, "rollout.max_new_tokens", self.max_new_tokens,
+                 f"must be below rollout.max_model_len={self.max_model_len} (the engine's context holds "
+                 f"the prompt and the response): lower it, or raise rollout.max_model_len")
         _require(self.engine_timeout_s > 0, "rollout.engine_timeout_s", self.engine_timeout_s, "must be > 0")
         _require(self.engine_failures_max >= 0, "rollout.engine_failures_max", self.engine_failures_max,
                  "must be >= 0 (0: the first engine failure stops the run)")
@@ -230,8 +241,8 @@ class RolloutConfig:
         _one_of("rollout.mode", self.mode, {"partial", "sync"})
         _require(self.concurrency >= 1, "rollout.concurrency", self.concurrency, "must be >= 1")
         _require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness,
-                 "must be >= 0 (0: every carried sample restarts after each weight update)")
-        _one_of("rollout.stale_policy", self.stale_policy, {"restart", "drop"})
+                 "must be >= 0 (0: every sample is trained at the version that generated it)")
+        _one_of("rollout.stale_policy", self.stale_policy, {"finish", "restart", "drop"})
         _require(not self.asynchronous or self.mode == "partial", "rollout.async", self.asynchronous,
                  "needs rollout.mode=partial")
         _require(not self.asynchronous or self.max_staleness >= 1, "rollout.max_staleness", self.max_staleness,
@@ -271,16 +282,41 @@ class RewardConfig:
         _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 (seconds per sample)")
         _require(self.fn != "none" or bool(self.model_path), "reward.fn", self.fn,
                  "with reward.fn=none set reward.model_path, or nothing scores the samples")
+        _require(bool(self.model_path) or self.model_coef == 1.0, "reward.model_coef", self.model_coef,
+                 "weighs the reward model, but reward.model_path is empty: set reward.model_path, "
+                 "or remove reward.model_coef")
 
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: int = 512               # tensors per push are grouped into buckets of about this size
-    staging_dir: str = "/dev/shm"      # CPU route: where the safetensors buckets are staged (engines must see it)
+    """How the actor's weights reach the engines after each step (docs/engines.md, "Weight sync")."""
+    # collective: one broadcast from trainer rank 0 to every engine worker through vLLM's
+    # weight-transfer API, nothing on disk | files: safetensors staged in staging_dir, each
+    # engine reloads them (for servers started without megarl's weight-transfer config)
+    transport: str = "collective"
+    # collective: auto (nccl where CUDA is, else gloo) | gloo (megarl's backend, CPU) | nccl (vLLM's)
+    backend: str = "auto"
+    # rendezvous of the weight group, reached by every engine worker: "" = this host's address as
+    # the engines see it (127.0.0.1 for engines on this machine, else $MASTER_ADDR or the hostname)
+    master_addr: str = ""
+    master_port: int = 0               # 0: a free port, new for every group
+    bucket_mb: int = 512               # tensors are packed into buffers of about this size per broadcast
+    num_buffers: int = 2               # collective: packed buffers in flight per side (2: gather the next while one is on the wire)
+    staging_dir: str = "/dev/shm"      # files: where the safetensors buckets are staged (engines must see it)
     verify: bool = False               # after each push, compare engine and trainer logprobs
 
     def __post_init__(self):
+        _one_of("weight_sync.transport", self.transport, {"collective", "files"})
+        _one_of("weight_sync.backend", self.backend, {"auto", "gloo", "nccl"})
         _require(self.bucket_mb >= 1, "weight_sync.bucket_mb", self.bucket_mb, "must be >= 1")
+        _require(self.num_buffers >= 1, "weight_sync.num_buffers", self.num_buffers,
+                 "must be >= 1 (2: the next bucket is gathered while one is sent)")
+        _require(0 <= self.master_port < 65536, "weight_sync.master_port", self.master_port,
+                 "must be a TCP port (0: pick a free one)")
+
+    def resolved_backend(self, cuda: bool) -> str:
+        """The collective backend actually used: `auto` is nccl with CUDA, gloo without."""
+        return ("nccl" if cuda else "gloo") if self.backend == "auto" else self.backend
 
 
 @dataclass
@@ -352,6 +388,9 @@ class RootConfig:
         if self.algo.name == "grpo":
             _require(self.rollout.n >= 2, "rollout.n", self.rollout.n,
                      "algo.name=grpo normalises within a group: use rollout.n >= 2")
+            _require(self.train.critic_warmup_steps == 0, "train.critic_warmup_steps",
+                     self.train.critic_warmup_steps, "algo.name=grpo has no critic to warm up: "
+                     "remove it, or use algo.name=ppo")
 
     @property
     def checkpoint_dir(self) -> str:

@@ -13,18 +13,26 @@ import secrets
 from megarl.rollout.engine import Engine
 
 
-def build_engines(cfg, model_path: str, seed: int, log_dir: str) -> list[Engine]:
-    """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log."""
-    return [build_engine(cfg, model_path, seed, log_dir, i) for i in range(cfg.engine_count)]
+def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> list[Engine]:
+    """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log.
+    `weight_backend`: the weight-transfer backend engines megarl starts receive with (see
+    `weight_backend`); "" for weight_sync.transport=files."""
+    return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend) for i in range(cfg.engine_count)]
 
 
-def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int) -> Engine:
+def weight_backend(ws) -> str:
+    """The weight-transfer backend engines are started with, from a WeightSyncConfig."""
+    import torch
+    return ws.resolved_backend(torch.cuda.is_available()) if ws.transport == "collective" else ""
+
+
+def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str = "") -> Engine:
     """Engine i of the pool, unstarted; called again for a replacement of a failed engine i
     (a fresh object: a new server process, or a new connection to the same remote URL)."""
     mode = cfg.engine_mode
     if mode == "inprocess":
         from megarl.rollout import vllm_async
-        return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i),
+        return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i, weight_backend),
                                           cfg.engine_timeout_s)
     if mode == "local_servers":
         from megarl.rollout.servers import LocalServer, LocalServerEngine
@@ -34,7 +42,8 @@ def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int) -> Engin
                              api_key=cfg.api_key or secrets.token_hex(16), seed=seed + i,
                              max_model_len=cfg.max_model_len, tp=cfg.engine_tp,
                              enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
-                             gpu_memory_utilization=cfg.gpu_memory_utilization)
+                             gpu_memory_utilization=cfg.gpu_memory_utilization,
+                             weight_backend=weight_backend)
         return LocalServerEngine(f"engine{i}", server, cfg.engine_timeout_s, cfg.engine_start_timeout_s)
     if mode == "remote":
         from megarl.rollout.vllm_http import HTTPVLLMEngine

@@ -9,9 +9,13 @@ Contract (what callers may rely on):
   aborted request resolves with finish_reason "abort" and the tokens and logprobs streamed
   so far; it never raises for an abort.
 - `abort(keys)` / `abort()` returns only after every aborted `generate` has resolved.
-- `update_weights(path, version)` needs the engine paused with no request running (abort
-  first): a request never spans two weight versions, so every token's version is exact.
-  After the load the engine resets its prefix cache (KV of the old weights would be reused)
+- Weights arrive only while the engine is paused with no request running (abort first): a
+  request never spans two weight versions, so every token's version is exact. Two routes
+  (megarl/rollout/transfer/): `collective`, vLLM's weight-transfer session
+  (`init_weight_transfer` once per group, then per push `start_weight_update`, one
+  `update_weights(update_info)` per bucket, received while the trainer broadcasts, and
+  `finish_weight_update(version)`), and `files`, `reload_weights(path, version)`.
+  Either way the engine then resets its prefix cache (KV of the old weights would be reused)
   and reports `version`; it stays paused until `resume()`.
 - The engine, not the trainer, stamps each token with the version that produced it.
 - Errors are `EngineError`s naming the engine, its address and its log file.
@@ -115,8 +119,33 @@ class Engine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    async def update_weights(self, path: str, version: int) -> None:
-        """Load the safetensors files in `path` (HF names) as `version`; reset the prefix cache."""
+    async def reload_weights(self, path: str, version: int) -> None:
+        """files transport: load the safetensors files in `path` (HF names) as `version`;
+        reset the prefix cache."""
+
+    # -- collective transport (vLLM's weight-transfer session); engines without it refuse --
+    async def transfer_world_size(self) -> int:
+        """Workers this engine puts in the weight group (its TP x PP x DP)."""
+        raise self._no_collective()
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the weight group described by `init_info` (returns once joined)."""
+        raise self._no_collective()
+
+    async def start_weight_update(self) -> None:
+        raise self._no_collective()
+
+    async def update_weights(self, update_info: dict) -> None:
+        """Receive one bucket (returns once its bytes arrived and are loaded)."""
+        raise self._no_collective()
+
+    async def finish_weight_update(self, version: int) -> None:
+        """End the session: the received weights are now `version`; prefix cache reset."""
+        raise self._no_collective()
+
+    def _no_collective(self) -> "EngineError":
+        return EngineError(f"engine {self.name} ({type(self).__name__}) has no weight-transfer "
+                           f"session: set weight_sync.transport=files")
 
     @abc.abstractmethod
     async def health(self) -> EngineHealth:

@@ -5,8 +5,9 @@ one event loop in a background thread (`LoopThread`) and the pool's coroutines o
 driver calls them through `pool.call(...)`, which blocks with a deadline so a step never hangs
 on an engine. The partial-rollout controller runs its own coroutines on the same loop.
 
-Weight updates go to every engine at once: abort what runs, pause, load the staged files,
-reset the prefix cache, set the version, resume. If any engine fails, the error names it.
+Weight updates go to every engine at once, as one session (`begin_update` -> the transport's
+calls -> `end_update`): abort what runs, pause, load (megarl/rollout/transfer/), reset the
+prefix cache, set the version, resume. If any engine fails, the error names it.
 
 Engine faults: an engine whose request fails (it died, hung past rollout.engine_timeout_s,
 or answered garbage) is retired: it leaves the pool, the event is logged and counted
@@ -78,6 +79,9 @@ class EnginePool:
         self._closing: list[asyncio.Future] = []  # close() of retired engines, in flight
         self.timeout_s = timeout_s
         self._where: dict[str, Engine] = {}      # request key -> engine serving it
+        # keys abort() was asked for: such a request is never (re)sent anywhere again, also when
+        # its engine fails after the abort there returned (it resolves with what it has)
+        self._aborted: set[str] = set()
         self._order = itertools.count()          # tie-break: round-robin among equally loaded
         self.holders: list = []                  # schedulers to hold around weight updates (async rounds)
         self.replace = replace                   # slot i -> an unstarted engine for it
@@ -116,7 +120,17 @@ class EnginePool:
         engine = engine if engine in self.engines else (self.least_loaded() if self.engines else None)
         done = GenResult(req.key)                # tokens served before a failure
         current = req
+        try:
+            return await self._serve(req, engine, done, current)
+        finally:
+            self._aborted.discard(req.key)
+
+    async def _serve(self, req: GenRequest, engine: Optional[Engine], done: GenResult,
+                     current: GenRequest) -> GenResult:
         while True:
+            if req.key in self._aborted:        # aborted before it started, or between engines
+                done.engine = engine.name if engine is not None else ""
+                return done                     # finish_reason "abort", the tokens served so far
             if engine is None:
                 raise EngineError(f"no rollout engine left for request {req.key}")
             self._where[req.key] = engine
@@ -186,7 +200,11 @@ class EnginePool:
         return sum(e.running for e in self.engines)
 
     async def abort(self, keys: Optional[list[str]] = None) -> None:
-        """Abort `keys` (None: everything); returns once each aborted request has resolved."""
+        """Abort `keys` (None: everything on the engines); returns once each aborted request
+        has resolved. A scheduler aborts only its own keys: probes and other schedulers sharing
+        the engines keep running. A key not started yet, or failing over to another engine
+        after this abort, is not sent again (it resolves as aborted with its tokens so far)."""
+        self._aborted.update(self._where if keys is None else keys)
         if keys is None:
             await self._on_each(lambda e: e.abort(None))
             return
@@ -208,30 +226,48 @@ class EnginePool:
                 raise r
 
     # -- weights -----------------------------------------------------------------------------
-    async def update_weights(self, path: str, version: int) -> None:
-        """Every engine: abort running requests, pause, load `path` as `version`, resume.
-        Schedulers in `holders` stop admitting first and continue after (async rounds)."""
+    # A push is one session: begin_update (schedulers in `holders` stop admitting, every engine
+    # aborts what runs and pauses; restarted engines join here, so they load this version
+    # before they serve), the transport's calls on `engines` (transfer/), end_update (every
+    # engine resumes, also after a failure: an engine is never left paused, and holders go on).
+    async def begin_update(self) -> list[Engine]:
+        """Start a push; returns the engines that take it."""
         for h in self.holders:
             await h.hold()
         try:
-            await self._update_all(path, version)
+            joining, self.joining = self.joining, []
+            if joining:
+                self.engines += joining
+                self.restarts += len(joining)
+
+            async def stop(e: Engine):
+                await e.abort(None)
+                await e.pause()
+            await self._on_each(stop)
+        except BaseException:
+            await self.end_update()
+            raise
+        return list(self.engines)
+
+    async def end_update(self) -> None:
+        try:
+            await self._on_each(lambda e: e.resume())
         finally:
             for h in self.holders:
                 h.release()
 
-    async def _update_all(self, path: str, version: int) -> None:
-        async def one(e: Engine):
-            await e.abort(None)
-            await e.pause()
-            try:
-                await e.update_weights(path, version)
-            finally:
-                await e.resume()   # never leave an engine paused after an update (even a failed one)
-        joining, self.joining = self.joining, []
-        if joining:               # restarted engines load this version before they serve
-            self.engines += joining
-            self.restarts += len(joining)
-        await self._on_each(one)   # an engine that cannot take the weights is retired
+    async def on_each(self, fn, engines: Optional[list[Engine]] = None) -> None:
+        """fn(engine) on `engines` (default: every live one) concurrently; an engine that
+        fails is retired (raises once none is left or too many failed)."""
+        await self._on_each(fn, [e for e in (engines or self.engines) if e in self.engines])
+
+    async def reload_weights(self, path: str, version: int) -> None:
+        """files transport: every engine loads the safetensors in `path` as `version`."""
+        await self.begin_update()
+        try:
+            await self._on_each(lambda e: e.reload_weights(path, version))
+        finally:
+            await self.end_update()
 
     @property
     def version(self) -> int:
@@ -278,8 +314,12 @@ class SyncPool:
         return self.call(run(), f"generating {len(requests)} samples",
                          self.pool.timeout_s * max(1, per_engine))
 
-    def update_weights(self, path: str, version: int) -> None:
-        self.call(self.pool.update_weights(path, version), f"loading weight version {version}")
+    def reload_weights(self, path: str, version: int) -> None:
+        self.call(self.pool.reload_weights(path, version), f"loading weight version {version}")
+
+    @property
+    def timeout_s(self) -> float:
+        return self.pool.timeout_s
 
     def health(self) -> list[EngineHealth]:
         return self.call(self.pool.health(), "engine health check")
@@ -291,15 +331,16 @@ class SyncPool:
             self.loop.stop()
 
 
-def open_pool(cfg, model_path: str, seed: int, log_dir: str) -> SyncPool:
-    """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread.
+def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> SyncPool:
+    """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread, able to
+    receive weights with `weight_backend` (build.weight_backend; "": files only).
     On failure every engine started so far is stopped and the loop ends."""
     from megarl.rollout.build import build_engine, build_engines
     loop = LoopThread()
     try:
         def replace(slot):     # a fresh engine<slot>: same settings, seed and log file
-            return build_engine(cfg, model_path, seed, log_dir, slot)
-        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir), cfg.engine_timeout_s,
+            return build_engine(cfg, model_path, seed, log_dir, slot, weight_backend)
+        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir, weight_backend), cfg.engine_timeout_s,
                           cfg.engine_failures_max, replace if cfg.engine_restart else None)
         return SyncPool(pool, loop, cfg.engine_start_timeout_s)
     except BaseException:

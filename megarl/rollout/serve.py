@@ -8,8 +8,9 @@
         rollout.gpu_memory_utilization; seed run.seed + I, as `build_engines` gives engine I.
         The API key comes from $MEGARL_ENGINE_API_KEY (required) and reaches vLLM as
         $VLLM_API_KEY, so it never shows in the process list. ADDR is the node's
-        cluster-internal address, never 0.0.0.0: the control endpoints answer without a key
-        (docs/engines.md).
+        cluster-internal address, never 0.0.0.0. Every route but /health needs the key
+        (`megarl.rollout.auth.RequireKey`), and the server takes weights with the recipe's
+        weight_sync.transport (collective: `--weight-transfer-config`).
 
     python -m megarl.rollout.serve wait --timeout S [--watch-pid PID ...] URL=LOG [URL=LOG ...]
         Polls GET URL/health until every server answers 200. Exits 1, naming the server and
@@ -32,6 +33,7 @@ KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
 def _serve(args) -> int:
     from megarl.config import ConfigError, load_config
+    from megarl.rollout.build import weight_backend
     from megarl.rollout.servers import LocalServer
 
     try:
@@ -45,14 +47,14 @@ def _serve(args) -> int:
               f"(slurm/common.sh makes one per job)", file=sys.stderr)
         return 2
     if args.host in ("0.0.0.0", "::", ""):
-        print(f"megarl: serve: --host {args.host!r}: bind to the node's cluster-internal address; "
-              f"the control endpoints (weights, pause, abort) answer without a key", file=sys.stderr)
+        print(f"megarl: serve: --host {args.host!r}: bind to the node's cluster-internal address, "
+              f"not every interface", file=sys.stderr)
         return 2
     ro = cfg.rollout
     server = LocalServer(cfg.model.path, log_path=os.devnull, api_key="", seed=cfg.run.seed + args.index,
                          max_model_len=ro.max_model_len, tp=ro.engine_tp, enforce_eager=ro.enforce_eager,
                          kv_cache_mb=ro.kv_cache_mb, gpu_memory_utilization=ro.gpu_memory_utilization,
-                         port=args.port, host=args.host)
+                         port=args.port, host=args.host, weight_backend=weight_backend(cfg.weight_sync))
     # env() names a socket folder after this pid, which the server keeps (exec): once it is
     # gone, the next megarl process on the node removes the folder (reaper.remove_stale)
     cmd, env = server.command(), server.env()

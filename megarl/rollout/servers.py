@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -58,7 +59,8 @@ class LocalServer:
     def __init__(self, model_path: str, log_path: str, *, api_key: str, seed: int = 0,
                  max_model_len: int = 256, tp: int = 1, enforce_eager: bool = True,
                  kv_cache_mb: int = 64, gpu_memory_utilization: float = 0.5,
-                 port: Optional[int] = None, host: str = "127.0.0.1", extra_args: tuple = ()):
+                 port: Optional[int] = None, host: str = "127.0.0.1", extra_args: tuple = (),
+                 weight_backend: str = ""):
         self.model_path = str(model_path)
         self.log_path = str(log_path)
         self.api_key = api_key
@@ -71,6 +73,7 @@ class LocalServer:
         self.host = host
         self.port = port or free_port()
         self.extra_args = tuple(extra_args)
+        self.weight_backend = weight_backend     # weight-transfer backend ("": files only)
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
 
@@ -87,9 +90,11 @@ class LocalServer:
                "--tensor-parallel-size", str(self.tp),
                "--seed", str(self.seed),
                # behaviour logprobs of the distribution actually sampled from (after temperature)
-               "--logprobs-mode", "processed_logprobs"]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
+               "--logprobs-mode", "processed_logprobs",
+               # every route but /health needs the key (vLLM's own check skips the control routes)
+               "--middleware", "megarl.rollout.auth.RequireKey"]
+        if self.weight_backend:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_backend})]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if torch.cuda.is_available():
@@ -105,6 +110,8 @@ class LocalServer:
 
     def env(self) -> dict:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key   # vLLM's --api-key fallback: the key stays out of argv
         # its socket files in this process's own folder, not loose in /tmp (reaper.private_rpc_dir)
         rpc_dir = reaper.private_rpc_dir()
         if rpc_dir:

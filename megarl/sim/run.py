@@ -108,7 +108,7 @@ async def _simulate(s: SimSettings, w: Workload, engine_costs, trainer, record_t
         await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)))
         t2 = loop.time()
         await asyncio.sleep(trainer.push_s)
-        await pool.update_weights("simulated", k + 1)
+        await pool.reload_weights("simulated", k + 1)
         t3 = loop.time()
         staleness = [k - v for vs in tokens for v in vs]
         steps.append({"rollout_s": t_rollout, "train_s": t2 - t1, "push_s": t3 - t2, "step_s": t3 - t0,

@@ -41,7 +41,7 @@ def main(model_dir: str, out_path: str) -> None:
             stale_policy="restart", new_group=lambda: ({}, next(prompts)), score=lambda s: 0.0, seed=0)
         first = pool.call(ctl.run_round(1, 0), "round 0")
         partial = list(ctl.groups[0].slots[0].response_ids) if 0 in ctl.groups else None
-        pool.update_weights(model_dir, 1)      # the HF files themselves: nothing changes
+        pool.reload_weights(model_dir, 1)      # the HF files themselves: nothing changes
         long_done, rounds = None, 0
         while long_done is None and rounds < 20:
             rounds += 1

@@ -177,24 +177,24 @@ def test_weight_update_needs_pause_and_stamps_new_version(server, long_model, hf
 
     async def body(engine):
         with pytest.raises(EngineError, match="paused"):
-            await engine.update_weights(str(new_dir), 3)
+            await engine.reload_weights(str(new_dir), 3)
         # a request held by the pause must be aborted before the update
         held = asyncio.create_task(engine.generate(GenRequest("held", p, LONG, temperature=1.0, ignore_eos=True)))
         await wait_until(lambda: engine.progress("held") > 0 or held.done(), what="held request streaming")
         await engine.pause()
         assert (await engine.health()).paused
         with pytest.raises(EngineError, match="running"):
-            await engine.update_weights(str(new_dir), 3)
+            await engine.reload_weights(str(new_dir), 3)
         await engine.abort(["held"])
         assert held.result().finish_reason == "abort"
-        await engine.update_weights(str(new_dir), 3)
+        await engine.reload_weights(str(new_dir), 3)
         await engine.resume()
         try:
             health = await engine.health()
             res = await engine.generate(GenRequest("new", p, 24, temperature=0.7, seed=1, ignore_eos=True))
         finally:   # the module's other tests expect the original weights
             await engine.pause()
-            await engine.update_weights(str(long_model), 0)
+            await engine.reload_weights(str(long_model), 0)
             await engine.resume()
         return health, res
 

@@ -108,7 +108,7 @@ class ScriptedEngine(Engine):
     async def resume(self):
         self.paused = False
 
-    async def update_weights(self, path, version):
+    async def reload_weights(self, path, version):
         assert self.paused and not self._running
         self.version = version
 

@@ -85,6 +85,7 @@ async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_stalene
     try:
         for _ in range(rounds):
             groups = await ctl.run_round(target, version)
+            assert ctl.take_ready() == groups   # the driver takes them: the trainer's from now on
             trained.append((version, groups))
             metrics.append(ctl.metrics())
             # the trainer: l_old of this round's tokens, before its weights change
@@ -93,7 +94,7 @@ async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_stalene
             if on_round:
                 on_round(ctl, version)
             version += 1
-            await pool.update_weights("/nowhere", version)
+            await pool.reload_weights("/nowhere", version)
     finally:
         clock.stop()
     return ctl, trained, metrics, clock
@@ -254,7 +255,7 @@ def test_async_rounds_overlap_training_and_keep_the_bound():
                 while clock.ticks < start + 6:        # the trainer trains; generation goes on
                     await asyncio.sleep(0)
                 overlapped += ctl.stats.tokens > 0
-                await pool.update_weights("/w", k + 1)
+                await pool.reload_weights("/w", k + 1)
             nxt.cancel()
         finally:
             clock.stop()

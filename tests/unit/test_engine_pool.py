@@ -62,7 +62,7 @@ class ScriptedEngine(Engine):
         self.paused = False
         self.log.append("resume")
 
-    async def update_weights(self, path, version):
+    async def reload_weights(self, path, version):
         assert self.paused and not self._tasks, "update while running"
         self.log.append(f"load {path} v{version}")
         if self.fail_load:
@@ -115,7 +115,7 @@ def test_update_aborts_pauses_loads_and_resumes_every_engine_and_versions_follow
         pool = EnginePool(engines, 10)
         before = asyncio.ensure_future(pool.generate(GenRequest("old", [1], 1000)))
         await asyncio.sleep(0.05)
-        await pool.update_weights("/w", 7)
+        await pool.reload_weights("/w", 7)
         old = await before
         new = await pool.generate(GenRequest("new", [1], 4))
         return engines, old, new, pool.version
@@ -132,14 +132,14 @@ def test_failed_load_still_resumes_and_names_the_engine():
     engines = [ScriptedEngine("e0"), ScriptedEngine("e1", fail_load=True)]
     pool = EnginePool(engines, 10, failures_max=0)
     with pytest.raises(EngineError, match="e1.*load failed"):
-        run(pool.update_weights("/w", 3))
+        run(pool.reload_weights("/w", 3))
     assert all(not e.paused for e in engines)
 
 
 def test_engine_that_cannot_load_is_retired_and_the_rest_move_on():
     engines = [ScriptedEngine("e0"), ScriptedEngine("e1", fail_load=True), ScriptedEngine("e2")]
     pool = EnginePool(engines, 10, failures_max=1)
-    run(pool.update_weights("/w", 3))
+    run(pool.reload_weights("/w", 3))
     assert [e.name for e in pool.engines] == ["e0", "e2"] and pool.version == 3
     assert [f["engine"] for f in pool.failures] == ["e1"] and "close" in engines[1].log
     assert all(not e.paused for e in engines)
@@ -198,7 +198,7 @@ def test_a_failed_engine_is_replaced_and_the_replacement_loads_before_it_serves(
                 break
             await asyncio.sleep(0.01)
         assert [e.name for e in pool.engines] == ["e1"]        # not serving before the update
-        await pool.update_weights("/w/v1", 1)
+        await pool.reload_weights("/w/v1", 1)
         after = await asyncio.gather(*(pool.generate(GenRequest(f"q{i}", [1], 4)) for i in range(4)))
         await pool.close()
         return dying, pool, first, after

@@ -75,12 +75,12 @@ def test_abort_keeps_partial_tokens_and_update_needs_pause():
         task = asyncio.ensure_future(e.generate(GenRequest("x", [1], 10)))
         await asyncio.sleep(3.5)            # 3 steps done
         with pytest.raises(RuntimeError, match="paused"):
-            await e.update_weights("w", 1)
+            await e.reload_weights("w", 1)
         await e.abort()
         res = await task
         await e.pause()
         t = asyncio.get_running_loop().time()
-        await e.update_weights("w", 1)
+        await e.reload_weights("w", 1)
         took = asyncio.get_running_loop().time() - t
         await e.close()
         return res, took, e.version

@@ -1,0 +1,271 @@
+"""collective transport: the trainer's global rank 0 broadcasts packed buckets to every worker
+of every engine at once, through vLLM's weight-transfer session. Nothing is written to disk.
+
+One push (every trainer rank calls `CollectiveTransport.push`):
+1. the pool pauses every engine (`begin_update`); if the engines changed since the last push
+   (first push, a retired engine, a replacement joining) the weight group is formed anew: a
+   stateless group (group.py) of the sender (rank 0) and every engine worker, each engine's
+   workers at `rank_offset` = 1 + the workers of the engines before it;
+2. `start_weight_update` on every engine;
+3. per bucket: every engine's `update_weights(meta)` is sent (it blocks in the receive), then
+   rank 0 broadcasts the packed bytes once, whatever the number of engines. The buckets come
+   from `weight_sync.sender_buckets` (TP all-gather, HF conversion, PP stages relayed to rank 0
+   one after another); with `num_buffers` >= 2 the next bucket is gathered and packed on the
+   main thread while a sender thread has the current one on the wire;
+4. `finish_weight_update(version)` (vLLM finalizes the layerwise reload), prefix-cache reset;
+   the engines resume (`end_update`, also after a failure).
+
+Failures: every engine call is bounded by rollout.engine_timeout_s and so is every broadcast
+(the group's timeout), so nothing hangs. A member that never joins is named and retired. If a
+bucket fails (an engine died mid-broadcast), the group is dropped, which ends the others'
+pending receives at once; engines that are not alive are retired, and the push is redone once
+with a group of the survivors, so they end on the new version. A survivor that fails the
+redo is retired too (its model may be half loaded).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from megarl.distributed.env import free_port
+from megarl.rollout import weight_sync
+from megarl.rollout.engine import Engine, EngineError
+from megarl.rollout.transfer import group as wgroup
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class WeightGroupError(EngineError):
+    """A broadcast of the weight group failed (a member died or timed out)."""
+
+
+class CollectiveTransport:
+    """One per run, on every trainer rank; `pool` (a SyncPool) only on global rank 0."""
+
+    def __init__(self, ws, pool, local_engines: bool):
+        self.ws = ws
+        self.pool = pool
+        self.local_engines = local_engines       # every engine on this machine: loopback rendezvous
+        self.backend = ws.resolved_backend(torch.cuda.is_available())
+        if self.backend != "gloo":
+            raise EngineError(f"weight_sync.backend={self.backend}: megarl drives vLLM's nccl backend "
+                              f"only through tests/gpu so far; use weight_sync.backend=gloo or "
+                              f"weight_sync.transport=files")
+        self.group = None
+        self._store = None                       # the group's TCPStore (hosted here while the group lives)
+        self.members: tuple = ()                 # ids of the engines in self.group, in rank order
+
+    # -- the push --------------------------------------------------------------------------
+    def push(self, model, info, version: int) -> dict:
+        t0 = time.perf_counter()
+        timers: dict[str, float] = {}
+        stats = {"sync_wire_s": 0.0, "sync_bytes": 0, "sync_buckets": 0}
+        source = weight_sync.sender_buckets(model, info, self.ws.bucket_mb << 20, timers)
+        if self.pool is None:
+            for _ in source:                     # gathers and PP relays only; rank 0 sends
+                pass
+        else:
+            self._push_all(source, version, stats)
+        return {"sync_time_s": time.perf_counter() - t0, "sync_gather_s": timers.get("gather", 0.0),
+                "sync_convert_s": timers.get("convert", 0.0), "sync_pack_s": timers.get("pack", 0.0),
+                "sync_stage_s": 0.0, **stats}
+
+    def _push_all(self, source, version: int, stats: dict) -> None:
+        sp, pool = self.pool, self.pool.pool
+        engines = sp.call(pool.begin_update(), "pausing the engines for a weight update")
+        buffered: list = []                      # buckets already made, for a redo after a failure
+        try:
+            for attempt in (0, 1):
+                try:
+                    self._session(engines, source if attempt == 0 else iter(buffered), buffered, version,
+                                  stats, keep=attempt == 0)
+                    return
+                except WeightGroupError as err:
+                    self._drop_group()
+                    dead = self._dead(engines)
+                    for e in dead:
+                        sp.call(_retire(pool, e, err), "retiring a failed engine")
+                    if attempt or not dead:
+                        raise
+                    for rest in source:          # the rest of the stream (the trainer ranks iterate it all)
+                        buffered.append(rest)
+                    engines = [e for e in engines if e in pool.engines]
+        finally:
+            sp.call(pool.end_update(), "resuming the engines")
+
+    def _session(self, engines: list[Engine], buckets, made: list, version: int, stats: dict, keep: bool) -> None:
+        sp, pool = self.pool, self.pool.pool
+        if self.group is None or self.members != tuple(id(e) for e in engines):
+            self._form(engines)
+        sp.call(pool.on_each(lambda e: e.start_weight_update(), engines), "starting a weight update")
+        errors: list[BaseException] = []
+        wire = queue.Queue(maxsize=max(1, self.ws.num_buffers - 1))
+        sender = threading.Thread(target=self._sender, args=(engines, wire, errors, stats),
+                                  name="megarl-weight-sender", daemon=True)
+        sender.start()
+        try:
+            for bucket in buckets:
+                if keep:
+                    made.append(bucket)
+                while not errors:                # never block forever on a dead sender
+                    try:
+                        wire.put(bucket, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if errors:
+                    break
+        finally:
+            wire.put(None)
+            sender.join()
+        if errors:
+            raise errors[0]
+        sp.call(pool.on_each(lambda e: e.finish_weight_update(version), engines),
+                f"finishing weight version {version}")
+
+    def _sender(self, engines, wire: queue.Queue, errors: list, stats: dict) -> None:
+        """Thread: for each bucket, every engine's receive call, then the broadcast."""
+        sp = self.pool
+        while True:
+            bucket = wire.get()
+            if bucket is None:
+                return
+            if errors:
+                continue
+            meta, buf = bucket
+            try:
+                receive = sp.loop.submit(_each_raw(engines, lambda e: e.update_weights(meta.to_dict())))
+                t = time.perf_counter()
+                try:
+                    wgroup.broadcast(self.group, buf if buf.device.type == "cpu" else buf.cpu())
+                except RuntimeError as err:
+                    raise WeightGroupError(f"weight broadcast failed ({len(engines)} engines, "
+                                           f"{meta.nbytes} bytes): {err}") from err
+                stats["sync_wire_s"] += time.perf_counter() - t
+                results = sp.loop.wait(receive, sp.timeout_s + 30, "receiving a weight bucket")
+                failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
+                if failed:
+                    e, r = failed[0]
+                    raise WeightGroupError(f"engine {e.name} failed to receive a weight bucket: {r}")
+                stats["sync_bytes"] += meta.nbytes
+                stats["sync_buckets"] += 1
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread
+                errors.append(err if isinstance(err, EngineError) else WeightGroupError(str(err)))
+
+    # -- the group -------------------------------------------------------------------------
+    def _form(self, engines: list[Engine]) -> None:
+        """A new group of rank 0 and every worker of `engines`. An engine whose join fails, or
+        that has not arrived when the timeout passes, is named and retired; the group is then
+        formed again without it."""
+        sp, pool = self.pool, self.pool.pool
+        self._drop_group()
+        timeout_s = float(pool.timeout_s)
+        while True:
+            if not engines:
+                raise EngineError("no rollout engine left to form the weight group with")
+            sizes = sp.call(_gather([e.transfer_world_size() for e in engines]), "asking engines their size")
+            world, host = 1 + sum(sizes), self._address()
+            port = self.ws.master_port or free_port()
+            token = wgroup.new_token()
+            store = wgroup.store(host, port, world, timeout_s, sender=True)
+            first = [1 + sum(sizes[:i]) for i in range(len(engines))]
+            joins = [sp.loop.submit(e.init_weight_transfer(
+                {"master_address": host, "master_port": port, "rank_offset": off, "world_size": world,
+                 "token": token, "timeout_s": timeout_s})) for e, off in zip(engines, first)]
+            box: dict = {}
+
+            def sender_join():
+                try:
+                    box["group"] = wgroup.join(store, 0, world, token, timeout_s)
+                except BaseException as err:  # noqa: BLE001 - read by the polling thread
+                    box["error"] = err
+            joiner = threading.Thread(target=sender_join, name="megarl-weight-join", daemon=True)
+            joiner.start()
+            failed: list = []
+            while joiner.is_alive() and not failed:   # an engine that fails to join is named at once
+                joiner.join(0.2)
+                failed = [(e, f.exception()) for e, f in zip(engines, joins) if f.done() and f.exception()]
+            if "group" in box and not failed:
+                results = [_result(f, timeout_s + 60) for f in joins]
+                failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
+                if not failed:
+                    self.group, self._store = box["group"], store
+                    self.members = tuple(id(e) for e in engines)
+                    return
+            if not failed:              # the sender timed out: name who never arrived
+                absent = set(wgroup.missing_ranks(store, token, world))
+                failed = [(e, "it never arrived") for e, off, n in zip(engines, first, sizes)
+                          if absent & set(range(off, off + n))]
+                if not failed:
+                    raise EngineError(f"the weight group ({world} members at {host}:{port}) did not form "
+                                      f"within {timeout_s:.0f} s (rollout.engine_timeout_s): {box.get('error')}")
+            for f in joins:
+                f.cancel()
+            for e, why in failed:
+                sp.call(_retire(pool, e, EngineError(
+                    f"engine {e.name} did not join the weight group at {host}:{port} within "
+                    f"{timeout_s:.0f} s (rollout.engine_timeout_s): {why}. Fix: the engine must reach that "
+                    f"address (weight_sync.master_addr / weight_sync.master_port, the port open) and run "
+                    f"with megarl's weight-transfer config (or set weight_sync.transport=files)")),
+                    "retiring an engine")
+            engines[:] = [e for e in engines if e in pool.engines]
+
+    def _address(self) -> str:
+        if self.ws.master_addr:
+            return self.ws.master_addr
+        if self.local_engines:
+            return "127.0.0.1"
+        env = os.environ.get("MASTER_ADDR", "")
+        return env if env and env not in LOOPBACK else socket.getfqdn()
+
+    def _dead(self, engines: list[Engine]) -> list[Engine]:
+        healths = self.pool.call(_gather([e.health() for e in engines], raw=True), "engine health check")
+        return [e for e, h in zip(engines, healths) if isinstance(h, BaseException) or not h.alive]
+
+    def _drop_group(self) -> None:
+        """Forget the group: its sockets close, so any member still waiting in a receive fails now."""
+        group, self.group, self.members = self.group, None, ()
+        if group is not None:
+            for name in ("abort", "shutdown"):
+                if hasattr(group, name):
+                    try:
+                        getattr(group, name)()
+                    except Exception:  # noqa: BLE001 - best effort on a broken group
+                        pass
+                    break
+        self._store = None
+
+    def close(self) -> None:
+        self._drop_group()
+
+
+async def _gather(coros, raw: bool = False) -> list:
+    import asyncio
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    if not raw:
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+    return results
+
+
+async def _each_raw(engines, fn) -> list:
+    return await _gather([fn(e) for e in engines], raw=True)
+
+
+async def _retire(pool, engine, err) -> None:
+    pool._retire(engine, err)
+
+
+def _result(future, timeout_s: float):
+    """A concurrent future's result, or the exception it ended with (a timeout included)."""
+    try:
+        return future.result(timeout_s)
+    except BaseException as err:  # noqa: BLE001 - the caller names the engine
+        return err

@@ -1,0 +1,15 @@
+"""vLLM general plugin (entry point `vllm.general_plugins` in setup.py): registers megarl's
+`gloo` weight-transfer backend in every vLLM process (API server, engine core, workers), so
+servers started by megarl, by slurm or by hand accept `--weight-transfer-config
+'{"backend": "gloo"}'`. vLLM may call it several times per process: registering is idempotent.
+Lazy: the backend module is imported only where an engine is built with it."""
+from __future__ import annotations
+
+BACKEND = "gloo"
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "megarl.rollout.transfer.gloo_backend", "GlooWeightTransferEngine")
