@@ -1,18 +1,34 @@
 """The partial-rollout controller: fixed concurrency, group emission, carry-over, bounded staleness.
 
-One round (DESIGN.md "One training step"), on the pool's event loop (trainer rank 0):
-- exactly `rollout.concurrency` sample requests stay in flight across the engines while the
+One round (DESIGN.md "One training step"; docs/partial_rollout.md), on the pool's event loop
+(trainer rank 0):
+- up to `rollout.concurrency` sample requests stay in flight across the engines while the
   round runs; a finished request is replaced at once (the pool sends it to the least-loaded
-  engine). New prompt groups are always available, so "work pending" never runs dry.
-- admission is frontier-first: carried samples (tokens already generated) first, then waiting
-  samples of the groups closest to completion, then a new group (n samples of one prompt).
-- a group whose n samples have all finished is scored at once and queued for the trainer.
-- when `train.groups_per_step` groups are complete the round ends: every in-flight request
-  is aborted, and its tokens, behaviour logprobs and versions so far stay in its slot (the
-  carry). Next round it continues as prompt + partial tokens with the remaining budget.
-- at the start of a round, a sample whose oldest token is more than `rollout.max_staleness`
-  versions old is restarted from its prompt (or, with `rollout.stale_policy=drop`, its whole
-  group is dropped), so every token the trainer sees is at most that many versions old.
+  engine).
+- admission is frontier-first: samples the staleness bound says must finish this step, then
+  carried samples (tokens already generated), then waiting samples of the groups closest to
+  completion, then a new group (n samples of one prompt).
+- a group whose n samples have all finished is scored (off the loop when a `scorer` executor
+  is given) and queued for the trainer.
+- the round ends when `train.groups_per_step` groups are complete AND every group due this
+  step (below) is complete: every in-flight request of this controller is aborted and its
+  tokens, behaviour logprobs and versions so far stay in its slot (the carry). The round's
+  groups stay in `ready` until the driver takes them (`take_ready`), so a snapshot taken at
+  any moment holds every untrained group exactly once.
+- any exception (engine, scoring, the data stream, building a request) ends the round at once
+  and is raised by `run_round`.
+
+Staleness, `rollout.stale_policy`:
+- `finish` (default; AReaL-style admission control): a new group gets a deadline, the latest
+  step d <= (weight version now) + max_staleness that has fewer than groups_per_step groups
+  already due at d; with none free the group is not opened (admission is throttled). Its
+  first token is generated at a version >= the one it was opened under, so training it by
+  step d keeps every token within the bound. A round may not end while a group due at its
+  step is incomplete: a long sample is finished, never discarded, so nothing is selected on
+  length (`staleness_deadlines` below is the pure rule).
+- `restart` / `drop` (opt-in): at the start of a round, a sample holding a token more than
+  max_staleness versions old is restarted from its prompt, or its whole group is dropped.
+  Their cost is reported: `stale_tokens_discarded` (tokens generated and never trained).
 
 Stitched old logprobs (CoPRIS): `Slot.old_logprobs` holds the trainer's logprob of each token
 under the version that produced it. At the end of every round the trainer computes them for
@@ -20,19 +36,25 @@ the tokens generated in that round (of carried and finished samples alike) befor
 change; `PPO` then uses the stored values instead of recomputing them under newer weights.
 
 Everything here is plain data: `state_dict()` holds the open groups with every slot's tokens,
-logprobs, versions and stored old logprobs, the completed-but-untrained groups and the group
-counter, as lists and numbers, so a checkpoint restores the carry exactly.
+logprobs, versions and stored old logprobs, the completed-but-untrained groups (the last
+round's untaken result first) and the group counter, as lists and numbers.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from megarl.distributed import faults
 from megarl.rollout.engine import EngineError, GenRequest, GenResult
 from megarl.rollout.types import Sample
+
+log = logging.getLogger("megarl.rollout")
+
+STALE_POLICIES = ("finish", "restart", "drop")
 
 
 @dataclass
@@ -53,11 +75,20 @@ class Slot:
     def finished(self) -> bool:
         return self.finish_reason in ("stop", "length")
 
-    def restart(self) -> None:
-        """Forget everything generated (the staleness bound was exceeded)."""
+    def restart(self) -> int:
+        """Forget everything generated; returns how many tokens were thrown away."""
+        lost = len(self.response_ids)
         self.response_ids, self.logprobs, self.versions, self.old_logprobs = [], [], [], []
         self.finish_reason = ""
         self.restarts += 1
+        return lost
+
+    def clip(self, budget: int) -> None:
+        """Keep at most `budget` tokens, finished on length (a carry restored under a smaller
+        rollout.max_new_tokens: nothing is left to generate)."""
+        for name in ("response_ids", "logprobs", "versions", "old_logprobs"):
+            setattr(self, name, getattr(self, name)[:budget])
+        self.finish_reason = "length"
 
 
 @dataclass
@@ -69,6 +100,7 @@ class Group:
     slots: list[Slot]
     reward_done: bool = False
     rewards: list[float] = field(default_factory=list)    # one per slot, set when complete
+    deadline: Optional[int] = None   # stale_policy=finish: the step that must train it at the latest
 
     @property
     def done(self) -> int:
@@ -85,23 +117,27 @@ class RoundStats:
     started: float = 0.0
     ended: float = 0.0
     inflight_area: float = 0.0           # integral of in-flight count over time
-    inflight_min: Optional[int] = None   # lowest in-flight count while the round ran
+    inflight_min: Optional[int] = None   # lowest in-flight count while the round ran (events + timer)
     busy_area: float = 0.0               # integral of (engines with >= 1 request) over time
     last_t: float = 0.0
     last_inflight: int = 0
     last_busy: int = 0
+    timer_samples: int = 0               # occupancy samples taken by the timer (not on events)
+    loop_lag_max: float = 0.0            # longest the timer woke late: the event loop was blocked
     requests: int = 0
     tokens: int = 0
     carried: int = 0
     restarted: int = 0
     dropped_groups: int = 0
+    discarded_tokens: int = 0            # generated, then thrown away by restart / drop
+    throttled: int = 0                   # fills cut short: no deadline free (stale_policy=finish)
     groups_emitted: int = 0
 
 
 def group_state(g: Group) -> dict:
     """A group as plain lists and numbers (what a checkpoint keeps)."""
     return {"gid": g.gid, "record": g.record, "prompt_ids": list(g.prompt_ids),
-            "rewards": list(g.rewards), "reward_done": g.reward_done,
+            "rewards": list(g.rewards), "reward_done": g.reward_done, "deadline": g.deadline,
             "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
                       for s in g.slots]}
 
@@ -112,25 +148,49 @@ def request_seed(slot: Slot) -> int:
     return (slot.seed * 1_000_003 + len(slot.response_ids) * 7919 + slot.restarts * 104_729) % (2**31 - 1)
 
 
+def free_deadline(taken: Counter, earliest: int, latest: int, per_step: int) -> Optional[int]:
+    """The latest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
+    None (the window is full: admission waits). The latest free one gives a group the most
+    steps to finish in; the loop visits at most len(taken) + 1 steps, also for an unbounded
+    max_staleness."""
+    d = latest
+    while d >= earliest:
+        if taken[d] < per_step:
+            return d
+        d -= 1
+    return None
+
+
+def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
+    return [score(s) for s in samples]
+
+
 class PartialRolloutController:
     """Drives an `EnginePool` (async). `new_group()` returns (record, prompt_ids) of the next
-    prompt; `score(sample)` its reward. All methods run on the pool's event loop."""
+    prompt; `score(sample)` its reward, run in `scorer` (a concurrent.futures executor) or, when
+    None, on the loop (only for scores that cost nothing: tests, the simulator). All methods
+    run on the pool's event loop."""
 
     def __init__(self, pool, *, n: int, concurrency: int, max_new_tokens: int, temperature: float,
-                 max_staleness: int, stale_policy: str, new_group: Callable[[], tuple[dict, list[int]]],
-                 score: Callable[[Sample], float], seed: int,
+                 max_staleness: int, new_group: Callable[[], tuple[dict, list[int]]],
+                 score: Callable[[Sample], float], seed: int, stale_policy: str = "finish",
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, scorer=None,
+                 sample_every_s: Optional[float] = 0.05):
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"rollout.stale_policy={stale_policy!r}: choose one of {', '.join(STALE_POLICIES)}")
         self.pool, self.n, self.concurrency = pool, n, concurrency
         pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
-        self.new_group, self.score, self.seed = new_group, score, seed
+        self.new_group, self.score, self.seed, self.scorer = new_group, score, seed, scorer
         # benchmarks force lengths: budget_of(gid, index) tokens per sample, EOS ignored
         self.budget_of, self.ignore_eos = budget_of, ignore_eos
         self.clock = clock             # the round's statistics' time source (virtual in the simulator)
-        self.groups: dict[int, Group] = {}        # open (incomplete) groups, by gid
-        self.completed: list[Group] = []           # complete, not yet handed to the trainer
+        self.sample_every_s = sample_every_s   # occupancy timer period (None: on events only)
+        self.groups: dict[int, Group] = {}        # open groups (incl. complete ones being scored), by gid
+        self.completed: list[Group] = []           # complete and scored, not yet handed to the trainer
+        self.ready: list[Group] = []               # the last round's result, until the driver takes it
         self.next_gid = 0
         self._inflight: dict[str, Slot] = {}
         self._busy: set[tuple[int, int]] = set()     # (gid, index) of the slots in flight
@@ -138,8 +198,10 @@ class PartialRolloutController:
         # `running` only moves once the request's task starts, after a whole burst is admitted)
         self._load: dict[str, int] = {e.name: 0 for e in pool.engines}
         self._turn = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()       # one per request in flight
+        self._scoring: set[asyncio.Task] = set()     # one per group being scored off the loop
         self._target = 0
+        self._train_version = 0
         self._ending = False
         self._holding = False
         self._round_done: Optional[asyncio.Event] = None
@@ -150,11 +212,15 @@ class PartialRolloutController:
     def _key(self, slot: Slot) -> str:
         return f"g{slot.gid}s{slot.index}a{slot.attempts}"
 
+    def _due(self, g: Group) -> bool:
+        """The step this round feeds must train `g` (stale_policy=finish)."""
+        return g.deadline is not None and g.deadline <= self._train_version
+
     def _admission_order(self) -> list[Slot]:
-        """Waiting slots, best first. Frontier-first: carried samples, then samples of the
-        groups closest to completion (older groups first on ties). Admitting one changes no
-        other's rank (nothing completes while `_fill` runs), so one sort serves a whole fill;
-        at 512 in flight this scan is the controller's main cost (found by the simulator)."""
+        """Waiting slots, best first: samples of groups due this step, carried samples, then
+        samples of the groups closest to completion (older groups first on ties). Admitting one
+        changes no other's rank (nothing completes while `_fill` runs), so one sort serves a
+        whole fill; at 512 in flight this scan is the controller's main cost (the simulator)."""
         busy, ranked = self._busy, []
         for g in self.groups.values():   # one pass: each group's done count and its waiting slots
             done, waiting = 0, []
@@ -163,16 +229,33 @@ class PartialRolloutController:
                     done += 1
                 elif (s.gid, s.index) not in busy:
                     waiting.append(s)
-            ranked += [((not s.response_ids, -done, s.gid, s.index), s) for s in waiting]
+            later = not self._due(g)
+            ranked += [((later, not s.response_ids, -done, s.gid, s.index), s) for s in waiting]
         ranked.sort(key=lambda item: item[0])
         return [s for _, s in ranked]
 
-    def _open_group(self) -> Group:
+    def _deadline_for_new_group(self) -> Optional[int]:
+        """stale_policy=finish: the deadline a group opened now gets, or None (throttled)."""
+        taken = Counter(g.deadline for g in self._untrained())
+        return free_deadline(taken, self._train_version, self.pool.version + self.max_staleness, self._target)
+
+    def _open_group(self) -> Optional[Group]:
+        deadline = None
+        if self.stale_policy == "finish":
+            deadline = self._deadline_for_new_group()
+            if deadline is None:
+                self.stats.throttled += 1
+                return None
         record, prompt = self.new_group()
         gid = self.next_gid
+        if not prompt:
+            raise ValueError(f"prompt {gid} of the data stream encodes to no tokens (record fields: "
+                             f"{', '.join(map(str, record)) or 'none'}): check data.prompt_key / data.messages_key "
+                             f"and that the model folder has its tokenizer files")
         self.next_gid += 1
         base = (self.seed * 1_000_003 + gid * 10_007) % (2**31 - 1)
-        group = Group(gid, record, list(prompt), [Slot(gid, j, base * 1000 + j) for j in range(self.n)])
+        group = Group(gid, record, list(prompt), [Slot(gid, j, base * 1000 + j) for j in range(self.n)],
+                      deadline=deadline)
         self.groups[gid] = group
         return group
 
@@ -184,6 +267,8 @@ class PartialRolloutController:
         return min(order, key=lambda e: self._load.get(e.name, 0))
 
     def _fill(self) -> None:
+        """Admit requests up to the concurrency. Raises what new_group / the request raise (the
+        callers hand it to `_fail`)."""
         if not self.pool.engines:   # every engine retired: the request that saw it ends the round
             return
         order: list[Slot] = []
@@ -191,48 +276,66 @@ class PartialRolloutController:
             if not order:
                 order = self._admission_order()
                 if not order:
-                    self._open_group()
+                    if self._open_group() is None:
+                        break          # the staleness window is full: wait for due work
                     order = self._admission_order()
                 order.reverse()   # pop() from the end = best first
             slot = order.pop()
-            slot.attempts += 1
-            key = self._key(slot)
-            self._inflight[key] = slot
-            self._busy.add((slot.gid, slot.index))
             engine = self._least_loaded()
-            self._load[engine.name] += 1
-            task = asyncio.ensure_future(self._serve(key, slot, engine))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            req = self._request(slot)   # may raise: nothing is booked yet
+            self._inflight[req.key] = slot
+            self._busy.add((slot.gid, slot.index))
+            self._load[engine.name] = self._load.get(engine.name, 0) + 1
+            self._track(self._tasks, self._serve(req, slot, engine))
         self._sample_occupancy()
 
-    # -- serving ---------------------------------------------------------------------------
-    async def _serve(self, key: str, slot: Slot, engine) -> None:
-        group = self.groups[slot.gid]
+    def _request(self, slot: Slot) -> GenRequest:
+        slot.attempts += 1
         budget = self._budget(slot) - len(slot.response_ids)
-        req = GenRequest(key, group.prompt_ids + slot.response_ids, budget, self.temperature,
-                         seed=request_seed(slot), ignore_eos=self.ignore_eos)
+        return GenRequest(self._key(slot), self.groups[slot.gid].prompt_ids + slot.response_ids, budget,
+                          self.temperature, seed=request_seed(slot), ignore_eos=self.ignore_eos)
+
+    @staticmethod
+    def _track(tasks: set, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    # -- serving ---------------------------------------------------------------------------
+    async def _serve(self, req: GenRequest, slot: Slot, engine) -> None:
         try:
             result = await self.pool.generate(req, engine)
-        except BaseException as err:  # an engine failure ends the round with the error
-            self._load[engine.name] -= 1
-            self._inflight.pop(key, None)
-            self._busy.discard((slot.gid, slot.index))
-            if self._error is None:
-                self._error = err if isinstance(err, Exception) else EngineError(str(err))
-            if self._round_done is not None:
-                self._round_done.set()
+        except BaseException as err:   # an engine failure ends the round with the error
+            self._unbook(req.key, slot, engine)
+            self._fail(err)
+            if isinstance(err, asyncio.CancelledError):
+                raise
             return
-        self._load[engine.name] -= 1
+        self._unbook(req.key, slot, engine)
+        try:
+            self._absorb(slot, result)
+            group = self.groups[slot.gid]
+            if slot.finished and group.complete and not group.reward_done:
+                self._emit(group)
+            if self._ending or self._holding:
+                self._sample_occupancy()
+            else:
+                self._fill()   # samples occupancy once refilled: a finished request is replaced at once
+        except Exception as err:   # noqa: BLE001 - scoring, the data stream, the next request: end the round
+            self._fail(err)
+
+    def _unbook(self, key: str, slot: Slot, engine) -> None:
+        self._load[engine.name] = self._load.get(engine.name, 1) - 1
         self._inflight.pop(key, None)
         self._busy.discard((slot.gid, slot.index))
-        self._absorb(slot, result)
-        if slot.finished and group.complete and not group.reward_done:
-            self._emit(group)
-        if self._ending or self._holding:
-            self._sample_occupancy()
-        else:
-            self._fill()   # samples occupancy once refilled: a finished request is replaced at once
+
+    def _fail(self, err: BaseException) -> None:
+        """End the round now with `err`: no more admission; run_round aborts and raises it."""
+        if self._error is None:
+            self._error = err if isinstance(err, Exception) else EngineError(f"rollout interrupted: {err!r}")
+        self._ending = True
+        if self._round_done is not None:
+            self._round_done.set()
 
     def _budget(self, slot: Slot) -> int:
         return self.budget_of(slot.gid, slot.index) if self.budget_of else self.max_new_tokens
@@ -250,16 +353,39 @@ class PartialRolloutController:
             slot.finish_reason = "length"   # aborted exactly at the budget: nothing left to do
 
     def _emit(self, group: Group) -> None:
-        group.rewards = [self.score(s) for s in self.samples_of(group)]
-        group.reward_done = True
+        """Score a complete group and queue it: at once on the loop, or in `scorer` (the loop
+        goes on serving meanwhile; a verifier may take seconds)."""
+        group.reward_done = True   # never scored twice
+        samples = self.samples_of(group)
+        if self.scorer is None:
+            self._queue(group, _score_all(self.score, samples))
+        else:
+            self._track(self._scoring, self._score_off_loop(group, samples))
+
+    async def _score_off_loop(self, group: Group, samples: list[Sample]) -> None:
+        try:
+            rewards = await asyncio.get_running_loop().run_in_executor(self.scorer, _score_all, self.score, samples)
+        except BaseException as err:   # noqa: BLE001 - e.g. the verifier's worker cannot start
+            self._fail(err)
+            return
+        self._queue(group, rewards)
+
+    def _queue(self, group: Group, rewards: list[float]) -> None:
+        group.rewards = list(rewards)
         del self.groups[group.gid]
         self.completed.append(group)
         self.stats.groups_emitted += 1
-        if len(self.completed) >= self._target and self._round_done is not None:
-            # stop admitting now, not when run_round next runs: requests finishing in the
-            # meantime must not start new ones (they would only be aborted)
-            self._ending = True
-            self._round_done.set()
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        """End the round as soon as it has its groups: stop admitting now, not when run_round
+        next runs (requests finishing in the meantime must not start new ones)."""
+        if self._round_done is None or len(self.completed) < self._target:
+            return
+        if any(self._due(g) for g in self.groups.values()):
+            return   # a group due this step is still generating (or being scored): it finishes first
+        self._ending = True
+        self._round_done.set()
 
     def _sample_occupancy(self) -> None:
         """Integrate in-flight count and busy engines over time (for the round's metrics)."""
@@ -275,23 +401,54 @@ class PartialRolloutController:
         if not self._ending and not self._holding and st.started:
             st.inflight_min = len(self._inflight) if st.inflight_min is None else min(st.inflight_min, len(self._inflight))
 
+    async def _occupancy_timer(self) -> None:
+        """Sample occupancy every `sample_every_s`, not only on events: a blocked loop (or a
+        round starved of work) shows in `rollout_inflight_min` and `rollout_loop_lag_max_s`."""
+        period = self.sample_every_s
+        while True:
+            t0 = self.clock()
+            await asyncio.sleep(period)
+            self.stats.loop_lag_max = max(self.stats.loop_lag_max, self.clock() - t0 - period)
+            self.stats.timer_samples += 1
+            self._sample_occupancy()
+
     # -- rounds ----------------------------------------------------------------------------
-    def apply_staleness(self, version: int) -> None:
-        """Before a round under `version`: restart (or drop the group of) every sample holding
-        a token more than max_staleness versions old; finished samples of open groups too,
-        so the bound holds for everything the trainer will see."""
+    def _untrained(self) -> Iterable[Group]:
+        return [*self.groups.values(), *self.completed]
+
+    def _prepare_round(self, version: int) -> None:
+        """Before a round for step `version`: the staleness rule on everything untrained, and
+        carried samples already at their token budget finished (a carry restored under a
+        smaller rollout.max_new_tokens)."""
+        for g in self.groups.values():
+            for s in g.slots:
+                if not s.finished and len(s.response_ids) >= self._budget(s):
+                    s.clip(self._budget(s))
+        if self.stale_policy == "finish":
+            self._restore_deadlines(version)
+        else:
+            self._discard_stale(version)
+
+    def _stale_slots(self, g: Group, version: int) -> list[Slot]:
+        return [s for s in g.slots if s.versions and version - min(s.versions) > self.max_staleness]
+
+    def _discard_stale(self, version: int) -> None:
+        """restart / drop: restart (or drop the group of) every sample holding a token more than
+        max_staleness versions old; finished samples and complete groups too, so the bound holds
+        for everything the trainer will see."""
         waiting, self.completed = self.completed, []
         for group in waiting:                      # complete but untrained: back to open if stale
             self.groups[group.gid] = group
         for gid in sorted(self.groups):
             group = self.groups[gid]
-            stale = [s for s in group.slots if s.versions and version - min(s.versions) > self.max_staleness]
+            stale = self._stale_slots(group, version)
             if stale and self.stale_policy == "drop":
                 del self.groups[gid]
                 self.stats.dropped_groups += 1
+                self.stats.discarded_tokens += sum(len(s.response_ids) for s in group.slots)
                 continue
             for s in stale:
-                s.restart()
+                self.stats.discarded_tokens += s.restart()
                 self.stats.restarted += 1
             if stale:
                 group.reward_done, group.rewards = False, []
@@ -300,45 +457,107 @@ class PartialRolloutController:
                 del self.groups[group.gid]
                 self.completed.append(group)
 
-    async def hold(self) -> None:
-        """Stop admitting and abort what is in flight (tokens stay in their slots), so the
-        engines can take new weights in the middle of a round (async mode); `release()`
-        continues the round. The pool calls both around every weight update."""
+    def _restore_deadlines(self, version: int) -> None:
+        """finish: every untrained group has a deadline >= `version`. Groups without one
+        (restored from a checkpoint of another policy) get one, oldest first, as late as their
+        oldest token allows; only a sample already past the bound (a resume with a smaller
+        max_staleness) is restarted."""
+        taken = Counter(g.deadline for g in self._untrained() if g.deadline is not None and g.deadline >= version)
+        for g in sorted(self._untrained(), key=lambda g: g.gid):
+            if g.deadline is not None and g.deadline >= version:
+                continue
+            stale = self._stale_slots(g, version)
+            for s in stale:
+                self.stats.discarded_tokens += s.restart()
+                self.stats.restarted += 1
+            if stale:
+                if g.gid not in self.groups:     # it was complete: open again
+                    self.completed = [c for c in self.completed if c is not g]
+                    self.groups[g.gid] = g
+                g.reward_done, g.rewards = False, []
+            oldest = min((v for s in g.slots for v in s.versions), default=self.pool.version)
+            g.deadline = free_deadline(taken, version, oldest + self.max_staleness, max(1, self._target))
+            if g.deadline is None:   # over-full (a larger groups_per_step before): train it first
+                g.deadline = version
+            taken[g.deadline] += 1
+
+    async def hold(self, scoring: bool = False) -> None:
+        """Stop admitting and abort what this controller has in flight (tokens stay in their
+        slots), so the engines can take new weights in the middle of a round (async mode);
+        `release()` continues the round. The pool calls both around every weight update.
+        `scoring`: also wait for the groups being scored (a snapshot needs them settled)."""
         self._holding = True
-        await self.pool.abort()
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._abort_own()
+        if scoring and self._scoring:
+            await asyncio.gather(*list(self._scoring), return_exceptions=True)
         self._sample_occupancy()
 
     def release(self) -> None:
         self._holding = False
         if self._round_done is not None and not self._round_done.is_set():
-            self._fill()
+            try:
+                self._fill()
+            except Exception as err:   # noqa: BLE001 - the round ends with it
+                self._fail(err)
+
+    async def _abort_own(self) -> None:
+        """Abort this controller's requests only (a probe or another scheduler sharing the
+        engines keeps running) and wait until every one has resolved."""
+        if self._inflight:
+            await self.pool.abort(list(self._inflight))
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def run_round(self, target: int, train_version: int) -> list[Group]:
         """Generate until `target` groups are complete (counting ones completed earlier but not
-        yet trained); abort the rest into the carry. Returns exactly `target` groups.
-        `train_version`: the weight version of the step that will train them (the staleness
-        bound is measured against it)."""
+        yet trained) and every group due at `train_version` is complete; abort the rest into the
+        carry. Returns exactly `target` groups (earliest deadline, then oldest first), also kept
+        in `ready` until `take_ready()`. `train_version`: the weight version of the step that
+        will train them (the staleness bound is measured against it)."""
+        if self.stale_policy == "finish" and self.pool.engines and \
+                self.pool.version + self.max_staleness < train_version:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness}: step {train_version} cannot train "
+                             f"tokens of weight version {self.pool.version}; rollout.async needs max_staleness >= 1")
+        self.ready = []              # a result nobody took was consumed through the return value
         self.stats = RoundStats()
         self.stats.started = self.clock()
-        self.apply_staleness(train_version)
-        self._target, self._ending, self._error = target, False, None
+        self._target, self._train_version = target, train_version
+        self._ending, self._error = False, None
         self._round_done = asyncio.Event()
-        if len(self.completed) < target:
-            self._fill()
+        timer = None
+        if self.sample_every_s:
+            timer = asyncio.ensure_future(self._occupancy_timer())
+        try:
+            self._prepare_round(train_version)
+            for g in [g for g in self.groups.values() if g.complete and not g.reward_done]:
+                self._emit(g)        # restored or clipped complete groups
+            self._maybe_end()
+            if not self._round_done.is_set():
+                self._fill()
+        except Exception as err:   # noqa: BLE001 - same path as an error in the serve loop
+            self._fail(err)
+        try:
             await self._round_done.wait()
-        self._ending = True
-        self._sample_occupancy()
-        self.stats.carried = len(self._inflight)
-        await self.pool.abort()                 # in-flight requests resolve with their partials
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        self.stats.ended = self.clock()
-        self._round_done = None
+        finally:
+            self._ending = True
+            self._sample_occupancy()
+            self.stats.carried = len(self._inflight)
+            await self._abort_own()   # in-flight requests resolve with their partials
+            if self._scoring:
+                await asyncio.gather(*list(self._scoring), return_exceptions=True)
+            if timer is not None:
+                timer.cancel()
+            self.stats.ended = self.clock()
+            self._round_done = None
         if self._error is not None:
             raise self._error
-        out, self.completed = self.completed[:target], self.completed[target:]
+        self.completed.sort(key=lambda g: (g.deadline if g.deadline is not None else -1, g.gid))
+        self.ready, self.completed = self.completed[:target], self.completed[target:]
+        return self.ready
+
+    def take_ready(self) -> list[Group]:
+        """The driver takes the last round's groups: from now on they are the trainer's."""
+        out, self.ready = self.ready, []
         return out
 
     # -- views -----------------------------------------------------------------------------
@@ -385,6 +604,8 @@ class PartialRolloutController:
                "rollout_requests": st.requests, "rollout_tokens": st.tokens,
                "carried_samples": len(open_tokens), "aborted_inflight": st.carried,
                "restarted_samples": st.restarted, "dropped_groups": st.dropped_groups,
+               "stale_tokens_discarded": st.discarded_tokens, "admission_throttled": st.throttled,
+               "rollout_loop_lag_max_s": st.loop_lag_max,
                "groups_emitted": st.groups_emitted, "open_groups": len(self.groups),
                "completed_waiting": len(self.completed)}
         if st.inflight_min is not None:   # absent when the round had its groups without generating
@@ -393,16 +614,19 @@ class PartialRolloutController:
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Plain lists and numbers: the carry, open and completed groups, the group counter."""
-        if self._inflight:
-            raise RuntimeError("controller state saved while requests are in flight: save between rounds")
+        """Plain lists and numbers: the carry, open and completed groups (the untaken result of
+        the last round first: the resumed run's first round takes them), the group counter."""
+        if self._inflight or self._scoring:
+            raise RuntimeError("controller state saved while requests are in flight or groups are "
+                               "being scored: hold(scoring=True) first, or save between rounds")
         return {"next_gid": self.next_gid, "open": [group_state(g) for g in self.groups.values()],
-                "completed": [group_state(g) for g in self.completed]}
+                "completed": [group_state(g) for g in [*self.ready, *self.completed]]}
 
     def load_state_dict(self, state: dict) -> None:
         def group_of(d: dict) -> Group:
             return Group(d["gid"], d["record"], list(d["prompt_ids"]), [Slot(**s) for s in d["slots"]],
-                         d["reward_done"], list(d["rewards"]))
+                         d["reward_done"], list(d["rewards"]), d.get("deadline"))
         self.next_gid = state["next_gid"]
         self.groups = {d["gid"]: group_of(d) for d in state["open"]}
         self.completed = [group_of(d) for d in state["completed"]]
+        self.ready = []

@@ -204,6 +204,7 @@ class EnginePool:
         has resolved. A scheduler aborts only its own keys: probes and other schedulers sharing
         the engines keep running. A key not started yet, or failing over to another engine
         after this abort, is not sent again (it resolves as aborted with its tokens so far)."""
+        # (each key leaves the set when its generate() returns; one never generated stays)
         self._aborted.update(self._where if keys is None else keys)
         if keys is None:
             await self._on_each(lambda e: e.abort(None))

@@ -11,15 +11,18 @@ what a checkpoint keeps (the data cursor and, in partial mode, the whole carry).
   mid-round sync) while the trainer trains; `round()` then only waits for what is missing.
 Runs on trainer rank 0 only. Everything that touches the controller's state runs on the
 pool's event loop thread (the controller is not thread-safe); the driver thread only sees
-copies.
+copies. A round's groups stay on the controller (`ready`) until the driver takes them on the
+loop, so a checkpoint taken at any moment holds each untrained group exactly once. Scoring
+(the verifier) runs in one thread of its own, off the loop: the engines are served meanwhile.
 """
 from __future__ import annotations
 
 import copy
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from megarl.rollout.controller import PartialRolloutController, group_state
+from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds, score
 from megarl.rollout.types import Sample
 
@@ -35,7 +38,10 @@ class Rollout:
                 pool.pool, n=r.n, concurrency=r.concurrency, max_new_tokens=r.max_new_tokens,
                 temperature=r.temperature, max_staleness=r.max_staleness, stale_policy=r.stale_policy,
                 new_group=self._new_group, score=lambda s: score(s, tokenizer, reward_fn),
-                seed=cfg.run.seed)
+                seed=cfg.run.seed,
+                # one thread: the verifier runs one call at a time anyway (one worker process),
+                # and FIFO keeps the order in which groups complete
+                scorer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score"))
         self._pending: list = []
         self._next = None      # the prefetched round (async mode): a concurrent.futures.Future
 
@@ -57,10 +63,11 @@ class Rollout:
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, r.max_new_tokens)
         if self._next is None:
-            done = self.pool.call(self.controller.run_round(groups, step), f"rollout round {step}", deadline)
+            done = self.pool.call(self._round_and_take(groups, step), f"rollout round {step}", deadline)
         else:
-            done = self.pool.loop.wait(self._next, deadline, f"rollout round {step}")
+            self.pool.loop.wait(self._next, deadline, f"rollout round {step}")
             self._next = None
+            done = self.pool.call(self._take(), f"taking the groups of round {step}")
         samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
         # the trainer's weights at step k are version k
         return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
@@ -70,6 +77,13 @@ class Rollout:
         pool = self.pool.pool
         return {"engine_failures": len(pool.failures), "engines_alive": len(pool.engines),
                 "engine_restarts": pool.restarts}
+
+    async def _round_and_take(self, groups: int, step: int) -> list:
+        await self.controller.run_round(groups, step)
+        return self.controller.take_ready()
+
+    async def _take(self) -> list:
+        return self.controller.take_ready()
 
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""
@@ -91,23 +105,20 @@ class Rollout:
         self.pool.call(put(), "storing old logprobs")
         self._pending = []
 
+    async def snapshot(self) -> tuple[dict, dict]:
+        """On the loop: the controller's and the sampler's state, as copies. A running
+        (prefetched) round is held meanwhile: no request may be in flight, no group half-scored;
+        an ended round's untaken groups are in the controller's state (`ready`)."""
+        await self.controller.hold(scoring=True)
+        try:
+            return copy.deepcopy(self.controller.state_dict()), copy.deepcopy(self.sampler.state_dict())
+        finally:
+            self.controller.release()
+
     def state_dict(self) -> dict:
-        async def snapshot():   # hold a running (prefetched) round: no request may be in flight
-            await self.controller.hold()
-            try:
-                state = copy.deepcopy(self.controller.state_dict())
-                # a prefetched round that already returned took its groups out of the
-                # controller: complete and untrained, they belong to the carry too (first:
-                # the resumed run's first round takes them, as round() would have)
-                ready = self._next
-                if ready is not None and ready.done() and ready.exception() is None:
-                    state["completed"] = [group_state(g) for g in ready.result()] + state["completed"]
-                return state, self.sampler.state_dict()
-            finally:
-                self.controller.release()
         if self.controller is None:
             return {"sampler": self.sampler.state_dict()}
-        controller, sampler = self.pool.call(snapshot(), "saving the rollout state")
+        controller, sampler = self.pool.call(self.snapshot(), "saving the rollout state")
         return {"sampler": sampler, "controller": controller}
 
     def load_state_dict(self, state: dict) -> None:

@@ -13,6 +13,7 @@ How they reach the engines is `weight_sync.transport` (megarl/rollout/transfer/)
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable, Iterator
 
@@ -176,7 +177,12 @@ def verify(actor, pool, prompts, max_tokens: int, micro_batch_size: int, tempera
     """Raise WeightSyncError when any engine's logprobs differ from the trainer's by more
     than tol; returns the largest gap."""
     gaps = engine_mismatch(actor, pool, prompts, max_tokens, micro_batch_size, temperature)
-    name, gap = max(gaps.items(), key=lambda kv: kv[1])
+    # NaN first: an engine whose probe returned no tokens has gap 0/0 = NaN, and NaN > tol is False
+    name, gap = max(gaps.items(), key=lambda kv: math.inf if math.isnan(kv[1]) else kv[1])
+    if math.isnan(gap):
+        raise WeightSyncError(
+            f"engine {name} returned no tokens (or NaN logprobs) for the weight-sync verify probe: the "
+            f"push cannot be checked; see the engine's log (weight_sync.verify=false skips the check)")
     if gap > tol:
         version = pool.version if pool is not None else "?"
         raise WeightSyncError(
