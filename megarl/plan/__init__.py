@@ -4,9 +4,10 @@ Placement follows the code: trainer ranks (TP x PP x DP) each hold actor, refere
 (PPO) and reward model (reward.model_path) for their stage and TP rank; the vLLM engines are
 their own GPU pool (cluster.engine_nodes), rollout.engines of rollout.engine_tp GPUs.
 train.offload_idle keeps reference, critic weights+gradients and reward model in host memory
-except in the phases that use them (models/offload.py; the critic's Adam state stays). The
-memory formulas are in `megarl/plan/memory.py`; docs/plan.md compares them with published
-figures.
+except in the phases that use them (models/offload.py; the critic's Adam state stays).
+weight_sync.transport=collective adds the weight transfer's packed GPU buffers on the sending
+trainer GPU (global rank 0: PP stage 0) and on every engine GPU. The memory formulas are in
+`megarl/plan/memory.py`; docs/plan.md compares them with published figures.
 """
 from __future__ import annotations
 
@@ -91,6 +92,41 @@ def resolve_cluster(cfg: RootConfig, nodes: int | None = None, gpus_per_node: in
     return ClusterConfig(**{**asdict(c), **kw}), notes
 
 
+# -- weight transfer ---------------------------------------------------------------------------
+def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
+    """GPU bytes of the weight transfer's packed buffers on one side: the sending trainer GPU
+    (global rank 0) and every engine GPU each hold this much (`memory.transfer_buffer_bytes`).
+    0 for weight_sync.transport=files (the weights are staged as files instead: see
+    `staging_note`) and for backend=gloo (its buffers are host memory)."""
+    ws = cfg.weight_sync
+    if ws.transport != "collective" or ws.resolved_backend(cuda=True) != "nccl":
+        return 0
+    return mem.transfer_buffer_bytes(arch, ws.bucket_mb, ws.num_buffers, mem.DTYPE_BYTES[cfg.model.dtype])
+
+
+def transfer_formula(cfg: RootConfig, arch: Arch) -> str:
+    """How `transfer_buffers` came about, with the settings that set it, for the printed plan."""
+    ws = cfg.weight_sync
+    big = mem.largest_hf_tensor(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+    return (f"weight_sync.num_buffers={ws.num_buffers} x (weight_sync.bucket_mb={ws.bucket_mb} MiB "
+            f"+ largest tensor {_gib(big)} GiB)")
+
+
+def staging_note(cfg: RootConfig, arch: Arch) -> str:
+    """What a sync over files needs on disk (not on a GPU): the whole model as safetensors,
+    written by the trainer and read by every engine, every step."""
+    ws = cfg.weight_sync
+    size = mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+    if ws.transport == "files":
+        return (f"weight_sync.transport=files: every sync stages the whole model, {_gib(size)} GiB, as files under "
+                f"weight_sync.staging_dir={ws.staging_dir} (host memory for /dev/shm, else disk), which every engine "
+                f"must reach (a shared file system on a cluster) and reads in full; no GPU transfer buffers")
+    if ws.resolved_backend(cuda=True) == "gloo":
+        return (f"weight_sync.backend=gloo: the transfer's buffers ({transfer_formula(cfg, arch)}) are host memory "
+                f"on global rank 0 and on every engine worker, not counted on the GPUs")
+    return ""
+
+
 # -- trainer ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
@@ -112,8 +148,12 @@ def check_layout(arch: Arch, tp: int, pp: int) -> None:
 
 def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True, rm_arch: Arch | None = None) -> dict:
     """Peak bytes per trainer GPU over its phases, on the worst PP stage, by role.
-    fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU)."""
+    fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU).
+    On the GPU path stage 0 also holds the weight transfer's buffers (`transfer_buffers`): its
+    first GPU is global rank 0, the sender. They are counted in every phase, as they stay
+    allocated between syncs (memory.transfer_buffer_bytes says why). The CPU path has none."""
     t, tp, pp, dp = cfg.train, lay.tp, lay.pp, lay.dp
+    sender = transfer_buffers(cfg, arch) if fused else 0
     div, wb = cfg.model.make_vocab_size_divisible_by, mem.DTYPE_BYTES[cfg.model.dtype]
     seq, mbs = cfg.rollout.max_model_len, t.micro_batch_size
     micro = max(1, cfg.samples_per_step // t.mini_batches // dp // mbs)
@@ -137,9 +177,10 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
         fwd = mem.forward_only_bytes(arch, **act)
         fwd_value = mem.forward_only_bytes(arch, with_logits=False, **act)
         a, c_model, c_opt = sum(actor.values()), critic["weights"] + critic["grads"], critic["optimizer"]
+        transfer = sender if stage == 0 else 0
         # phase -> (models resident besides the base, activations of the phase)
         if t.offload_idle:   # always resident: actor + the critic's Adam state (offload.py frees weights+grads only)
-            base = a + c_opt
+            base = a + c_opt + transfer
             phases = {"old logprobs (actor forward)": (0, fwd), "reference logprobs": (ref, fwd),
                       "actor update": (0, train_actor)}
             if ppo:
@@ -148,7 +189,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
             if rm:
                 phases["reward model"] = (rm, fwd_value)
         else:
-            base = a + c_model + c_opt + ref + rm
+            base = a + c_model + c_opt + ref + rm + transfer
             phases = {"old logprobs (actor forward)": (0, fwd), "actor update": (0, train_actor)}
             if ppo:
                 phases["critic update"] = (0, train_critic)
@@ -156,10 +197,14 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
         phase = max(totals, key=totals.get)
         res = {"stage": stage, "phase": phase, "peak_bytes": totals[phase], "phases": totals,
                "roles": {"actor": actor, "critic": critic, "reference": ref, "reward": rm,
-                         "activations": phases[phase][1]},
+                         "weight_transfer": transfer, "activations": phases[phase][1]},
                "microbatches": micro, "in_flight": mem.in_flight_microbatches(pp, stage, micro)}
+        if stage == 0:
+            sender_peak = totals[phase]
         if worst is None or res["peak_bytes"] > worst["peak_bytes"]:
             worst = res
+    # the sender's buffers and its GPU's peak, also when another stage is the worst
+    worst.update(sender_bytes=sender, sender_peak_bytes=sender_peak)
     return worst
 
 
@@ -190,6 +235,9 @@ def best_layout(cfg, arch, gpus, gpus_per_node, fused, rm_arch) -> tuple[Layout,
 
 # -- engines ---------------------------------------------------------------------------------
 def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: int, engine_tp: int) -> dict:
+    """Bytes per engine GPU. vLLM fills its share (rollout.gpu_memory_utilization) with weights,
+    workspace and KV cache when it starts; the weight transfer's buffers are allocated later,
+    at each sync, so they must fit in what vLLM leaves outside its share, less the reserve."""
     r = cfg.rollout
     # sync mode submits every sample of the step at once; partial keeps `concurrency` in flight
     in_flight = cfg.samples_per_step if r.mode == "sync" else r.concurrency
@@ -200,9 +248,13 @@ def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: 
          "workspace": mem.engine_workspace_bytes(arch, engine_tp, per_engine)}
     total = cluster.gpu_mem_gb * GiB
     budget = min(r.gpu_memory_utilization * total, total - cluster.reserve_gb * GiB)
+    transfer = transfer_buffers(cfg, arch)
+    room = total - r.gpu_memory_utilization * total - cluster.reserve_gb * GiB
+    transfer_fits = not transfer or transfer <= room
     return {"per_gpu_bytes": b, "need_bytes": sum(b.values()), "budget_bytes": budget,
             "requests_per_engine": per_engine, "kv_bytes_per_token_per_gpu": kv_tok,
-            "fits": sum(b.values()) <= budget}
+            "transfer_bytes": transfer, "transfer_room_bytes": room,
+            "fits": sum(b.values()) <= budget and transfer_fits}
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -269,8 +321,11 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
         if tp > g:
             notes.append(f"parallel.tp={tp} spans nodes (gpus_per_node={g}): TP all-reduces go over the network")
         if not trainer["fits"]:
+            held = trainer["roles"]["weight_transfer"]
             problems.append({"role": "trainer", "what": f"stage {trainer['stage']} at '{trainer['phase']}' needs "
-                             f"{_gib(trainer['peak_bytes'])} GiB per GPU, {_gib(usable)} GiB usable",
+                             f"{_gib(trainer['peak_bytes'])} GiB per GPU, {_gib(usable)} GiB usable"
+                             + (f" (of it {_gib(held)} GiB weight transfer buffers on global rank 0: "
+                                f"{transfer_formula(cfg, arch)})" if held else ""),
                              "short_gib": _gib(trainer["peak_bytes"] - usable),
                              "fix": trainer_fixes(cfg, arch, lay, trainer_gpus, g, fused, rm_arch, usable)})
     engine = None
@@ -282,8 +337,8 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
                              "fix": f"lower rollout.engines to {engine_gpus // etp} or give "
                                     f"cluster.engine_nodes={math.ceil(engines * etp / g)}"})
         engine = engine_memory(cfg, arch, cluster, engines, etp)
-        if not engine["fits"]:
-            e = engine
+        e = engine
+        if e["need_bytes"] > e["budget_bytes"]:
             kv_room = e["budget_bytes"] - e["per_gpu_bytes"]["weights"] - e["per_gpu_bytes"]["workspace"]
             max_req = max(0, int(kv_room // (r.max_model_len * e["kv_bytes_per_token_per_gpu"]))) * engines
             problems.append({"role": "engines", "what": f"an engine GPU needs {_gib(e['need_bytes'])} GiB "
@@ -294,22 +349,42 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
                              "short_gib": _gib(e["need_bytes"] - e["budget_bytes"]),
                              "fix": f"raise rollout.gpu_memory_utilization (<= {1 - cluster.reserve_gb / cluster.gpu_mem_gb:.2f}), "
                                     f"a larger rollout.engine_tp, more engines, or rollout.concurrency <= {max_req}"})
+        if e["transfer_bytes"] > e["transfer_room_bytes"]:
+            room, util = e["transfer_room_bytes"], r.gpu_memory_utilization
+            # the largest share that leaves the buffers room, rounded down to the 2 decimals printed;
+            # offered only while the weights, KV cache and workspace still fit in it
+            lower = math.floor((cluster.gpu_mem_gb - cluster.reserve_gb - e["transfer_bytes"] / GiB)
+                               / cluster.gpu_mem_gb * 100) / 100
+            lower = lower if lower * cluster.gpu_mem_gb * GiB >= e["need_bytes"] else 0
+            problems.append({"role": "engines", "what": f"an engine GPU receives weights into "
+                             f"{_gib(e['transfer_bytes'])} GiB of transfer buffers ({transfer_formula(cfg, arch)}) "
+                             f"outside vLLM's share (rollout.gpu_memory_utilization={util}), where "
+                             f"{_gib(max(room, 0))} GiB are left after the {cluster.reserve_gb} GiB reserve",
+                             "short_gib": _gib(e["transfer_bytes"] - room),
+                             "fix": f"lower weight_sync.bucket_mb or weight_sync.num_buffers"
+                                    + (f", or rollout.gpu_memory_utilization <= {lower:.2f}" if lower > 0 else "")})
     per_gpu = {}
     if trainer:
         for role in ("actor", "critic"):
             per_gpu[role] = sum(trainer["roles"][role].values())
         for role in ("reference", "reward", "activations"):
             per_gpu[role] = trainer["roles"][role]
+        per_gpu["weight_transfer"] = trainer["sender_bytes"]   # global rank 0's GPU only
     if engine:
         per_gpu["engine_weights"] = engine["per_gpu_bytes"]["weights"]
         per_gpu["kv_cache"] = engine["per_gpu_bytes"]["kv_cache"]
         per_gpu["engine_workspace"] = engine["per_gpu_bytes"]["workspace"]
+        per_gpu["engine_weight_transfer"] = engine["transfer_bytes"]
+    note = staging_note(cfg, arch)
+    if note:
+        notes.append(note)
     return {"fits": not problems, "problems": problems, "notes": notes,
             "model": {**asdict(arch), "params": mem.total_params(arch), "source": arch_src},
             "cluster": asdict(cluster), "placement": placement,
             "sequence_tokens": r.max_model_len, "micro_batch_size": cfg.train.micro_batch_size,
             "recompute": cfg.train.recompute, "offload_idle": cfg.train.offload_idle,
             "per_gpu_bytes": per_gpu, "trainer": trainer, "engine": engine,
+            "weight_transfer": transfer_formula(cfg, arch) if transfer_buffers(cfg, arch) else "",
             "assumptions": ASSUMPTIONS}
 
 
@@ -321,6 +396,9 @@ ASSUMPTIONS = [
     "engine: bf16 weights / engine TP + KV cache 2 x layers x kv_heads x head_dim x 2 bytes per token "
     "for every in-flight request at rollout.max_model_len, within rollout.gpu_memory_utilization",
     "reserve per GPU (cluster.reserve_gb): CUDA context, NCCL buffers, allocator fragmentation",
+    "weight_sync.transport=collective (nccl): weight_sync.num_buffers packed buffers of up to weight_sync.bucket_mb "
+    "+ the largest tensor on global rank 0's GPU (every phase: they stay allocated) and on every engine GPU "
+    "(outside vLLM's gpu_memory_utilization share, less the reserve)",
 ]
 
 
@@ -340,6 +418,15 @@ def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
     best = best_layout(cfg, arch, gpus, gpn, fused, rm_arch)
     if best and (best[0].tp, best[0].pp) != (lay.tp, lay.pp):
         opts.append((f"parallel.tp={best[0].tp} parallel.pp={best[0].pp}", best[1]))
+    ws = cfg.weight_sync
+    if transfer_buffers(cfg, arch):   # only global rank 0 holds them, but it may be the one that does not fit
+        def sync(**kw):
+            return peak(replace(cfg, weight_sync=replace(ws, **kw)), lay)
+        if ws.num_buffers > 1:
+            opts.append(("weight_sync.num_buffers=1 (no overlap of gather and send)", sync(num_buffers=1)))
+        if ws.bucket_mb > 128:
+            opts.append(("weight_sync.bucket_mb=128", sync(bucket_mb=128)))
+        opts.append(("weight_sync.transport=files (staged on disk, slower)", sync(transport="files")))
     more = Layout(lay.tp, lay.pp, lay.dp * 2)
     opts.append((f"twice the trainer nodes (dp={more.dp}: Adam state sharded twice as thin)", peak(cfg, more)))
     opts.sort(key=lambda o: o[1])
@@ -370,18 +457,28 @@ def format_plan(p: dict) -> str:
         for role in ("reference", "reward"):
             if t["roles"][role]:
                 lines.append(f"  {role:12s}{_gib(t['roles'][role]):8.2f}")
+        if t["roles"]["weight_transfer"]:
+            lines.append(f"  {'transfer':12s}{_gib(t['roles']['weight_transfer']):8.2f}  (weight transfer buffers, "
+                         f"on global rank 0: {p['weight_transfer']})")
         lines.append(f"  {'activations':12s}{_gib(t['roles']['activations']):8.2f}  (at the peak phase)")
         for name, b in t["phases"].items():
             lines.append(f"  phase {name:30s}{_gib(b):8.2f}" + ("  <- peak" if name == t["phase"] else ""))
         lines.append(f"  peak {_gib(t['peak_bytes'])} of {_gib(t['usable_bytes'])} usable: "
                      + ("fits" if t["fits"] else "DOES NOT FIT"))
+        if t["sender_bytes"] and t["stage"] != 0:
+            lines.append(f"  global rank 0 (PP stage 0) also holds {_gib(t['sender_bytes'])} GiB of weight transfer "
+                         f"buffers ({p['weight_transfer']}): peak {_gib(t['sender_peak_bytes'])} GiB")
     e = p["engine"]
     if e:
         b = e["per_gpu_bytes"]
         lines.append(f"engine GPU, GiB: weights {_gib(b['weights'])}, KV cache {_gib(b['kv_cache'])} "
                      f"({e['requests_per_engine']} requests x {p['sequence_tokens']} tokens), workspace "
                      f"{_gib(b['workspace'])}; {_gib(e['need_bytes'])} of {_gib(e['budget_bytes'])} budget: "
-                     + ("fits" if e["fits"] else "DOES NOT FIT"))
+                     + ("fits" if e["need_bytes"] <= e["budget_bytes"] else "DOES NOT FIT"))
+        if e["transfer_bytes"]:
+            lines.append(f"  + weight transfer buffers {_gib(e['transfer_bytes'])} ({p['weight_transfer']}) outside "
+                         f"vLLM's share, {_gib(max(e['transfer_room_bytes'], 0))} left there after the reserve: "
+                         + ("fits" if e["transfer_bytes"] <= e["transfer_room_bytes"] else "DOES NOT FIT"))
     for n in p["notes"]:
         lines.append(f"note: {n}")
     lines.append("fits" if p["fits"] else "DOES NOT FIT")

@@ -14,6 +14,8 @@ offload.py), not a generic rule:
   SwiGLU, GQA, no dropout, flash attention on GPU), plus the logits on the last stage.
 - engine: the bf16 weights over engine TP and the KV cache 2 x layers x kv_heads x head_dim x
   bytes per token (Kwon et al. 2023, vLLM).
+- weight transfer (weight_sync.transport=collective over NCCL): the packed buffers in flight
+  on the sending trainer GPU and on every engine GPU (vLLM's packed broadcast).
 Bytes everywhere; GiB only when printed.
 """
 from __future__ import annotations
@@ -199,3 +201,30 @@ def engine_workspace_bytes(a: Arch, engine_tp: int, seqs: int, batched_tokens: i
     act = batched_tokens * 2 * 2 * (a.hidden + (a.heads + 2 * a.kv_heads) * a.head_dim / engine_tp
                                     + 3 * a.ffn / engine_tp)
     return logits + act
+
+
+# -- weight transfer -------------------------------------------------------------------------
+MiB = 2 ** 20
+
+
+def largest_hf_tensor(a: Arch) -> int:
+    """Elements of the largest tensor a weight sync sends: the sync sends full HF tensors (TP
+    gathered), so the embedding or LM head (vocab x hidden), else an MLP (ffn x hidden) or
+    the query/output projection (heads x head_dim x hidden)."""
+    return max(a.vocab, a.ffn, a.heads * a.head_dim) * a.hidden
+
+
+def transfer_buffer_bytes(a: Arch, bucket_mb: int, num_buffers: int, w_bytes: int) -> float:
+    """GPU bytes of the collective weight transfer's packed buffers on ONE side: the sending
+    trainer GPU, or any one engine GPU (every engine worker receives every tensor whole into
+    buffers of its own, whatever the engine TP; it keeps its shard when loading).
+
+    vLLM's packed broadcast (`vllm/distributed/weight_transfer/packed_tensor.py`, the GPU
+    route) fills a buffer with whole tensors until it holds MORE than `bucket_mb`, so a
+    buffer is at most bucket_mb MiB + the largest tensor (the one that crossed the line); the
+    receiver packs by the same rule from the same metadata. `num_buffers` of them are in
+    flight. w_bytes: bytes per element as sent (the trainer's model.dtype).
+    The memory stays held between syncs: vLLM allocates the buffers on its own cached CUDA
+    streams, and PyTorch's caching allocator keeps a freed block for the stream it was
+    allocated on, so the training phases (default stream) cannot reuse it."""
+    return num_buffers * (bucket_mb * MiB + largest_hf_tensor(a) * w_bytes)

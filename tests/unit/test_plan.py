@@ -9,7 +9,7 @@ import pytest
 
 from megarl.cli import main
 from megarl.config import ConfigError, load_config
-from megarl.plan import make_plan
+from megarl.plan import make_plan, resolve_arch
 from megarl.plan import memory as mem
 from megarl.plan.memory import GiB, Arch
 
@@ -148,6 +148,80 @@ def test_engine_kv_shortfall_names_concurrency():
     p = make_plan(cfg)
     (prob,) = p["problems"]
     assert prob["role"] == "engines" and "rollout.concurrency <=" in prob["fix"] and prob["short_gib"] > 0
+
+
+# -- weight transfer buffers (weight_sync.transport=collective) -------------------------------------
+R7 = "recipes/qwen2.5_7b.yaml"
+
+
+def test_transfer_buffers_by_hand():
+    """num_buffers x (bucket + the largest tensor): a buffer is closed only after the tensor
+    that takes it past bucket_mb. SMALL's largest tensor is the embedding, 16 x 4."""
+    assert mem.largest_hf_tensor(SMALL) == 16 * 4
+    assert mem.transfer_buffer_bytes(SMALL, bucket_mb=1, num_buffers=2, w_bytes=2) == 2 * (2**20 + 64 * 2)
+    a = Arch(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256)
+    assert mem.largest_hf_tensor(a) == 128256 * 8192          # Llama-3.1-70B: the embedding, 1.96 GiB in bf16
+
+
+@pytest.mark.parametrize("num_buffers,bucket_mb", [(2, 512), (3, 1024), (1, 64)])
+def test_collective_buffers_grow_the_estimate_by_exactly_their_size(num_buffers, bucket_mb):
+    """On the sending trainer GPU (global rank 0, PP stage 0: the worst stage here) and on every
+    engine GPU; nothing with transport=files, which stages the model on disk instead."""
+    sync = [f"weight_sync.num_buffers={num_buffers}", f"weight_sync.bucket_mb={bucket_mb}"]
+    files = make_plan(load_config(R7, sync + ["weight_sync.transport=files"]))
+    coll = make_plan(load_config(R7, sync + ["weight_sync.transport=collective"]))
+    arch = resolve_arch(load_config(R7))[0]
+    size = num_buffers * (bucket_mb * 2**20 + mem.largest_hf_tensor(arch) * 2)   # bf16
+    assert coll["trainer"]["peak_bytes"] - files["trainer"]["peak_bytes"] == size
+    assert all(coll["trainer"]["phases"][k] - files["trainer"]["phases"][k] == size for k in files["trainer"]["phases"])
+    assert coll["per_gpu_bytes"]["weight_transfer"] == coll["per_gpu_bytes"]["engine_weight_transfer"] == size
+    assert files["per_gpu_bytes"]["weight_transfer"] == files["per_gpu_bytes"]["engine_weight_transfer"] == 0
+    # the engine's share of the GPU is unchanged: the buffers come at each sync, after vLLM has
+    # filled its share with the KV cache, so they are checked against what is left outside it
+    assert coll["engine"]["need_bytes"] == files["engine"]["need_bytes"]
+    assert coll["engine"]["transfer_bytes"] == size
+    assert any("staging_dir" in n and "shared file system" in n for n in files["notes"])
+    assert not any("staging_dir" in n for n in coll["notes"])
+
+
+def test_only_global_rank_0_holds_the_trainer_side_buffers():
+    """PP=2 with micro-batches of 8: the last stage (logits) is the worst and holds no buffers;
+    stage 0, where global rank 0 sends from, is reported with them."""
+    over = ["parallel.pp=2", "train.micro_batch_size=8"]
+    coll = make_plan(load_config(R7, over))["trainer"]
+    files = make_plan(load_config(R7, over + ["weight_sync.transport=files"]))["trainer"]
+    assert coll["stage"] == files["stage"] == 1 and coll["roles"]["weight_transfer"] == 0
+    assert coll["peak_bytes"] == files["peak_bytes"]
+    assert coll["sender_peak_bytes"] - files["sender_peak_bytes"] == coll["sender_bytes"] > 0
+
+
+def test_gloo_buffers_are_host_memory():
+    p = make_plan(load_config(R7, ["weight_sync.backend=gloo"]))
+    assert p["per_gpu_bytes"]["weight_transfer"] == p["per_gpu_bytes"]["engine_weight_transfer"] == 0
+    assert any("backend=gloo" in n and "host memory" in n for n in p["notes"])
+
+
+def test_trainer_that_fits_only_without_buffers_exits_2_naming_the_setting(capsys):
+    """7B: 63.9 GiB per trainer GPU without buffers, + 2 x (6 GiB + 1.02 GiB) with them > 76 usable.
+    The engines have room (their share lowered to 0.6), so the trainer is the one problem."""
+    over = ["weight_sync.bucket_mb=6144", "rollout.gpu_memory_utilization=0.6"]
+    assert main(["plan", R7, *over, "weight_sync.transport=files"]) == 0
+    capsys.readouterr()
+    assert main(["plan", R7, *over]) == 2
+    err = capsys.readouterr().err
+    assert "trainer:" in err and "engines:" not in err
+    assert "weight transfer buffers on global rank 0" in err and "weight_sync.bucket_mb=6144" in err
+    assert "weight_sync.bucket_mb=128 -> " in err and "weight_sync.num_buffers=1" in err
+
+
+def test_engine_without_room_for_buffers_exits_2_naming_the_setting(capsys):
+    """vLLM's share is 0.85 x 80 GiB: 80 - 68 - 4 (reserve) = 8 GiB remain for 2 x (4 + 1.02) GiB."""
+    assert main(["plan", R7, "weight_sync.bucket_mb=4096"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer:" not in err and "engines:" in err and "outside vLLM's share" in err
+    # (80 - 4 - 10.03) / 80 = 0.8246: the share that leaves them room, rounded down
+    assert "weight_sync.bucket_mb=4096" in err and "rollout.gpu_memory_utilization <= 0.82" in err
+    assert main(["plan", R7, "weight_sync.bucket_mb=4096", "rollout.gpu_memory_utilization=0.82"]) == 0
 
 
 # -- bad inputs ----------------------------------------------------------------------------------
