@@ -70,6 +70,32 @@ def behaviour_weights(
     return weights, stats
 
 
+#: token ages (trained step - version that generated the token) with a metric of their own;
+#: older tokens share the last bucket
+MASKED_AGES = (0, 1, 2)
+
+
+@torch.no_grad()
+def masked_frac_by_age(weights: Tensor, mask: Tensor, versions: Tensor, step: int) -> dict[str, Tensor]:
+    """is_masked_frac split by token age: is_masked_frac_age0 / _age1 / _age2plus, the share of
+    the tokens of that age whose weight is 0 (0 when there are none). Age 0 measures only the
+    train/inference mismatch; in async mode (rollout.async) tokens generated between pending()
+    and the push carry one version of policy drift too, and show in the older buckets.
+
+    Args:
+        weights, mask: [B, T] as behaviour_weights returns them and takes them.
+        versions: [B, T] version that generated each token; step: the trained version.
+    """
+    age = step - versions.to(mask.device)
+    masked = (weights == 0).to(mask.dtype)
+    out = {}
+    for i, a in enumerate(MASKED_AGES):
+        last = i == len(MASKED_AGES) - 1
+        sel = mask * ((age >= a) if last else (age == a)).to(mask.dtype)
+        out[f"is_masked_frac_age{a}{'plus' if last else ''}"] = masked_mean(masked, sel)
+    return out
+
+
 @torch.no_grad()
 def mismatch_stats(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """Train/infer logprob mismatch over masked tokens, as detached 0-d tensors.

@@ -19,7 +19,7 @@ from megarl.ppo import critic as critic_ops
 from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized_scores, masked_whiten
 from megarl.ppo.aggregate import global_normalizer
 from megarl.ppo.batch import Batch, stitch_old_logprobs
-from megarl.ppo.correction import behaviour_weights, mismatch_stats
+from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatch_stats
 from megarl.ppo import nonfinite
 from megarl.ppo.losses import kl_penalty, masked_mean
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
@@ -124,6 +124,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
         "kl": masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask, mask),
         "advantage_mean": masked_mean(advantages, mask),
         **is_stats, **mismatch_stats(old_logp, batch.behav_logp, mask),
+        **masked_frac_by_age(is_w, mask, batch.versions, step),   # drift vs mismatch (docs/partial_rollout.md)
     }
     if old_values is not None:
         on_device["value_mean"] = masked_mean(old_values, mask)
