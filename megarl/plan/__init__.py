@@ -150,8 +150,8 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     """Peak bytes per trainer GPU over its phases, on the worst PP stage, by role.
     fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU).
     On the GPU path stage 0 also holds the weight transfer's buffers (`transfer_buffers`): its
-    first GPU is global rank 0, the sender. They are counted in every phase, as they stay
-    allocated between syncs (memory.transfer_buffer_bytes says why). The CPU path has none."""
+    first GPU is global rank 0, the sender. They are counted in every phase, a safe bound
+    (memory.transfer_buffer_bytes says why). The CPU path has none."""
     t, tp, pp, dp = cfg.train, lay.tp, lay.pp, lay.dp
     sender = transfer_buffers(cfg, arch) if fused else 0
     div, wb = cfg.model.make_vocab_size_divisible_by, mem.DTYPE_BYTES[cfg.model.dtype]
@@ -397,7 +397,7 @@ ASSUMPTIONS = [
     "for every in-flight request at rollout.max_model_len, within rollout.gpu_memory_utilization",
     "reserve per GPU (cluster.reserve_gb): CUDA context, NCCL buffers, allocator fragmentation",
     "weight_sync.transport=collective (nccl): weight_sync.num_buffers packed buffers of up to weight_sync.bucket_mb "
-    "+ the largest tensor on global rank 0's GPU (every phase: they stay allocated) and on every engine GPU "
+    "+ the largest tensor on global rank 0's GPU (in every phase: a safe bound) and on every engine GPU "
     "(outside vLLM's gpu_memory_utilization share, less the reserve)",
 ]
 

@@ -219,12 +219,15 @@ def transfer_buffer_bytes(a: Arch, bucket_mb: int, num_buffers: int, w_bytes: in
     trainer GPU, or any one engine GPU (every engine worker receives every tensor whole into
     buffers of its own, whatever the engine TP; it keeps its shard when loading).
 
-    vLLM's packed broadcast (`vllm/distributed/weight_transfer/packed_tensor.py`, the GPU
-    route) fills a buffer with whole tensors until it holds MORE than `bucket_mb`, so a
-    buffer is at most bucket_mb MiB + the largest tensor (the one that crossed the line); the
-    receiver packs by the same rule from the same metadata. `num_buffers` of them are in
-    flight. w_bytes: bytes per element as sent (the trainer's model.dtype).
-    The memory stays held between syncs: vLLM allocates the buffers on its own cached CUDA
-    streams, and PyTorch's caching allocator keeps a freed block for the stream it was
-    allocated on, so the training phases (default stream) cannot reuse it."""
+    A buffer holds whole tensors. vLLM's packed broadcast
+    (`vllm/distributed/weight_transfer/packed_tensor.py`) closes one after the tensor that
+    takes it past `bucket_mb`, so it is at most bucket_mb MiB + the largest tensor; megarl's
+    sender (`rollout.weight_sync.buckets`) closes one before, so an oversize tensor travels
+    alone: max(bucket, largest). The bound here covers both. `num_buffers` are in flight.
+    w_bytes: bytes per element as sent (the trainer's model.dtype).
+    `megarl plan` counts them in every phase, a safe bound: an engine's receive buffers stay
+    reserved between syncs (vLLM allocates them on its own cached CUDA streams, and PyTorch's
+    caching allocator keeps a freed block for the stream it was allocated on); the trainer's
+    are packed on the default stream, where the next phase may reuse the freed blocks if
+    fragmentation allows."""
     return num_buffers * (bucket_mb * MiB + largest_hf_tensor(a) * w_bytes)
