@@ -2,7 +2,8 @@
 """Projections for GPU clusters: megarl's controller and engine pool on simulated H100/H200s.
 
     .venv/bin/python bench/simulate.py [--presets 7b,32b,70b] [--steps 5] [--gpu h100]
-        [--out bench/out/simulate.json] [--png bench/simulate.png] [--anchors]
+        [--transport collective|files] [--out bench/out/simulate.json] [--png bench/simulate.png]
+        [--anchors]
 
 Per preset (a model family at a cluster size; docs/simulator.md lists the hardware each is
 sized for), on a roofline cost model (megarl/sim/costs.py):
@@ -11,7 +12,9 @@ sized for), on a roofline cost model (megarl/sim/costs.py):
 - partial and async across concurrency per engine and across rollout.max_staleness;
 - the provisioning rule: engines needed to keep the trainer busy in async mode, by the formula
   (`engines_to_keep_trainer_busy`) and by the simulator (the fewest engines for which, after
-  the first step, the trainer waits for rollout less than 5% of its train time), side by side.
+  the first step, the trainer waits for rollout less than 5% of its train time), side by side;
+- the weight sync by route (`WeightSyncCosts`): one broadcast (collective, the default) against
+  files written once and read by every engine, at 1 to 16 engines.
 --anchors also runs published settings (AReaL's async-vs-sync speedup; a NeMo-Aligner PPO
 step) for comparison with their reported figures.
 Prints markdown tables (pasted into bench/RESULTS.md) and writes JSON and a PNG.
@@ -50,6 +53,7 @@ class Preset:
     lengths: str               # response-length distribution
     max_len: int
     critic: bool = True        # PPO (actor + critic + reference); False: GRPO
+    transport: str = "collective"   # weight_sync.transport: one broadcast | files every engine reads
 
 
 PRESETS = {
@@ -65,10 +69,10 @@ PRESETS = {
 def costs(p: Preset, gpu_name: str, engines: int | None = None):
     model, gpu = published_models()[p.model], GPUS[gpu_name]
     e = engines or p.engines
-    send, load = weight_push_s(model, gpu, e, p.engine_tp)
+    send, load = weight_push_s(model, gpu, e, p.engine_tp, p.transport)
     engine = RooflineEngine(model, gpu, p.engine_tp, load_weights_s=load)
     trainer = RooflineTrainer(model, gpu, p.trainer_gpus, critic=p.critic, push_s=send,
-                              prompt_tokens=p.prompt_tokens)
+                              prompt_tokens=p.prompt_tokens, route=p.transport)
     return engine, trainer
 
 
@@ -154,7 +158,7 @@ def anchor_areal(steps: int) -> dict:
     p = Preset("areal", 16, 8, 4, "DP4 (1/8 of 32)", 1, 12, 12 * 64, 64, 16 // 2 * 2, 1024,
                "lognormal:mu=8.9,sigma=0.6", 27648, critic=False)
     p = replace(p, groups_per_step=512 // 8, n=16)
-    send, load = weight_push_s(AREAL_15B, gpu, p.engines, 1)
+    send, load = weight_push_s(AREAL_15B, gpu, p.engines, 1, p.transport)
     engine = RooflineEngine(AREAL_15B, gpu, 1, load_weights_s=load)
     trainer = RooflineTrainer(AREAL_15B, gpu, p.trainer_gpus, critic=False, push_s=send,
                               prompt_tokens=p.prompt_tokens)
@@ -176,7 +180,7 @@ def anchor_nemo_aligner(steps: int) -> dict:
     training alternate), trainer = the 96 GPUs' training (actor 64 + critic 32)."""
     gpu = GPUS["h100"]
     model = published_models()["llama3.1-70b"]
-    send, load = weight_push_s(model, gpu, 16, 4)
+    send, load = weight_push_s(model, gpu, 16, 4, "collective")
     engine = RooflineEngine(model, gpu, 4, load_weights_s=load)
     trainer = RooflineTrainer(model, gpu, 96, critic=True, push_s=send, prompt_tokens=256)
     w = Workload(parse_dist("lognormal:mu=5.6,sigma=0.6"), 1, 2048, prompt_len=lambda g: 256)
@@ -184,6 +188,14 @@ def anchor_nemo_aligner(steps: int) -> dict:
     r = summary(with_steady_state(simulate(s, w, engine, trainer)))
     return {"reported_step_s": 366.7, "simulated_step_s": r["step_s_after_first"], "sim": r,
             "lengths": w.stats(500)}
+
+
+def push_by_route(p: Preset, gpu: str) -> dict:
+    """Seconds of one weight sync (trainer side + engine side) by route and engine count: the
+    broadcast's bytes leave once, the files are read by every engine."""
+    model = published_models()[p.model]
+    return {route: {e: sum(weight_push_s(model, GPUS[gpu], e, p.engine_tp, route)) for e in (1, 2, 4, 8, 16)}
+            for route in ("collective", "files")}
 
 
 def plot(results: dict, png: str) -> None:
@@ -223,6 +235,8 @@ def main() -> None:
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--anchors", action="store_true")
+    p.add_argument("--transport", default="collective", choices=("collective", "files"),
+                   help="weight_sync.transport of the presets (default: collective, megarl's default)")
     p.add_argument("--out", default=str(ROOT / "bench/out/simulate.json"))
     p.add_argument("--png", default=str(ROOT / "bench/simulate.png"))
     a = p.parse_args()
@@ -232,7 +246,10 @@ def main() -> None:
         out["anchors"] = {"areal": anchor_areal(a.steps), "nemo_aligner_70b": anchor_nemo_aligner(a.steps)}
         print("anchors:", json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)}
                                       for k, v in out["anchors"].items()}), flush=True)
-    results = {name: project(name, PRESETS[name], a.gpu, a.steps) for name in a.presets.split(",") if name}
+    presets = {name: replace(PRESETS[name], transport=a.transport) for name in a.presets.split(",") if name}
+    results = {name: project(name, p, a.gpu, a.steps) for name, p in presets.items()}
+    for name, p in presets.items():
+        results[name]["push_by_route"] = push_by_route(p, a.gpu)
     out["presets"] = results
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
@@ -264,6 +281,11 @@ def main() -> None:
         waits = ", ".join(f"{e}: {x['rollout_wait_frac']:.2f}" for e, x in v["sweep"].items())
         print(f"| {name} | {v['train_s']:.1f} | {v['engine_tokens_per_s']:.0f} (TP{v['engine_tp']}) | "
               f"{v['formula_engines']} | {v['simulated_engines']} | {waits} |")
+    print("\n| preset | route | one weight sync, s, at 1 / 2 / 4 / 8 / 16 engines |")
+    print("|---|---|---|")
+    for name, r in results.items():
+        for route, by_e in r["push_by_route"].items():
+            print(f"| {name} | {route} | " + " / ".join(f"{s:.1f}" for s in by_e.values()) + " |")
     if a.anchors:
         an = out["anchors"]
         print(f"\nAReaL 1.5B: reported async/sync speedup {an['areal']['reported_speedup']:.2f}x, simulated "

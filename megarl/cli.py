@@ -134,7 +134,7 @@ def _simulate(cfg, args) -> int:
 
     from megarl.sim import recipe as sim
     try:
-        costs = (sim.measured_costs(args.calibration) if args.calibration else
+        costs = (sim.measured_costs(args.calibration, cfg) if args.calibration else
                  sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp or cfg.rollout.engine_tp,
                                     args.trainer_gpus or sim.trainer_gpus(cfg)))
         result = sim.run(cfg, args.lengths, costs, args.steps, cfg.run.seed)

@@ -4,7 +4,8 @@ The recipe gives the schedule (groups per step, n, concurrency, engines, stalene
 generation budget, PPO or GRPO); the command line gives what a recipe does not hold: the
 response-length distribution and the hardware, either measured on this machine
 (`--calibration`, a `bench/rollout_speedup.py` result) or a GPU roofline (`--gpu`, `--model`,
-`--engine-tp`, `--trainer-gpus`). Prints step time, engine busy and trainer idle fractions and
+`--engine-tp`, `--trainer-gpus`). The weight sync takes the recipe's route
+(weight_sync.transport: one broadcast, or files every engine reads). Prints step time, engine busy and trainer idle fractions and
 trained tokens/s for sync, partial and async mode, the recipe's own mode marked.
 """
 from __future__ import annotations
@@ -18,8 +19,14 @@ from megarl.sim.run import MODES, SimSettings, simulate
 from megarl.sim.workload import Workload, parse_dist
 
 
-def measured_costs(path: str):
-    """Engine and trainer models from a bench/rollout_speedup.py result JSON."""
+def measured_costs(path: str, cfg=None):
+    """Engine and trainer models from a bench/rollout_speedup.py result JSON.
+
+    The weight sync is the bench's measured push (its mean, as the engines' load), taken by
+    the bench's own route (the result's `weight_sync.transport`; results without it predate
+    the collective transport and pushed files). With `cfg` (the recipe) and the same route,
+    it follows the recipe's engine count: a broadcast costs the same for any number of
+    engines, files are read by every engine, so that push scales with engines / the bench's."""
     try:
         r = json.loads(open(path).read())
         curve = {int(b): t for b, t in r["decode_step_s"].items()}
@@ -31,8 +38,12 @@ def measured_costs(path: str):
     pushes = [s["push_s"] for m in r["per_step"] for s in r["per_step"][m]]
     trains = [s for m in r["per_step"] for s in r["per_step"][m]]
     per_token = sum(s["train_s"] for s in trains) / max(1, sum(s["tokens"] for s in trains))
-    return (MeasuredEngine(curve, ovh["prefill_s_per_token"], request_s, sum(pushes) / len(pushes)),
-            MeasuredTrainer(0.0, per_token))
+    push = sum(pushes) / len(pushes)
+    bench_route = r.get("weight_sync", {}).get("transport", "files")
+    if cfg is not None and cfg.weight_sync.transport == bench_route == "files":
+        push *= cfg.rollout.engines / E
+    return (MeasuredEngine(curve, ovh["prefill_s_per_token"], request_s, push),
+            MeasuredTrainer(0.0, per_token, route=f"measured ({bench_route}, {E} engines in the bench)"))
 
 
 def roofline_model(cfg, model: str = "") -> Model:
@@ -59,9 +70,11 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int)
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
     m, g = roofline_model(cfg, model), GPUS[gpu]
-    send, load = weight_push_s(m, g, cfg.rollout.engines, engine_tp)
+    # the recipe's route: collective = one broadcast, files = written once, read by every engine
+    send, load = weight_push_s(m, g, cfg.rollout.engines, engine_tp, cfg.weight_sync.transport)
     return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
-            RooflineTrainer(m, g, trainer_gpus, critic=cfg.algo.name == "ppo", push_s=send))
+            RooflineTrainer(m, g, trainer_gpus, critic=cfg.algo.name == "ppo", push_s=send,
+                            route=cfg.weight_sync.transport))
 
 
 def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
@@ -71,7 +84,11 @@ def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
         raise ConfigError(f"--lengths: {err}") from None
     r = cfg.rollout
     recipe_mode = "sync" if r.mode == "sync" else ("async" if r.asynchronous else "partial")
-    out = {"recipe_mode": recipe_mode, "modes": {}}
+    engine, trainer = costs
+    out = {"recipe_mode": recipe_mode, "modes": {},
+           # one sync: trainer side (engines still generate), then engine side (engines paused)
+           "weight_sync": {"transport": cfg.weight_sync.transport, "route": trainer.route,
+                           "trainer_s": trainer.push_s, "engine_s": engine.load_weights_s}}
     for mode in MODES:
         w = Workload(dist, r.n, r.max_new_tokens, seed)
         s = SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
@@ -93,4 +110,7 @@ def format_table(result: dict) -> str:
                      f"{m['engine_busy_frac']:11.2f}  {m['trainer_idle_frac']:12.2f}  "
                      f"{m['trained_tokens_per_s']:13.0f}  {m['staleness_max']:9d}")
     lines.append("(* the recipe's rollout mode)")
+    ws = result["weight_sync"]
+    lines.append(f"weight sync ({ws['route']}): {ws['trainer_s']:.2f} s trainer side + {ws['engine_s']:.2f} s "
+                 f"engines paused, per step")
     return "\n".join(lines)

@@ -219,3 +219,67 @@ def test_megarl_simulate_bad_input(args, named, capsys):
     assert main(["simulate", "recipes/tiny_cpu.yaml", *args]) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
+
+
+# -- the weight sync by route (megarl/sim/costs.py WeightSyncCosts) ---------------------------
+def _model_70b():
+    from megarl.sim.costs import published_models
+    return published_models()["llama3.1-70b"]
+
+
+def test_collective_push_is_one_broadcast_whatever_the_engine_count():
+    """The bytes leave the trainer once: more engines add only the per-engine term. By hand:
+    141 GB over a 40 GB/s link, the engine's copy of its quarter at half of 3.35 TB/s, 0.5 s."""
+    from megarl.sim.costs import H100, WeightSyncCosts, weight_push_s
+    m, sync = _model_70b(), WeightSyncCosts()
+    trainer, engine = weight_push_s(m, H100, 1, 4, "collective")
+    assert trainer == 0.0
+    assert engine == pytest.approx(m.weight_bytes / 40e9 + 0.05 + m.weight_bytes / 4 / (3.35e12 * 0.5) + 0.5)
+    for engines in (2, 8, 64):
+        more = sum(weight_push_s(m, H100, engines, 4, "collective"))
+        assert more == pytest.approx(trainer + engine + (engines - 1) * sync.per_engine_s)
+
+
+def test_files_push_grows_linearly_with_the_engines():
+    """Written once (trainer side), read whole by every engine from the shared file system."""
+    from megarl.sim.costs import H100, WeightSyncCosts, weight_push_s
+    m, sync = _model_70b(), WeightSyncCosts()
+    pushes = [weight_push_s(m, H100, engines, 4, "files") for engines in (1, 2, 3, 8)]
+    assert [p[0] for p in pushes] == pytest.approx([m.weight_bytes / sync.write_bytes_per_s] * 4)
+    step = m.weight_bytes / sync.read_bytes_per_s
+    assert [p[1] - pushes[0][1] for p in pushes] == pytest.approx([0, step, 2 * step, 7 * step])
+    assert sum(pushes[0]) > sum(weight_push_s(m, H100, 1, 4, "collective"))
+    with pytest.raises(ValueError, match="weight_sync.transport='nfs'"):
+        weight_push_s(m, H100, 1, 4, "nfs")
+
+
+def test_the_simulated_step_pays_the_push_once_however_many_engines():
+    """In the loop the engines load in parallel (the pool's update), so a step's push is the
+    trainer side + ONE engine side: with collective costs, 1 and 4 engines differ by 3 x the
+    per-engine term only."""
+    from megarl.sim.costs import H100, WeightSyncCosts, weight_push_s
+    m = _model_70b()
+
+    def push_of_step(engines):
+        send, load = weight_push_s(m, H100, engines, 4, "collective")
+        out = simulate(SimSettings(mode="sync", steps=2, groups_per_step=2, engines=engines), _fixed(),
+                       Linear(a=0.01, load_weights_s=load), MeasuredTrainer(1.0, 0.0, push_s=send))
+        return out["per_step"][1]["push_s"]
+    assert push_of_step(4) - push_of_step(1) == pytest.approx(3 * WeightSyncCosts().per_engine_s)
+
+
+@pytest.mark.parametrize("route", ["collective", "files"])
+def test_the_recipe_picks_the_route(route, tmp_path):
+    """`megarl simulate`: the roofline push follows weight_sync.transport and rollout.engines;
+    a measured push (bench/rollout_speedup.py, 1 engine, files) scales with the engines only
+    on the files route."""
+    from megarl.config import load_config
+    from megarl.sim.costs import H100, weight_push_s
+    from megarl.sim.recipe import measured_costs, roofline_costs
+    for engines in (1, 4):
+        cfg = load_config("recipes/tiny_cpu.yaml", [f"rollout.engines={engines}", f"weight_sync.transport={route}"])
+        engine, trainer = roofline_costs(cfg, "h100", "llama3.1-70b", 4, 32)
+        assert (trainer.push_s, engine.load_weights_s) == weight_push_s(_model_70b(), H100, engines, 4, route)
+        assert trainer.route == route
+        measured, _ = measured_costs(str(_bench_json(tmp_path)), cfg)
+        assert measured.load_weights_s == pytest.approx(1.1 * (engines if route == "files" else 1))
