@@ -61,7 +61,7 @@ def train(cfg: RootConfig) -> dict:
     check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, d.prompts, tokenizer)
     # every prompt encodes and fits the engine's context with its response budget (rank 0
     # tokenizes the dataset once; every rank gets the verdict)
-    _agree(lambda: preflight.prompts_problem(records, tokenizer, cfg, hf_config.get("vocab_size")),
+    _agree(lambda: preflight.check_prompts(records, tokenizer, cfg, hf_config.get("vocab_size")),
            env.rank == 0)
     # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
     reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
@@ -118,7 +118,7 @@ def train(cfg: RootConfig) -> dict:
         ckpt.save(cfg.checkpoint_dir, step, models.actor, models.critic, driver_state,
                   OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.checkpoint.keep)
 
-    transport = weight_sync.open_transport(cfg.weight_sync, pool, cfg.rollout.engine_mode != "remote")
+    transport = weight_sync.open_transport(cfg.weight_sync, pool)
 
     def push(version: int) -> dict:
         return transport.push(models.actor.model, models.actor.info, version)

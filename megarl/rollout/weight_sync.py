@@ -113,14 +113,14 @@ def _device() -> torch.device:
     return device.current()
 
 
-def open_transport(ws, pool, local_engines: bool):
+def open_transport(ws, pool):
     """The transport of `ws` (a WeightSyncConfig), on every trainer rank; `pool` is the
-    SyncPool on global rank 0, None elsewhere; `local_engines`: every engine on this machine."""
+    SyncPool on global rank 0, None elsewhere."""
     if ws.transport == "files":
         from megarl.rollout.transfer.files import FilesTransport
         return FilesTransport(ws, pool)
     from megarl.rollout.transfer.collective import CollectiveTransport
-    return CollectiveTransport(ws, pool, local_engines)
+    return CollectiveTransport(ws, pool)
 
 
 def stage_bytes(model) -> int:

@@ -1,12 +1,14 @@
 """Subprocess body of test_pool_sync: weight sync from several trainer layouts into a pool.
 
 Run under torchrun with 4 ranks. Rank 0 opens one engine pool per engine mode (one
-engine each: in-process and/or a local vLLM server; several engines in one pool are covered by
-test_train_cli's two-engine run); then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the
-same world) every rank builds the actor from the tiny model, perturbs its weights (so an
-engine that missed the push cannot match by accident), pushes them as a new version, and
-measures per engine the mean |engine - trainer| logprob of tokens the engine samples at
-temperature 0.7. Finally one push silently drops a bucket, which the same measure must expose.
+engine each: in-process and/or a local vLLM server, both able to take either transport);
+then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the same world) every rank
+builds the actor from the tiny model, and for each transport (collective, then files) perturbs
+its weights (so an engine that missed the push cannot match by accident), pushes them as a new
+version, and measures per engine the mean |engine - trainer| logprob of tokens the engine
+samples at temperature 0.7. During the collective pushes the staging folder is read-only and
+safetensors' writer is counted: nothing may be staged. Finally one push per transport silently
+drops a bucket, which the same measure must expose.
 usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES(comma-separated) STAGING_BASE LOG_DIR
 """
 import dataclasses
@@ -39,10 +41,24 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     from megarl.rollout import weight_sync
     from megarl.rollout.pool import open_pool
 
-    pools = {}
+    import os
+
+    import safetensors.torch
+    from megarl.rollout.transfer import files
+    writes = {"n": 0}
+    real_save = safetensors.torch.save_file
+
+    def counted_save(*a, **k):
+        writes["n"] += 1
+        return real_save(*a, **k)
+    files.save_file = counted_save
+    pools, transports = {}, {}
     for mode in modes.split(","):
         c = dataclasses.replace(cfg.rollout, engine_mode=mode)
-        pools[mode] = open_pool(c, model_dir, 0, f"{logs}/{mode}") if env.rank == 0 else None
+        pools[mode] = open_pool(c, model_dir, 0, f"{logs}/{mode}", "gloo") if env.rank == 0 else None
+        for kind in ("collective", "files"):
+            ws = dataclasses.replace(cfg.weight_sync, transport=kind, bucket_mb=1)
+            transports[mode, kind] = weight_sync.open_transport(ws, pools[mode])
     hf_config = AutoConfig.from_pretrained(model_dir)
     prompts = [[1, 5 + i, 9, 12 + 3 * i] for i in range(6)]
     result = {"layouts": {}, "versions_ok": True}
@@ -62,16 +78,26 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                     g = torch.Generator().manual_seed(
                         10_000 * tp + 1000 * pp + 100 * i + 10 * parallel.pp_rank() + (parallel.tp_rank() if split else 0))
                     p.add_(0.05 * torch.randn(p.shape, generator=g))
-            version += 1
-            entry = {"version": version, "gaps": {}}
-            for mode, pool in pools.items():
-                sync = weight_sync.push(actor.model, info, pool, version, staging, bucket_mb=1)
-                gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
-                entry["gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
-                if pool is not None:
-                    result["versions_ok"] &= pool.version == version
-            entry["sync_bytes"] = sync["sync_bytes"]
-            result["layouts"][f"tp{tp}pp{pp}"] = entry
+            for kind in ("collective", "files"):
+                with torch.no_grad():   # a different perturbation per transport
+                    for p in weight_sync.unwrap(actor.model).parameters():
+                        p.mul_(1.01)
+                version += 1
+                entry = {"version": version, "gaps": {}}
+                if kind == "collective" and env.rank == 0:
+                    os.chmod(staging, 0o500)      # the collective route must never stage a file
+                before = writes["n"]
+                for mode, pool in pools.items():
+                    sync = transports[mode, kind].push(actor.model, info, version)
+                    gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+                    entry["gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
+                    if pool is not None:
+                        result["versions_ok"] &= pool.version == version
+                if env.rank == 0:
+                    os.chmod(staging, 0o700)
+                entry["files_written"] = writes["n"] - before
+                entry["sync_bytes"] = sync["sync_bytes"]
+                result["layouts"][f"tp{tp}pp{pp}/{kind}"] = entry
             last = (actor, info)
         # a push that drops one bucket: the engines keep a stale tensor, the probe must see it
         actor, info = last
@@ -86,21 +112,30 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                     yield b
         weight_sync.buckets = lossy
         result["skipped_bucket_gaps"] = {}
-        for mode, pool in pools.items():
-            try:
-                weight_sync.push(actor.model, info, pool, version + 1, staging, bucket_mb=1)
-            except Exception as err:  # a loader that refuses a partial checkpoint also detects it
-                result[f"skipped_bucket_error/{mode}"] = f"{type(err).__name__}: {err}"
-            gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
-            result["skipped_bucket_gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
-            try:
-                weight_sync.verify(actor, pool, prompts, 16, 1, TEMPERATURE)
-            except weight_sync.WeightSyncError as err:
-                result[f"verify_message/{mode}"] = str(err)
+        for kind in ("collective", "files"):
+            with torch.no_grad():
+                for p in weight_sync.unwrap(actor.model).parameters():
+                    p.mul_(1.1)
+            version += 1
+            for mode, pool in pools.items():
+                try:
+                    transports[mode, kind].push(actor.model, info, version)
+                except Exception as err:  # a loader that refuses a partial checkpoint also detects it
+                    result[f"skipped_bucket_error/{mode}/{kind}"] = f"{type(err).__name__}: {err}"
+                gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+                result["skipped_bucket_gaps"].update({f"{mode}/{kind}/{k}": v for k, v in gaps.items()})
+                try:
+                    weight_sync.verify(actor, pool, prompts, 16, 1, TEMPERATURE)
+                except weight_sync.WeightSyncError as err:
+                    result[f"verify_message/{mode}/{kind}"] = str(err)
+        for pool in pools.values():
             if pool is not None:
                 result.setdefault("health", []).extend(h.__dict__ for h in pool.health())
+        result["last_version"] = version
         weight_sync.buckets = real_buckets
     finally:
+        for t in transports.values():
+            t.close()
         for pool in pools.values():
             if pool is not None:
                 pool.close()

@@ -76,7 +76,7 @@ def server(long_model, tmp_path_factory):
     """One vLLM server for the module (the engines under test connect to it)."""
     log = tmp_path_factory.mktemp("engines") / "engine_0.log"
     srv = LocalServer(long_model, log, api_key=secrets.token_hex(8), seed=0, max_model_len=MAX_LEN,
-                      kv_cache_mb=64)
+                      kv_cache_mb=64, weight_backend="gloo")
 
     srv.start()
     try:
@@ -205,6 +205,49 @@ def test_weight_update_needs_pause_and_stamps_new_version(server, long_model, hf
     assert max(abs(a - b) for a, b in zip(ref, res.logprobs)) < 1e-4
     old = hf_logprobs(hf, p, res.token_ids, 0.7)
     assert max(abs(a - b) for a, b in zip(old, res.logprobs)) > 1e-2   # the update really changed them
+
+
+# every route a client could use to steer the engine or its weights; bodies are harmless
+CONTROL_ROUTES = [
+    ("POST", "/pause?mode=keep", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
+    ("POST", "/abort_requests", {"request_ids": ["nobody"]}),
+    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/nowhere"}}),
+    ("POST", "/reset_prefix_cache", None), ("POST", "/update_weight_version", {"new_version": "7"}),
+    ("GET", "/weight_info", None), ("GET", "/get_world_size", None),
+    ("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/start_weight_update", None),
+    ("POST", "/update_weights", {"update_info": {}}), ("POST", "/finish_weight_update", None),
+    ("POST", "/shutdown_weight_transfer_engine", None), ("GET", "/metrics", None),
+    ("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+]
+# the ones safe to serve with the key (they leave the engine as it was)
+SAFE_WITH_KEY = {"/is_paused", "/weight_info", "/get_world_size", "/reset_prefix_cache", "/v1/models", "/resume"}
+
+
+def _http(url, method, path, body, key=None):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_every_control_and_weight_route_needs_the_key(server):
+    """Contract: on a megarl-started server every control and weight-transfer route (vLLM
+    guards only /v1 and a few prefixes) answers 401 without the key or with a wrong one, and
+    serves the request with it; /health stays open for readiness polls."""
+    refused = {path: (_http(server.url, m, path, body), _http(server.url, m, path, body, key="wrong"))
+               for m, path, body in CONTROL_ROUTES}
+    assert all(codes == (401, 401) for codes in refused.values()), refused
+    served = {path: _http(server.url, m, path, body, key=server.api_key)
+              for m, path, body in CONTROL_ROUTES if path in SAFE_WITH_KEY}
+    assert all(code == 200 for code in served.values()), served
+    assert _http(server.url, "GET", "/health", None) == 200
 
 
 def test_startup_failure_names_log_and_fails_fast(tiny_model, tmp_path):

@@ -6,11 +6,13 @@ from conftest import run_py
 
 
 def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_model, tmp_path):
-    """Contract: after a push from TP=2, PP=2 and TP=2 x PP=2 (4 gloo ranks), each of
-    an in-process engine and a local vLLM server samples at temperature 0.7 with logprobs
-    equal to the trainer's within 1e-4 (fp32), reports the pushed version, and is left
-    running; a push that drops one bucket is caught by the same measure (and by `verify`);
-    no staging folder is left behind."""
+    """Contract: after a push from TP=2, PP=2 and TP=2 x PP=2 (4 gloo ranks), over each
+    transport (collective: vLLM's weight-transfer session on megarl's gloo backend; files),
+    each of an in-process engine and a local vLLM server samples at temperature 0.7 with
+    logprobs equal to the trainer's within 1e-4 (fp32), reports the pushed version, and is
+    left running; the collective pushes stage no file (the staging folder is read-only
+    meanwhile and safetensors' writer is never called); a push that drops one bucket is
+    caught by the same measure (and by `verify`) on both routes; no staging folder is left."""
     staging = tmp_path / "staging"
     staging.mkdir()
     out = tmp_path / "probe.json"
@@ -19,15 +21,23 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
                    "inprocess,local_servers", str(staging), str(tmp_path / "logs")], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads(out.read_text())
-    assert set(r["layouts"]) == {"tp2pp1", "tp1pp2", "tp2pp2"}
+    assert set(r["layouts"]) == {f"{lay}/{kind}" for lay in ("tp2pp1", "tp1pp2", "tp2pp2")
+                                 for kind in ("collective", "files")}
     for layout, entry in r["layouts"].items():
         assert len(entry["gaps"]) == 2, entry
         for engine, gap in entry["gaps"].items():
             assert gap < 1e-4, (layout, engine, gap)
+        if layout.endswith("/collective"):
+            assert entry["files_written"] == 0, (layout, entry)
+            assert entry["sync_bytes"] > 1 << 20, entry     # the whole model went over the wire
+        else:
+            assert entry["files_written"] > 0, (layout, entry)
     assert r["versions_ok"]
+    assert len(r["skipped_bucket_gaps"]) == 4
     for engine, gap in r["skipped_bucket_gaps"].items():
         assert gap > 1e-2, (engine, gap)
     for mode in ("inprocess", "local_servers"):
-        assert "differ from the trainer's" in r[f"verify_message/{mode}"]
-    assert all(h["alive"] and not h["paused"] and h["version"] == 4 for h in r["health"])
+        for kind in ("collective", "files"):
+            assert "differ from the trainer's" in r[f"verify_message/{mode}/{kind}"]
+    assert all(h["alive"] and not h["paused"] and h["version"] == r["last_version"] for h in r["health"])
     assert os.listdir(staging) == []

@@ -24,12 +24,11 @@ redo is retired too (its model may be half loaded).
 """
 from __future__ import annotations
 
-import os
 import queue
 import socket
 import threading
 import time
-from typing import Optional
+from urllib.parse import urlparse
 
 import torch
 
@@ -48,10 +47,9 @@ class WeightGroupError(EngineError):
 class CollectiveTransport:
     """One per run, on every trainer rank; `pool` (a SyncPool) only on global rank 0."""
 
-    def __init__(self, ws, pool, local_engines: bool):
+    def __init__(self, ws, pool):
         self.ws = ws
         self.pool = pool
-        self.local_engines = local_engines       # every engine on this machine: loopback rendezvous
         self.backend = ws.resolved_backend(torch.cuda.is_available())
         if self.backend != "gloo":
             raise EngineError(f"weight_sync.backend={self.backend}: megarl drives vLLM's nccl backend "
@@ -170,7 +168,7 @@ class CollectiveTransport:
             if not engines:
                 raise EngineError("no rollout engine left to form the weight group with")
             sizes = sp.call(_gather([e.transfer_world_size() for e in engines]), "asking engines their size")
-            world, host = 1 + sum(sizes), self._address()
+            world, host = 1 + sum(sizes), self._address(engines)
             port = self.ws.master_port or free_port()
             token = wgroup.new_token()
             store = wgroup.store(host, port, world, timeout_s, sender=True)
@@ -216,13 +214,17 @@ class CollectiveTransport:
                     "retiring an engine")
             engines[:] = [e for e in engines if e in pool.engines]
 
-    def _address(self) -> str:
+    def _address(self, engines: list[Engine]) -> str:
+        """Where the engines reach the sender: weight_sync.master_addr, else this host's address
+        on the route to the first remote engine (the interface the engines' traffic uses),
+        else loopback for engines on this machine."""
         if self.ws.master_addr:
             return self.ws.master_addr
-        if self.local_engines:
-            return "127.0.0.1"
-        env = os.environ.get("MASTER_ADDR", "")
-        return env if env and env not in LOOPBACK else socket.getfqdn()
+        for e in engines:
+            host = urlparse(getattr(e, "url", "") or "").hostname
+            if host and host not in LOOPBACK:
+                return route_address(host)
+        return "127.0.0.1"
 
     def _dead(self, engines: list[Engine]) -> list[Engine]:
         healths = self.pool.call(_gather([e.health() for e in engines], raw=True), "engine health check")
@@ -269,3 +271,14 @@ def _result(future, timeout_s: float):
         return future.result(timeout_s)
     except BaseException as err:  # noqa: BLE001 - the caller names the engine
         return err
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket's
+    connect only picks the interface)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
