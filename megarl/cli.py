@@ -90,7 +90,9 @@ def main(argv=None) -> int:
         return 130
     except tuple(explained) as err:
         what, code = next(v for t, v in explained.items() if isinstance(err, t))
-        return _explain(err, what, code)
+        # an engine error caused by the input (a remote URL where no server ever answered)
+        # exits 2 like the other bad inputs
+        return _explain(err, what, getattr(err, "exit_code", code))
     return 0
 
 

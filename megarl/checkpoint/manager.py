@@ -50,6 +50,69 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why a complete checkpoint (COMPLETE written) cannot be resumed from, judged from its files
+    alone: driver.pt loads, and each model folder has its metadata and every shard file its
+    metadata points into, at least as long as the data it locates there (None when intact).
+    A folder damaged after its save (a shard deleted, a copy cut short) is found here, before
+    any rank starts loading it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    path = Path(path)
+    for model in ("actor", "critic"):
+        folder = path / model
+        if model == "critic" and not folder.exists():
+            continue   # written without a critic (grpo): load() names a mismatch with algo.name
+        for name in (".metadata", "metadata.json", "scheduler.pt"):
+            if not (folder / name).is_file():
+                return f"{model}/{name} is missing"
+        try:
+            storage = FileSystemReader(str(folder)).read_metadata().storage_data
+        except Exception as err:   # noqa: BLE001 - a truncated or foreign .metadata (pickle)
+            return f"{model}/.metadata does not load ({type(err).__name__})"
+        ends: dict[str, int] = {}
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for rel, end in sorted(ends.items()):
+            f = folder / rel
+            if not f.is_file():
+                return f"{model}/{rel} is missing"
+            if f.stat().st_size < end:
+                return f"{model}/{rel} is cut short ({f.stat().st_size} of {end} bytes)"
+    try:
+        torch.load(path / "driver.pt", weights_only=True)
+    except FileNotFoundError:
+        return "driver.pt is missing"
+    except Exception as err:   # noqa: BLE001 - a truncated zip, a foreign file
+        return f"driver.pt does not load ({type(err).__name__})"
+    return None
+
+
+def _warn(line: str) -> None:
+    import sys
+    print(line, file=sys.stderr, flush=True)
+
+
+def resume_point(root: str | Path, log=_warn) -> Path | None:
+    """The newest complete checkpoint under root that is intact (None: there is none yet).
+    Newer ones that are damaged are skipped, each named through `log` with what is wrong;
+    when every one is damaged the run stops (ConfigError) instead of starting over silently."""
+    from megarl.config import ConfigError
+    damaged = []
+    for path in reversed(complete_checkpoints(root)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for bad, why in damaged:
+                log(f"megarl: warning: checkpoint {bad} is damaged ({why}): resuming from {path.name} "
+                    f"instead; remove {bad} once you have looked at it")
+            return path
+        damaged.append((path, problem))
+    if damaged:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in damaged[:3])
+        raise ConfigError(f"checkpoint.dir={str(root)!r}: every checkpoint is damaged ({listed}): remove them "
+                          f"to start over, or set checkpoint.dir to another folder")
+    return None
+
+
 def _ensure_optimizer_state(optimizer) -> None:
     """A fresh torch Adam has no state until its first step, and megatron's distributed
     optimizer (without Apex/TE) cannot describe an empty state for loading; megatron's own

@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+class Records(list):
+    """The dataset's records, with the file's row number of each (`rows[i]`, as error
+    messages name them: JSONL line numbers, parquet rows from 1)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rows: list[int] = []
+
+
 def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "messages",
                  answer_key: str | None = None) -> list[dict]:
     """Records of a .jsonl or .parquet file. Each row must hold `prompt_key` (a non-empty text)
@@ -24,10 +33,11 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
                                 f"`python tools/make_tiny_model.py` or point data.prompts at a "
                                 f".jsonl or .parquet file")
     from megarl.config import ConfigError
-    records = []
+    records = Records()
     for row, rec in _rows(p, path):
         _check_row(rec, path, row, prompt_key, messages_key, answer_key)
         records.append(rec)
+        records.rows.append(row)
     if not records:
         raise ConfigError(f"data.prompts={path!r} holds no records: point it at a .jsonl file with one "
                           f"{{\"{prompt_key}\": ...}} object per line, or a .parquet file with rows")
@@ -54,16 +64,20 @@ def _rows(p: Path, path: str):
         for row, rec in enumerate(table.to_pylist(), 1):
             yield row, {k: v for k, v in rec.items() if v is not None}
         return
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as err:
-                raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}): fix or remove "
-                                  f"that row") from None
-            yield lineno, rec
+    try:
+        with p.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as err:
+                    raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}): fix or remove "
+                                      f"that row") from None
+                yield lineno, rec
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"data.prompts={path!r}: not a text file ({err.reason} at byte {err.start}): give a "
+                          f"UTF-8 .jsonl file (one JSON object per line) or a .parquet file") from None
 
 
 def _check_row(rec, path: str, row: int, prompt_key: str, messages_key: str, answer_key: str | None) -> None:

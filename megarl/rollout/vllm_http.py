@@ -117,22 +117,41 @@ class HTTPVLLMEngine(Engine):
                 headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
+        """Poll GET /health until the server answers 200; for a remote server, say every few
+        seconds on stderr what it waits for. Gives up a little before `timeout_s`, so that this error, which
+        names the URL, comes before the pool's own deadline for the whole start (the same
+        rollout.engine_start_timeout_s). A remote server (one megarl did not start) that never
+        answered is the user's input: its error exits 2 like other bad inputs (megarl/cli.py)."""
+        import sys
+        start = time.monotonic()
+        deadline = start + max(timeout_s - 2.0, 0.9 * timeout_s)
+        remote = type(self) is HTTPVLLMEngine
+        what = "rollout.engine_urls" if remote else "the server megarl started"
+        last, said = "no answer yet", start
         while True:
             self._check_process()
+            left = deadline - time.monotonic()
             try:
                 async with self._session.get(self.url + "/health",
-                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                                             timeout=aiohttp.ClientTimeout(total=max(min(5.0, left), 0.1))) as r:
                     if r.status == 200:
                         return
                     last = f"HTTP {r.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                last = f"{type(err).__name__}: {err}"
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"{self._where()}: GET /health not ready after {timeout_s:.0f} s ({last}).{self._failure_detail()} "
-                    f"Fix: check the server is up at that URL, or raise rollout.engine_start_timeout_s")
+                last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            now = time.monotonic()
+            if now + _POLL_S > deadline:
+                err = EngineError(
+                    f"{self._where()}: no server answered GET {self.url}/health within {timeout_s:.0f} s "
+                    f"({last}).{self._failure_detail()} Fix: check that a vLLM server runs at that URL "
+                    f"({what}) and is reachable from this node, or raise rollout.engine_start_timeout_s")
+                err.exit_code = 2 if remote else 1
+                raise err
+            if remote and now - said >= 5.0:   # a server we started reports through its log
+                said = now
+                print(f"megarl: waiting for engine {self.name} at {self.url} ({what}): {last}; "
+                      f"{now - start:.0f} s of rollout.engine_start_timeout_s={timeout_s:g}",
+                      file=sys.stderr, flush=True)
             await asyncio.sleep(_POLL_S)
 
     async def _discover(self) -> None:

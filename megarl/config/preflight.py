@@ -1,0 +1,182 @@
+"""Inputs checked against the world before anything is written or started.
+
+`load_config` checks a recipe against the schema; this module checks what the recipe points
+at: the model folder's files (weights complete, a tokenizer that encodes), the dataset
+against the engine's context (rollout.max_model_len), and the engine layout against this
+machine. Each check is cheap (headers and file sizes, one tokenizer pass over the prompts)
+and raises ConfigError naming the setting or file, the value and the fix, so `megarl train`
+exits 2 with one line before the run directory is touched.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from pathlib import Path
+
+from megarl.config.schema import ConfigError
+
+# files that hold a tokenizer's vocabulary (one of them must be in the model folder)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why `path` is not a complete safetensors file (None when it is): its header must parse
+    and the file must be as long as the header's tensors say. Reads only the header."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{size} bytes, but its header alone says {n + 8}: truncated"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        return f"not a safetensors file ({err})"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    want = 8 + n + max(ends, default=0)
+    if size < want:
+        return f"{size} bytes, but its tensors need {want}: truncated (an interrupted copy or download)"
+    return None
+
+
+def check_model_files(path: str, setting: str, tokenizer: bool = True) -> None:
+    """The weights of an HF folder are complete, and (`tokenizer`) a tokenizer is there.
+    `check_model_dir` (megarl/models/setup.py) has checked that the folder, config.json and
+    *.safetensors exist."""
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        problem = safetensors_problem(f)
+        if problem:
+            raise ConfigError(f"{setting}={path!r}: weights file {os.path.basename(f)} is damaged ({problem}): "
+                              f"copy the model folder again from its source")
+    if tokenizer and not any(glob.glob(os.path.join(path, pattern)) for pattern in TOKENIZER_FILES):
+        raise ConfigError(f"{setting}={path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+                          f"copy them (and tokenizer_config.json) from the model's source into the folder")
+
+
+def read_hf_config(path: str, setting: str = "model.path") -> dict:
+    """config.json of an HF folder as transformers reads it (a dict), or one line saying why not."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path).to_dict()
+    except Exception as err:   # noqa: BLE001 - bad JSON, an unknown model_type, ...
+        first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        raise ConfigError(f"{setting}={path!r}: its config.json does not load ({first}): fix the file, or "
+                          f"copy it again from the model's source") from None
+
+
+def load_tokenizer(path: str, setting: str = "model.path"):
+    """The model folder's tokenizer, or one line saying why it does not load."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:   # noqa: BLE001 - transformers raises many types for a broken folder
+        raise ConfigError(f"{setting}={path!r}: its tokenizer does not load ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:300] if str(err) else ''}): fix or copy again its "
+                          f"tokenizer files") from None
+
+
+def check_prompts(records, tokenizer, cfg, vocab_size: int | None = None) -> None:
+    """Raises ConfigError when the dataset cannot run on the engines (`prompts_problem`)."""
+    problem = prompts_problem(records, tokenizer, cfg, vocab_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def prompts_problem(records, tokenizer, cfg, vocab_size: int | None = None) -> str | None:
+    """Why the dataset cannot run on the engines (None when it can): a prompt the tokenizer
+    turns into no tokens (a tokenizer that does not belong to the model), token ids outside
+    the model's vocabulary, or a prompt that leaves no room for rollout.max_new_tokens in
+    rollout.max_model_len (the engine would refuse it, or cut the response short silently).
+    `records` come from megarl.data.prompts.load_prompts (their row numbers in `.rows`)."""
+    from megarl.data.prompts import prompt_text
+    d, r = cfg.data, cfg.rollout
+    texts = [prompt_text(rec, tokenizer, d.prompt_key, d.messages_key) for rec in records]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    rows = getattr(records, "rows", None) or list(range(1, len(records) + 1))
+    where = f"data.prompts={d.prompts!r}"
+    empty = next((i for i, x in enumerate(ids) if not x), None)
+    if empty is not None:
+        return (f"{where}, row {rows[empty]}: the tokenizer of model.path={cfg.model.path!r} encodes its "
+                f"prompt {texts[empty][:60]!r} to no tokens: the folder's tokenizer files are missing or are "
+                f"not this model's; copy them from the model's source")
+    if vocab_size:
+        bad = next((i for i, x in enumerate(ids) if max(x) >= vocab_size), None)
+        if bad is not None:
+            return (f"{where}, row {rows[bad]}: the tokenizer of model.path={cfg.model.path!r} gives token id "
+                    f"{max(ids[bad])}, outside the model's vocab_size={vocab_size} (config.json): the "
+                    f"tokenizer is not this model's")
+    room = r.max_model_len - r.max_new_tokens
+    over = [i for i, x in enumerate(ids) if len(x) > room]
+    if over:
+        longest = max(over, key=lambda i: len(ids[i]))
+        n = len(ids[longest])
+        return (f"{where}, row {rows[longest]}: a prompt of {n} tokens + rollout.max_new_tokens="
+                f"{r.max_new_tokens} exceeds rollout.max_model_len={r.max_model_len} ({len(over)} of "
+                f"{len(ids)} rows do): raise rollout.max_model_len to {n + r.max_new_tokens}, lower "
+                f"rollout.max_new_tokens to {max(r.max_model_len - n, 0)}, or remove the long rows")
+    return None
+
+
+def numa_nodes() -> int:
+    """Memory (NUMA) nodes this process may use, as vLLM's CPU backend counts them."""
+    allowed = None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Mems_allowed_list:"):
+                allowed = _id_count(line.split(":", 1)[1].strip())
+    except OSError:
+        pass
+    present = len(glob.glob("/sys/devices/system/node/node[0-9]*"))
+    counts = [c for c in (allowed, present) if c]
+    return min(counts) if counts else 1
+
+
+def _id_count(text: str) -> int:
+    """Ids in a Linux list like 0-3,8,10-11."""
+    n = 0
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def check_engines_fit(cfg, hf_config: dict) -> None:
+    """rollout.engine_tp against the model and this machine, for engines megarl starts here
+    (inprocess, local_servers); remote engines run where someone else started them."""
+    r = cfg.rollout
+    max_pos = hf_config.get("max_position_embeddings") or 0
+    rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        max_pos = 0   # a scaled RoPE stretches the context: vLLM derives the limit, not checked here
+    if r.engine_mode != "remote" and max_pos and r.max_model_len > max_pos:
+        raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                          f"{max_pos} (model.path={cfg.model.path!r}/config.json), which vLLM refuses: use "
+                          f"rollout.max_model_len <= {max_pos}")
+    if r.engine_mode == "remote" or r.engine_tp == 1:
+        return
+    heads = hf_config.get("num_attention_heads") or 0
+    if heads and heads % r.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={r.engine_tp} must divide the model's {heads} attention heads "
+                          f"(vLLM splits heads over TP): pick a divisor of {heads}")
+    import torch
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if r.engine_tp > gpus:
+            raise ConfigError(f"rollout.engine_tp={r.engine_tp}: one engine needs that many GPUs and this machine "
+                              f"shows {gpus}: use rollout.engine_tp <= {gpus}, or start the engines on larger "
+                              f"nodes (rollout.engine_mode=remote)")
+        return
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") not in ("", "auto") or \
+            os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":
+        return   # the user binds the CPU workers' threads: vLLM does not ask for NUMA nodes
+    nodes = numa_nodes()
+    if r.engine_tp > nodes:
+        raise ConfigError(f"rollout.engine_tp={r.engine_tp}: vLLM on CPU runs one TP worker per NUMA node and "
+                          f"this machine has {nodes}: use rollout.engine_tp <= {nodes} (more engines instead: "
+                          f"rollout.engines), or bind the workers' threads yourself with "
+                          f"VLLM_CPU_OMP_THREADS_BIND")
