@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/rollout_speedup.py --length-dist lognormal:mu=3,sigma=1.2 --max-len 384 \
         [--groups-per-step 16] [--n 4] [--concurrency 64] [--steps 12] [--engines 1] \
-        [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] [--with-fix] \
+        [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] [--bounded-staleness K|off] \
+        [--with-fix] \
         [--out bench/out/rollout_speedup.json] [--png bench/out/rollout_timeline.png]
     .venv/bin/python bench/rollout_speedup.py --replot RESULT.json --png FILE.png   # redraw only
 
@@ -26,6 +27,10 @@ What it does
   * sync: every groups_per_step x n sample of groups k*G .. k*G+G-1; wait for all;
   * partial: the stock PartialRolloutController.run_round(groups_per_step, k), carry-over
     (subclassed only to time its round tail and count admissions after the target);
+  * partial_s<K> (--bounded-staleness K, default 2 = rollout.max_staleness's default; off:
+    skipped): the stock controller again, with the bound users run by default and
+    rollout.stale_policy's default (finish: nothing restarted, admission throttled while the
+    staleness window is full). `partial` itself runs --max-staleness (default none: no bound);
   * partial_fix (--with-fix): a second partial mode with EndOnTarget (no admission once the
     target is reached). megarl's controller does that itself since 2fff5a0 and its engine
     re-issues aborts until every request resolved since 61f1096, so partial_fix runs the same
@@ -191,6 +196,9 @@ def main() -> None:
     p.add_argument("--train", default="real", help="real | sim:fixed=S,per_ktok=S")
     p.add_argument("--max-staleness", default="none",
                    help="partial: rollout.max_staleness in rounds (none: no bound, nothing restarted)")
+    p.add_argument("--bounded-staleness", default="2",
+                   help="also run mode partial_s<K> with rollout.max_staleness=K and the default "
+                        "rollout.stale_policy (off: skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curve-tokens", type=int, default=128, help="tokens per request of the decode curve")
     p.add_argument("--curve-pass-tokens", type=int, default=32,
@@ -320,9 +328,9 @@ def main() -> None:
         def push(version: int) -> float:
             t = time.perf_counter()
             if models is not None:
-                from megarl.rollout import weight_sync
-                weight_sync.push(models.actor.model, models.actor.info, spool, version,
-                                 cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
+                from megarl.rollout.transfer import files   # rollout is measured here, not the sync route
+                files.push(models.actor.model, models.actor.info, spool, version,
+                           cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
             else:
                 spool.reload_weights(str(model), version)
             return time.perf_counter() - t
@@ -350,7 +358,7 @@ def main() -> None:
         def score_sample(s: Sample) -> float:
             return score(s, tokenizer, reward_fn)
 
-        def make_controller(cls):
+        def make_controller(cls, max_staleness=args.max_staleness):
             counter = [0]
 
             def new_group():
@@ -358,11 +366,14 @@ def main() -> None:
                 counter[0] += 1
                 return record, prompt
             return cls(spool.pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
-                       max_staleness=args.max_staleness, stale_policy=cfg.rollout.stale_policy,
+                       max_staleness=max_staleness, stale_policy=cfg.rollout.stale_policy,
                        new_group=new_group, score=score_sample, seed=args.seed, budget_of=length_of,
                        ignore_eos=True)
 
         controllers = {"partial": make_controller(Measured)}     # the stock controller, measured
+        if str(args.bounded_staleness).lower() != "off":
+            bound = int(args.bounded_staleness)
+            controllers[f"partial_s{bound}"] = make_controller(Measured, bound)
         if args.with_fix:
             controllers["partial_fix"] = make_controller(EndOnTarget)
         modes = ["sync", *controllers]
@@ -547,6 +558,12 @@ def main() -> None:
                 "carried_samples_at_end": last.get("carried_samples", 0),
                 "requests": rec.requests[m], "continuation_prefill_tokens": rec.reprefill_tokens[m],
                 "restarted_samples": total(m, "restarted_samples"),
+                "stale_tokens_discarded": total(m, "stale_tokens_discarded"),
+                "admission_throttled": total(m, "admission_throttled"),
+                "max_staleness": controllers[m].max_staleness if controllers[m].max_staleness < 10**9 else None,
+                "stale_policy": controllers[m].stale_policy,
+                # forced lengths: a rule that selects on length shows as shorter trained responses
+                "trained_response_len_mean": trained_tokens[m] / samples_n[m],
                 "round_tail_s": total(m, "round_tail_s"), "round_tail_until_abort_s": total(m, "tail_until_abort_s"),
                 "round_tail_abort_s": total(m, "abort_s"), "round_tail_after_abort_s": total(m, "after_abort_s"),
                 "round_tail_max_s": max((x["round_tail_s"] for x in steps[m]), default=0.0),
@@ -589,7 +606,8 @@ def main() -> None:
                              "train_s": total("sync", "train_s"), "push_s": total("sync", "push_s"),
                              "median_train_step_s": median_train["sync"],
                              "slot_utilization": busy["sync"]["inflight_mean"] / C},
-            "partial": pf, **({"partial_fix": figs["partial_fix"]} if "partial_fix" in figs else {}),
+            "partial": pf, **{m: f for m, f in figs.items() if m != "partial"},
+            "sync_trained_response_len_mean": trained_tokens["sync"] / samples_n["sync"],
             "sync_rollout_bounds_s": {"ideal_s": ideal_sync, "request_overhead_s": rec.requests["sync"] * req_ovh,
                                       "residual_s": roll["sync"] - ideal_sync - rec.requests["sync"] * req_ovh},
             "max_staleness": None if args.max_staleness >= 10**9 else args.max_staleness,
@@ -626,7 +644,11 @@ def main() -> None:
                   f"{f['speedup_without_train']:.2f}) rollout {f['rollout_speedup']:.2f} ideal "
                   f"{f['ideal_rollout_speedup']:.2f} efficiency {f['efficiency_vs_ideal']:.2f} (carry credited "
                   f"{f['efficiency_vs_ideal_carry_credited']:.2f}); late admissions {f['late_admissions']}; round tails "
-                  f"{f['round_tail_s']:.2f}s (max {f['round_tail_max_s']:.2f}s); rollout split (s):",
+                  f"{f['round_tail_s']:.2f}s (max {f['round_tail_max_s']:.2f}s); max_staleness {f['max_staleness']} "
+                  f"({f['stale_policy']}): restarted {f['restarted_samples']}, discarded tokens "
+                  f"{f['stale_tokens_discarded']}, throttled fills {f['admission_throttled']}, trained length mean "
+                  f"{f['trained_response_len_mean']:.1f} (sync {result['sync_trained_response_len_mean']:.1f}); "
+                  f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
         print(f"wrote {args.out} and {args.png} in {result['total_runtime_s']:.0f} s")
     finally:

@@ -242,14 +242,18 @@ class Tracked(Engine):
 def plot_timeline(result: dict, path: str) -> None:
     """In-flight requests over each mode's rollout clock (from result["timeline"]), and each
     mode's end-to-end wall split; everything it needs is in the JSON the bench writes."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:   # not a megarl dependency: the JSON has everything, --replot draws it later
+        print(f"matplotlib is not installed: {path} not drawn (pip install matplotlib; then --replot)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     modes = list(result["timeline"])
     conc = result["concurrency"]
     fig, axes = plt.subplots(len(modes) + 1, 1, figsize=(10, 1.4 + 1.8 * (len(modes) + 1)),
                              gridspec_kw={"height_ratios": [2] * len(modes) + [1.3]})
-    fill = {"sync": "#3b75af", "partial": "#4c9a52", "partial_fix": "#8a5fb0"}
+    fill = {"sync": "#3b75af", "partial": "#4c9a52", "partial_fix": "#8a5fb0", "partial_s2": "#c0713a"}
     xmax = max(result["timeline"][m]["total_s"] for m in modes) * 1.01
     for ax, mode in zip(axes, modes):
         tl = result["timeline"][mode]

