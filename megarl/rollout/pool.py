@@ -89,6 +89,7 @@ class EnginePool:
         self.joining: list[Engine] = []          # replacements started, waiting for the next update
         self.restarts = 0                        # replacements that joined the pool
         self._starting: list[asyncio.Future] = []
+        self._in_update: list[Engine] = []       # engines paused by the update in progress
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,6 +242,8 @@ class EnginePool:
                 self.engines += joining
                 self.restarts += len(joining)
 
+            self._in_update = list(self.engines)
+
             async def stop(e: Engine):
                 await e.abort(None)
                 await e.pause()
@@ -252,8 +255,12 @@ class EnginePool:
 
     async def end_update(self) -> None:
         try:
+            # an engine retired during the update is resumed too (best effort): never left paused
+            gone = [e for e in self._in_update if e not in self.engines]
+            await asyncio.gather(*(e.resume() for e in gone), return_exceptions=True)
             await self._on_each(lambda e: e.resume())
         finally:
+            self._in_update = []
             for h in self.holders:
                 h.release()
 

@@ -34,7 +34,7 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step, trainer_logprobs
-    from megarl.rollout import weight_sync
+    from megarl.rollout.transfer import files
     from megarl.rollout.dump import read_samples
 
     samples = read_samples("tests/data/rollout_tiny.jsonl")
@@ -48,7 +48,7 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
             trainer_logprobs(cfg, models.actor, samples[:3], pad)
             batch = build_batch(samples, pad)
             result["clean"][algo] = ppo_step(cfg, models.actor, models.reference, models.critic, batch, 0)
-            weight_sync.push(models.actor.model, models.actor.info, None, 1, cfg.weight_sync.staging_dir,
+            files.push(models.actor.model, models.actor.info, None, 1, cfg.weight_sync.staging_dir,
                              cfg.weight_sync.bucket_mb, "probe")
             StopSignal(0).should_stop()
         result["syncs"][algo] = guard.syncs

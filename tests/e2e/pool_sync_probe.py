@@ -39,6 +39,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     from megarl.models.config import transformer_config
     from megarl.models.loading import load_hf_shard
     from megarl.rollout import weight_sync
+    from megarl.rollout.transfer import source
     from megarl.rollout.pool import open_pool
 
     import os
@@ -73,14 +74,14 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
             # noise seeded by the shard's position: TP shards differ, while tensors replicated
             # over TP (norms) and DP replicas stay identical, as training keeps them
             with torch.no_grad():
-                for i, p in enumerate(weight_sync.unwrap(actor.model).parameters()):
+                for i, p in enumerate(source.unwrap(actor.model).parameters()):
                     split = getattr(p, "tensor_model_parallel", False)
                     g = torch.Generator().manual_seed(
                         10_000 * tp + 1000 * pp + 100 * i + 10 * parallel.pp_rank() + (parallel.tp_rank() if split else 0))
                     p.add_(0.05 * torch.randn(p.shape, generator=g))
             for kind in ("collective", "files"):
                 with torch.no_grad():   # a different perturbation per transport
-                    for p in weight_sync.unwrap(actor.model).parameters():
+                    for p in source.unwrap(actor.model).parameters():
                         p.mul_(1.01)
                 version += 1
                 entry = {"version": version, "gaps": {}}
@@ -102,19 +103,19 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
         # a push that drops one bucket: the engines keep a stale tensor, the probe must see it
         actor, info = last
         with torch.no_grad():
-            for p in weight_sync.unwrap(actor.model).parameters():
+            for p in source.unwrap(actor.model).parameters():
                 p.mul_(1.3)
-        real_buckets = weight_sync.buckets
+        real_buckets = source.buckets
 
         def lossy(named, size):  # small buckets, the second one never reaches the engines
             for k, b in enumerate(real_buckets(named, 64 << 10)):
                 if k != 1:
                     yield b
-        weight_sync.buckets = lossy
+        source.buckets = lossy
         result["skipped_bucket_gaps"] = {}
         for kind in ("collective", "files"):
             with torch.no_grad():
-                for p in weight_sync.unwrap(actor.model).parameters():
+                for p in source.unwrap(actor.model).parameters():
                     p.mul_(1.1)
             version += 1
             for mode, pool in pools.items():
@@ -132,7 +133,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
             if pool is not None:
                 result.setdefault("health", []).extend(h.__dict__ for h in pool.health())
         result["last_version"] = version
-        weight_sync.buckets = real_buckets
+        source.buckets = real_buckets
     finally:
         for t in transports.values():
             t.close()

@@ -85,6 +85,7 @@ def main():
     parallel.initialize(1, 1, 0)
     from megarl.models.setup import build_all
     from megarl.rollout import weight_sync
+    from megarl.rollout.transfer import files
     from megarl.rollout.pool import open_pool
     models = build_all(cfg)
     assert next(models.actor.model.parameters()).is_cuda
@@ -93,7 +94,7 @@ def main():
             p.add_(torch.randn_like(p) * 0.02)
     pool = open_pool(cfg.rollout, cfg.model.path, 0, staging)
     try:
-        timings = weight_sync.push(models.actor.model, models.actor.info, pool, 1, staging, 64, "gpu")
+        timings = files.push(models.actor.model, models.actor.info, pool, 1, staging, 64, "gpu")
         gaps = weight_sync.engine_mismatch(models.actor, pool, [[1, 20, 4], [1, 19, 4]], 8, 1, 0.7)
     finally:
         pool.close()

@@ -288,21 +288,21 @@ def test_bad_requests_are_refused():
 
 def test_stale_staging_folders_of_dead_runs_are_removed(tmp_path):
     """Weights staged by a crashed run (its pid is gone) are removed; a live run's are kept."""
-    from megarl.rollout import weight_sync
+    from megarl.rollout.transfer import files
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    stale = tmp_path / f"{weight_sync.PREFIX}{dead}-run-abc"
-    live = tmp_path / f"{weight_sync.PREFIX}{os.getpid()}-run-def"
+    stale = tmp_path / f"{files.PREFIX}{dead}-run-abc"
+    live = tmp_path / f"{files.PREFIX}{os.getpid()}-run-def"
     other = tmp_path / "unrelated"
     for d in (stale, live, other):
         d.mkdir()
-    assert weight_sync.clean_stale(str(tmp_path)) == [str(stale)]
+    assert files.clean_stale(str(tmp_path)) == [str(stale)]
     assert live.exists() and other.exists() and not stale.exists()
 
 
 def test_staging_problems_are_named(tmp_path):
-    from megarl.rollout import weight_sync
-    assert "not a writable folder" in weight_sync._staging_problem(str(tmp_path / "missing"), 0)
-    msg = weight_sync._staging_problem(str(tmp_path), 1 << 60)
+    from megarl.rollout.transfer import files
+    assert "not a writable folder" in files._staging_problem(str(tmp_path / "missing"), 0)
+    msg = files._staging_problem(str(tmp_path), 1 << 60)
     assert "weight_sync.staging_dir" in msg and "MiB free" in msg
-    assert weight_sync._staging_problem(str(tmp_path), 1024) is None
+    assert files._staging_problem(str(tmp_path), 1024) is None

@@ -6,6 +6,7 @@
   Nothing touches a disk.
 - `files`: safetensors staged in a folder every engine reads (`reload_weights`), for servers
   started without megarl's weight-transfer config.
-`megarl.rollout.weight_sync.push` picks one from `weight_sync.transport`. Pure packing maths in
-`packing.py`; the stateless, token-guarded rendezvous both sides use in `group.py`.
+`megarl.rollout.weight_sync.open_transport` picks one from `weight_sync.transport`. The
+trainer-side source (TP gather, HF names, buckets, PP relay) is `source.py`; pure packing maths
+`packing.py`; the stateless, token-guarded rendezvous both sides use `group.py`.
 """

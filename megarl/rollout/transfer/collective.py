@@ -9,7 +9,7 @@ One push (every trainer rank calls `CollectiveTransport.push`):
 2. `start_weight_update` on every engine;
 3. per bucket: every engine's `update_weights(meta)` is sent (it blocks in the receive), then
    rank 0 broadcasts the packed bytes once, whatever the number of engines. The buckets come
-   from `weight_sync.sender_buckets` (TP all-gather, HF conversion, PP stages relayed to rank 0
+   from `source.sender_buckets` (TP all-gather, HF conversion, PP stages relayed to rank 0
    one after another); with `num_buffers` >= 2 the next bucket is gathered and packed on the
    main thread while a sender thread has the current one on the wire;
 4. `finish_weight_update(version)` (vLLM finalizes the layerwise reload), prefix-cache reset;
@@ -19,8 +19,9 @@ Failures: every engine call is bounded by rollout.engine_timeout_s and so is eve
 (the group's timeout), so nothing hangs. A member that never joins is named and retired. If a
 bucket fails (an engine died mid-broadcast), the group is dropped, which ends the others'
 pending receives at once; engines that are not alive are retired, and the push is redone once
-with a group of the survivors, so they end on the new version. A survivor that fails the
-redo is retired too (its model may be half loaded).
+(every trainer rank iterates the source again: rank 0 broadcasts its decision) with a group
+of the survivors, so they end on the new version. Nothing is kept for the redo: at most
+`num_buffers` packed buckets exist at any time.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from urllib.parse import urlparse
 import torch
 
 from megarl.distributed.env import free_port
-from megarl.rollout import weight_sync
+from megarl.distributed import faults
 from megarl.rollout.engine import Engine, EngineError
 from megarl.rollout.transfer import group as wgroup
+from megarl.rollout.transfer import source
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -61,64 +63,83 @@ class CollectiveTransport:
 
     # -- the push --------------------------------------------------------------------------
     def push(self, model, info, version: int) -> dict:
+        """Collective over every trainer rank. If an engine dies mid-push, the push is redone
+        once for the survivors; rank 0 decides, and every rank iterates the source again."""
         t0 = time.perf_counter()
         timers: dict[str, float] = {}
         stats = {"sync_wire_s": 0.0, "sync_bytes": 0, "sync_buckets": 0}
-        source = weight_sync.sender_buckets(model, info, self.ws.bucket_mb << 20, timers)
-        if self.pool is None:
-            for _ in source:                     # gathers and PP relays only; rank 0 sends
-                pass
-        else:
-            self._push_all(source, version, stats)
+        sp = self.pool
+        engines = sp.call(sp.pool.begin_update(), "pausing the engines for a weight update") if sp else None
+        try:
+            for attempt in (0, 1):
+                buckets = source.sender_buckets(model, info, self.ws.bucket_mb << 20, timers)
+                outcome = None
+                if sp is None:
+                    for _ in buckets:            # gathers and PP relays only; rank 0 sends
+                        pass
+                else:
+                    outcome = self._attempt(engines, buckets, version, stats, may_redo=attempt == 0)
+                outcome = _agree(outcome)        # every rank learns rank 0's outcome
+                if outcome is None:
+                    break
+                if outcome[0] == "error":
+                    raise EngineError(outcome[1])
+                engines = [e for e in engines if e in sp.pool.engines] if sp else None
+        finally:
+            if sp is not None:
+                sp.call(sp.pool.end_update(), "resuming the engines")
         return {"sync_time_s": time.perf_counter() - t0, "sync_gather_s": timers.get("gather", 0.0),
                 "sync_convert_s": timers.get("convert", 0.0), "sync_pack_s": timers.get("pack", 0.0),
                 "sync_stage_s": 0.0, **stats}
 
-    def _push_all(self, source, version: int, stats: dict) -> None:
-        sp, pool = self.pool, self.pool.pool
-        engines = sp.call(pool.begin_update(), "pausing the engines for a weight update")
-        buffered: list = []                      # buckets already made, for a redo after a failure
+    def _attempt(self, engines: list[Engine], buckets, version: int, stats: dict, may_redo: bool):
+        """One session on rank 0: None when every engine took `version`, ("redo", why) when
+        engines died and the survivors must get it again, ("error", message) otherwise. The
+        source is always drained: the other trainer ranks iterate it to its end."""
         try:
-            for attempt in (0, 1):
-                try:
-                    self._session(engines, source if attempt == 0 else iter(buffered), buffered, version,
-                                  stats, keep=attempt == 0)
-                    return
-                except WeightGroupError as err:
-                    self._drop_group()
-                    dead = self._dead(engines)
-                    for e in dead:
-                        sp.call(_retire(pool, e, err), "retiring a failed engine")
-                    if attempt or not dead:
-                        raise
-                    for rest in source:          # the rest of the stream (the trainer ranks iterate it all)
-                        buffered.append(rest)
-                    engines = [e for e in engines if e in pool.engines]
-        finally:
-            sp.call(pool.end_update(), "resuming the engines")
+            self._session(engines, buckets, version, stats)
+            return None
+        except Exception as err:  # noqa: BLE001 - turned into one outcome every rank shares
+            for _ in buckets:
+                pass
+            self._drop_group()
+            if not isinstance(err, WeightGroupError):
+                return ("error", str(err))
+            try:
+                dead = self._dead(engines)
+                for e in dead:
+                    self.pool.call(_retire(self.pool.pool, e, EngineError(
+                        f"engine {e.name} died during a weight push: {err}")), "retiring a failed engine")
+            except EngineError as final:         # none left, or too many failures
+                return ("error", str(final))
+            if may_redo and dead:
+                return ("redo", str(err))
+            return ("error", str(err))
 
-    def _session(self, engines: list[Engine], buckets, made: list, version: int, stats: dict, keep: bool) -> None:
+    def _session(self, engines: list[Engine], buckets, version: int, stats: dict) -> None:
         sp, pool = self.pool, self.pool.pool
         if self.group is None or self.members != tuple(id(e) for e in engines):
             self._form(engines)
         sp.call(pool.on_each(lambda e: e.start_weight_update(), engines), "starting a weight update")
+        # at most num_buffers packed buckets alive: one on the wire, the rest being made
+        slots = threading.Semaphore(self.ws.num_buffers)
+        wire: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
-        wire = queue.Queue(maxsize=max(1, self.ws.num_buffers - 1))
-        sender = threading.Thread(target=self._sender, args=(engines, wire, errors, stats),
+        sender = threading.Thread(target=self._sender, args=(engines, wire, slots, errors, stats),
                                   name="megarl-weight-sender", daemon=True)
         sender.start()
         try:
-            for bucket in buckets:
-                if keep:
-                    made.append(bucket)
-                while not errors:                # never block forever on a dead sender
-                    try:
-                        wire.put(bucket, timeout=0.5)
+            it = iter(buckets)
+            while not errors:
+                while not slots.acquire(timeout=0.5):
+                    if errors:
                         break
-                    except queue.Full:
-                        continue
                 if errors:
                     break
+                bucket = next(it, None)
+                if bucket is None:
+                    break
+                wire.put(bucket)
         finally:
             wire.put(None)
             sender.join()
@@ -127,34 +148,42 @@ class CollectiveTransport:
         sp.call(pool.on_each(lambda e: e.finish_weight_update(version), engines),
                 f"finishing weight version {version}")
 
-    def _sender(self, engines, wire: queue.Queue, errors: list, stats: dict) -> None:
-        """Thread: for each bucket, every engine's receive call, then the broadcast."""
+    def _sender(self, engines, wire: queue.Queue, slots, errors: list, stats: dict) -> None:
+        """Thread: for each bucket, every engine's receive call, then the one broadcast."""
         sp = self.pool
         while True:
             bucket = wire.get()
             if bucket is None:
                 return
-            if errors:
-                continue
-            meta, buf = bucket
             try:
-                receive = sp.loop.submit(_each_raw(engines, lambda e: e.update_weights(meta.to_dict())))
-                t = time.perf_counter()
-                try:
-                    wgroup.broadcast(self.group, buf if buf.device.type == "cpu" else buf.cpu())
-                except RuntimeError as err:
-                    raise WeightGroupError(f"weight broadcast failed ({len(engines)} engines, "
-                                           f"{meta.nbytes} bytes): {err}") from err
-                stats["sync_wire_s"] += time.perf_counter() - t
-                results = sp.loop.wait(receive, sp.timeout_s + 30, "receiving a weight bucket")
-                failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
-                if failed:
-                    e, r = failed[0]
-                    raise WeightGroupError(f"engine {e.name} failed to receive a weight bucket: {r}")
-                stats["sync_bytes"] += meta.nbytes
-                stats["sync_buckets"] += 1
+                if not errors:
+                    self._send(engines, *bucket, stats)
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 errors.append(err if isinstance(err, EngineError) else WeightGroupError(str(err)))
+            finally:
+                del bucket
+                slots.release()
+
+    def _send(self, engines, meta, buf, stats: dict) -> None:
+        sp = self.pool
+        faults.point("sync_bucket")
+        receive = sp.loop.submit(_each_raw(engines, lambda e: e.update_weights(meta.to_dict())))
+        t = time.perf_counter()
+        try:
+            wgroup.broadcast(self.group, buf if buf.device.type == "cpu" else buf.cpu())
+        except RuntimeError as err:
+            # the engines' receive calls end with the group (dropped by the caller): collect them
+            self._drop_group()
+            _result(receive, sp.timeout_s + 30)
+            raise WeightGroupError(f"the weight broadcast to {len(engines)} engines failed "
+                                   f"({meta.nbytes} bytes): {err}") from err
+        stats["sync_wire_s"] += time.perf_counter() - t
+        results = sp.loop.wait(receive, sp.timeout_s + 30, "receiving a weight bucket")
+        failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
+        if failed:
+            raise WeightGroupError(f"engine {failed[0][0].name} failed to receive a weight bucket: {failed[0][1]}")
+        stats["sync_bytes"] += meta.nbytes
+        stats["sync_buckets"] += 1
 
     # -- the group -------------------------------------------------------------------------
     def _form(self, engines: list[Engine]) -> None:
@@ -167,7 +196,14 @@ class CollectiveTransport:
         while True:
             if not engines:
                 raise EngineError("no rollout engine left to form the weight group with")
-            sizes = sp.call(_gather([e.transfer_world_size() for e in engines]), "asking engines their size")
+            sizes = sp.call(_gather([e.transfer_world_size() for e in engines], raw=True), "asking engines their size")
+            unable = [(e, r) for e, r in zip(engines, sizes) if isinstance(r, BaseException)]
+            for e, err in unable:                # e.g. an engine started without the config
+                sp.call(_retire(pool, e, err if isinstance(err, EngineError) else EngineError(
+                    f"engine {e.name}: {type(err).__name__}: {err}")), "retiring an engine")
+            if unable:
+                engines[:] = [e for e in engines if e in pool.engines]
+                continue
             world, host = 1 + sum(sizes), self._address(engines)
             port = self.ws.master_port or free_port()
             token = wgroup.new_token()
@@ -282,3 +318,13 @@ def route_address(host: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.getfqdn()
+
+
+def _agree(outcome):
+    """Rank 0's outcome of a push attempt, on every trainer rank."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return outcome
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

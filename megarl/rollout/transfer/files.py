@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from megarl.config import ConfigError
 from megarl.distributed import device, faults, parallel
 from megarl.models.builders import ModelInfo
-from megarl.rollout import weight_sync
+from megarl.rollout.transfer import source
 from megarl.rollout.reaper import remove_stale
 
 PREFIX = "megarl-weights-"
@@ -59,7 +59,7 @@ def staging_dir(base: str, tag: str, model=None) -> str:
     (named after its pid, so `clean_stale` can tell a crashed run's folders from a live one's).
     A problem raises the same ConfigError on every rank (no rank is left waiting)."""
     writes = model is not None and parallel.tp_rank() == 0 and parallel.dp_rank() == 0
-    need = torch.tensor([weight_sync.stage_bytes(model) if writes else 0], dtype=torch.float64)
+    need = torch.tensor([source.stage_bytes(model) if writes else 0], dtype=torch.float64)
     multi = dist.is_initialized() and dist.get_world_size() > 1
     if multi:
         need = device.put(need)   # NCCL reduces device tensors only
@@ -93,7 +93,7 @@ def push(model, info: ModelInfo, pool, version: int, base: str, bucket_mb: int, 
     timers: dict[str, float] = {}
     nbytes, stage_s, load_s = 0, 0.0, 0.0
     try:
-        for k, bucket in enumerate(weight_sync.buckets(weight_sync.hf_tensors(model, info, timers), bucket_mb << 20)):
+        for k, bucket in enumerate(source.buckets(source.hf_tensors(model, info, timers), bucket_mb << 20)):
             if writer:
                 t = time.perf_counter()
                 host = {name: tensor.cpu() for name, tensor in bucket.items()}   # one D2H copy each

@@ -1,0 +1,115 @@
+"""The trainer side of a weight sync: the actor's shards as full HF tensors, in packed buckets.
+
+Each PP stage converts its own layers (layer numbers offset by stage). Within a stage the TP
+ranks all-gather each parameter on its partition dimension; the mapping table (shared with the
+HF <-> Megatron tools) turns megatron's layouts into HF's: fused QKV split by GQA group, fc1
+split into gate and up per TP rank, vocab padding removed. `hf_tensors` yields a stage's HF
+tensors, `buckets` groups them, `sender_buckets` packs them and brings every stage's buckets
+to global rank 0, the one sender of the collective transport.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.conversion.mapping import mapping_for
+from megarl.distributed import parallel
+from megarl.models.builders import ModelInfo, use_te
+from megarl.rollout.transfer import packing
+
+
+def unwrap(model):
+    """The GPTModel inside megatron's DDP wrapper (parameter names without `module.`)."""
+    return getattr(model, "module", model)
+
+
+def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's parameters as full HF tensors (TP gathered). All TP ranks must iterate.
+    `timers` (optional) accumulates seconds spent in "gather" and "convert"."""
+    table = mapping_for(info.hf_config, te_names=use_te())
+    tp = parallel.tp_size()
+    timers = timers if timers is not None else {}
+    for name, param in unwrap(model).named_parameters():
+        t0 = time.perf_counter()
+        data = param.detach()
+        if tp > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(data) for _ in range(tp)]
+            dist.all_gather(shards, data.contiguous(), group=parallel.tp_group())
+        else:
+            shards = [data]
+        t1 = time.perf_counter()
+        converted = table.megatron_to_hf(name, shards, info.layer_offset)
+        timers["gather"] = timers.get("gather", 0.0) + t1 - t0
+        timers["convert"] = timers.get("convert", 0.0) + time.perf_counter() - t1
+        yield from converted.items()
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict]:
+    """Group tensors into dicts of about `bucket_bytes` (a tensor larger than that is alone)."""
+    bucket, size = {}, 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t.contiguous()   # on the trainer's device; staged from the host
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | None = None):
+    """Every stage's HF tensors as packed buckets `(BucketMeta, uint8 buffer)`, yielded on
+    global rank 0 only, stage 0 first. Collective: each stage's TP ranks gather in lockstep
+    (DP replicas > 0 hold the same weights and sit out); a stage > 0 relays its buckets to
+    rank 0 over the trainer's world group (a header object, then the bytes, then None).
+    `timers` accumulates "gather", "convert" and "pack" seconds."""
+    timers = timers if timers is not None else {}
+    if parallel.dp_rank() != 0:
+        return
+    lead = parallel.tp_rank() == 0
+    own = buckets(hf_tensors(model, info, timers), bucket_bytes)
+
+    def packed():
+        for b in own:
+            t = time.perf_counter()
+            out = packing.pack(list(b.items())) if lead else None
+            timers["pack"] = timers.get("pack", 0.0) + time.perf_counter() - t
+            yield out
+    stages = dist.get_process_group_ranks(parallel.pp_group()) if parallel.pp_size() > 1 else [0]
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me == 0:
+        yield from packed()
+        for src in stages[1:]:            # the other stages, one after another
+            while True:
+                header = [None]
+                dist.recv_object_list(header, src=src)
+                if header[0] is None:
+                    break
+                meta = packing.BucketMeta(**header[0])
+                buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=_device())
+                dist.recv(buf, src=src)
+                yield meta, buf
+    elif lead:
+        for meta, buf in packed():
+            dist.send_object_list([meta.to_dict()], dst=0)
+            dist.send(buf, dst=0)
+        dist.send_object_list([None], dst=0)
+    else:
+        for _ in packed():               # TP peers: only the gathers
+            pass
+
+
+def _device() -> torch.device:
+    from megarl.distributed import device
+    return device.current()
+
+
+def stage_bytes(model) -> int:
+    """Bytes this rank's stage writes per sync: its parameters at full (TP-gathered) size."""
+    tp = parallel.tp_size()
+    return sum(p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in unwrap(model).parameters())

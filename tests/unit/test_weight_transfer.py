@@ -1,0 +1,304 @@
+"""The collective weight transport's parts, without vLLM: packing maths, the token-guarded gloo
+rendezvous, the key middleware, and `CollectiveTransport`'s session against engines that
+receive over a real gloo group in threads (engine failures, absent members, new members).
+
+The end-to-end route through vLLM (in-process engines and servers, every trainer layout) is
+tests/e2e/test_pool_sync.py; this file pins the scheduling and failure rules."""
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.config.schema import WeightSyncConfig
+from megarl.distributed.env import free_port
+from megarl.rollout import auth
+from megarl.rollout.engine import EngineError, EngineHealth
+from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.transfer import collective, group, packing, source
+
+from scripted_engine import Clock, ScriptedEngine
+
+
+# -- packing ---------------------------------------------------------------------------------
+def named_tensors():
+    """Every element unique (arange), several dtypes and shapes, a scalar and an odd size."""
+    return [("a.weight", torch.arange(12, dtype=torch.float32).view(3, 4)),
+            ("b.bias", torch.arange(5, dtype=torch.bfloat16)),
+            ("c.ids", torch.arange(7, dtype=torch.int64) - 3),
+            ("d.half", torch.arange(3, dtype=torch.float16).view(1, 3, 1)),
+            ("e.scalar", torch.tensor(2.5))]
+
+
+def test_pack_unpack_round_trips_every_dtype_and_shape_exactly():
+    named = named_tensors()
+    meta, buf = packing.pack(named)
+    assert buf.dtype == torch.uint8 and buf.numel() == meta.nbytes
+    assert all(off % packing.ALIGN == 0 for off in meta.offsets)
+    back = packing.unpack(packing.BucketMeta(**meta.to_dict()), buf.clone())
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, want), (_, got) in zip(named, back):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_pack_into_a_reused_buffer_and_non_contiguous_input():
+    t = torch.arange(20, dtype=torch.float32).view(4, 5).t()     # a transposed view
+    out = torch.zeros(1024, dtype=torch.uint8)
+    meta, buf = packing.pack([("t", t)], out=out)
+    assert buf.data_ptr() == out.data_ptr()
+    assert torch.equal(packing.unpack(meta, buf)[0][1], t)
+
+
+def test_bucket_meta_that_does_not_fit_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        packing.BucketMeta(["x"], ["float32"], [[4]], [0], 8)        # 16 bytes in an 8-byte buffer
+    with pytest.raises(ValueError, match="unknown dtype"):
+        packing.BucketMeta(["x"], ["float99"], [[1]], [0], 64)
+    meta, buf = packing.pack([("x", torch.ones(4))])
+    with pytest.raises(ValueError, match="uint8 buffer"):
+        packing.unpack(meta, buf[:8])
+
+
+# -- the rendezvous --------------------------------------------------------------------------
+def test_group_broadcasts_and_names_members_that_never_arrive():
+    port, token = free_port(), group.new_token()
+    store = group.store("127.0.0.1", port, 3, 5, sender=True)
+    got = {}
+
+    def member(rank, tok):
+        s = group.store("127.0.0.1", port, 3, 5, sender=False)
+        try:
+            g = group.join(s, rank, 3, tok, 5)
+        except RuntimeError as err:
+            got[rank] = err
+            return
+        t = torch.zeros(4)
+        group.broadcast(g, t)
+        got[rank] = t
+
+    # rank 2 knows the address but not the token: it cannot take part
+    threads = [threading.Thread(target=member, args=(1, token)),
+               threading.Thread(target=member, args=(2, "not-the-token"))]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        group.join(store, 0, 3, token, 3)
+    assert time.monotonic() - t0 < 30
+    assert group.missing_ranks(store, token, 3) == [2]
+    for t in threads:
+        t.join(30)
+
+
+# -- the key middleware ----------------------------------------------------------------------
+def test_require_key_guards_every_route_but_health(monkeypatch):
+    monkeypatch.setenv(auth.KEY_ENV, "s3cret")
+    mw = auth.RequireKey(app=None)
+    for method, path in [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/collective_rpc"),
+                         ("GET", "/metrics"), ("POST", "/v1/completions"), ("GET", "/is_paused")]:
+        assert not mw.allowed(method, path, ""), path
+        assert not mw.allowed(method, path, "Bearer wrong"), path
+        assert mw.allowed(method, path, "Bearer s3cret"), path
+    assert mw.allowed("GET", "/health", "")
+    assert not mw.allowed("POST", "/health", "")
+    monkeypatch.setenv(auth.KEY_ENV, "")
+    with pytest.raises(RuntimeError, match="API key"):
+        auth.RequireKey(app=None)
+
+
+# -- the transport's session -----------------------------------------------------------------
+class WireEngine(ScriptedEngine):
+    """Receives over the real weight group in a thread, as a vLLM worker would, and keeps the
+    unpacked tensors as its weights. `die_at`: the bucket index at which it dies (its group
+    goes away, as with a killed process); `absent`: its join never reaches the group."""
+
+    def __init__(self, name, clock, tp=1, die_at=None, absent=False):
+        super().__init__(name, clock)
+        self.tp, self.die_at, self.absent = tp, die_at, absent
+        self.groups, self.staged, self.weights = [], {}, {}
+        self.buckets_seen, self.alive, self.joins = 0, True, 0
+
+    async def transfer_world_size(self):
+        return self.tp
+
+    async def init_weight_transfer(self, info):
+        self.joins += 1
+        if self.absent:
+            await asyncio.sleep(3600)
+
+        def join(rank):
+            s = group.store(info["master_address"], info["master_port"], info["world_size"],
+                            info["timeout_s"], sender=False)
+            return group.join(s, rank, info["world_size"], info["token"], info["timeout_s"])
+        first = info["rank_offset"]
+        self.groups = list(await asyncio.gather(*(asyncio.to_thread(join, first + r) for r in range(self.tp))))
+
+    async def start_weight_update(self):
+        assert self.paused and not self._running
+        self.staged = {}
+
+    async def update_weights(self, info):
+        meta = packing.BucketMeta(**info)
+        self.buckets_seen += 1
+        if self.die_at is not None and self.buckets_seen > self.die_at:
+            self.alive, self.groups = False, []
+            raise EngineError(f"engine {self.name}: connection lost (killed)")
+
+        def receive(g):
+            buf = torch.empty(meta.nbytes, dtype=torch.uint8)
+            group.broadcast(g, buf)
+            return buf
+        try:
+            bufs = await asyncio.gather(*(asyncio.to_thread(receive, g) for g in self.groups))
+        except RuntimeError as err:
+            raise EngineError(f"engine {self.name}: receive failed: {err}") from err
+        assert all(torch.equal(b, bufs[0]) for b in bufs)   # every worker got the same bytes
+        self.staged.update({n: t.clone() for n, t in packing.unpack(meta, bufs[0])})
+
+    async def finish_weight_update(self, version):
+        self.weights, self.version = self.staged, version
+
+    async def health(self):
+        return EngineHealth(self.name, self.alive, self.paused, self.running, self.version)
+
+
+MODEL = {f"layers.{i}.w": torch.arange(i * 1000, i * 1000 + 300, dtype=torch.float32).view(30, 10)
+         for i in range(6)}
+
+
+@pytest.fixture
+def fake_source(monkeypatch):
+    """The trainer-side source replaced by MODEL in buckets of ~2 tensors (the transport's
+    scheduling is under test here; the real source is tested end to end)."""
+    def sender_buckets(model, info, bucket_bytes, timers=None):
+        items = list(MODEL.items())
+        for k in range(0, len(items), 2):
+            yield packing.pack(items[k:k + 2])
+    monkeypatch.setattr(source, "sender_buckets", sender_buckets)
+
+
+def open_sync_pool(engines, timeout_s=20.0, failures_max=3):
+    loop = LoopThread()
+    clock = engines[0].clock
+    loop.run(_start_clock(clock), 5)
+    return SyncPool(EnginePool(engines, timeout_s, failures_max), loop, 30), loop
+
+
+async def _start_clock(clock):
+    clock.start()
+
+
+def transport(sp, num_buffers=2):
+    return collective.CollectiveTransport(WeightSyncConfig(bucket_mb=1, num_buffers=num_buffers, backend="gloo"), sp)
+
+
+def same_weights(engine):
+    return set(engine.weights) == set(MODEL) and all(torch.equal(engine.weights[k], v) for k, v in MODEL.items())
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_one_broadcast_reaches_every_worker_of_every_engine(fake_source, num_buffers):
+    """Contract: one push sends each bucket once (sync_bytes is the model once, not per
+    engine) to every worker of every engine (an engine of TP=2 included); each ends with
+    exactly the trainer's tensors as the pushed version and is resumed; a second push reuses
+    the group (no new join)."""
+    clock = Clock()
+    engines = [WireEngine("e0", clock), WireEngine("e1", clock, tp=2)]
+    sp, loop = open_sync_pool(engines)
+    t = transport(sp, num_buffers)
+    try:
+        stats = t.push(None, None, 1)
+        assert all(same_weights(e) and e.version == 1 and not e.paused for e in engines)
+        assert stats["sync_buckets"] == 3
+        assert stats["sync_bytes"] == sum(packing.layout(list(MODEL.items())[k:k + 2]).nbytes for k in (0, 2, 4))
+        t.push(None, None, 2)
+        assert [e.joins for e in engines] == [1, 1] and all(e.version == 2 for e in engines)
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_an_engine_that_never_joins_is_named_and_retired_within_the_timeout(fake_source):
+    clock = Clock()
+    engines = [WireEngine("e0", clock), WireEngine("ghost", clock, absent=True)]
+    sp, loop = open_sync_pool(engines, timeout_s=3.0)
+    t = transport(sp)
+    try:
+        t0 = time.monotonic()
+        t.push(None, None, 1)
+        assert time.monotonic() - t0 < 3.0 + 20
+        assert [e.name for e in sp.pool.engines] == ["e0"] and same_weights(engines[0])
+        failure = sp.pool.failures[0]
+        assert failure["engine"] == "ghost" and "did not join the weight group" in failure["error"]
+        assert "never arrived" in failure["error"] and "weight_sync.master_addr" in failure["error"]
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_an_engine_without_the_session_is_refused_at_once_naming_it(fake_source):
+    clock = Clock()
+    engines = [WireEngine("e0", clock), ScriptedEngine("plain", clock)]
+    sp, loop = open_sync_pool(engines, timeout_s=60.0)
+    t = transport(sp)
+    try:
+        t0 = time.monotonic()
+        t.push(None, None, 1)
+        assert time.monotonic() - t0 < 30        # not the 60 s join timeout
+        assert [e.name for e in sp.pool.engines] == ["e0"]
+        assert "weight_sync.transport=files" in sp.pool.failures[0]["error"]
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_an_engine_dying_mid_broadcast_is_retired_and_the_others_hold_the_new_version(fake_source):
+    """Contract: an engine that dies at the second bucket is retired; the push is redone for
+    the survivors, who end with exactly the new weights and version; nobody is left paused."""
+    clock = Clock()
+    engines = [WireEngine("e0", clock), WireEngine("dies", clock, die_at=1), WireEngine("e2", clock)]
+    sp, loop = open_sync_pool(engines, timeout_s=10.0)
+    t = transport(sp)
+    try:
+        t.push(None, None, 5)
+        assert [e.name for e in sp.pool.engines] == ["e0", "e2"]
+        assert all(same_weights(e) and e.version == 5 and not e.paused for e in sp.pool.engines)
+        assert sp.pool.failures[0]["engine"] == "dies" and not engines[1].paused
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_the_last_engine_dying_mid_broadcast_is_a_named_error(fake_source):
+    clock = Clock()
+    engines = [WireEngine("only", clock, die_at=0)]
+    sp, loop = open_sync_pool(engines, timeout_s=10.0)
+    t = transport(sp)
+    try:
+        with pytest.raises(EngineError, match="only"):
+            t.push(None, None, 1)
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_a_replacement_engine_joins_a_new_group_at_the_next_push(fake_source):
+    """Contract: membership changes (an engine retired, a replacement waiting in
+    pool.joining) re-form the group; the replacement receives the next version in full."""
+    clock = Clock()
+    engines = [WireEngine("e0", clock), WireEngine("e1", clock)]
+    sp, loop = open_sync_pool(engines)
+    t = transport(sp)
+    try:
+        t.push(None, None, 1)
+        fresh = WireEngine("e1-new", clock)
+        sp.pool.engines.remove(engines[1])
+        sp.pool.joining.append(fresh)
+        t.push(None, None, 2)
+        assert [e.name for e in sp.pool.engines] == ["e0", "e1-new"]
+        assert engines[0].joins == 2 and fresh.joins == 1
+        assert all(same_weights(e) and e.version == 2 for e in sp.pool.engines)
+    finally:
+        t.close()
+        loop.stop()
