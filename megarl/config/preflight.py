@@ -62,7 +62,7 @@ def read_hf_config(path: str, setting: str = "model.path") -> dict:
     """config.json of an HF folder as transformers reads it (a dict), or one line saying why not."""
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(path).to_dict()
+        return AutoConfig.from_pretrained(path, local_files_only=True).to_dict()
     except Exception as err:   # noqa: BLE001 - bad JSON, an unknown model_type, ...
         first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         raise ConfigError(f"{setting}={path!r}: its config.json does not load ({first}): fix the file, or "
@@ -73,7 +73,7 @@ def load_tokenizer(path: str, setting: str = "model.path"):
     """The model folder's tokenizer, or one line saying why it does not load."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)   # a folder: never the hub
     except Exception as err:   # noqa: BLE001 - transformers raises many types for a broken folder
         raise ConfigError(f"{setting}={path!r}: its tokenizer does not load ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:300] if str(err) else ''}): fix or copy again its "

@@ -116,3 +116,66 @@ def test_rollout_async_spelling_and_the_settings_it_needs(tmp_path):
 def test_bad_rollout_settings_name_the_setting(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("recipes/tiny_cpu.yaml", [override])
+
+
+def test_a_recipe_that_is_not_yaml_names_the_file_and_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [\n  dir: x\n")
+    with pytest.raises(ConfigError, match=r"recipe '.*bad\.yaml' is not valid YAML .*line 3"):
+        load_config(bad)
+    tabs = tmp_path / "tabs.yaml"
+    tabs.write_text("train:\n  steps: 3\n\tfoo: 1\n")
+    with pytest.raises(ConfigError, match=r"tabs\.yaml' is not valid YAML \(found a tab"):
+        load_config(tabs)
+
+
+def test_a_recipe_must_be_sections_and_a_section_is_not_a_value(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml' holds a list, not sections"):
+        load_config(listed)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("train: 5\n")
+    with pytest.raises(ConfigError, match=r"train is a section of settings .*scalar\.yaml"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match=r"model\.arch is a section.*the command line"):
+        load_config(None, ["model.arch=3"])
+    with pytest.raises(ConfigError, match=r"is a folder"):
+        load_config(str(tmp_path))
+    # a section whose lines are all commented out changes nothing
+    empty = tmp_path / "empty_section.yaml"
+    empty.write_text("algo:\n#  kl_coef: 1\ntrain:\n  steps: 4\n")
+    assert load_config(empty).train.steps == 4
+
+
+def test_override_values_that_are_not_yaml_or_not_a_list():
+    with pytest.raises(ConfigError, match=r"override 'train\.steps=\[1': its value is not valid YAML"):
+        load_config(None, ["train.steps=[1"])
+    with pytest.raises(ConfigError, match=r"override '=3' is not key=value"):
+        load_config(None, ["=3"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine_urls is a list.*\[a,b\]"):
+        load_config(None, ["rollout.engine_mode=remote", "rollout.engine_urls=http://node1:8000"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    # a setting another one makes unused is refused, not silently ignored
+    (["rollout.engine_urls=[http://node1:8000]"], r"rollout\.engine_urls=.*only with rollout\.engine_mode=remote"),
+    (["rollout.engine_mode=local_servers", "rollout.engine_urls=[http://node1:8000]"], r"'local_servers'"),
+    (["rollout.api_key=secret"], r"rollout\.api_key='<set>': is used only by engine servers"),
+    (["algo.name=grpo", "train.critic_warmup_steps=3"], r"train\.critic_warmup_steps=3: algo\.name=grpo has no critic"),
+    (["reward.model_coef=0.5"], r"reward\.model_coef=0\.5: .*reward\.model_path is empty"),
+    # the engine's context holds the prompt and the response
+    (["rollout.max_new_tokens=256"], r"rollout\.max_new_tokens=256: must be below rollout\.max_model_len=256"),
+])
+def test_contradictory_settings_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("recipes/tiny_cpu.yaml", overrides)
+
+
+def test_consistent_settings_still_load():
+    cfg = load_config("recipes/tiny_cpu.yaml", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://n:1]",
+                                                "rollout.api_key=k"])
+    assert cfg.rollout.engine_urls == ["http://n:1"]
+    assert load_config("recipes/tiny_cpu.yaml", ["rollout.engine_mode=local_servers",
+                                                 "rollout.api_key=k"]).rollout.api_key == "k"
+    assert load_config("recipes/tiny_cpu.yaml", ["reward.model_path=/rm", "reward.model_coef=0.5"])

@@ -1,0 +1,135 @@
+"""Inputs checked against the world before a run starts (megarl/config/preflight.py): model
+files, the tokenizer, the dataset against the engine's context, engine TP against the machine."""
+import shutil
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.config import preflight
+from megarl.data.prompts import load_prompts
+
+
+@pytest.fixture()
+def model_copy(tiny_model, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_model, dst)
+    return dst
+
+
+def test_a_truncated_weights_file_is_named(model_copy):
+    f = model_copy / "model.safetensors"
+    assert preflight.safetensors_problem(str(f)) is None
+    preflight.check_model_files(str(model_copy), "model.path")
+    full = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(full - 1)
+    assert "truncated" in preflight.safetensors_problem(str(f))
+    with pytest.raises(ConfigError, match=r"model\.path=.*weights file model\.safetensors is damaged.*truncated"):
+        preflight.check_model_files(str(model_copy), "model.path")
+    with open(f, "r+b") as fh:       # cut inside the header
+        fh.truncate(100)
+    assert "header alone" in preflight.safetensors_problem(str(f))
+    f.write_bytes(b"\x05\x00")
+    assert "shorter than a safetensors header" in preflight.safetensors_problem(str(f))
+    f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    assert "not a safetensors file" in preflight.safetensors_problem(str(f))
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused(model_copy):
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenization_countdown.py"):
+        (model_copy / name).unlink()
+    with pytest.raises(ConfigError, match=r"model\.path=.* has no tokenizer files"):
+        preflight.check_model_files(str(model_copy), "model.path")
+    preflight.check_model_files(str(model_copy), "reward.model_path", tokenizer=False)   # a reward model needs none
+
+
+class EmptyVocab:
+    """What transformers builds for a folder without tokenizer files (from config.json alone): a
+    tokenizer with an empty vocabulary that turns every prompt into [] (the round then hung on
+    empty prompts). A stand-in: loading the real one waits on the network for the missing files."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[] for _ in texts]}
+
+
+def test_a_tokenizer_that_encodes_prompts_to_nothing_is_named_with_the_row(model_copy, tmp_path):
+    tok = EmptyVocab()
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "<bos> n3 ="}\n')
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_copy}", f"data.prompts={data}"])
+    with pytest.raises(ConfigError, match=r"row 1: the tokenizer of model\.path=.* encodes its prompt .* to no tokens"):
+        preflight.check_prompts(load_prompts(str(data)), tok, cfg)
+
+
+def test_broken_config_json_and_tokenizer_are_one_line(model_copy):
+    (model_copy / "tokenizer.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"model\.path=.*: its tokenizer does not load"):
+        preflight.load_tokenizer(str(model_copy))
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model\.path=.*: its config\.json does not load"):
+        preflight.read_hf_config(str(model_copy))
+
+
+def test_prompts_that_leave_no_room_for_the_response_name_row_and_limits(tiny_model, tmp_path):
+    data = tmp_path / "p.jsonl"
+    long = "<bos> " + " ".join(["n3"] * 230) + " ="
+    data.write_text('{"prompt": "<bos> n3 ="}\n\n{"prompt": "%s"}\n{"prompt": "<bos> n4 ="}\n' % long)
+    records = load_prompts(str(data))
+    assert records.rows == [1, 3, 4]    # JSONL line numbers, blank lines skipped
+    tok = preflight.load_tokenizer(str(tiny_model))
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"data.prompts={data}"])
+    with pytest.raises(ConfigError, match=r"row 3: a prompt of 232 tokens \+ rollout\.max_new_tokens=56 exceeds "
+                                          r"rollout\.max_model_len=256 \(1 of 3 rows do\): raise rollout\.max_model_len "
+                                          r"to 288, lower rollout\.max_new_tokens to 24"):
+        preflight.check_prompts(records, tok, cfg)
+    short = load_prompts(str(tiny_model / "prompts.jsonl"))
+    preflight.check_prompts(short, tok, cfg, vocab_size=128)
+    # the budget alone: 3-token prompts + 254 new tokens > 256
+    budget = load_config("recipes/tiny_cpu.yaml", ["rollout.max_new_tokens=254"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=254 exceeds rollout\.max_model_len=256"):
+        preflight.check_prompts(short, tok, budget)
+    with pytest.raises(ConfigError, match=r"outside the model's vocab_size=5"):
+        preflight.check_prompts(short, tok, cfg, vocab_size=5)
+
+
+def test_engine_tp_against_the_model_and_the_machine(monkeypatch):
+    arch = {"num_attention_heads": 4, "max_position_embeddings": 256}
+
+    def cfg(*o):
+        return load_config("recipes/tiny_cpu.yaml", list(o))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
+    monkeypatch.setattr(preflight, "numa_nodes", lambda: 1)
+    preflight.check_engines_fit(cfg(), arch)
+    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=2: vLLM on CPU runs one TP worker per NUMA node "
+                                          r"and this machine has 1"):
+        preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
+    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=3 must divide the model's 4 attention heads"):
+        preflight.check_engines_fit(cfg("rollout.engine_tp=3"), arch)
+    # remote engines run elsewhere; threads bound by hand need no NUMA node each
+    preflight.check_engines_fit(cfg("rollout.engine_tp=2", "rollout.engine_mode=remote",
+                                    "rollout.engine_urls=[http://n:1]"), arch)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=2: one engine needs that many GPUs and this machine shows 1"):
+        preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
+    with pytest.raises(ConfigError, match=r"rollout\.max_model_len=512 exceeds the model's max_position_embeddings=256"):
+        preflight.check_engines_fit(cfg("rollout.max_model_len=512"), arch)
+    scaled = {**arch, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    preflight.check_engines_fit(cfg("rollout.max_model_len=512"), scaled)   # vLLM's to judge
+
+
+def test_numa_id_lists():
+    assert preflight._id_count("0-3,8,10-11") == 7
+    assert preflight._id_count("0") == 1
+    assert preflight.numa_nodes() >= 1
+
+
+def test_a_data_file_that_is_not_text(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_bytes(b"\xff\xfe\x00binary\n")
+    with pytest.raises(ConfigError, match=r"data\.prompts=.*: not a text file"):
+        load_prompts(str(data))
