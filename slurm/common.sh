@@ -165,8 +165,9 @@ megarl_settings() {
     ENGINES_PER_NODE=${ENGINES_PER_NODE:-$((GPUS_PER_NODE / ENGINE_TP))}
     PORT_BASE=${PORT_BASE:-8100}                       # servers listen on PORT_BASE, PORT_BASE+1, ...
     MASTER_PORT=${MASTER_PORT:-29500}                  # torchrun rendezvous on the first trainer node
+    WEIGHT_PORT=${WEIGHT_PORT:-29600}                  # the weight group's rendezvous on the first trainer node (engines connect)
     RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megarl}}   # stable across requeues: resumes here
-    STAGING_DIR=${STAGING_DIR:-$RUN_DIR/weight_staging}   # weight pushes: shared by trainer and engine nodes
+    STAGING_DIR=${STAGING_DIR:-$RUN_DIR/weight_staging}   # weight_sync.transport=files only: shared by trainer and engine nodes
     MEGARL_PY=${MEGARL_PY:-$MEGARL_ROOT/.venv/bin/python}
     ENGINE_START_TIMEOUT=${ENGINE_START_TIMEOUT:-1800}   # seconds for every server to answer /health
     EXTRA=${EXTRA:-}                                   # more key=value overrides, space separated
@@ -175,7 +176,8 @@ megarl_settings() {
     REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-1}              # 1: a job stopped by SIGTERM requeues itself
     STOP_TIMEOUT=${STOP_TIMEOUT:-60}                   # seconds between SIGTERM and SIGKILL for the servers
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}   # megatron TP comm overlap
-    export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}   # the same in trainer and vLLM (vLLM uses 0)
+    # NCCL_CUMEM_ENABLE is left as the user has it: with vLLM >= 0.16 and NCCL >= 2.27, 0
+    # breaks the weight group's communicator init (docs/cluster.md)
     : "${RECIPE:?set by slurm/ppo_<size>.sh}" "${TRAINER_NODES:?}" "${ENGINE_NODES:?}" "${ENGINE_TP:?}"
 }
 
@@ -202,7 +204,7 @@ megarl_job() {
     JOB_LOG_DIR="$RUN_DIR/slurm-$SLURM_JOB_ID$suffix"
     mkdir -p "$JOB_LOG_DIR/engines" "$STAGING_DIR"
     MEGARL_ENGINE_API_KEY=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
-    export MEGARL_ROOT MEGARL_PY MASTER_ADDR MASTER_PORT JOB_LOG_DIR MEGARL_ENGINE_API_KEY \
+    export MEGARL_ROOT MEGARL_PY MASTER_ADDR MASTER_PORT WEIGHT_PORT JOB_LOG_DIR MEGARL_ENGINE_API_KEY \
         TRAINER_NODES TRAINER_PROCS_PER_NODE GPUS_PER_NODE ENGINE_TP ENGINES_PER_NODE PORT_BASE
 
     ENGINE_URLS=()
@@ -223,6 +225,8 @@ megarl_job() {
     overrides=("run.dir=$RUN_DIR" "rollout.engine_mode=remote" "rollout.engine_urls=[$urls]"
                "rollout.engine_tp=$ENGINE_TP" "rollout.engine_start_timeout_s=$ENGINE_START_TIMEOUT"
                "weight_sync.staging_dir=$STAGING_DIR"
+               # global rank 0 hosts the weight group; every engine worker connects to it
+               "weight_sync.master_addr=$MASTER_ADDR" "weight_sync.master_port=$WEIGHT_PORT"
                # the layout of this job, which `megarl plan` checks (memory per GPU)
                "cluster.nodes=$need" "cluster.trainer_nodes=$TRAINER_NODES" "cluster.engine_nodes=$ENGINE_NODES")
     ((GPUS_PER_NODE == 0)) || overrides+=("cluster.gpus_per_node=$GPUS_PER_NODE")

@@ -189,7 +189,7 @@ class AsyncVLLMEngine(Engine):
         # joining waits for every member: allow the group's own timeout, then some
         await self._rpc("joining the weight group",
                         self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)),
-                        float(init_info.get("timeout_s", self.timeout_s)) + 30)
+                        float(init_info.get("timeout_s", self.timeout_s)) + 60)
 
     async def start_weight_update(self) -> None:
         self._check_quiet("a weight update")

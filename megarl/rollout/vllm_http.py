@@ -247,7 +247,7 @@ class HTTPVLLMEngine(Engine):
         return int(body["world_size"])
 
     async def init_weight_transfer(self, init_info: dict) -> None:
-        timeout = float(init_info.get("timeout_s", self.timeout_s)) + 30
+        timeout = float(init_info.get("timeout_s", self.timeout_s)) + 60
         status, body = await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info},
                                         check=False, timeout_s=timeout)
         if status != 200:

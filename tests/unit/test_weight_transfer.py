@@ -258,7 +258,7 @@ def test_an_engine_dying_mid_broadcast_is_retired_and_the_others_hold_the_new_ve
     the survivors, who end with exactly the new weights and version; nobody is left paused."""
     clock = Clock()
     engines = [WireEngine("e0", clock), WireEngine("dies", clock, die_at=1), WireEngine("e2", clock)]
-    sp, loop = open_sync_pool(engines, timeout_s=10.0)
+    sp, loop = open_sync_pool(engines, timeout_s=4.0)
     t = transport(sp)
     try:
         t.push(None, None, 5)
@@ -273,7 +273,7 @@ def test_an_engine_dying_mid_broadcast_is_retired_and_the_others_hold_the_new_ve
 def test_the_last_engine_dying_mid_broadcast_is_a_named_error(fake_source):
     clock = Clock()
     engines = [WireEngine("only", clock, die_at=0)]
-    sp, loop = open_sync_pool(engines, timeout_s=10.0)
+    sp, loop = open_sync_pool(engines, timeout_s=4.0)
     t = transport(sp)
     try:
         with pytest.raises(EngineError, match="only"):

@@ -36,7 +36,7 @@ import torch
 from megarl.distributed.env import free_port
 from megarl.distributed import faults
 from megarl.rollout.engine import Engine, EngineError
-from megarl.rollout.transfer import group as wgroup
+from megarl.rollout.transfer.wires import WIRES
 from megarl.rollout.transfer import source
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -52,11 +52,7 @@ class CollectiveTransport:
     def __init__(self, ws, pool):
         self.ws = ws
         self.pool = pool
-        self.backend = ws.resolved_backend(torch.cuda.is_available())
-        if self.backend != "gloo":
-            raise EngineError(f"weight_sync.backend={self.backend}: megarl drives vLLM's nccl backend "
-                              f"only through tests/gpu so far; use weight_sync.backend=gloo or "
-                              f"weight_sync.transport=files")
+        self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available())]
         self.group = None
         self._store = None                       # the group's TCPStore (hosted here while the group lives)
         self.members: tuple = ()                 # ids of the engines in self.group, in rank order
@@ -167,10 +163,10 @@ class CollectiveTransport:
     def _send(self, engines, meta, buf, stats: dict) -> None:
         sp = self.pool
         faults.point("sync_bucket")
-        receive = sp.loop.submit(_each_raw(engines, lambda e: e.update_weights(meta.to_dict())))
+        receive = sp.loop.submit(_each_raw(engines, lambda e: e.update_weights(self.wire.update_info(meta))))
         t = time.perf_counter()
         try:
-            wgroup.broadcast(self.group, buf if buf.device.type == "cpu" else buf.cpu())
+            self.wire.send(self.group, meta, buf)
         except RuntimeError as err:
             # the engines' receive calls end with the group (dropped by the caller): collect them
             self._drop_group()
@@ -206,17 +202,16 @@ class CollectiveTransport:
                 continue
             world, host = 1 + sum(sizes), self._address(engines)
             port = self.ws.master_port or free_port()
-            token = wgroup.new_token()
-            store = wgroup.store(host, port, world, timeout_s, sender=True)
+            meet = box = None                    # a failed round's store frees its port first
+            meet = self.wire.Rendezvous(host, port, world, timeout_s)
             first = [1 + sum(sizes[:i]) for i in range(len(engines))]
-            joins = [sp.loop.submit(e.init_weight_transfer(
-                {"master_address": host, "master_port": port, "rank_offset": off, "world_size": world,
-                 "token": token, "timeout_s": timeout_s})) for e, off in zip(engines, first)]
+            joins = [sp.loop.submit(e.init_weight_transfer(meet.engine_info(off)))
+                     for e, off in zip(engines, first)]
             box: dict = {}
 
             def sender_join():
                 try:
-                    box["group"] = wgroup.join(store, 0, world, token, timeout_s)
+                    box["group"] = meet.join()
                 except BaseException as err:  # noqa: BLE001 - read by the polling thread
                     box["error"] = err
             joiner = threading.Thread(target=sender_join, name="megarl-weight-join", daemon=True)
@@ -229,13 +224,13 @@ class CollectiveTransport:
                 results = [_result(f, timeout_s + 60) for f in joins]
                 failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
                 if not failed:
-                    self.group, self._store = box["group"], store
+                    self.group, self._store = box["group"], meet
                     self.members = tuple(id(e) for e in engines)
                     return
             if not failed:              # the sender timed out: name who never arrived
-                absent = set(wgroup.missing_ranks(store, token, world))
+                absent = meet.missing()
                 failed = [(e, "it never arrived") for e, off, n in zip(engines, first, sizes)
-                          if absent & set(range(off, off + n))]
+                          if absent is None or absent & set(range(off, off + n))]
                 if not failed:
                     raise EngineError(f"the weight group ({world} members at {host}:{port}) did not form "
                                       f"within {timeout_s:.0f} s (rollout.engine_timeout_s): {box.get('error')}")
@@ -270,13 +265,7 @@ class CollectiveTransport:
         """Forget the group: its sockets close, so any member still waiting in a receive fails now."""
         group, self.group, self.members = self.group, None, ()
         if group is not None:
-            for name in ("abort", "shutdown"):
-                if hasattr(group, name):
-                    try:
-                        getattr(group, name)()
-                    except Exception:  # noqa: BLE001 - best effort on a broken group
-                        pass
-                    break
+            self.wire.drop(group)
         self._store = None
 
     def close(self) -> None:
