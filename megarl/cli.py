@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     if args.command == "plan":
         return _plan(cfg, args)
     from megarl.checkpoint import CheckpointError
+    from megarl.config import preflight
+    from megarl.conversion.hf_reader import ConversionError
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.rollout.engine import EngineError
     from megarl.train import train
@@ -81,8 +83,10 @@ def main(argv=None) -> int:
                  NonFiniteError: ("stopped", 1),            # names the quantity and the step
                  CheckpointError: ("checkpoint not saved", 1),  # disk full: the previous one is intact
                  ConfigError: ("config error", 2),
+                 ConversionError: ("model files", 2),       # an HF or megarl checkpoint folder the reader refuses
                  FileNotFoundError: ("missing input", 2)}   # our messages name the setting
     try:
+        preflight.check_backends(cfg)   # before train() builds the process group
         train(cfg)
     except KeyboardInterrupt:  # engines and servers were stopped on the way out
         print("megarl: interrupted; the newest complete checkpoint is where a rerun resumes",

@@ -290,11 +290,22 @@ def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None
 def load(path: str | Path, actor: Trainable, critic: Trainable | None) -> dict:
     """Collective. Restores models and optimizers in place; returns the driver state."""
     path = Path(path)
-    load_trainable(actor, path / "actor")
-    if critic is not None:
-        if not (path / "critic").exists():
-            raise FileNotFoundError(f"checkpoint {path} has no critic/ (it was written by a run "
-                                    f"without a critic, e.g. algo.name=grpo); resume with the same algo.name")
-        load_trainable(critic, path / "critic")
+    if critic is not None and not (path / "critic").exists():
+        raise FileNotFoundError(f"checkpoint {path} has no critic/ (it was written by a run "
+                                f"without a critic, e.g. algo.name=grpo); resume with the same algo.name")
+    for model, folder in ((actor, "actor"), (critic, "critic")):
+        if model is None:
+            continue
+        try:
+            load_trainable(model, path / folder)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:   # noqa: BLE001 - megatron raises several types for a mismatch
+            from megarl.config import ConfigError
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"checkpoint {path}/{folder} does not load into this run's {folder} "
+                              f"({type(err).__name__}: {first}): it was written with another model or "
+                              f"layout ({path}/config.yaml holds its settings); resume with those, or start "
+                              f"over with checkpoint.resume=false or another checkpoint.dir") from err
     # plain data only (numbers, strings, lists, dicts, tensors): nothing in a checkpoint can run code
     return torch.load(path / "driver.pt", weights_only=True)

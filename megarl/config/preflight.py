@@ -53,6 +53,13 @@ def check_model_files(path: str, setting: str, tokenizer: bool = True) -> None:
         if problem:
             raise ConfigError(f"{setting}={path!r}: weights file {os.path.basename(f)} is damaged ({problem}): "
                               f"copy the model folder again from its source")
+    # the index of a sharded checkpoint (and which file holds which tensor): the reader the
+    # trainer loads through, opened on headers only
+    from megarl.conversion.hf_reader import ConversionError, HFCheckpoint
+    try:
+        HFCheckpoint(path).close()
+    except (ConversionError, ValueError, KeyError, OSError) as err:
+        raise ConfigError(f"{setting}={path!r}: {err}: copy the model folder again from its source") from None
     if tokenizer and not any(glob.glob(os.path.join(path, pattern)) for pattern in TOKENIZER_FILES):
         raise ConfigError(f"{setting}={path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
                           f"copy them (and tokenizer_config.json) from the model's source into the folder")
@@ -157,13 +164,22 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                           f"{max_pos} (model.path={cfg.model.path!r}/config.json), which vLLM refuses: use "
                           f"rollout.max_model_len <= {max_pos}")
-    if r.engine_mode == "remote" or r.engine_tp == 1:
+    if r.engine_mode == "remote":
+        return
+    import torch
+    if not torch.cuda.is_available():   # vLLM on CPU allocates rollout.kv_cache_mb per engine up front
+        import psutil
+        total_mb = psutil.virtual_memory().total >> 20
+        if r.engines * r.kv_cache_mb > 0.8 * total_mb:
+            raise ConfigError(f"rollout.kv_cache_mb={r.kv_cache_mb} x rollout.engines={r.engines} is more than 80% "
+                              f"of this machine's {total_mb} MiB of memory (the engines' KV caches are allocated "
+                              f"at start, next to the trainer): lower rollout.kv_cache_mb or rollout.engines")
+    if r.engine_tp == 1:
         return
     heads = hf_config.get("num_attention_heads") or 0
     if heads and heads % r.engine_tp:
         raise ConfigError(f"rollout.engine_tp={r.engine_tp} must divide the model's {heads} attention heads "
                           f"(vLLM splits heads over TP): pick a divisor of {heads}")
-    import torch
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if r.engine_tp > gpus:
@@ -180,3 +196,15 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
                           f"this machine has {nodes}: use rollout.engine_tp <= {nodes} (more engines instead: "
                           f"rollout.engines), or bind the workers' threads yourself with "
                           f"VLLM_CPU_OMP_THREADS_BIND")
+
+
+def check_backends(cfg) -> None:
+    """NCCL asked for on a machine without a GPU (checked before the ranks' process group is
+    built: torch's own error is a traceback from inside it)."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
+        if value == "nccl":
+            raise ConfigError(f"{key}='nccl' needs GPUs and this machine shows none: use {key}=auto "
+                              f"(gloo without a GPU) or gloo")

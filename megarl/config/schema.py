@@ -221,6 +221,11 @@ class RolloutConfig:
         for url in self.engine_urls:
             _require(str(url).startswith(("http://", "https://")), "rollout.engine_urls", url,
                      "each URL must start with http:// or https://")
+            # megarl adds /v1/completions, /health, ... itself: an OpenAI-style base URL
+            # (.../v1) would reach /v1/v1/completions
+            _require(str(url).split("://", 1)[-1].partition("/")[2].strip("/") == "", "rollout.engine_urls", url,
+                     "give each server's base URL, scheme, host and port only (e.g. http://node1:8000, "
+                     "without /v1)")
         # settings another one makes unused: refused, not silently ignored
         _require(self.engine_mode == "remote" or not self.engine_urls, "rollout.engine_urls",
                  list(self.engine_urls), f"are used only with rollout.engine_mode=remote (it is "

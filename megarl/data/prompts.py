@@ -28,6 +28,8 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
     or `messages_key` (a non-empty list of {"role", "content"} texts); with `answer_key` set
     (the verifier needs a gold answer) also that field, a text or a number."""
     p = Path(path)
+    if p.is_dir():
+        raise FileNotFoundError(f"data.prompts={path!r} is a folder: point it at a .jsonl or .parquet file in it")
     if not p.is_file():
         raise FileNotFoundError(f"data.prompts={path!r} does not exist: build it with "
                                 f"`python tools/make_tiny_model.py` or point data.prompts at a "
@@ -72,8 +74,10 @@ def _rows(p: Path, path: str):
                 try:
                     rec = json.loads(line)
                 except ValueError as err:
-                    raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}): fix or remove "
-                                      f"that row") from None
+                    hint = (" (the file looks like one JSON array or object: write one JSON object per "
+                            "line, JSONL)") if line.strip() in ("[", "{") else ""
+                    raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}){hint}: fix or "
+                                      f"remove that row") from None
                 yield lineno, rec
     except UnicodeDecodeError as err:
         raise ConfigError(f"data.prompts={path!r}: not a text file ({err.reason} at byte {err.start}): give a "

@@ -40,3 +40,4 @@ def test_unreadable_metadata_and_driver_state(probe):
     assert probe["metadata_problem"] == "critic/.metadata does not load (UnpicklingError)" or \
         probe["metadata_problem"].startswith("critic/.metadata does not load")
     assert probe["driver_problem"].startswith("driver.pt does not load")
+

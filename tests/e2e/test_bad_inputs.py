@@ -5,6 +5,7 @@ Each case: (id, what the user gives, text the message must contain). All cases r
 process (bad_input_runner.py); every case's run.dir is checked not to exist afterwards.
 """
 import json
+import shutil
 
 import pytest
 
@@ -52,14 +53,66 @@ CASES = [
     ("model_not_hf", ["model.path={tmp}/not_a_model"], "model.path"),
     ("reward_model_missing", ["reward.model_path={tmp}/no_rm"], "reward.model_path"),
     ("run_dir_under_a_file", ["run.dir={tmp}/a_file/run"], "run.dir"),
-    ("staging_missing", ["weight_sync.staging_dir={tmp}/no_staging"], "weight_sync.staging_dir"),
+    ("staging_missing", ["weight_sync.transport=files", "weight_sync.staging_dir={tmp}/no_staging"],
+     "weight_sync.staging_dir"),
     ("simulate_bad_gpu", ["-", "simulate", "recipes/tiny_cpu.yaml", "--gpu", "a100"], "--gpu"),
+    # config parsing: the file, the line, the override
+    ("recipe_not_yaml", ["-", "train", "{tmp}/not_yaml.yaml"], "not_yaml.yaml' is not valid YAML"),
+    ("recipe_a_list", ["-", "train", "{tmp}/a_list.yaml"], "a_list.yaml' holds a list"),
+    ("recipe_a_folder", ["-", "train", "recipes"], "recipe 'recipes' is a folder"),
+    ("section_given_a_value", ["train=3"], "train is a section of settings"),
+    ("override_not_yaml", ["train.steps=[1"], "override 'train.steps=[1'"),
+    ("list_given_one_value", ["rollout.engine_mode=remote", "rollout.engine_urls=http://h:1"],
+     "rollout.engine_urls is a list"),
+    # contradictory settings: refused, not silently ignored
+    ("urls_while_inprocess", ["rollout.engine_urls=[http://127.0.0.1:9]"], "rollout.engine_mode=remote"),
+    ("api_key_while_inprocess", ["rollout.api_key=k"], "rollout.api_key"),
+    ("critic_warmup_without_critic", ["algo.name=grpo", "train.critic_warmup_steps=2"], "train.critic_warmup_steps"),
+    ("model_coef_without_model", ["reward.model_coef=0.5"], "reward.model_coef"),
+    # model files
+    ("model_truncated_weights", ["model.path={tmp}/m_truncated"], "model.safetensors is damaged"),
+    ("model_without_tokenizer", ["model.path={tmp}/m_no_tokenizer"], "has no tokenizer files"),
+    ("model_config_not_json", ["model.path={tmp}/m_bad_config"], "config.json does not load"),
+    ("model_tokenizer_broken", ["model.path={tmp}/m_bad_tokenizer"], "its tokenizer does not load"),
+    # hardware limits (this machine: one NUMA node, no GPU) and the model's
+    ("engine_tp_beyond_machine", ["rollout.engine_tp=4"], "rollout.engine_tp=4"),
+    ("engine_tp_not_dividing_heads", ["rollout.engine_tp=3"], "attention heads"),
+    ("context_beyond_model", ["rollout.max_model_len=512"], "max_position_embeddings=256"),
+    # data vs the engine's limits: found before the run, the row named
+    ("prompt_beyond_context", ["data.prompts={tmp}/long_prompt.jsonl"], "row 3: a prompt of 232 tokens"),
+    ("budget_beyond_context", ["rollout.max_new_tokens=254"], "rollout.max_new_tokens=254 exceeds"),
+    ("budget_is_the_context", ["rollout.max_new_tokens=256"], "must be below rollout.max_model_len"),
+    ("data_not_text", ["data.prompts={tmp}/binary.jsonl"], "not a text file"),
+    ("url_with_api_path", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://node1:8000/v1]"], "without /v1"),
+    ("data_is_a_folder", ["data.prompts={tmp}"], "is a folder"),
+    ("data_one_json_array", ["data.prompts={tmp}/array.jsonl"], "one JSON object per line"),
+    ("nccl_without_gpu", ["parallel.backend=nccl"], "parallel.backend='nccl' needs GPUs"),
+    ("kv_cache_beyond_memory", ["rollout.kv_cache_mb=100000000"], "rollout.kv_cache_mb=100000000"),
+    ("model_index_names_missing_file", ["model.path={tmp}/m_index"], "names missing files"),
+    # checkpoints: every one damaged (one damaged among intact ones resumes: tests/dist/test_damaged_checkpoint.py)
+    ("checkpoints_all_damaged", ["checkpoint.dir={tmp}/damaged_ckpts"], "every checkpoint is damaged"),
 ]
+
+# Found only when the engines are reached, after the models are built: the run dir then holds
+# its lock and config.yaml, but nothing of a run (no checkpoint, no metrics). {port}: a local
+# port where nothing listens.
+LATE = [
+    ("remote_url_nothing_listens", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://127.0.0.1:{port}]",
+                                    "rollout.engine_start_timeout_s=6"], "http://127.0.0.1:{port}"),
+]
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_inputs")
+    port = _closed_port()
     (tmp / "bad_row.jsonl").write_text('{"prompt": "<bos> n1 ="}\n{"prompt": \n')
     (tmp / "no_field.jsonl").write_text('{"question": "1+1"}\n')
     (tmp / "empty_prompt.jsonl").write_text('{"prompt": ""}\n')
@@ -69,31 +122,72 @@ def results(tiny_model, tmp_path_factory):
     (tmp / "not_a_model").mkdir()
     (tmp / "not_a_model" / "config.json").write_text("{}")
     (tmp / "a_file").write_text("not a folder")
+    (tmp / "not_yaml.yaml").write_text("run: [\n  dir: x\n")
+    (tmp / "a_list.yaml").write_text("- train\n- steps\n")
+    (tmp / "long_prompt.jsonl").write_text('{"prompt": "<bos> n3 ="}\n\n{"prompt": "<bos> %s ="}\n'
+                                           % " ".join(["n3"] * 230))
+    (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00binary\n")
+    (tmp / "array.jsonl").write_text('[\n  {"prompt": "<bos> n3 ="}\n]\n')
+    (tmp / "damaged_ckpts" / "step_3").mkdir(parents=True)
+    (tmp / "damaged_ckpts" / "step_3" / "COMPLETE").write_text("3")
+    for name, damage in [("m_truncated", "truncate"), ("m_no_tokenizer", "no_tokenizer"),
+                         ("m_bad_config", "config"), ("m_bad_tokenizer", "tokenizer"), ("m_index", "index")]:
+        folder = tmp / name
+        shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("prompts.jsonl", "eval.jsonl"))
+        if damage == "truncate":
+            with open(folder / "model.safetensors", "r+b") as f:
+                f.truncate(100_000)
+        elif damage == "no_tokenizer":
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenization_countdown.py"):
+                (folder / f).unlink()
+        elif damage == "index":   # a sharded checkpoint's index naming a shard that is not there
+            (folder / "model.safetensors.index.json").write_text(json.dumps(
+                {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}))
+        elif damage == "config":
+            (folder / "config.json").write_text('{"model_type": "qwen2",')
+        else:
+            (folder / "tokenizer.json").write_text("{")
     cases = []
-    for cid, args, _ in CASES:
+    for cid, args, _ in CASES + LATE:
         run_dir = tmp / "runs" / cid
         if args[0] == "-":
-            argv = args[1:]
+            argv = [a.format(tmp=tmp) for a in args[1:]]
         else:
             argv = ["train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
                     f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}",
-                    *[a.format(tmp=tmp) for a in args]]
+                    *[a.format(tmp=tmp, port=port) for a in args]]
         cases.append({"id": cid, "argv": argv})
     (tmp / "cases.json").write_text(json.dumps(cases))
     proc = run_py(["tests/e2e/bad_input_runner.py", str(tmp / "cases.json"), str(tmp / "out.json")], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return tmp, json.loads((tmp / "out.json").read_text())
+    return tmp, json.loads((tmp / "out.json").read_text()), port
 
 
 @pytest.mark.parametrize("cid,args,named", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_one_clear_line(results, cid, args, named):
-    tmp, out = results
+    tmp, out, _ = results
     r = out[cid]
     assert "Traceback" not in r["stderr"], r["stderr"][-3000:]
     assert r["rc"] == 2, r
     lines = [line for line in r["stderr"].splitlines() if line.strip()]
     assert any(named in line for line in lines), r["stderr"]
     assert not (tmp / "runs" / cid).exists(), "a failed start wrote into its run dir"
+
+
+@pytest.mark.parametrize("cid,args,named", LATE, ids=[c[0] for c in LATE])
+def test_unreachable_engine_says_what_it_waits_for_and_names_the_url(results, cid, args, named):
+    tmp, out, port = results
+    r = out[cid]
+    url = named.format(port=port)
+    assert "Traceback" not in r["stderr"], r["stderr"][-3000:]
+    assert r["rc"] == 2, r
+    lines = [line for line in r["stderr"].splitlines() if line.strip()]
+    waits = [line for line in lines if line.startswith("megarl: waiting for engine") and url in line]
+    assert waits and all("rollout.engine_urls" in line for line in waits), r["stderr"]
+    (error,) = [line for line in lines if line.startswith("megarl: engine error")]
+    assert url in error and "rollout.engine_urls" in error and "rollout.engine_start_timeout_s" in error
+    run_dir = tmp / "runs" / cid
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -103,4 +197,4 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_the_table_is_big_enough():
-    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 60 and len({c[0] for c in CASES + LATE}) == len(CASES + LATE)

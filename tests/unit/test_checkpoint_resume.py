@@ -1,0 +1,48 @@
+"""Which checkpoint a run resumes from, and the one line when none can be (megarl/checkpoint/manager.py).
+Real megatron checkpoints, damaged after their save: tests/dist/test_damaged_checkpoint.py."""
+import pytest
+
+from megarl.checkpoint import manager as ckpt
+from megarl.config import ConfigError
+
+
+def _complete(root, step):
+    folder = root / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "COMPLETE").write_text(str(step))
+    return folder
+
+
+def test_newest_intact_is_taken_and_damaged_newer_ones_are_named(tmp_path, monkeypatch):
+    for step in (1, 4, 9):
+        _complete(tmp_path, step)
+    broken = {"step_9": "actor/__0_0.distcp is missing", "step_4": "driver.pt does not load (EOFError)"}
+    monkeypatch.setattr(ckpt, "checkpoint_problem", lambda p: broken.get(p.name))
+    said = []
+    assert ckpt.resume_point(tmp_path, said.append).name == "step_1"
+    assert len(said) == 2
+    assert "step_9 is damaged (actor/__0_0.distcp is missing): resuming from step_1" in said[0]
+    assert "step_4 is damaged (driver.pt does not load (EOFError))" in said[1]
+
+
+def test_no_checkpoint_starts_fresh_and_all_damaged_stops(tmp_path):
+    assert ckpt.resume_point(tmp_path / "none") is None
+    _complete(tmp_path, 2)   # COMPLETE, but nothing else: damaged
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir=.*every checkpoint is damaged \(step_2: actor/\.metadata "
+                                          r"is missing\): remove them to start over"):
+        ckpt.resume_point(tmp_path)
+
+
+def test_a_checkpoint_that_does_not_fit_the_models_is_one_line(tmp_path, monkeypatch):
+    folder = _complete(tmp_path, 0)
+    (folder / "actor").mkdir()
+
+    def mismatch(model, where):
+        raise RuntimeError("Error(s) in loading state_dict for GPTModel:\n\tsize mismatch for embedding")
+    monkeypatch.setattr(ckpt, "load_trainable", mismatch)
+    with pytest.raises(ConfigError, match=r"step_0/actor does not load into this run's actor \(RuntimeError: Error\(s\) "
+                                          r"in loading state_dict for GPTModel:\): it was written with another model") as e:
+        ckpt.load(folder, object(), None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match=r"has no critic/"):
+        ckpt.load(folder, object(), object())
