@@ -29,10 +29,14 @@ def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(ca
         serve.main(["serve", "recipes/tiny_cpu.yaml", "rollout.kv_cache_mb=32", "--host", "10.1.2.3",
                     "--port", "8123", "--index", "2", "run.seed=5"])
     want = LocalServer("artifacts/tiny_countdown", "/dev/null", api_key="", seed=7, max_model_len=256,
-                       kv_cache_mb=32, port=8123, host="10.1.2.3").command()
+                       kv_cache_mb=32, port=8123, host="10.1.2.3", weight_backend="gloo").command()
     assert captured["argv"] == want
     argv = captured["argv"]
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    # the recipe's weight_sync.transport=collective: the server takes weights over the wire,
+    # and every route but /health needs the key
+    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
+    assert argv[argv.index("--middleware") + 1] == "megarl.rollout.auth.RequireKey"
     assert "--api-key" not in argv and "k" * 32 not in " ".join(argv)
     env = captured["env"]
     assert env["VLLM_API_KEY"] == "k" * 32 and env["VLLM_SERVER_DEV_MODE"] == "1"

@@ -102,13 +102,14 @@ class CollectiveTransport:
             if not isinstance(err, WeightGroupError):
                 return ("error", str(err))
             try:
-                dead = self._dead(engines)
+                gone = [e for e in engines if e not in self.pool.pool.engines]   # retired meanwhile
+                dead = self._dead([e for e in engines if e not in gone])
                 for e in dead:
                     self.pool.call(_retire(self.pool.pool, e, EngineError(
                         f"engine {e.name} died during a weight push: {err}")), "retiring a failed engine")
             except EngineError as final:         # none left, or too many failures
                 return ("error", str(final))
-            if may_redo and dead:
+            if may_redo and (dead or gone):
                 return ("redo", str(err))
             return ("error", str(err))
 
@@ -117,6 +118,9 @@ class CollectiveTransport:
         if self.group is None or self.members != tuple(id(e) for e in engines):
             self._form(engines)
         sp.call(pool.on_each(lambda e: e.start_weight_update(), engines), "starting a weight update")
+        if any(e not in pool.engines for e in engines):   # retired: the group would wait for it
+            raise WeightGroupError("an engine failed to start the weight update: "
+                                   f"{pool.failures[-1]['error'] if pool.failures else '?'}")
         # at most num_buffers packed buckets alive: one on the wire, the rest being made
         slots = threading.Semaphore(self.ws.num_buffers)
         wire: queue.Queue = queue.Queue()
