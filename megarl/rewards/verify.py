@@ -148,7 +148,10 @@ class Worker:
 class Verifier:
     """`verifier(response_text, record, finished=...) -> float`, the reward_fn signature the
     rollout calls, with the errors and timeouts of that call counted instead of raised.
-    Thread-safe (the partial-rollout loop thread and the driver may both score)."""
+    Thread-safe: the partial rollout scores in a thread of its own (never on the engines' event
+    loop: a call may block up to timeout_s, a worker start up to WORKER_START_TIMEOUT_S), the
+    synchronous rollout on the driver thread. A WorkerStartError is raised, not counted: the
+    controller ends the round with it at once."""
 
     def __init__(self, fn: Callable, *, timeout_s: float, isolate: bool, name: str = "",
                  kwargs: dict | None = None):
