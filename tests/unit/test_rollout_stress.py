@@ -307,3 +307,18 @@ def test_a_slow_verifier_does_not_stop_the_engines():
     busy = [c for c, pending in zip(clock.running_total[t0:t1], clock.pending[t0:t1]) if pending]
     assert busy and set(busy) == {8}
     assert ctl.stats.timer_samples >= 1 and metrics[0]["rollout_inflight_min"] == 8
+
+
+def _worker_cannot_start(text, record, finished):
+    from megarl.rewards.verify import WorkerStartError
+    raise WorkerStartError("the verifier worker (importing sympy) did not start")
+
+
+def test_a_verifier_that_cannot_start_ends_the_round_with_its_error():
+    """The Verifier counts a failing call as 0 but re-raises WorkerStartError (nothing could be
+    scored): through the scoring thread the round ends with it, not at the round deadline."""
+    from megarl.rewards.verify import Verifier, WorkerStartError
+    verifier = Verifier(_worker_cannot_start, timeout_s=5, isolate=False)
+    score = lambda s: verifier("", {}, finished=True)   # noqa: E731
+    with pytest.raises(WorkerStartError, match="did not start"):
+        asyncio.run(drive(bimodal, 3, score=score, scorer=ThreadPoolExecutor(1)))
