@@ -65,6 +65,24 @@ def check_model_files(path: str, setting: str, tokenizer: bool = True) -> None:
                           f"copy them (and tokenizer_config.json) from the model's source into the folder")
 
 
+def check_weights_match(path: str, setting: str = "model.path") -> None:
+    """config.json names an architecture megarl maps, and the safetensors hold each of its
+    tensors with the shape config.json implies (headers only: what build_all checks again
+    before loading, here before the run directory is touched)."""
+    from transformers import AutoConfig
+
+    from megarl.conversion.hf_reader import ConversionError
+    from megarl.conversion.mapping import mapping_for
+    from megarl.models.builders import use_te
+    from megarl.models.loading import open_checked
+    try:
+        mapping = mapping_for(AutoConfig.from_pretrained(path, local_files_only=True), te_names=use_te())
+        open_checked(path, mapping).close()
+    except (ValueError, ConversionError) as err:
+        raise ConfigError(f"{setting}={path!r}: {err}: config.json and the weights must describe one model "
+                          f"of a supported architecture; copy the folder again from its source") from None
+
+
 def read_hf_config(path: str, setting: str = "model.path") -> dict:
     """config.json of an HF folder as transformers reads it (a dict), or one line saying why not."""
     from transformers import AutoConfig

@@ -89,6 +89,8 @@ CASES = [
     ("nccl_without_gpu", ["parallel.backend=nccl"], "parallel.backend='nccl' needs GPUs"),
     ("kv_cache_beyond_memory", ["rollout.kv_cache_mb=100000000"], "rollout.kv_cache_mb=100000000"),
     ("model_index_names_missing_file", ["model.path={tmp}/m_index"], "names missing files"),
+    ("model_config_disagrees_with_weights", ["model.path={tmp}/m_layers"], "missing HF parameters"),
+    ("model_architecture_unsupported", ["model.path={tmp}/m_arch"], "unsupported architecture"),
     # checkpoints: every one damaged (one damaged among intact ones resumes: tests/dist/test_damaged_checkpoint.py)
     ("checkpoints_all_damaged", ["checkpoint.dir={tmp}/damaged_ckpts"], "every checkpoint is damaged"),
 ]
@@ -131,7 +133,8 @@ def results(tiny_model, tmp_path_factory):
     (tmp / "damaged_ckpts" / "step_3").mkdir(parents=True)
     (tmp / "damaged_ckpts" / "step_3" / "COMPLETE").write_text("3")
     for name, damage in [("m_truncated", "truncate"), ("m_no_tokenizer", "no_tokenizer"),
-                         ("m_bad_config", "config"), ("m_bad_tokenizer", "tokenizer"), ("m_index", "index")]:
+                         ("m_bad_config", "config"), ("m_bad_tokenizer", "tokenizer"), ("m_index", "index"),
+                         ("m_layers", "layers"), ("m_arch", "arch")]:
         folder = tmp / name
         shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("prompts.jsonl", "eval.jsonl"))
         if damage == "truncate":
@@ -143,6 +146,13 @@ def results(tiny_model, tmp_path_factory):
         elif damage == "index":   # a sharded checkpoint's index naming a shard that is not there
             (folder / "model.safetensors.index.json").write_text(json.dumps(
                 {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}))
+        elif damage in ("layers", "arch"):   # config.json of another model than the weights
+            config = json.loads((folder / "config.json").read_text())
+            if damage == "layers":
+                config.update(num_hidden_layers=3, layer_types=["full_attention"] * 3)
+            else:
+                config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+            (folder / "config.json").write_text(json.dumps(config))
         elif damage == "config":
             (folder / "config.json").write_text('{"model_type": "qwen2",')
         else:
