@@ -19,9 +19,10 @@ One round (DESIGN.md "One training step"; docs/partial_rollout.md), on the pool'
   and is raised by `run_round`.
 
 Staleness, `rollout.stale_policy`:
-- `finish` (default; AReaL-style admission control): a new group gets a deadline, the latest
-  step d <= (weight version now) + max_staleness that has fewer than groups_per_step groups
-  already due at d; with none free the group is not opened (admission is throttled). Its
+- `finish` (default; AReaL-style admission control): a new group gets a deadline, the earliest
+  step d after this round's (this round's own only if no later one is free) with
+  d <= (weight version now) + max_staleness and fewer than groups_per_step groups already due
+  at d; with none free the group is not opened (admission is throttled). Its
   first token is generated at a version >= the one it was opened under, so training it by
   step d keeps every token within the bound. A round may not end while a group due at its
   step is incomplete: a long sample is finished, never discarded, so nothing is selected on
@@ -149,15 +150,15 @@ def request_seed(slot: Slot) -> int:
 
 
 def free_deadline(taken: Counter, earliest: int, latest: int, per_step: int) -> Optional[int]:
-    """The latest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
-    None (the window is full: admission waits). The latest free one gives a group the most
-    steps to finish in; the loop visits at most len(taken) + 1 steps, also for an unbounded
-    max_staleness."""
-    d = latest
-    while d >= earliest:
+    """The earliest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
+    None (the window is full: admission waits). Earliest first: groups fall due in the order
+    they were opened (AReaL's sample version = its index / batch size). The loop visits at most
+    len(taken) + 1 steps, also for an unbounded max_staleness."""
+    d = earliest
+    while d <= latest:
         if taken[d] < per_step:
             return d
-        d -= 1
+        d += 1
     return None
 
 
@@ -236,10 +237,12 @@ class PartialRolloutController:
 
     def _deadline_for_new_group(self) -> Optional[int]:
         """stale_policy=finish: the deadline a group opened now gets, or None (throttled). This
-        round's own step comes last: a group due now holds the round's end (measured on the
-        stress workloads: never taking it throttles more than it saves, 1.9x slower at S=1)."""
-        taken = Counter(g.deadline for g in self._untrained())
-        return free_deadline(taken, self._train_version, self.pool.version + self.max_staleness, self._target)
+        round's own step only when no later one is free: a group due now holds the round's end,
+        but refusing it outright throttles more than it saves (1.9x slower at S=1 on the stress
+        workloads of tests/unit/test_rollout_stress.py)."""
+        taken, now = Counter(g.deadline for g in self._untrained()), self._train_version
+        later = free_deadline(taken, now + 1, self.pool.version + self.max_staleness, self._target)
+        return later if later is not None else free_deadline(taken, now, now, self._target)
 
     def _open_group(self) -> Optional[Group]:
         deadline = None
@@ -460,13 +463,19 @@ class PartialRolloutController:
                 self.completed.append(group)
 
     def _restore_deadlines(self, version: int) -> None:
-        """finish: every untrained group has a deadline >= `version`. Groups without one
-        (restored from a checkpoint of another policy) get one, oldest first, as late as their
-        oldest token allows; only a sample already past the bound (a resume with a smaller
-        max_staleness) is restarted."""
-        taken = Counter(g.deadline for g in self._untrained() if g.deadline is not None and g.deadline >= version)
+        """finish: every untrained group has a deadline in [version, its first token's version
+        + S]. Groups without one (restored from a checkpoint of another policy, or of a larger
+        max_staleness) get the earliest free one, oldest group first; only a sample already
+        past the bound is restarted."""
+        def latest(g: Group) -> int:   # its first token's version + S (no token yet: the engines')
+            return min((v for s in g.slots for v in s.versions), default=self.pool.version) + self.max_staleness
+
+        def valid(g: Group) -> bool:
+            return g.deadline is not None and version <= g.deadline <= latest(g)
+
+        taken = Counter(g.deadline for g in self._untrained() if valid(g))
         for g in sorted(self._untrained(), key=lambda g: g.gid):
-            if g.deadline is not None and g.deadline >= version:
+            if valid(g):
                 continue
             stale = self._stale_slots(g, version)
             for s in stale:
@@ -477,8 +486,7 @@ class PartialRolloutController:
                     self.completed = [c for c in self.completed if c is not g]
                     self.groups[g.gid] = g
                 g.reward_done, g.rewards = False, []
-            oldest = min((v for s in g.slots for v in s.versions), default=self.pool.version)
-            g.deadline = free_deadline(taken, version, oldest + self.max_staleness, max(1, self._target))
+            g.deadline = free_deadline(taken, version, latest(g), max(1, self._target))
             if g.deadline is None:   # over-full (a larger groups_per_step before): train it first
                 g.deadline = version
             taken[g.deadline] += 1

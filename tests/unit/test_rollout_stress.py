@@ -138,12 +138,11 @@ def test_restart_and_drop_are_opt_in_and_report_what_they_discard():
                 assert all(k - v <= 1 for s in g.slots for v in s.versions)
 
 
-def test_free_deadline_picks_the_latest_step_with_room():
-    taken = Counter({5: 3, 4: 3, 3: 1})
-    assert free_deadline(taken, 3, 5, 3) == 3
-    assert free_deadline(taken, 4, 5, 3) is None           # full: admission waits
-    assert free_deadline(Counter(), 2, 10**9, 3) == 10**9  # unbounded staleness: never due
-    assert free_deadline(Counter({10**9: 3}), 2, 10**9, 3) == 10**9 - 1
+def test_free_deadline_picks_the_earliest_step_with_room():
+    taken = Counter({3: 3, 4: 1, 5: 3})
+    assert free_deadline(taken, 3, 5, 3) == 4
+    assert free_deadline(taken, 5, 5, 3) is None           # full: admission waits
+    assert free_deadline(Counter({k: 3 for k in range(2, 40)}), 2, 10**9, 3) == 40   # unbounded: a short walk
 
 
 # -- errors in the serve path end the round at once --------------------------------------
@@ -322,3 +321,36 @@ def test_a_verifier_that_cannot_start_ends_the_round_with_its_error():
     score = lambda s: verifier("", {}, finished=True)   # noqa: E731
     with pytest.raises(WorkerStartError, match="did not start"):
         asyncio.run(drive(bimodal, 3, score=score, scorer=ThreadPoolExecutor(1)))
+
+
+def test_a_resume_with_a_smaller_bound_keeps_it():
+    """A checkpoint of a max_staleness=4 run resumed with max_staleness=1: the restored groups
+    get deadlines the new bound allows (restarting only samples already past it), and every
+    token trained after the resume is within 1 version."""
+    async def main():
+        ctl, _, _ = await drive(bimodal, 4, max_staleness=4)
+        state = ctl.state_dict()
+        clock = Clock()
+        clock.start()
+        pool = EnginePool([WorkloadEngine(f"e{i}", clock, bimodal) for i in range(2)], 30)
+        for e in pool.engines:
+            e.version = 4
+        ctl2 = PartialRolloutController(pool, n=4, concurrency=32, max_new_tokens=64, temperature=1.0,
+                                        max_staleness=1, new_group=lambda: ({}, list(PROMPT)),
+                                        score=lambda s: 0.0, seed=0, sample_every_s=None)
+        ctl2.load_state_dict(state)
+        trained = []
+        try:
+            for k in range(4, 10):
+                trained.append((k, await ctl2.run_round(3, k)))
+                ctl2.take_ready()
+                await pool.reload_weights("/w", k + 1)
+        finally:
+            clock.stop()
+        return state, trained
+    state, trained = asyncio.run(main())
+    assert any(g["deadline"] > min(v for s in g["slots"] for v in s["versions"]) + 1
+               for g in state["open"] + state["completed"]), "no restored group outside the new bound"
+    for k, gs in trained:
+        assert len(gs) == 3
+        assert all(k - v <= 1 for g in gs for s in g.slots for v in s.versions), k
