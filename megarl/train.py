@@ -71,6 +71,8 @@ def train(cfg: RootConfig) -> dict:
         check_model_dir(cfg.reward.model_path, "reward.model_path")
         preflight.check_model_files(cfg.reward.model_path, "reward.model_path", tokenizer=False)
     check_writable(cfg.run.dir, "run.dir")
+    if cfg.checkpoint.dir:   # elsewhere than run.dir: refused now, not at the first save
+        check_writable(cfg.checkpoint.dir, "checkpoint.dir")
     if cfg.weight_sync.transport == "files":
         from megarl.rollout.transfer.files import check_staging_base
         check_staging_base(cfg.weight_sync.staging_dir)

@@ -53,6 +53,7 @@ CASES = [
     ("model_not_hf", ["model.path={tmp}/not_a_model"], "model.path"),
     ("reward_model_missing", ["reward.model_path={tmp}/no_rm"], "reward.model_path"),
     ("run_dir_under_a_file", ["run.dir={tmp}/a_file/run"], "run.dir"),
+    ("checkpoint_dir_under_a_file", ["checkpoint.dir={tmp}/a_file/ckpts"], "checkpoint.dir"),
     ("staging_missing", ["weight_sync.transport=files", "weight_sync.staging_dir={tmp}/no_staging"],
      "weight_sync.staging_dir"),
     ("simulate_bad_gpu", ["-", "simulate", "recipes/tiny_cpu.yaml", "--gpu", "a100"], "--gpu"),
