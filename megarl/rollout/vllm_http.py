@@ -137,6 +137,11 @@ class HTTPVLLMEngine(Engine):
                     if r.status == 200:
                         return
                     last = f"HTTP {r.status}"
+                    if remote and r.status == 404:   # vLLM always serves /health: waiting cannot help
+                        err = EngineError(f"{self._where()}: {self.url}/health answers HTTP 404: that is not a "
+                                          f"vLLM server. Fix: check the host and port in rollout.engine_urls")
+                        err.exit_code = 2
+                        raise err
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                 last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             now = time.monotonic()
