@@ -18,18 +18,11 @@ One round (DESIGN.md "One training step"; docs/partial_rollout.md), on the pool'
 - any exception (engine, scoring, the data stream, building a request) ends the round at once
   and is raised by `run_round`.
 
-Staleness, `rollout.stale_policy`:
-- `finish` (default; AReaL-style admission control): a new group gets a deadline, the earliest
-  step d after this round's (this round's own only if no later one is free) with
-  d <= (weight version now) + max_staleness and fewer than groups_per_step groups already due
-  at d; with none free the group is not opened (admission is throttled). Its
-  first token is generated at a version >= the one it was opened under, so training it by
-  step d keeps every token within the bound. A round may not end while a group due at its
-  step is incomplete: a long sample is finished, never discarded, so nothing is selected on
-  length (`staleness_deadlines` below is the pure rule).
-- `restart` / `drop` (opt-in): at the start of a round, a sample holding a token more than
-  max_staleness versions old is restarted from its prompt, or its whole group is dropped.
-  Their cost is reported: `stale_tokens_discarded` (tokens generated and never trained).
+Staleness (`rollout.stale_policy`, megarl/rollout/staleness.py): by default (`finish`) every
+group gets a deadline step when it opens, admission waits while no step within the bound has
+room, and a round may not end while a group due at its step is incomplete: long samples are
+finished, never discarded. `restart` / `drop` (opt-in) discard stale samples instead and
+report what that cost (`stale_tokens_discarded`).
 
 Stitched old logprobs (CoPRIS): `Slot.old_logprobs` holds the trainer's logprob of each token
 under the version that produced it. At the end of every round the trainer computes them for
@@ -43,19 +36,16 @@ round's untaken result first) and the group counter, as lists and numbers.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from megarl.distributed import faults
+from megarl.rollout import staleness
 from megarl.rollout.engine import EngineError, GenRequest, GenResult
 from megarl.rollout.types import Sample
 
-log = logging.getLogger("megarl.rollout")
-
-STALE_POLICIES = ("finish", "restart", "drop")
+STALE_POLICIES = staleness.POLICIES
 
 
 @dataclass
@@ -149,19 +139,6 @@ def request_seed(slot: Slot) -> int:
     return (slot.seed * 1_000_003 + len(slot.response_ids) * 7919 + slot.restarts * 104_729) % (2**31 - 1)
 
 
-def free_deadline(taken: Counter, earliest: int, latest: int, per_step: int) -> Optional[int]:
-    """The earliest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
-    None (the window is full: admission waits). Earliest first: groups fall due in the order
-    they were opened (AReaL's sample version = its index / batch size). The loop visits at most
-    len(taken) + 1 steps, also for an unbounded max_staleness."""
-    d = earliest
-    while d <= latest:
-        if taken[d] < per_step:
-            return d
-        d += 1
-    return None
-
-
 def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
     return [score(s) for s in samples]
 
@@ -235,19 +212,11 @@ class PartialRolloutController:
         ranked.sort(key=lambda item: item[0])
         return [s for _, s in ranked]
 
-    def _deadline_for_new_group(self) -> Optional[int]:
-        """stale_policy=finish: the deadline a group opened now gets, or None (throttled). This
-        round's own step only when no later one is free: a group due now holds the round's end,
-        but refusing it outright throttles more than it saves (1.9x slower at S=1 on the stress
-        workloads of tests/unit/test_rollout_stress.py)."""
-        taken, now = Counter(g.deadline for g in self._untrained()), self._train_version
-        later = free_deadline(taken, now + 1, self.pool.version + self.max_staleness, self._target)
-        return later if later is not None else free_deadline(taken, now, now, self._target)
-
     def _open_group(self) -> Optional[Group]:
         deadline = None
         if self.stale_policy == "finish":
-            deadline = self._deadline_for_new_group()
+            deadline = staleness.new_group_deadline(self._untrained(), self._train_version, self.pool.version,
+                                                    self.max_staleness, self._target)
             if deadline is None:
                 self.stats.throttled += 1
                 return None
@@ -430,66 +399,14 @@ class PartialRolloutController:
                 if not s.finished and len(s.response_ids) >= self._budget(s):
                     s.clip(self._budget(s))
         if self.stale_policy == "finish":
-            self._restore_deadlines(version)
+            self.completed, lost = staleness.check_deadlines(self.groups, self.completed, version, self.pool.version,
+                                                             self.max_staleness, max(1, self._target))
         else:
-            self._discard_stale(version)
-
-    def _stale_slots(self, g: Group, version: int) -> list[Slot]:
-        return [s for s in g.slots if s.versions and version - min(s.versions) > self.max_staleness]
-
-    def _discard_stale(self, version: int) -> None:
-        """restart / drop: restart (or drop the group of) every sample holding a token more than
-        max_staleness versions old; finished samples and complete groups too, so the bound holds
-        for everything the trainer will see."""
-        waiting, self.completed = self.completed, []
-        for group in waiting:                      # complete but untrained: back to open if stale
-            self.groups[group.gid] = group
-        for gid in sorted(self.groups):
-            group = self.groups[gid]
-            stale = self._stale_slots(group, version)
-            if stale and self.stale_policy == "drop":
-                del self.groups[gid]
-                self.stats.dropped_groups += 1
-                self.stats.discarded_tokens += sum(len(s.response_ids) for s in group.slots)
-                continue
-            for s in stale:
-                self.stats.discarded_tokens += s.restart()
-                self.stats.restarted += 1
-            if stale:
-                group.reward_done, group.rewards = False, []
-        for group in waiting:
-            if group.gid in self.groups and group.complete:
-                del self.groups[group.gid]
-                self.completed.append(group)
-
-    def _restore_deadlines(self, version: int) -> None:
-        """finish: every untrained group has a deadline in [version, its first token's version
-        + S]. Groups without one (restored from a checkpoint of another policy, or of a larger
-        max_staleness) get the earliest free one, oldest group first; only a sample already
-        past the bound is restarted."""
-        def latest(g: Group) -> int:   # its first token's version + S (no token yet: the engines')
-            return min((v for s in g.slots for v in s.versions), default=self.pool.version) + self.max_staleness
-
-        def valid(g: Group) -> bool:
-            return g.deadline is not None and version <= g.deadline <= latest(g)
-
-        taken = Counter(g.deadline for g in self._untrained() if valid(g))
-        for g in sorted(self._untrained(), key=lambda g: g.gid):
-            if valid(g):
-                continue
-            stale = self._stale_slots(g, version)
-            for s in stale:
-                self.stats.discarded_tokens += s.restart()
-                self.stats.restarted += 1
-            if stale:
-                if g.gid not in self.groups:     # it was complete: open again
-                    self.completed = [c for c in self.completed if c is not g]
-                    self.groups[g.gid] = g
-                g.reward_done, g.rewards = False, []
-            g.deadline = free_deadline(taken, version, latest(g), max(1, self._target))
-            if g.deadline is None:   # over-full (a larger groups_per_step before): train it first
-                g.deadline = version
-            taken[g.deadline] += 1
+            self.completed, lost = staleness.discard_stale(self.groups, self.completed, version, self.max_staleness,
+                                                           drop=self.stale_policy == "drop")
+        self.stats.restarted += lost.restarted
+        self.stats.dropped_groups += lost.dropped
+        self.stats.discarded_tokens += lost.tokens
 
     async def hold(self, scoring: bool = False) -> None:
         """Stop admitting and abort what this controller has in flight (tokens stay in their

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megarl.rollout.controller import PartialRolloutController, free_deadline
+from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.staleness import free_deadline
 from megarl.rollout.engine import EngineError
 from megarl.rollout.pool import EnginePool
 from scripted_engine import Clock, ScriptedEngine

@@ -1,0 +1,121 @@
+"""The staleness rules of the partial rollout (`rollout.stale_policy`, `rollout.max_staleness` = S),
+as functions of plain data: groups and slots are the controller's (`controller.Group` /
+`Slot`), read through their attributes only. docs/partial_rollout.md explains the policies.
+
+- finish (default): every untrained group has a deadline, the step that must train it at the
+  latest. A new group gets the earliest step with room (fewer than groups_per_step groups due
+  there) no later than v + S, v the engines' version when it opens: its first token comes at
+  a version >= v, so training it by its deadline keeps every token within S versions. No
+  room: the group is not opened. The controller finishes the groups due at a step before that
+  step's round may end.
+- restart / drop: before a round, a sample holding a token more than S versions old is
+  restarted from its prompt, or its whole group dropped.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+POLICIES = ("finish", "restart", "drop")
+
+
+@dataclass
+class Discarded:
+    """What keeping the bound threw away (restart / drop; finish only for a restored carry
+    already past the bound)."""
+    restarted: int = 0     # samples restarted from their prompt
+    dropped: int = 0       # groups dropped
+    tokens: int = 0        # tokens generated and never to be trained
+
+
+def free_deadline(taken: Counter, earliest: int, latest: int, per_step: int) -> Optional[int]:
+    """The earliest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
+    None (the window is full: admission waits). Earliest first: groups fall due in the order
+    they were opened (AReaL's sample version = its index / batch size). The loop visits at most
+    len(taken) + 1 steps, also for an unbounded max_staleness."""
+    d = earliest
+    while d <= latest:
+        if taken[d] < per_step:
+            return d
+        d += 1
+    return None
+
+
+def new_group_deadline(untrained, step: int, engine_version: int, max_staleness: int,
+                       per_step: int) -> Optional[int]:
+    """finish: the deadline of a group opened now for the round of `step`, or None. This
+    round's own step only when no later one is free: a group due now holds the round's end,
+    but refusing it outright throttles more than it saves (1.9x slower at S=1 on the workloads
+    of tests/unit/test_rollout_stress.py)."""
+    taken = Counter(g.deadline for g in untrained)
+    later = free_deadline(taken, step + 1, engine_version + max_staleness, per_step)
+    return later if later is not None else free_deadline(taken, step, step, per_step)
+
+
+def stale_slots(group, step: int, max_staleness: int) -> list:
+    """Slots of `group` holding a token more than max_staleness versions older than `step`."""
+    return [s for s in group.slots if s.versions and step - min(s.versions) > max_staleness]
+
+
+def discard_stale(groups: dict, completed: list, step: int, max_staleness: int, drop: bool) -> tuple[list, Discarded]:
+    """restart / drop, before the round of `step`: restart every stale sample (drop: its whole
+    group), finished samples and complete groups too, so the bound holds for everything the
+    trainer will see. Mutates `groups` (open, by gid); returns the complete groups still
+    complete and what was discarded."""
+    out = Discarded()
+    for group in completed:                     # complete but untrained: back to open if stale
+        groups[group.gid] = group
+    for gid in sorted(groups):
+        group = groups[gid]
+        stale = stale_slots(group, step, max_staleness)
+        if stale and drop:
+            del groups[gid]
+            out.dropped += 1
+            out.tokens += sum(len(s.response_ids) for s in group.slots)
+            continue
+        for s in stale:
+            out.tokens += s.restart()
+            out.restarted += 1
+        if stale:
+            group.reward_done, group.rewards = False, []
+    still = [g for g in completed if g.gid in groups and g.complete]
+    for group in still:
+        del groups[group.gid]
+    return still, out
+
+
+def check_deadlines(groups: dict, completed: list, step: int, engine_version: int, max_staleness: int,
+                    per_step: int) -> tuple[list, Discarded]:
+    """finish, before the round of `step`: every untrained group gets a deadline in [step, its
+    first token's version + S]. Groups without one (restored from a checkpoint of another
+    policy, or of a larger max_staleness) get the earliest free one, oldest group first; only a
+    sample already past the bound is restarted (its group reopened if it was complete).
+    Mutates `groups`; returns the complete groups and what was discarded."""
+    out = Discarded()
+
+    def latest(g) -> int:   # its first token's version + S (no token yet: the engines' version)
+        return min((v for s in g.slots for v in s.versions), default=engine_version) + max_staleness
+
+    def valid(g) -> bool:
+        return g.deadline is not None and step <= g.deadline <= latest(g)
+
+    untrained = [*groups.values(), *completed]
+    taken = Counter(g.deadline for g in untrained if valid(g))
+    for g in sorted(untrained, key=lambda g: g.gid):
+        if valid(g):
+            continue
+        stale = stale_slots(g, step, max_staleness)
+        for s in stale:
+            out.tokens += s.restart()
+            out.restarted += 1
+        if stale:
+            if g.gid not in groups:          # it was complete: open again
+                completed = [c for c in completed if c is not g]
+                groups[g.gid] = g
+            g.reward_done, g.rewards = False, []
+        g.deadline = free_deadline(taken, step, latest(g), per_step)
+        if g.deadline is None:   # over-full (a larger groups_per_step before): train it first
+            g.deadline = step
+        taken[g.deadline] += 1
+    return completed, out
