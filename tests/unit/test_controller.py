@@ -200,17 +200,22 @@ def test_stitched_old_logprobs_come_from_each_tokens_own_version():
     assert checked > 0
 
 
-@pytest.mark.parametrize("policy", ["restart", "drop"])
+@pytest.mark.parametrize("policy", ["finish", "restart", "drop"])
 def test_staleness_bound_holds_for_everything_trained(policy):
     """With max_staleness=1, no trained token is more than 1 version older than the step
-    training on it; samples past the bound are restarted (or their groups dropped) and counted."""
+    training on it. finish (the default) discards nothing; with restart / drop samples past the
+    bound are restarted (or their groups dropped) and counted, with the tokens thrown away."""
     ctl, trained, metrics, _ = run(drive(8, concurrency=6, target=2, max_staleness=1, policy=policy))
     for version, groups in trained:
         for g in groups:
             for s in g.slots:
                 assert version - min(s.versions) <= 1, (version, s.versions)
+    discarded = sum(m["stale_tokens_discarded"] for m in metrics)
+    if policy == "finish":
+        assert discarded == 0 and sum(m["restarted_samples"] + m["dropped_groups"] for m in metrics) == 0
+        return
     key = "restarted_samples" if policy == "restart" else "dropped_groups"
-    assert sum(m[key] for m in metrics) > 0
+    assert sum(m[key] for m in metrics) > 0 and discarded > 0
 
 
 def test_state_saved_between_rounds_continues_identically():
