@@ -53,6 +53,20 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
         writes["n"] += 1
         return real_save(*a, **k)
     files.save_file = counted_save
+    import tempfile
+
+    def weight_files() -> set:
+        """Weight-like files anywhere a sync could stage them: shared memory, the temp
+        folder (top level and megarl's folders) and the staging base."""
+        found = set()
+        for base in {"/dev/shm", tempfile.gettempdir(), staging}:
+            for root, dirs, names in os.walk(base):
+                if root != base and "megarl" not in root:
+                    dirs[:] = []
+                    continue
+                found.update(os.path.join(root, n) for n in names
+                             if n.endswith(".safetensors") or "megarl-weights" in n)
+        return found
     pools, transports = {}, {}
     for mode in modes.split(","):
         c = dataclasses.replace(cfg.rollout, engine_mode=mode)
@@ -87,7 +101,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                 entry = {"version": version, "gaps": {}}
                 if kind == "collective" and env.rank == 0:
                     os.chmod(staging, 0o500)      # the collective route must never stage a file
-                before = writes["n"]
+                before, seen = writes["n"], weight_files()
                 for mode, pool in pools.items():
                     sync = transports[mode, kind].push(actor.model, info, version)
                     gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
@@ -97,6 +111,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                 if env.rank == 0:
                     os.chmod(staging, 0o700)
                 entry["files_written"] = writes["n"] - before
+                entry["new_weight_files"] = sorted(weight_files() - seen)
                 entry["sync_bytes"] = sync["sync_bytes"]
                 result["layouts"][f"tp{tp}pp{pp}/{kind}"] = entry
             last = (actor, info)

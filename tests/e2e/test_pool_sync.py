@@ -11,7 +11,8 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
     each of an in-process engine and a local vLLM server samples at temperature 0.7 with
     logprobs equal to the trainer's within 1e-4 (fp32), reports the pushed version, and is
     left running; the collective pushes stage no file (the staging folder is read-only
-    meanwhile and safetensors' writer is never called); a push that drops one bucket is
+    meanwhile, safetensors' writer is never called, and no weight file appears in shared
+    memory, the temp folder or the staging base); a push that drops one bucket is
     caught by the same measure (and by `verify`) on both routes; no staging folder is left."""
     staging = tmp_path / "staging"
     staging.mkdir()
@@ -28,7 +29,7 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
         for engine, gap in entry["gaps"].items():
             assert gap < 1e-4, (layout, engine, gap)
         if layout.endswith("/collective"):
-            assert entry["files_written"] == 0, (layout, entry)
+            assert entry["files_written"] == 0 and entry["new_weight_files"] == [], (layout, entry)
             assert entry["sync_bytes"] > 1 << 20, entry     # the whole model went over the wire
         else:
             assert entry["files_written"] > 0, (layout, entry)
