@@ -142,7 +142,8 @@ def child_speed(small: bool) -> dict:
                      rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
     seqs, prompt, response = (4, 64, 64) if small else (16, 256, 768)
     cfg = _setup(["model.dtype=float32", "algo.name=ppo", f"rollout.n={seqs // 2}",
-                  f"rollout.max_new_tokens={response}", "train.mini_batches=1",
+                  f"rollout.max_new_tokens={response}", f"rollout.max_model_len={prompt + response + 1}",
+                  "train.mini_batches=1",
                   f"train.micro_batch_size={2 if small else 4}", "train.critic_warmup_steps=0"])
 
     def make(role):
