@@ -60,6 +60,7 @@ def train(cfg: RootConfig) -> dict:
     else:   # the weights come from model.path: names and shapes against config.json (headers)
         preflight.check_weights_match(cfg.model.path, "model.path")
     tokenizer = preflight.load_tokenizer(cfg.model.path)
+    preflight.ensure_pad_token(tokenizer, cfg.model.path)
     check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, d.prompts, tokenizer)
     # every prompt encodes and fits the engine's context with its response budget (rank 0
     # tokenizes the dataset once; every rank gets the verdict)
@@ -83,6 +84,7 @@ def train(cfg: RootConfig) -> dict:
     lock = _lock_run_dir(cfg.run.dir, env.rank == 0)   # a second run on this run.dir stops here
     models = build_all(cfg)
     tokenizer = models.tokenizer
+    preflight.ensure_pad_token(tokenizer, cfg.model.path)   # Llama's tokenizers have no pad token
     if os.environ.get("MEGARL_DEVICE_GUARD") == "1":   # debugging: fail on any host/device mix-up
         from megarl.distributed.device_guard import DeviceGuard
         DeviceGuard().__enter__()

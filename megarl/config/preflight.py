@@ -105,6 +105,18 @@ def load_tokenizer(path: str, setting: str = "model.path"):
                           f"tokenizer files") from None
 
 
+def ensure_pad_token(tokenizer, path: str, setting: str = "model.path") -> None:
+    """Give a tokenizer without a pad token (Llama's have none) its EOS as padding, as veRL
+    and TRL do: megarl's batches are right-padded and the padding is masked out, so any id
+    pads. Without an EOS either, there is nothing to pad or stop with: one line."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"{setting}={path!r}: its tokenizer has neither a pad token nor an eos token: add "
+                          f"\"pad_token\" and \"eos_token\" to its tokenizer_config.json")
+    tokenizer.pad_token = tokenizer.eos_token
+
+
 def check_prompts(records, tokenizer, cfg, vocab_size: int | None = None) -> None:
     """Raises ConfigError when the dataset cannot run on the engines (`prompts_problem`)."""
     problem = prompts_problem(records, tokenizer, cfg, vocab_size)

@@ -133,3 +133,29 @@ def test_a_data_file_that_is_not_text(tmp_path):
     data.write_bytes(b"\xff\xfe\x00binary\n")
     with pytest.raises(ConfigError, match=r"data\.prompts=.*: not a text file"):
         load_prompts(str(data))
+
+
+class Special:
+    """A tokenizer's special tokens only (what ensure_pad_token reads and sets)."""
+
+    def __init__(self, pad, eos):
+        self.pad_token, self.eos_token = pad, eos
+
+    @property
+    def pad_token_id(self):
+        return None if self.pad_token is None else 0
+
+    @property
+    def eos_token_id(self):
+        return None if self.eos_token is None else 2
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos():
+    llama = Special(None, "<|eot_id|>")   # Llama's tokenizers have no pad token: batches padded with None crashed
+    preflight.ensure_pad_token(llama, "m")
+    assert llama.pad_token == "<|eot_id|>"
+    has = Special("<pad>", "<eos>")
+    preflight.ensure_pad_token(has, "m")
+    assert has.pad_token == "<pad>"
+    with pytest.raises(ConfigError, match=r"model\.path='m': its tokenizer has neither a pad token nor an eos token"):
+        preflight.ensure_pad_token(Special(None, None), "m")
