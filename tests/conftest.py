@@ -71,7 +71,7 @@ def remote_engine(tiny_model, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("remote_engine") / "engine_0.log"
     server = LocalServer(tiny_model, log, api_key=secrets.token_hex(16), seed=0, max_model_len=256,
-                         kv_cache_mb=64)
+                         kv_cache_mb=64, weight_backend="gloo")   # runs push over the wire (the default)
     server.start()
     try:
         server.wait_healthy(600)
