@@ -101,7 +101,7 @@ CASES = [
 # port where nothing listens.
 LATE = [
     ("remote_url_nothing_listens", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://127.0.0.1:{port}]",
-                                    "rollout.engine_start_timeout_s=6"], "http://127.0.0.1:{port}"),
+                                    "rollout.engine_start_timeout_s=15"], "http://127.0.0.1:{port}"),
 ]
 
 
