@@ -229,10 +229,17 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
 
 
 def check_backends(cfg) -> None:
-    """NCCL asked for on a machine without a GPU (checked before the ranks' process group is
-    built: torch's own error is a traceback from inside it)."""
+    """The launch against this machine, before the ranks' process group is built (torch's own
+    errors are tracebacks from inside it): more trainer ranks on this node than GPUs, or
+    NCCL asked for on a machine without a GPU."""
     import torch
     if torch.cuda.is_available():
+        from megarl.distributed.env import read_env
+        gpus, local_rank = torch.cuda.device_count(), read_env().local_rank
+        if local_rank >= gpus:
+            raise ConfigError(f"trainer rank with local rank {local_rank} has no GPU: this node shows {gpus}; "
+                              f"launch at most {gpus} ranks per node (torchrun --nproc_per_node, srun "
+                              f"--ntasks-per-node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
         return
     for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
         if value == "nccl":

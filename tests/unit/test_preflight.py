@@ -159,3 +159,19 @@ def test_a_tokenizer_without_pad_token_pads_with_eos():
     assert has.pad_token == "<pad>"
     with pytest.raises(ConfigError, match=r"model\.path='m': its tokenizer has neither a pad token nor an eos token"):
         preflight.ensure_pad_token(Special(None, None), "m")
+
+
+def test_the_launch_against_the_machine(monkeypatch):
+    cfg = load_config("recipes/tiny_cpu.yaml", ["parallel.backend=nccl"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"parallel\.backend='nccl' needs GPUs and this machine shows none"):
+        preflight.check_backends(cfg)
+    preflight.check_backends(load_config("recipes/tiny_cpu.yaml", []))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    for var, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=r"local rank 3 has no GPU: this node shows 2; launch at most 2 ranks per node"):
+        preflight.check_backends(cfg)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    preflight.check_backends(cfg)
