@@ -438,7 +438,7 @@ class PartialRolloutController:
     async def run_round(self, target: int, train_version: int) -> list[Group]:
         """Generate until `target` groups are complete (counting ones completed earlier but not
         yet trained) and every group due at `train_version` is complete; abort the rest into the
-        carry. Returns exactly `target` groups (earliest deadline, then oldest first), also kept
+        carry. Returns exactly `target` groups (due ones, then the oldest), also kept
         in `ready` until `take_ready()`. `train_version`: the weight version of the step that
         will train them (the staleness bound is measured against it)."""
         if self.stale_policy == "finish" and self.pool.engines and \
@@ -478,7 +478,7 @@ class PartialRolloutController:
             self._round_done = None
         if self._error is not None:
             raise self._error
-        self.completed.sort(key=lambda g: (g.deadline if g.deadline is not None else -1, g.gid))
+        self.completed.sort(key=lambda g: staleness.training_order(g, train_version))
         self.ready, self.completed = self.completed[:target], self.completed[target:]
         return self.ready
 

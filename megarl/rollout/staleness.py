@@ -3,11 +3,12 @@ as functions of plain data: groups and slots are the controller's (`controller.G
 `Slot`), read through their attributes only. docs/partial_rollout.md explains the policies.
 
 - finish (default): every untrained group has a deadline, the step that must train it at the
-  latest. A new group gets the earliest step with room (fewer than groups_per_step groups due
+  latest. A new group gets the latest step with room (fewer than groups_per_step groups due
   there) no later than v + S, v the engines' version when it opens: its first token comes at
   a version >= v, so training it by its deadline keeps every token within S versions. No
   room: the group is not opened. The controller finishes the groups due at a step before that
-  step's round may end.
+  step's round may end, and trains due groups first, then the oldest complete ones: the
+  deadline is a guard, not an order (with S unbounded nothing is ever due).
 - restart / drop: before a round, a sample holding a token more than S versions old is
   restarted from its prompt, or its whole group dropped.
 """
@@ -30,27 +31,34 @@ class Discarded:
 
 
 def free_deadline(taken: Counter, earliest: int, latest: int, per_step: int) -> Optional[int]:
-    """The earliest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
-    None (the window is full: admission waits). Earliest first: groups fall due in the order
-    they were opened (AReaL's sample version = its index / batch size). The loop visits at most
-    len(taken) + 1 steps, also for an unbounded max_staleness."""
-    d = earliest
-    while d <= latest:
+    """The latest step d in [earliest, latest] with fewer than `per_step` groups due at d, or
+    None (the window is full: admission waits). The latest: a group is forced to finish as
+    late as the bound allows (earliest-first made an unbounded run wait for each step's
+    groups in turn, like sync). The loop visits at most len(taken) + 1 steps, also for an
+    unbounded max_staleness."""
+    d = latest
+    while d >= earliest:
         if taken[d] < per_step:
             return d
-        d += 1
+        d -= 1
     return None
 
 
 def new_group_deadline(untrained, step: int, engine_version: int, max_staleness: int,
                        per_step: int) -> Optional[int]:
     """finish: the deadline of a group opened now for the round of `step`, or None. This
-    round's own step only when no later one is free: a group due now holds the round's end,
-    but refusing it outright throttles more than it saves (1.9x slower at S=1 on the workloads
-    of tests/unit/test_rollout_stress.py)."""
+    round's own step comes last: a group due now holds the round's end, but refusing it
+    outright throttles more than it saves (1.9x slower at S=1 on the workloads of
+    tests/unit/test_rollout_stress.py)."""
     taken = Counter(g.deadline for g in untrained)
-    later = free_deadline(taken, step + 1, engine_version + max_staleness, per_step)
-    return later if later is not None else free_deadline(taken, step, step, per_step)
+    return free_deadline(taken, step, engine_version + max_staleness, per_step)
+
+
+def training_order(group, step: int) -> tuple:
+    """Sort key of the complete groups a step trains: due ones first (they must), then the
+    oldest (the order the prompts were drawn in)."""
+    due = group.deadline is not None and group.deadline <= step
+    return (not due, group.gid)
 
 
 def stale_slots(group, step: int, max_staleness: int) -> list:
@@ -89,7 +97,7 @@ def check_deadlines(groups: dict, completed: list, step: int, engine_version: in
                     per_step: int) -> tuple[list, Discarded]:
     """finish, before the round of `step`: every untrained group gets a deadline in [step, its
     first token's version + S]. Groups without one (restored from a checkpoint of another
-    policy, or of a larger max_staleness) get the earliest free one, oldest group first; only a
+    policy, or of a larger max_staleness) get the latest free one, oldest group first; only a
     sample already past the bound is restarted (its group reopened if it was complete).
     Mutates `groups`; returns the complete groups and what was discarded."""
     out = Discarded()

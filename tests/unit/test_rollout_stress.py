@@ -139,11 +139,12 @@ def test_restart_and_drop_are_opt_in_and_report_what_they_discard():
                 assert all(k - v <= 1 for s in g.slots for v in s.versions)
 
 
-def test_free_deadline_picks_the_earliest_step_with_room():
-    taken = Counter({3: 3, 4: 1, 5: 3})
-    assert free_deadline(taken, 3, 5, 3) == 4
-    assert free_deadline(taken, 5, 5, 3) is None           # full: admission waits
-    assert free_deadline(Counter({k: 3 for k in range(2, 40)}), 2, 10**9, 3) == 40   # unbounded: a short walk
+def test_free_deadline_picks_the_latest_step_with_room():
+    taken = Counter({5: 3, 4: 3, 3: 1})
+    assert free_deadline(taken, 3, 5, 3) == 3
+    assert free_deadline(taken, 4, 5, 3) is None           # full: admission waits
+    assert free_deadline(Counter(), 2, 10**9, 3) == 10**9  # unbounded staleness: never due
+    assert free_deadline(Counter({10**9: 3}), 2, 10**9, 3) == 10**9 - 1
 
 
 # -- errors in the serve path end the round at once --------------------------------------
