@@ -57,6 +57,7 @@ def train(cfg: RootConfig) -> dict:
     preflight.check_engines_fit(cfg, hf_config)                 # engine TP vs the model and this machine
     if cfg.model.megatron_path:
         check_megatron_dir(cfg.model.megatron_path, "model.megatron_path")
+        preflight.check_megatron_files(cfg.model.megatron_path, "model.megatron_path")
     else:   # the weights come from model.path: names and shapes against config.json (headers)
         preflight.check_weights_match(cfg.model.path, "model.path")
     tokenizer = preflight.load_tokenizer(cfg.model.path)

@@ -56,28 +56,17 @@ def checkpoint_problem(path: str | Path) -> str | None:
     metadata points into, at least as long as the data it locates there (None when intact).
     A folder damaged after its save (a shard deleted, a copy cut short) is found here, before
     any rank starts loading it."""
-    from torch.distributed.checkpoint import FileSystemReader
     path = Path(path)
     for model in ("actor", "critic"):
         folder = path / model
         if model == "critic" and not folder.exists():
             continue   # written without a critic (grpo): load() names a mismatch with algo.name
-        for name in (".metadata", "metadata.json", "scheduler.pt"):
+        for name in ("metadata.json", "scheduler.pt"):
             if not (folder / name).is_file():
                 return f"{model}/{name} is missing"
-        try:
-            storage = FileSystemReader(str(folder)).read_metadata().storage_data
-        except Exception as err:   # noqa: BLE001 - a truncated or foreign .metadata (pickle)
-            return f"{model}/.metadata does not load ({type(err).__name__})"
-        ends: dict[str, int] = {}
-        for info in storage.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for rel, end in sorted(ends.items()):
-            f = folder / rel
-            if not f.is_file():
-                return f"{model}/{rel} is missing"
-            if f.stat().st_size < end:
-                return f"{model}/{rel} is cut short ({f.stat().st_size} of {end} bytes)"
+        problem = dist_folder_problem(folder)
+        if problem:
+            return f"{model}/{problem}"
     try:
         torch.load(path / "driver.pt", weights_only=True)
     except FileNotFoundError:
@@ -90,6 +79,31 @@ def checkpoint_problem(path: str | Path) -> str | None:
 def _warn(line: str) -> None:
     import sys
     print(line, file=sys.stderr, flush=True)
+
+
+def dist_folder_problem(folder: str | Path) -> str | None:
+    """Why a torch_dist checkpoint folder (megatron's dist_checkpointing format) is incomplete,
+    from its files alone: `.metadata` loads, and every shard file it points into is there and
+    at least as long as the data it locates there (None when complete). Names are relative
+    to the folder."""
+    from torch.distributed.checkpoint import FileSystemReader
+    folder = Path(folder)
+    if not (folder / ".metadata").is_file():
+        return ".metadata is missing"
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception as err:   # noqa: BLE001 - a truncated or foreign .metadata (pickle)
+        return f".metadata does not load ({type(err).__name__})"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        f = folder / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size < end:
+            return f"{rel} is cut short ({f.stat().st_size} of {end} bytes)"
+    return None
 
 
 def resume_point(root: str | Path, log=_warn) -> Path | None:

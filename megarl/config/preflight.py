@@ -245,3 +245,13 @@ def check_backends(cfg) -> None:
         if value == "nccl":
             raise ConfigError(f"{key}='nccl' needs GPUs and this machine shows none: use {key}=auto "
                               f"(gloo without a GPU) or gloo")
+
+
+def check_megatron_files(path: str, setting: str = "model.megatron_path") -> None:
+    """A converted megatron checkpoint (`check_megatron_dir` has seen its metadata.json) has
+    every shard file its .metadata points into, each long enough."""
+    from megarl.checkpoint.manager import dist_folder_problem
+    problem = dist_folder_problem(path)
+    if problem:
+        raise ConfigError(f"{setting}={path!r}: {problem}: convert it again with tools/convert_hf_to_megatron.py, "
+                          f"or copy it again")

@@ -177,19 +177,21 @@ def load_megatron_shard(model: torch.nn.Module, path: str, role: str) -> None:
     """Load this rank's shard from a megatron dist checkpoint (resharded to this layout by
     megatron). The critic keeps its value head (the checkpoint's output layer is not read)."""
     from megatron.core import dist_checkpointing
+
+    from megarl.config import ConfigError
     sharded = model.sharded_state_dict()
     if role == "critic":
         sharded = {k: v for k, v in sharded.items() if not k.startswith("output_layer.")}
     try:
         state = dist_checkpointing.load({"model": sharded}, path)["model"]
     except Exception as e:  # noqa: BLE001 - megatron raises several types for a mismatched folder
-        raise ValueError(f"model.megatron_path={path!r} does not load into this model "
-                         f"({type(e).__name__}: {str(e)[:500]})") from None
+        raise ConfigError(f"model.megatron_path={path!r} does not load into this model "
+                          f"({type(e).__name__}: {str(e)[:500]})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (role == "critic" and k.startswith("output_layer."))]
     if missing or unexpected:
-        raise ValueError(f"model.megatron_path={path!r}: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
+        raise ConfigError(f"model.megatron_path={path!r}: missing {missing[:5]}, unexpected "
+                          f"{unexpected[:5]}")
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"megarl: {role} weights loaded from megatron checkpoint {path}", file=sys.stderr,

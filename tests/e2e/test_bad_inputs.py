@@ -92,6 +92,7 @@ CASES = [
     ("model_index_names_missing_file", ["model.path={tmp}/m_index"], "names missing files"),
     ("model_config_disagrees_with_weights", ["model.path={tmp}/m_layers"], "missing HF parameters"),
     ("model_architecture_unsupported", ["model.path={tmp}/m_arch"], "unsupported architecture"),
+    ("megatron_path_shard_missing", ["model.megatron_path={tmp}/megatron_ckpt"], "__0_0.distcp is missing"),
     # checkpoints: every one damaged (one damaged among intact ones resumes: tests/dist/test_damaged_checkpoint.py)
     ("checkpoints_all_damaged", ["checkpoint.dir={tmp}/damaged_ckpts"], "every checkpoint is damaged"),
 ]
@@ -110,6 +111,19 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _damaged_dist_checkpoint(folder):
+    """A torch_dist folder (as tools/convert_hf_to_megatron.py writes) whose shard file is gone."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # no process group: saved as one rank
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder))
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (folder / "__0_0.distcp").unlink()
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +145,7 @@ def results(tiny_model, tmp_path_factory):
                                            % " ".join(["n3"] * 230))
     (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00binary\n")
     (tmp / "array.jsonl").write_text('[\n  {"prompt": "<bos> n3 ="}\n]\n')
+    _damaged_dist_checkpoint(tmp / "megatron_ckpt")
     (tmp / "damaged_ckpts" / "step_3").mkdir(parents=True)
     (tmp / "damaged_ckpts" / "step_3" / "COMPLETE").write_text("3")
     for name, damage in [("m_truncated", "truncate"), ("m_no_tokenizer", "no_tokenizer"),

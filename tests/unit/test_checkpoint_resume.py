@@ -28,7 +28,7 @@ def test_newest_intact_is_taken_and_damaged_newer_ones_are_named(tmp_path, monke
 def test_no_checkpoint_starts_fresh_and_all_damaged_stops(tmp_path):
     assert ckpt.resume_point(tmp_path / "none") is None
     _complete(tmp_path, 2)   # COMPLETE, but nothing else: damaged
-    with pytest.raises(ConfigError, match=r"checkpoint\.dir=.*every checkpoint is damaged \(step_2: actor/\.metadata "
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir=.*every checkpoint is damaged \(step_2: actor/metadata\.json "
                                           r"is missing\): remove them to start over"):
         ckpt.resume_point(tmp_path)
 
@@ -46,3 +46,32 @@ def test_a_checkpoint_that_does_not_fit_the_models_is_one_line(tmp_path, monkeyp
     assert "\n" not in str(e.value)
     with pytest.raises(FileNotFoundError, match=r"has no critic/"):
         ckpt.load(folder, object(), object())
+
+
+def test_a_dist_checkpoint_folder_is_checked_against_its_metadata(tmp_path):
+    """torch_dist folders (checkpoints, model.megatron_path): every file .metadata points into
+    is there and long enough; checked from the files alone, before any rank loads."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megarl.config import preflight
+    folder = tmp_path / "dist"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # no process group: torch warns and saves as one rank
+        dcp.save({"w": torch.randn(10, 4), "b": torch.zeros(3)}, checkpoint_id=str(folder))
+    assert ckpt.dist_folder_problem(folder) is None
+    preflight.check_megatron_files(str(folder))
+    shard = next(folder.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 10)
+    assert "is cut short" in ckpt.dist_folder_problem(folder)
+    shard.unlink()
+    assert ckpt.dist_folder_problem(folder) == f"{shard.name} is missing"
+    with pytest.raises(ConfigError, match=r"model\.megatron_path=.*: __0_0\.distcp is missing: convert it again"):
+        preflight.check_megatron_files(str(folder))
+    (folder / ".metadata").write_bytes(b"not a pickle")
+    assert ckpt.dist_folder_problem(folder).startswith(".metadata does not load")
+    (folder / ".metadata").unlink()
+    assert ckpt.dist_folder_problem(folder) == ".metadata is missing"
