@@ -70,11 +70,21 @@ class HFCheckpoint:
                                       f"are not supported: re-save with safe_serialization=True)")
             self.files = {}
             for f in found:
-                with safe_open(str(f), framework="pt") as sf:
+                with self._opened(f) as sf:
                     for name in sf.keys():
                         self.files[name] = f
         self._open_file: Path | None = None
         self._handle = None
+
+    def _opened(self, f: Path):
+        """safe_open(f), or a ConversionError naming the file (a truncated or damaged copy:
+        safetensors' own error names neither the file nor the fix)."""
+        from safetensors import SafetensorError
+        try:
+            return self._safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError) as err:
+            raise ConversionError(f"{f.name} in {str(self.path)!r} is not a readable safetensors file ({err}): "
+                                  f"truncated or damaged; copy it again from the model's source") from None
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -85,7 +95,7 @@ class HFCheckpoint:
             raise ConversionError(f"HF checkpoint {str(self.path)!r} has no tensor {name!r}")
         if f != self._open_file:
             self.close()
-            self._handle = self._safe_open(str(f), framework="pt")
+            self._handle = self._opened(f)
             self._handle.__enter__()
             self._open_file = f
         return self._handle

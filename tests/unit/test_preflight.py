@@ -175,3 +175,13 @@ def test_the_launch_against_the_machine(monkeypatch):
         preflight.check_backends(cfg)
     monkeypatch.setenv("LOCAL_RANK", "1")
     preflight.check_backends(cfg)
+
+
+def test_the_hf_reader_names_a_damaged_weights_file(model_copy):
+    """The converters (tools/convert_hf_to_megatron.py) read through HFCheckpoint too: a cut
+    file is a ConversionError naming it (they print it, exit 2), not safetensors' own error."""
+    from megarl.conversion.hf_reader import ConversionError, HFCheckpoint
+    with open(model_copy / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    with pytest.raises(ConversionError, match=r"model\.safetensors in .* is not a readable safetensors file"):
+        HFCheckpoint(model_copy)
