@@ -230,8 +230,8 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
 
 def check_backends(cfg) -> None:
     """The launch against this machine, before the ranks' process group is built (torch's own
-    errors are tracebacks from inside it): more trainer ranks on this node than GPUs, or
-    NCCL asked for on a machine without a GPU."""
+    errors are tracebacks from inside it): more trainer ranks on this node than GPUs; NCCL or
+    sequence parallelism asked for on a machine without a GPU."""
     import torch
     if torch.cuda.is_available():
         from megarl.distributed.env import read_env
@@ -245,6 +245,9 @@ def check_backends(cfg) -> None:
         if value == "nccl":
             raise ConfigError(f"{key}='nccl' needs GPUs and this machine shows none: use {key}=auto "
                               f"(gloo without a GPU) or gloo")
+    if cfg.parallel.sequence_parallel:   # megarl/models/config.py refuses it too, after the run dir is locked
+        raise ConfigError("parallel.sequence_parallel=True needs GPUs with Transformer Engine and this machine "
+                          "shows none: set parallel.sequence_parallel=false")
 
 
 def check_megatron_files(path: str, setting: str = "model.megatron_path") -> None:

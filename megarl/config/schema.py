@@ -214,6 +214,8 @@ class RolloutConfig:
         _require(self.engines >= 1, "rollout.engines", self.engines, "must be >= 1")
         _require(self.engine_tp >= 1, "rollout.engine_tp", self.engine_tp, "must be >= 1")
         _require(self.kv_cache_mb >= 16, "rollout.kv_cache_mb", self.kv_cache_mb, "must be >= 16")
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+                 self.gpu_memory_utilization, "must be in (0, 1]: the share of each GPU's memory vLLM may use")
         _one_of("rollout.engine_mode", self.engine_mode, {"inprocess", "local_servers", "remote"})
         _require(self.engine_mode != "remote" or bool(self.engine_urls), "rollout.engine_urls",
                  list(self.engine_urls), "rollout.engine_mode=remote needs the servers' URLs, "

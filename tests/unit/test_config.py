@@ -112,6 +112,8 @@ def test_rollout_async_spelling_and_the_settings_it_needs(tmp_path):
     ("rollout.stale_policy=keep", "rollout.stale_policy"),
     ("rollout.engine_timeout_s=0", "rollout.engine_timeout_s"),
     ("rollout.dump_every=-1", "rollout.dump_every"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+    ("rollout.engine_urls=[http://node1:8000/v1]", "rollout.engine_urls"),
 ])
 def test_bad_rollout_settings_name_the_setting(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
