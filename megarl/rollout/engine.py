@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's answer to start_weight_update when a session is still open: a trainer died between
+# start and finish (SIGKILL, pre-emption). Finishing it first restores the engine's own weights
+# for whatever was not received (vLLM's layerwise finalize), then the new session starts.
+STALE_SESSION = "weight update is already active"
 
 
 class EngineError(RuntimeError):

@@ -15,7 +15,7 @@ import os
 from typing import Optional
 
 from megarl.rollout import reaper
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engine import STALE_SESSION, Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 
 def sampling_params(req: GenRequest):
@@ -193,7 +193,14 @@ class AsyncVLLMEngine(Engine):
 
     async def start_weight_update(self) -> None:
         self._check_quiet("a weight update")
-        await self._rpc("starting a weight update", self.llm.start_weight_update())
+        try:
+            await self._rpc("starting a weight update", self.llm.start_weight_update())
+        except EngineError as err:
+            if STALE_SESSION not in str(err):
+                raise
+            # a trainer died mid-session: close its session, then open ours
+            await self._rpc("closing a dead trainer's weight update", self.llm.finish_weight_update())
+            await self._rpc("starting a weight update", self.llm.start_weight_update())
 
     async def update_weights(self, update_info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

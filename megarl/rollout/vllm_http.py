@@ -28,7 +28,7 @@ from typing import Optional
 
 import aiohttp
 
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engine import STALE_SESSION, Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 # an aborted stream ends within milliseconds on a healthy server; past this grace we close
 # the connection ourselves (vLLM aborts a request whose client disconnected), so abort never hangs
@@ -189,13 +189,16 @@ class HTTPVLLMEngine(Engine):
 
     # -- control calls -------------------------------------------------------------------------
     async def _call(self, method: str, path: str, json_body=None, check: bool = True,
-                    timeout_s: Optional[float] = None):
-        """One non-streamed call; returns (status, parsed body). Transport errors -> EngineError."""
+                    timeout_s: Optional[float] = None, own_connection: bool = False):
+        """One non-streamed call; returns (status, parsed body). Transport errors -> EngineError.
+        `own_connection`: for a call that may fail inside the server (HTTP 500): uvicorn closes
+        the connection after an unhandled error, and the next call must not reuse it."""
         if self._session is None:
             raise EngineError(f"{self._where()}: not started (or already closed)")
         try:
             async with self._session.request(
                     method, self.url + path, json=json_body,
+                    headers={"Connection": "close"} if own_connection else None,
                     timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)) as r:
                 text = await r.text()
                 status = r.status
@@ -254,7 +257,7 @@ class HTTPVLLMEngine(Engine):
     async def init_weight_transfer(self, init_info: dict) -> None:
         timeout = float(init_info.get("timeout_s", self.timeout_s)) + 60
         status, body = await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info},
-                                        check=False, timeout_s=timeout)
+                                        check=False, timeout_s=timeout, own_connection=True)
         if status != 200:
             text = str(body)[:400]
             hint = (" Fix: start the server with --weight-transfer-config '{\"backend\": \"gloo\"}' "
@@ -264,10 +267,16 @@ class HTTPVLLMEngine(Engine):
 
     async def start_weight_update(self) -> None:
         self._check_quiet("a weight update")
-        await self._call("POST", "/start_weight_update")
+        status, body = await self._call("POST", "/start_weight_update", check=False, own_connection=True)
+        if status != 200 and STALE_SESSION in str(body):
+            # a trainer died mid-session (this server outlives trainers): close it, open ours
+            await self._call("POST", "/finish_weight_update", {"weight_version": None}, own_connection=True)
+            status, body = await self._call("POST", "/start_weight_update", check=False, own_connection=True)
+        if status != 200:
+            raise EngineError(f"{self._where()}: POST /start_weight_update -> HTTP {status}: {str(body)[:500]}")
 
     async def update_weights(self, update_info: dict) -> None:
-        await self._call("POST", "/update_weights", {"update_info": update_info})
+        await self._call("POST", "/update_weights", {"update_info": update_info}, own_connection=True)
 
     async def finish_weight_update(self, version: int) -> None:
         await self._call("POST", "/finish_weight_update", {"weight_version": str(version)})

@@ -250,6 +250,30 @@ def test_every_control_and_weight_route_needs_the_key(server):
     assert _http(server.url, "GET", "/health", None) == 200
 
 
+def test_a_weight_session_left_open_by_a_dead_trainer_is_closed_by_the_next(server, hf):
+    """Contract: a trainer killed between start_weight_update and finish leaves the server's
+    session open (vLLM then refuses a new start); the next trainer's start closes it (the
+    engine keeps its own weights for what was not received) and opens its own, and the
+    engine still samples as the unchanged model does."""
+    p = prompt(400)
+
+    async def body(engine):
+        await engine.pause()
+        try:
+            status = _http(server.url, "POST", "/start_weight_update", None, key=server.api_key)
+            assert status == 200                       # the dead trainer's session
+            assert _http(server.url, "POST", "/start_weight_update", None, key=server.api_key) != 200
+            await engine.start_weight_update()         # closes it and opens ours
+            await engine.finish_weight_update(0)       # nothing received: the weights stay
+        finally:
+            await engine.resume()
+        return await engine.generate(GenRequest("after", p, 16, temperature=0.7, seed=3, ignore_eos=True))
+
+    res = run_with_engine(server, body)
+    ref = hf_logprobs(hf, p, res.token_ids, 0.7)
+    assert len(res.token_ids) == 16 and max(abs(a - b) for a, b in zip(ref, res.logprobs)) < 1e-4
+
+
 def test_startup_failure_names_log_and_fails_fast(tiny_model, tmp_path):
     log = tmp_path / "engine_bad.log"
     srv = LocalServer(tiny_model, log, api_key="k", extra_args=("--logprobs-mode", "bogus"))
