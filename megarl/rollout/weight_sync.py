@@ -11,6 +11,7 @@ import math
 
 import torch.distributed as dist
 
+
 def open_transport(ws, pool):
     """The transport of `ws` (a WeightSyncConfig), on every trainer rank; `pool` is the
     SyncPool on global rank 0, None elsewhere."""

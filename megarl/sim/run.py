@@ -36,7 +36,7 @@ class SimSettings:
     concurrency: int = 64
     engines: int = 1
     max_staleness: int = 10**9
-    stale_policy: str = "restart"
+    stale_policy: str = "finish"               # as rollout.stale_policy (the schema's default)
     seed: int = 0
 
     def __post_init__(self):

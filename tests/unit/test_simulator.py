@@ -156,15 +156,19 @@ def test_async_hides_rollout_behind_training():
     assert out["wall_s"] == pytest.approx(0.1 + 5 * 2.0)
 
 
-def test_staleness_bound_restarts_carried_samples():
-    """Partial with max_staleness=0: a carried sample's old tokens are thrown away each round,
-    so everything trained is on-policy; unbounded, the same run trains stale tokens."""
+@pytest.mark.parametrize("policy", ["finish", "restart"])
+def test_staleness_bound_holds_in_the_simulator(policy):
+    """Partial with max_staleness=0: everything trained is on-policy, under the default policy
+    (finish: nothing thrown away) and under restart (a carried sample's old tokens are thrown
+    away each round); unbounded, the same run trains stale tokens."""
     w = Workload(parse_dist("pareto:alpha=1.1,xmin=4"), n=4, max_len=200, seed=3)
     run = lambda bound: simulate(SimSettings(mode="partial", steps=8, groups_per_step=4, concurrency=16,
-                                             max_staleness=bound), w, Linear(a=0.01), MeasuredTrainer(0.1, 0.0))
+                                             max_staleness=bound, stale_policy=policy), w, Linear(a=0.01),
+                                 MeasuredTrainer(0.1, 0.0))
     bounded, free = run(0), run(10**9)
     assert bounded["staleness_max"] == 0 and free["staleness_max"] >= 1
-    assert sum(s.get("restarted_samples", 0) for s in bounded["per_step"]) > 0
+    restarted = sum(s.get("restarted_samples", 0) for s in bounded["per_step"])
+    assert (restarted > 0) if policy == "restart" else (restarted == 0)
     with pytest.raises(ValueError, match="max_staleness=0"):
         SimSettings(mode="async", max_staleness=0)
 
