@@ -50,6 +50,24 @@ def test_pack_into_a_reused_buffer_and_non_contiguous_input():
     assert torch.equal(packing.unpack(meta, buf)[0][1], t)
 
 
+def test_buffer_pool_reuses_what_is_given_back():
+    pool = packing.BufferPool()
+    a = pool.take(1000, "cpu")
+    meta, view = packing.pack([("x", torch.ones(10))], out=a)
+    pool.give(view)                                   # a view gives back its whole buffer
+    assert pool.take(900, "cpu").data_ptr() == a.data_ptr()
+    assert pool.take(900, "cpu").data_ptr() != a.data_ptr()   # taken: a new one
+    # buffers of different sizes (tensors compare elementwise: choosing must not compare them)
+    small, big = pool.take(64, "cpu"), pool.take(4096, "cpu")
+    pool.give(small)
+    pool.give(big)
+    assert pool.take(1000, "cpu").data_ptr() == big.data_ptr()
+    held = [pool.take(n, "cpu") for n in (10, 2000, 3000)]
+    for b in held:
+        pool.give(b)
+    assert sorted(b.numel() for b in pool._free) == [2000, 3000]   # keep=2: the smallest goes
+
+
 def test_bucket_meta_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         packing.BucketMeta(["x"], ["float32"], [[4]], [0], 8)        # 16 bytes in an 8-byte buffer
@@ -171,10 +189,11 @@ MODEL = {f"layers.{i}.w": torch.arange(i * 1000, i * 1000 + 300, dtype=torch.flo
 def fake_source(monkeypatch):
     """The trainer-side source replaced by MODEL in buckets of ~2 tensors (the transport's
     scheduling is under test here; the real source is tested end to end)."""
-    def sender_buckets(model, info, bucket_bytes, timers=None):
+    def sender_buckets(model, info, bucket_bytes, timers=None, buffers=None):
         items = list(MODEL.items())
         for k in range(0, len(items), 2):
-            yield packing.pack(items[k:k + 2])
+            named = items[k:k + 2]
+            yield packing.pack(named, out=buffers.take(packing.layout(named).nbytes, "cpu"))
     monkeypatch.setattr(source, "sender_buckets", sender_buckets)
 
 
@@ -210,6 +229,7 @@ def test_one_broadcast_reaches_every_worker_of_every_engine(fake_source, num_buf
     try:
         stats = t.push(None, None, 1)
         assert all(same_weights(e) and e.version == 1 and not e.paused for e in engines)
+        assert len(t.buffers._free) <= num_buffers       # at most num_buffers packed buckets made
         assert stats["sync_buckets"] == 3
         assert stats["sync_bytes"] == sum(packing.layout(list(MODEL.items())[k:k + 2]).nbytes for k in (0, 2, 4))
         t.push(None, None, 2)

@@ -25,10 +25,12 @@ of the survivors, so they end on the new version. Nothing is kept for the redo: 
 """
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
 import time
+import traceback
 from urllib.parse import urlparse
 
 import torch
@@ -37,9 +39,10 @@ from megarl.distributed.env import free_port
 from megarl.distributed import faults
 from megarl.rollout.engine import Engine, EngineError
 from megarl.rollout.transfer.wires import WIRES
-from megarl.rollout.transfer import source
+from megarl.rollout.transfer import packing, source
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+log = logging.getLogger("megarl.engines")
 
 
 class WeightGroupError(EngineError):
@@ -53,6 +56,7 @@ class CollectiveTransport:
         self.ws = ws
         self.pool = pool
         self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available())]
+        self.buffers = packing.BufferPool(ws.num_buffers)   # packed buckets' buffers, reused push after push
         self.group = None
         self._store = None                       # the group's TCPStore (hosted here while the group lives)
         self.members: tuple = ()                 # ids of the engines in self.group, in rank order
@@ -68,7 +72,7 @@ class CollectiveTransport:
         engines = sp.call(sp.pool.begin_update(), "pausing the engines for a weight update") if sp else None
         try:
             for attempt in (0, 1):
-                buckets = source.sender_buckets(model, info, self.ws.bucket_mb << 20, timers)
+                buckets = source.sender_buckets(model, info, self.ws.bucket_mb << 20, timers, self.buffers)
                 outcome = None
                 if sp is None:
                     for _ in buckets:            # gathers and PP relays only; rank 0 sends
@@ -100,7 +104,8 @@ class CollectiveTransport:
                 pass
             self._drop_group()
             if not isinstance(err, WeightGroupError):
-                return ("error", str(err))
+                log.error("megarl: weight push failed on the sender:\n%s", traceback.format_exc())
+                return ("error", f"{type(err).__name__}: {err}")
             try:
                 gone = [e for e in engines if e not in self.pool.pool.engines]   # retired meanwhile
                 dead = self._dead([e for e in engines if e not in gone])
@@ -161,6 +166,7 @@ class CollectiveTransport:
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 errors.append(err if isinstance(err, EngineError) else WeightGroupError(str(err)))
             finally:
+                self.buffers.give(bucket[1])
                 del bucket
                 slots.release()
 

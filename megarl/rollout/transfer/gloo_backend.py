@@ -48,6 +48,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(*args, **kwargs)
         self.group = None
         self.rank = -1
+        self.pending = None              # the bucket received last, loaded with the next one
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -60,10 +61,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        self.pending = None
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        self._load_pending()
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict) -> None:
@@ -73,13 +76,26 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.cuda.synchronize()
 
     def receive_weights(self, info: GlooUpdateInfo) -> None:
+        """Receive this bucket while the previous one loads: the wire and the engine's own
+        load overlap (the last bucket loads in finish_weight_update). Each bucket gets a fresh
+        buffer: vLLM's layerwise reload keeps views of loaded tensors until their layer is
+        complete, which may be a later bucket."""
         if self.group is None:
             raise RuntimeError("megarl gloo weight transfer: init_weight_transfer_engine was not called")
         meta = packing.BucketMeta(list(info.names), list(info.dtype_names), [list(s) for s in info.shapes],
                                   list(info.offsets), int(info.nbytes))
         buf = torch.empty(meta.nbytes, dtype=torch.uint8)
-        group.broadcast(self.group, buf)
-        self.model.load_weights(packing.unpack(meta, buf))
+        work = group.start_broadcast(self.group, buf)
+        try:
+            self._load_pending()
+        finally:
+            work.wait()
+        self.pending = (meta, buf)
+
+    def _load_pending(self) -> None:
+        pending, self.pending = getattr(self, "pending", None), None
+        if pending is not None:
+            self.model.load_weights(packing.unpack(*pending))
 
     def shutdown(self) -> None:
         self.group = None                # gloo closes its pairs when the group is collected

@@ -52,8 +52,13 @@ def missing_ranks(tcp_store, token: str, world_size: int) -> list[int]:
 
 def broadcast(group, tensor) -> None:
     """Broadcast `tensor` (CPU) from the group's rank 0 to every member; blocks until done."""
+    start_broadcast(group, tensor).wait()
+
+
+def start_broadcast(group, tensor):
+    """The same, asynchronous: returns the work; `.wait()` blocks until `tensor` is complete."""
     from torch.distributed import BroadcastOptions
     opts = BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)

@@ -61,26 +61,35 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | None = None):
+def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | None = None,
+                   buffers: packing.BufferPool | None = None):
     """Every stage's HF tensors as packed buckets `(BucketMeta, uint8 buffer)`, yielded on
     global rank 0 only, stage 0 first. Collective: each stage's TP ranks gather in lockstep
     (DP replicas > 0 hold the same weights and sit out); a stage > 0 relays its buckets to
     rank 0 over the trainer's world group (a header object, then the bytes, then None).
-    `timers` accumulates "gather", "convert" and "pack" seconds."""
+    `buffers`: where rank 0's buckets are packed and received (the consumer gives each back
+    when it is done with it); `timers` accumulates "gather", "convert" and "pack" seconds."""
     timers = timers if timers is not None else {}
     if parallel.dp_rank() != 0:
         return
     lead = parallel.tp_rank() == 0
+    me = dist.get_rank() if dist.is_initialized() else 0
+    # rank 0 packs into the consumer's reusable buffers; a relaying stage packs whole tensors
+    # (torch.distributed's send and recv take no view of a larger buffer)
+    pool = buffers if me == 0 else None
     own = buckets(hf_tensors(model, info, timers), bucket_bytes)
 
     def packed():
         for b in own:
             t = time.perf_counter()
-            out = packing.pack(list(b.items())) if lead else None
+            out = None
+            if lead:
+                named = list(b.items())
+                reuse = pool.take(packing.layout(named).nbytes, named[0][1].device) if pool else None
+                out = packing.pack(named, out=reuse)
             timers["pack"] = timers.get("pack", 0.0) + time.perf_counter() - t
             yield out
     stages = dist.get_process_group_ranks(parallel.pp_group()) if parallel.pp_size() > 1 else [0]
-    me = dist.get_rank() if dist.is_initialized() else 0
     if me == 0:
         yield from packed()
         for src in stages[1:]:            # the other stages, one after another
