@@ -42,20 +42,22 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def run(self, coro: Awaitable, timeout: Optional[float] = None, what: str = "engine call"):
-        return self.wait(self.submit(coro), timeout, what)
+    def run(self, coro: Awaitable, timeout: Optional[float] = None, what: str = "engine call",
+            setting: str = "rollout.engine_timeout_s"):
+        return self.wait(self.submit(coro), timeout, what, setting)
 
     def submit(self, coro: Awaitable):
         """Start `coro` on the loop; returns a concurrent.futures.Future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def wait(self, future, timeout: Optional[float], what: str):
+    def wait(self, future, timeout: Optional[float], what: str, setting: str = "rollout.engine_timeout_s"):
+        """The future's result within `timeout`; past it an EngineError naming `setting`."""
         try:
             return future.result(timeout)
         except FutureTimeout:
             future.cancel()
             raise EngineError(f"{what} did not finish within {timeout:g} s "
-                              f"(rollout.engine_timeout_s): an engine is hung; see its log") from None
+                              f"({setting}): an engine is hung or slow; see its log, or raise {setting}") from None
 
     def stop(self) -> None:
         if self.loop.is_running():
@@ -300,7 +302,8 @@ class SyncPool:
 
     def __init__(self, pool: EnginePool, loop: LoopThread, start_timeout_s: float):
         self.pool, self.loop = pool, loop
-        self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines")
+        self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines",
+                      "rollout.engine_start_timeout_s")
 
     @property
     def version(self) -> int:

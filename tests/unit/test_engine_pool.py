@@ -306,3 +306,19 @@ def test_staging_problems_are_named(tmp_path):
     msg = files._staging_problem(str(tmp_path), 1 << 60)
     assert "weight_sync.staging_dir" in msg and "MiB free" in msg
     assert files._staging_problem(str(tmp_path), 1024) is None
+
+
+def test_an_engine_start_past_its_deadline_names_the_start_setting():
+    """The start deadline is rollout.engine_start_timeout_s, and its error says so (it named
+    rollout.engine_timeout_s, which does not govern the start)."""
+    from megarl.rollout.pool import LoopThread, SyncPool
+
+    class SlowStart(ScriptedEngine):
+        async def start(self):
+            await asyncio.sleep(30)
+    loop = LoopThread()
+    try:
+        with pytest.raises(EngineError, match="rollout.engine_start_timeout_s"):
+            SyncPool(EnginePool([SlowStart("slow")], 10), loop, 0.3)
+    finally:
+        loop.stop()
