@@ -43,7 +43,9 @@ def main(model_dir: str, out_path: str) -> None:
         partial = list(ctl.groups[0].slots[0].response_ids) if 0 in ctl.groups else None
         pool.reload_weights(model_dir, 1)      # the HF files themselves: nothing changes
         long_done, rounds = None, 0
-        while long_done is None and rounds < 20:
+        # each round ends as soon as a short sample completes, so the long one gains a few
+        # tokens per round, fewer on a loaded machine: allow rounds enough for its whole budget
+        while long_done is None and rounds < 300:
             rounds += 1
             for g in pool.call(ctl.run_round(1, 1), f"round {rounds}"):
                 if g.gid == 0:
