@@ -10,13 +10,12 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, RootConfig, preflight, save_config, validate_world
 from megarl.config.paths import check_writable
 from megarl.distributed import cpu, device, faults, parallel
-from megarl.distributed.env import init_distributed
+from megarl.distributed.env import from_rank0, init_distributed
 from megarl.distributed.stop import StopSignal
 from megarl.rollout import reaper
 
@@ -145,7 +144,7 @@ def train(cfg: RootConfig) -> dict:
                 if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
                     dump_samples(cfg.run.dir, step, samples, tokenizer)
             rollout_s = time.perf_counter() - t_step
-            samples = _broadcast(samples)
+            samples = from_rank0(samples)
 
             t_train = time.perf_counter()
             # stitching: l_old of the carried tokens, under the weights that made them (every
@@ -211,7 +210,7 @@ def _lock_run_dir(run_dir: str, is_rank0: bool):
             lock.acquire()
         except ConfigError as err:
             lock, problem = None, str(err)
-    problem = _broadcast(problem)
+    problem = from_rank0(problem)
     if problem:
         raise ConfigError(problem)
     return lock
@@ -226,7 +225,7 @@ def _agree(check, is_rank0: bool):
             result = check()
         except ConfigError as err:
             problem = str(err)
-    result, problem = _broadcast((result, problem))
+    result, problem = from_rank0((result, problem))
     if problem:
         raise ConfigError(problem)
     return result
@@ -244,10 +243,3 @@ def rollout_metrics(samples, batch) -> dict:
             "finished_frac": sum(s.finished for s in samples) / len(samples),
             **device.host_values({"reward_mean": batch.scores.mean()})}
 
-
-def _broadcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

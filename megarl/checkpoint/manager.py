@@ -24,6 +24,7 @@ from megatron.core import dist_checkpointing
 
 from megarl.checkpoint import CheckpointError
 from megarl.distributed import faults
+from megarl.distributed.env import from_rank0
 from megarl.models.builders import Trainable
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -235,15 +236,6 @@ def _is_full(root: Path) -> bool:
         return False
 
 
-def _agree(problem: str | None) -> str | None:
-    """Rank 0's verdict on every rank (a refusal must stop all of them, none left waiting)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
-    return problem
-
-
 def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None, driver: dict,
          config_text: str, keep: int) -> Path:
     """Collective. Writes step_<step> atomically and prunes to the newest `keep`.
@@ -262,7 +254,7 @@ def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None
         if previous is not None:
             need = folder_bytes(previous) * 21 // 20    # 5% margin: optimizer metadata grows
             problem = room_problem(root, need, shutil.disk_usage(root).free, step, previous)
-    problem = _agree(problem)
+    problem = from_rank0(problem)   # a refusal stops every rank, none left waiting
     if problem:
         raise CheckpointError(problem)
     try:

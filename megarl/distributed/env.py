@@ -54,3 +54,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistEnv:
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return env
+
+
+def from_rank0(obj):
+    """Global rank 0's `obj` on every rank (pickled; for small control data: a verdict, an
+    outcome, a batch of samples). The object itself where there is one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

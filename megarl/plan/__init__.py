@@ -361,7 +361,7 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
                              f"outside vLLM's share (rollout.gpu_memory_utilization={util}), where "
                              f"{_gib(max(room, 0))} GiB are left after the {cluster.reserve_gb} GiB reserve",
                              "short_gib": _gib(e["transfer_bytes"] - room),
-                             "fix": f"lower weight_sync.bucket_mb or weight_sync.num_buffers"
+                             "fix": "lower weight_sync.bucket_mb or weight_sync.num_buffers"
                                     + (f", or rollout.gpu_memory_utilization <= {lower:.2f}" if lower > 0 else "")})
     per_gpu = {}
     if trainer:

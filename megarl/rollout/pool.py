@@ -182,6 +182,11 @@ class EnginePool:
             raise EngineError(f"{len(self.failures)} engine failures (rollout.engine_failures_max="
                               f"{self.failures_max}); the last: {err}") from err
 
+    async def retire(self, engine: Engine, err: EngineError) -> None:
+        """Take `engine` out of service from outside the pool's own calls (a transport that saw
+        it fail); raises as `_retire` does when none is left or too many failed."""
+        self._retire(engine, err)
+
     async def _start_replacement(self, failed: Engine, closing: asyncio.Future) -> None:
         """Start a fresh engine in place of `failed` (after its process is gone: the
         replacement may need the same port, GPU or memory); it joins at the next update."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-import torch.distributed as dist
+from megarl.distributed.env import from_rank0
 
 
 def open_transport(ws, pool):
@@ -45,10 +45,7 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
             outs = pool.call(_on_engine(pool.pool, e, reqs), f"probing {e.name}")
             per_engine[e.name] = [Sample(p, r.token_ids, r.logprobs, r.versions, r.finished, i)
                                   for i, (p, r) in enumerate(zip(prompts, outs))]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [per_engine]
-        dist.broadcast_object_list(box, src=0)
-        per_engine = box[0]
+    per_engine = from_rank0(per_engine)
     gaps = {}
     for name, samples in per_engine.items():
         batch = build_batch(samples, pad_id=0)

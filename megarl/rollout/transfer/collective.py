@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from megarl.distributed.env import free_port
+from megarl.distributed.env import free_port, from_rank0
 from megarl.distributed import faults
 from megarl.rollout.engine import Engine, EngineError
 from megarl.rollout.transfer.wires import WIRES
@@ -79,7 +79,7 @@ class CollectiveTransport:
                         pass
                 else:
                     outcome = self._attempt(engines, buckets, version, stats, may_redo=attempt == 0)
-                outcome = _agree(outcome)        # every rank learns rank 0's outcome
+                outcome = from_rank0(outcome)    # every rank learns rank 0's outcome
                 if outcome is None:
                     break
                 if outcome[0] == "error":
@@ -110,7 +110,7 @@ class CollectiveTransport:
                 gone = [e for e in engines if e not in self.pool.pool.engines]   # retired meanwhile
                 dead = self._dead([e for e in engines if e not in gone])
                 for e in dead:
-                    self.pool.call(_retire(self.pool.pool, e, EngineError(
+                    self.pool.call(self.pool.pool.retire(e, EngineError(
                         f"engine {e.name} died during a weight push: {err}")), "retiring a failed engine")
             except EngineError as final:         # none left, or too many failures
                 return ("error", str(final))
@@ -155,7 +155,6 @@ class CollectiveTransport:
 
     def _sender(self, engines, wire: queue.Queue, slots, errors: list, stats: dict) -> None:
         """Thread: for each bucket, every engine's receive call, then the one broadcast."""
-        sp = self.pool
         while True:
             bucket = wire.get()
             if bucket is None:
@@ -173,7 +172,7 @@ class CollectiveTransport:
     def _send(self, engines, meta, buf, stats: dict) -> None:
         sp = self.pool
         faults.point("sync_bucket")
-        receive = sp.loop.submit(_each_raw(engines, lambda e: e.update_weights(self.wire.update_info(meta))))
+        receive = sp.loop.submit(_settled([e.update_weights(self.wire.update_info(meta)) for e in engines]))
         t = time.perf_counter()
         try:
             self.wire.send(self.group, meta, buf)
@@ -202,10 +201,10 @@ class CollectiveTransport:
         while True:
             if not engines:
                 raise EngineError("no rollout engine left to form the weight group with")
-            sizes = sp.call(_gather([e.transfer_world_size() for e in engines], raw=True), "asking engines their size")
+            sizes = sp.call(_settled([e.transfer_world_size() for e in engines]), "asking engines their size")
             unable = [(e, r) for e, r in zip(engines, sizes) if isinstance(r, BaseException)]
             for e, err in unable:                # e.g. an engine started without the config
-                sp.call(_retire(pool, e, err if isinstance(err, EngineError) else EngineError(
+                sp.call(pool.retire(e, err if isinstance(err, EngineError) else EngineError(
                     f"engine {e.name}: {type(err).__name__}: {err}")), "retiring an engine")
             if unable:
                 engines[:] = [e for e in engines if e in pool.engines]
@@ -247,7 +246,7 @@ class CollectiveTransport:
             for f in joins:
                 f.cancel()
             for e, why in failed:
-                sp.call(_retire(pool, e, EngineError(
+                sp.call(pool.retire(e, EngineError(
                     f"engine {e.name} did not join the weight group at {host}:{port} within "
                     f"{timeout_s:.0f} s (rollout.engine_timeout_s): {why}. Fix: the engine must reach that "
                     f"address (weight_sync.master_addr / weight_sync.master_port, the port open) and run "
@@ -268,7 +267,7 @@ class CollectiveTransport:
         return "127.0.0.1"
 
     def _dead(self, engines: list[Engine]) -> list[Engine]:
-        healths = self.pool.call(_gather([e.health() for e in engines], raw=True), "engine health check")
+        healths = self.pool.call(_settled([e.health() for e in engines]), "engine health check")
         return [e for e, h in zip(engines, healths) if isinstance(h, BaseException) or not h.alive]
 
     def _drop_group(self) -> None:
@@ -282,22 +281,10 @@ class CollectiveTransport:
         self._drop_group()
 
 
-async def _gather(coros, raw: bool = False) -> list:
+async def _settled(coros) -> list:
+    """Every coroutine's result, or the exception it raised (the caller names the engine)."""
     import asyncio
-    results = await asyncio.gather(*coros, return_exceptions=True)
-    if not raw:
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-    return results
-
-
-async def _each_raw(engines, fn) -> list:
-    return await _gather([fn(e) for e in engines], raw=True)
-
-
-async def _retire(pool, engine, err) -> None:
-    pool._retire(engine, err)
+    return await asyncio.gather(*coros, return_exceptions=True)
 
 
 def _result(future, timeout_s: float):
@@ -317,13 +304,3 @@ def route_address(host: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.getfqdn()
-
-
-def _agree(outcome):
-    """Rank 0's outcome of a push attempt, on every trainer rank."""
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return outcome
-    box = [outcome]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -93,7 +93,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.pending = (meta, buf)
 
     def _load_pending(self) -> None:
-        pending, self.pending = getattr(self, "pending", None), None
+        pending, self.pending = self.pending, None
         if pending is not None:
             self.model.load_weights(packing.unpack(*pending))
 
