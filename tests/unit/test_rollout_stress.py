@@ -101,6 +101,20 @@ def sync_share(length_of, groups: int, n: int = 4, max_new: int = 64) -> float:
     return sum(any(min(length_of(g, j), max_new) > LONG for j in range(n)) for g in range(groups)) / groups
 
 
+def restored(state, engines: int, version: int, **settings):
+    """A controller resumed from `state` on fresh scripted engines holding `version` (groups of
+    4, the bimodal workload); returns (clock, pool, controller). The caller stops the clock."""
+    clock = Clock()
+    clock.start()
+    pool = EnginePool([WorkloadEngine(f"e{i}", clock, bimodal) for i in range(engines)], 30)
+    for e in pool.engines:
+        e.version = version
+    ctl = PartialRolloutController(pool, n=4, temperature=1.0, new_group=lambda: ({}, list(PROMPT)),
+                                   score=lambda s: 0.0, seed=0, sample_every_s=None, **settings)
+    ctl.load_state_dict(state)
+    return clock, pool, ctl
+
+
 @pytest.mark.parametrize("length_of", [bimodal, long_tail], ids=["bimodal", "long_tail"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["partial", "async"])
 def test_default_staleness_policy_trains_long_samples_as_often_as_sync(length_of, asynchronous):
@@ -213,15 +227,7 @@ def test_a_carry_longer_than_a_smaller_budget_is_finished_not_an_error():
         over = {(g["gid"], s["index"]) for g in state["open"] for s in g["slots"]
                 if not s["finish_reason"] and len(s["response_ids"]) > 2}
         assert over, "the carry must hold samples longer than the new budget"
-        clock = Clock()
-        clock.start()
-        pool = EnginePool([WorkloadEngine("e0", clock, bimodal)], 30)
-        for e in pool.engines:
-            e.version = 2
-        ctl2 = PartialRolloutController(pool, n=4, concurrency=8, max_new_tokens=2, temperature=1.0,
-                                        max_staleness=8, new_group=lambda: ({}, list(PROMPT)),
-                                        score=lambda s: 0.0, seed=0, sample_every_s=None)
-        ctl2.load_state_dict(state)
+        clock, pool, ctl2 = restored(state, 1, version=2, concurrency=8, max_new_tokens=2, max_staleness=8)
         try:
             await ctl2.run_round(3, 2)
         finally:
@@ -332,15 +338,7 @@ def test_a_resume_with_a_smaller_bound_keeps_it():
     async def main():
         ctl, _, _ = await drive(bimodal, 4, max_staleness=4)
         state = ctl.state_dict()
-        clock = Clock()
-        clock.start()
-        pool = EnginePool([WorkloadEngine(f"e{i}", clock, bimodal) for i in range(2)], 30)
-        for e in pool.engines:
-            e.version = 4
-        ctl2 = PartialRolloutController(pool, n=4, concurrency=32, max_new_tokens=64, temperature=1.0,
-                                        max_staleness=1, new_group=lambda: ({}, list(PROMPT)),
-                                        score=lambda s: 0.0, seed=0, sample_every_s=None)
-        ctl2.load_state_dict(state)
+        clock, pool, ctl2 = restored(state, 2, version=4, concurrency=32, max_new_tokens=64, max_staleness=1)
         trained = []
         try:
             for k in range(4, 10):
