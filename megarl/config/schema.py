@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-class ConfigError(ValueError):
-    """A recipe or command-line override that cannot run; the message says how to fix it."""
+from megarl.config.errors import ConfigError
 
 
 def _require(ok: bool, key: str, value, fix: str) -> None:
