@@ -13,13 +13,8 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.distributed import parallel
+from megarl.models.masks import causal_mask
 from megarl.ppo.batch import Batch
-
-
-def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
-    # megatron's convention: True = masked. Padding is on the right, so causal masking alone
-    # keeps real tokens from seeing it.
-    return torch.ones(1, 1, length, length, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
 def run_microbatches(model, batch: Batch, micro_batch_size: int, loss_fn: Callable,
@@ -37,7 +32,7 @@ def run_microbatches(model, batch: Batch, micro_batch_size: int, loss_fn: Callab
     if n % micro_batch_size:
         raise ValueError(f"train.micro_batch_size={micro_batch_size} must divide the {n} rows on this rank")
     length = batch.tokens.shape[1]
-    mask = _causal_mask(length, batch.device)
+    mask = causal_mask(length, batch.device)
     positions = torch.arange(length, device=batch.device).unsqueeze(0)
     micro = []
     for start in range(0, n, micro_batch_size):
