@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 MODEL  ?= artifacts/tiny_countdown
 STAMP  := $(VENV)/.megarl-installed
 
-.PHONY: demo test venv model clean-venv gpu-wheels
+.PHONY: demo test lint venv model clean-venv gpu-wheels
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: model
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# the linter alone (the suite runs it too: tests/unit/test_lint.py); rules in ruff.toml
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megarl tests bench tools setup.py
 
 # what tests/gpu/device_check.sh installs on a GPU machine without internet (Python 3.12,
 # CUDA torch and transformers already there): megatron-core, omegaconf and its parser runtime

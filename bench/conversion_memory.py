@@ -28,6 +28,10 @@ from pathlib import Path
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PY = sys.executable
@@ -39,7 +43,7 @@ def make_model(out: Path, layers: int, dtype: torch.dtype, shard_bytes: int = 10
     import transformers
     from safetensors.torch import save_file
 
-    from megarl.conversion.mapping import mapping_for
+    from megarl.formats.mapping import mapping_for
     cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
                                    num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                                    tie_word_embeddings=False, max_position_embeddings=2048,
@@ -136,7 +140,7 @@ def run_measured(args: list[str], interval: float = 0.02) -> dict:
 
 BASELINE_MEGATRON = ("import torch, transformers, safetensors, tqdm; "
                      "import megatron.core; from megatron.core import dist_checkpointing; "
-                     "import megarl.models.builders, megarl.models.config, megarl.distributed.cpu; "
+                     "import megarl.models.builders, megarl.models.transformer_config, megarl.distributed.cpu; "
                      "import megarl.conversion.cli; import time; time.sleep(2)")
 BASELINE_PLAIN = ("import torch, transformers, safetensors, tqdm; "
                   "import torch.distributed.checkpoint; import megarl.conversion.cli; "

@@ -30,6 +30,10 @@ from pathlib import Path
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -46,7 +50,7 @@ def make_model(out: Path, hidden: int, ffn: int, layers: int, heads: int, vocab:
     import transformers
     from safetensors.torch import save_file
 
-    from megarl.conversion.mapping import mapping_for
+    from megarl.formats.mapping import mapping_for
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                                    num_attention_heads=heads, num_key_value_heads=heads,
                                    vocab_size=vocab, tie_word_embeddings=False,
@@ -91,7 +95,7 @@ def _load_full(model, info, hf_dir: str) -> None:
     every rank's shards split by the mapping, this rank's copied in."""
     from safetensors import safe_open
 
-    from megarl.conversion.mapping import mapping_for
+    from megarl.formats.mapping import mapping_for
     from megarl.distributed import parallel
     state = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
@@ -114,10 +118,10 @@ def _rank(rank: int, world: int, port: int, threads: int, hf_dir: str, tp: int, 
     init_world(rank, world, port, threads)
     import torch.distributed as dist
 
-    from megarl.conversion.hf_reader import HFCheckpoint, load_hf_config
+    from megarl.formats.hf_reader import HFCheckpoint, load_hf_config
     from megarl.distributed import parallel
     from megarl.models.builders import build_model
-    from megarl.models.config import transformer_config
+    from megarl.models.transformer_config import transformer_config
     from megarl.models.loading import load_hf_shard
 
     parallel.initialize(tp, pp, seed=0)
@@ -189,6 +193,7 @@ def main() -> None:
         make_model(Path(a.make[1]), *MODELS[a.make[0]])
         return
     import megatron.core  # noqa: F401 - imported once here, inherited by the forked ranks
+
     import megarl.models.builders  # noqa: F401
     work = Path(a.work)
     runs = []

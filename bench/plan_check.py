@@ -22,6 +22,10 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

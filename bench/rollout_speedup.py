@@ -70,12 +70,26 @@ from pathlib import Path
 
 import numpy as np
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_speedup_lib import (EndOnTarget, FakeEngine, Measured, Recorder, Tracked,  # noqa: E402
-                                 active_profile, interp, parse_dist, plot_timeline, summarize_lengths)
+from rollout_speedup_lib import (  # noqa: E402
+    EndOnTarget,
+    FakeEngine,
+    Measured,
+    Recorder,
+    Tracked,
+    active_profile,
+    interp,
+    parse_dist,
+    plot_timeline,
+    summarize_lengths,
+)
 
 
 # -- setup --------------------------------------------------------------------------------
@@ -232,11 +246,12 @@ def main() -> None:
     G, n, C, E = args.groups_per_step, args.n, args.concurrency, args.engines
 
     import torch
-    from megarl.data.prompts import load_prompts
+
+    from megarl.data.prompts import encode_prompts, load_prompts
+    from megarl.data.sample import Sample
     from megarl.rewards import get_reward_fn
     from megarl.rollout.engine import GenRequest
-    from megarl.rollout.sync_rollout import encode_prompts, score
-    from megarl.rollout.types import Sample
+    from megarl.rollout.scoring import score_sample
 
     out_dir = ROOT / "bench/out"
     run_dir = out_dir / "rollout_speedup_run"
@@ -267,10 +282,10 @@ def main() -> None:
     models, parallel = None, None
     t0 = time.perf_counter()
     if train_spec["kind"] == "real":
-        from megarl.distributed import cpu, parallel
+        from megarl.distributed import parallel
         from megarl.distributed.env import init_distributed
         init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
-        if cpu.apply_if_cpu():
+        if bootstrap():
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
@@ -328,7 +343,7 @@ def main() -> None:
         def push(version: int) -> float:
             t = time.perf_counter()
             if models is not None:
-                from megarl.rollout.transfer import files   # rollout is measured here, not the sync route
+                from megarl.rollout.transfer import files  # rollout is measured here, not the sync route
                 files.push(models.actor.model, models.actor.info, spool, version,
                            cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
             else:
@@ -356,7 +371,7 @@ def main() -> None:
             return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s}
 
         def score_sample(s: Sample) -> float:
-            return score(s, tokenizer, reward_fn)
+            return score_sample(s, tokenizer, reward_fn)
 
         def make_controller(cls, max_staleness=args.max_staleness):
             counter = [0]
@@ -390,9 +405,9 @@ def main() -> None:
             samples = []
             for q, r in enumerate(results):
                 g = gids[q // n]
-                smp = Sample(record_of(g)[1], r.token_ids, r.logprobs, r.versions, r.finished, q // n,
+                smp = Sample(record_of(g)[1], r.token_ids, r.logprobs, r.versions, r.stopped, q // n,
                              record_of(g)[0], finish_reason=r.finish_reason)
-                smp.reward = score(smp, tokenizer, reward_fn)
+                smp.reward = score_sample(smp, tokenizer, reward_fn)
                 samples.append(smp)
             assert [len(x.response_ids) for x in samples] == [r.max_tokens for r in reqs], "sync: lengths not forced"
             return samples, {"rollout_s": rec.last_phase_s(), "requests": len(reqs)}, None

@@ -53,6 +53,10 @@ import tempfile
 import threading
 import time
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 EVENTS: list = []           # (what, engine name or "", t0, t1) on rank 0
 
 
@@ -407,7 +411,7 @@ def main(spec_path: str) -> None:
 
     from megarl.config.schema import RolloutConfig, WeightSyncConfig
     from megarl.models.builders import build_model
-    from megarl.models.config import transformer_config
+    from megarl.models.transformer_config import transformer_config
     from megarl.rollout import weight_sync
     from megarl.rollout.pool import open_pool
 

@@ -73,9 +73,12 @@ def main(argv=None) -> int:
         return _simulate(cfg, args)
     if args.command == "plan":
         return _plan(cfg, args)
+    # `megarl train` runs in every rank (torchrun): the shim first, then what imports megatron
+    from megarl.bootstrap import bootstrap
+    bootstrap()
     from megarl.checkpoint import CheckpointError
     from megarl.config import preflight
-    from megarl.conversion.hf_reader import ConversionError
+    from megarl.formats.hf_reader import ConversionError
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.rollout.engine import EngineError
     from megarl.train import train

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from megarl.bootstrap import bootstrap
+
+# before any test module is collected: test files import megarl modules that import megatron
+bootstrap()
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "artifacts" / "tiny_countdown"
 

@@ -12,14 +12,18 @@ from pathlib import Path
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def main(model_dir: str, out_dir: str) -> None:
     from megarl.config import ConfigError, load_config
-    from megarl.distributed import cpu, parallel
+    from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "algo.name=ppo"])
     init_distributed()
-    cpu.apply_if_cpu()
+    bootstrap()
     torch.set_num_threads(1)
     parallel.initialize(1, 1, cfg.run.seed)
     from megarl.checkpoint import manager as ckpt

@@ -5,7 +5,7 @@ usage:
   conversion_probe.py roundtrip WORK TOKENIZER_DIR   tiny random Llama / Qwen2 / Mistral HF models,
       each converted HF -> megatron at every (TP, PP) in LAYOUTS and back; writes WORK/results.json
   conversion_probe.py wrong_gate_up HF OUT           HF -> megatron at TP=2 with gate and up
-      swapped in megarl.conversion.ops (a deliberately wrong mapping)
+      swapped in megarl.formats.ops (a deliberately wrong mapping)
   conversion_probe.py errors WORK                    the converters' error paths; WORK/errors.json
 """
 import contextlib
@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 import torch
+
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
 ARCHS = ("llama", "qwen2", "mistral")
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
@@ -74,7 +78,7 @@ def roundtrip(work: Path, tokenizer_dir: Path) -> None:
 
 
 def wrong_gate_up(hf: str, out: str) -> int:
-    from megarl.conversion import ops
+    from megarl.formats import ops
     from megarl.conversion.cli import cli_hf_to_megatron
     right = ops.fc1_shards_from_gate_up
     ops.fc1_shards_from_gate_up = lambda gate, up, tp: right(up, gate, tp)  # forked ranks inherit it

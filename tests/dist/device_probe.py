@@ -13,6 +13,10 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def main(model_dir: str, out_path: str, args: list[str]) -> None:
     from megarl.config import load_config, validate_world
@@ -22,11 +26,11 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "rollout.n=4", "train.mini_batches=2", "train.micro_batch_size=4",
         *overrides])
-    from megarl.distributed import cpu, parallel
+    from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
     env = init_distributed()
     validate_world(cfg, env.world_size)
-    cpu.apply_if_cpu()
+    bootstrap()
     torch.set_num_threads(1)
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
     from megarl.distributed.device_guard import HOST, DeviceGuard, MixedDeviceError, mark
@@ -34,8 +38,8 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step, trainer_logprobs
-    from megarl.rollout.transfer import files
     from megarl.rollout.dump import read_samples
+    from megarl.rollout.transfer import files
 
     samples = read_samples("tests/data/rollout_tiny.jsonl")
     result = {"clean": {}, "syncs": {}, "left": {}}

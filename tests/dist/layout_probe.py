@@ -19,9 +19,13 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def synthetic_samples(seed: int, groups: int, n: int, vocab: int):
-    from megarl.rollout.types import Sample
+    from megarl.data.sample import Sample
     rng = random.Random(seed)
     samples = []
     for g in range(groups):
@@ -46,9 +50,9 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     validate_world(cfg, world_size)
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
     from megarl.models.setup import build_all
+    from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import _forward_all, ppo_step
-    from megarl.ppo import actor as actor_ops
 
     models = build_all(cfg)
     steps = int(dict(o.split("=") for o in overrides).get("train.steps", 3))

@@ -10,6 +10,10 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def main(out_path: str, folders: str, overrides: list[str]) -> None:
     from megarl.config import load_config
@@ -23,10 +27,11 @@ def main(out_path: str, folders: str, overrides: list[str]) -> None:
         cfg = load_config(None, [f"model.path={folder}", "algo.name=grpo", *overrides])
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, 0)
         from transformers import AutoModelForCausalLM
+
         from megarl.models.setup import build_all
         from megarl.ppo import actor as actor_ops
         from megarl.ppo.batch import build_batch
-        from megarl.rollout.types import Sample
+        from megarl.data.sample import Sample
         models = build_all(cfg, with_tokenizer=False)
         vocab = models.actor.info.vocab_size
         g = torch.Generator().manual_seed(0)

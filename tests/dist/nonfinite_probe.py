@@ -11,15 +11,19 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def main(model_dir: str, out_path: str) -> None:
     from megarl.config import load_config
-    from megarl.distributed import cpu, parallel
+    from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.n=4", "train.mini_batches=2",
                                                 "train.micro_batch_size=8", "algo.name=ppo"])
     init_distributed()
-    cpu.apply_if_cpu()
+    bootstrap()
     torch.set_num_threads(1)
     parallel.initialize(1, 1, cfg.run.seed)
     from megarl.models.setup import build_all

@@ -15,17 +15,21 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def main(model_dir: str, out_path: str) -> None:
     from megarl.config import load_config, validate_world
-    from megarl.distributed import cpu, parallel
+    from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "algo.name=grpo", "rollout.n=4", "train.groups_per_step=8",
         "train.mini_batches=2", "train.micro_batch_size=8", "rollout.temperature=0.7"])
     env = init_distributed()
     validate_world(cfg, env.world_size)
-    cpu.apply_if_cpu()
+    bootstrap()
     torch.set_num_threads(1)
     parallel.initialize(1, 1, cfg.run.seed)
     import torch.distributed as dist

@@ -5,6 +5,10 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 
 def main(rm_dir: str, out_path: str, overrides: list[str]) -> None:
     from megarl.config import load_config
@@ -16,10 +20,11 @@ def main(rm_dir: str, out_path: str, overrides: list[str]) -> None:
     cfg = load_config(None, [f"reward.model_path={rm_dir}", *overrides])
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, 0)
     from transformers import AutoModelForSequenceClassification
-    from megarl.ppo.batch import build_batch
+
     from megarl.models.reward import build_reward_model
+    from megarl.ppo.batch import build_batch
     from megarl.rewards.model import score
-    from megarl.rollout.types import Sample
+    from megarl.data.sample import Sample
     model = build_reward_model(rm_dir, cfg.parallel.tp, cfg.parallel.pp, torch.float32, 128)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 100, (int(n),), generator=g).tolist() for n in (9, 5, 14, 7)]

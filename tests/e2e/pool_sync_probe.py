@@ -17,6 +17,10 @@ import sys
 
 import torch
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 TEMPERATURE = 0.7
 
 
@@ -32,20 +36,18 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     env = init_distributed("gloo")
     cpu.apply()
     torch.set_num_threads(1)
-    from transformers import AutoConfig
-
-    from megarl.conversion.hf_reader import HFCheckpoint
-    from megarl.models.builders import build_model, make_trainable
-    from megarl.models.config import transformer_config
-    from megarl.models.loading import load_hf_shard
-    from megarl.rollout import weight_sync
-    from megarl.rollout.transfer import source
-    from megarl.rollout.pool import open_pool
-
     import os
 
     import safetensors.torch
-    from megarl.rollout.transfer import files
+    from transformers import AutoConfig
+
+    from megarl.formats.hf_reader import HFCheckpoint
+    from megarl.models.builders import build_model, make_trainable
+    from megarl.models.transformer_config import transformer_config
+    from megarl.models.loading import load_hf_shard
+    from megarl.rollout import weight_sync
+    from megarl.rollout.pool import open_pool
+    from megarl.rollout.transfer import files, source
     writes = {"n": 0}
     real_save = safetensors.torch.save_file
 

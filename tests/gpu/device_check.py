@@ -28,6 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from megarl.bootstrap import bootstrap
+
+bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "tests" / "data" / "rollout_tiny.jsonl"
 MODEL = ROOT / "artifacts" / "tiny_countdown"
@@ -40,15 +44,16 @@ CHECKS = ["logprobs_fp32", "logprobs_bf16", "updates", "checkpoint", "speed_1b"]
 def _setup(overrides: list[str]):
     """Config, process group and megatron state for one rank (as `megarl train` does)."""
     import torch
+
     from megarl.config import load_config
-    from megarl.distributed import cpu, parallel
+    from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
 
     cfg = load_config(str(ROOT / "recipes" / "tiny_cpu.yaml"),
                       [f"model.path={MODEL}", "rollout.n=4", "train.mini_batches=2",
                        "train.micro_batch_size=4", *overrides])
     init_distributed()
-    if cpu.apply_if_cpu():
+    if bootstrap():
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     parallel.initialize(1, 1, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -58,6 +63,7 @@ def _setup(overrides: list[str]):
 def child_logprobs(dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
+
     from megarl.distributed import device as dev
     from megarl.models.builders import use_te
     from megarl.models.setup import build_all
@@ -127,11 +133,12 @@ def child_checkpoint(folder: str) -> dict:
 def child_speed(small: bool) -> dict:
     import torch
     from transformers import LlamaConfig
+
     from megarl.distributed import device as dev
     from megarl.models.builders import build_model, make_trainable
-    from megarl.models.config import transformer_config
+    from megarl.models.transformer_config import transformer_config
     from megarl.ppo.step import ppo_step
-    from megarl.rollout.types import Sample
+    from megarl.data.sample import Sample
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_gpu else torch.float32
