@@ -107,7 +107,7 @@ def _recipe_layers(path: Path, seen: tuple = ()) -> list[tuple[str, object]]:
     return layers
 
 
-# keys a recipe may spell as in DESIGN.md but that cannot be Python field names
+# keys a recipe may spell as in docs/design.md but that cannot be Python field names
 ALIASES = {("rollout", "async"): "asynchronous"}
 
 

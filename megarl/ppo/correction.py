@@ -3,16 +3,14 @@
 The engine (vLLM) sampled each token under the behaviour policy mu (a possibly older version,
 with different numerics); the PPO ratio is taken against the trainer's old policy. The weight
 w = pi_old / mu = exp(old_logp - behav_logp) corrects for both staleness and the train/infer
-mismatch. See DESIGN.md, "Off-policy correction".
+mismatch. See docs/design.md, "Off-policy correction".
 """
 
 import torch
 from torch import Tensor
 
+from megarl.config.registry import IS_LEVELS, IS_MODES
 from megarl.ppo.losses import LOG_RATIO_CLAMP, masked_mean
-
-IS_MODES = ("tis", "mask", "none")
-IS_LEVELS = ("token", "sequence", "geo_sequence")
 
 
 @torch.no_grad()  # weights scale the loss; gradients must not flow through them
@@ -32,11 +30,12 @@ def behaviour_weights(
         old_logp: [B, T] trainer logprobs under the step's starting weights.
         behav_logp: [B, T] engine logprobs of the same tokens.
         mask: [B, T] 1 on response tokens.
-        mode: "tis" min(w, cap) (truncated IS); "mask" weight 1 where low <= w <= high, else 0
-            (token or sequence dropped); "none" weight 1.
-        level: "token" w per token; "sequence" exp(sum of masked log-ratios), one weight per
-            row; "geo_sequence" exp(mean of masked log-ratios), the geometric mean, which does
-            not explode with length. Sequence weights are broadcast to the row's tokens.
+        mode: an IS_MODES entry (algo.is_mode): "tis" min(w, cap) (truncated IS); "mask"
+            weight 1 where low <= w <= high, else 0 (token or sequence dropped); "none" weight 1.
+        level: an IS_LEVELS entry (algo.is_level): "token" w per token; "sequence" exp(sum of
+            masked log-ratios), one weight per row; "geo_sequence" exp(mean of masked
+            log-ratios), the geometric mean, which does not explode with length. Sequence
+            weights are broadcast to the row's tokens.
         cap: TIS truncation (mode "tis"); low, high: kept range (mode "mask").
 
     Returns:
@@ -44,30 +43,47 @@ def behaviour_weights(
         is_weight_max of the raw w over masked tokens (before truncation/masking, so they show
         the mismatch itself), and is_masked_frac (masked tokens whose weight is 0).
     """
-    if mode not in IS_MODES:
-        raise ValueError(f"unknown IS mode {mode!r}; allowed: {', '.join(IS_MODES)}")
-    if level not in IS_LEVELS:
-        raise ValueError(f"unknown IS level {level!r}; allowed: {', '.join(IS_LEVELS)}")
+    weigh, pool = IS_MODES.get(mode), IS_LEVELS.get(level)
     # where, not multiply: padded logprobs may be inf/nan and inf * 0 is nan.
-    log_w = torch.where(mask.bool(), old_logp - behav_logp, 0.0)
-    if level == "sequence":
-        log_w = log_w.sum(dim=-1, keepdim=True).expand_as(mask)
-    elif level == "geo_sequence":
-        log_w = masked_mean(log_w, mask, dim=-1).unsqueeze(-1).expand_as(mask)
+    log_w = pool(torch.where(mask.bool(), old_logp - behav_logp, 0.0), mask)
     raw = torch.exp(torch.clamp(log_w, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    if mode == "tis":
-        weights = torch.clamp(raw, max=cap)
-    elif mode == "mask":
-        weights = ((raw >= low) & (raw <= high)).to(raw.dtype)
-    else:
-        weights = torch.ones_like(raw)
-    weights = weights * mask
+    weights = weigh(raw, cap, low, high) * mask
     stats = {
         "is_weight_mean": masked_mean(raw, mask),
         "is_weight_max": torch.where(mask.bool(), raw, 0.0).max(),
         "is_masked_frac": masked_mean((weights == 0).to(raw.dtype), mask),
     }
     return weights, stats
+
+
+@IS_LEVELS.register("token")
+def _per_token(log_w: Tensor, mask: Tensor) -> Tensor:
+    return log_w
+
+
+@IS_LEVELS.register("sequence")
+def _per_sequence(log_w: Tensor, mask: Tensor) -> Tensor:
+    return log_w.sum(dim=-1, keepdim=True).expand_as(mask)
+
+
+@IS_LEVELS.register("geo_sequence")
+def _per_sequence_geometric(log_w: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(log_w, mask, dim=-1).unsqueeze(-1).expand_as(mask)
+
+
+@IS_MODES.register("tis")
+def _truncate(raw: Tensor, cap: float, low: float, high: float) -> Tensor:
+    return torch.clamp(raw, max=cap)
+
+
+@IS_MODES.register("mask")
+def _mask_outside(raw: Tensor, cap: float, low: float, high: float) -> Tensor:
+    return ((raw >= low) & (raw <= high)).to(raw.dtype)
+
+
+@IS_MODES.register("none")
+def _uncorrected(raw: Tensor, cap: float, low: float, high: float) -> Tensor:
+    return torch.ones_like(raw)
 
 
 #: token ages (trained step - version that generated the token) with a metric of their own;

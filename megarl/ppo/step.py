@@ -2,7 +2,7 @@
 
 Every rank holds the whole batch. Forward-only passes run on this DP rank's rows and are
 gathered back, so advantages are computed identically everywhere; updates then take each
-mini-batch's DP share. Order (DESIGN.md "One training step"): old and reference logprobs,
+mini-batch's DP share. Order (docs/design.md "One training step"): old and reference logprobs,
 values -> rewards (score + KL penalty) -> advantages -> behaviour IS weights -> updates.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.schema import AlgoConfig, RootConfig
+from megarl.data.seeds import minibatch_seed
 from megarl.distributed import device as dev
 from megarl.distributed import parallel
 from megarl.models.offload import resident
@@ -98,7 +99,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     n_mini = cfg.train.mini_batches
     train_actor = algo.name == "grpo" or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
-    gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
+    gen = torch.Generator().manual_seed(minibatch_seed(cfg.run.seed, step))
     try:
         for _ in range(cfg.train.ppo_epochs):
             order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)

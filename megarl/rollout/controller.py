@@ -1,6 +1,6 @@
 """The partial-rollout controller: fixed concurrency, group emission, carry-over, bounded staleness.
 
-One round (DESIGN.md "One training step"; docs/partial_rollout.md), on the pool's event loop
+One round (docs/design.md "One training step"; docs/partial_rollout.md), on the pool's event loop
 (trainer rank 0):
 - up to `rollout.concurrency` sample requests stay in flight across the engines while the
   round runs; a finished request is replaced at once (the pool sends it to the least-loaded
@@ -8,8 +8,8 @@ One round (DESIGN.md "One training step"; docs/partial_rollout.md), on the pool'
 - admission is frontier-first: samples the staleness bound says must finish this step, then
   carried samples (tokens already generated), then waiting samples of the groups closest to
   completion, then a new group (n samples of one prompt).
-- a group whose n samples have all finished is scored (off the loop when a `scorer` executor
-  is given) and queued for the trainer.
+- a group whose n samples are all done (stopped, or at the token budget) is scored (off
+  the loop when a `scorer` executor is given) and queued for the trainer.
 - the round ends when `train.groups_per_step` groups are complete AND every group due this
   step (below) is complete: every in-flight request of this controller is aborted and its
   tokens, behaviour logprobs and versions so far stay in its slot (the carry). The round's
@@ -26,7 +26,7 @@ report what that cost (`stale_tokens_discarded`).
 
 Stitched old logprobs (CoPRIS): `Slot.old_logprobs` holds the trainer's logprob of each token
 under the version that produced it. At the end of every round the trainer computes them for
-the tokens generated in that round (of carried and finished samples alike) before its weights
+the tokens generated in that round (of carried and done samples alike) before its weights
 change; `PPO` then uses the stored values instead of recomputing them under newer weights.
 
 Everything here is plain data: `state_dict()` holds the open groups with every slot's tokens,
@@ -40,10 +40,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+from megarl.data import seeds
+from megarl.data.sample import Sample
 from megarl.distributed import faults
 from megarl.rollout import staleness
 from megarl.rollout.engine import EngineError, GenRequest, GenResult
-from megarl.rollout.types import Sample
 
 STALE_POLICIES = staleness.POLICIES
 
@@ -53,17 +54,18 @@ class Slot:
     """One sample of a group: what has been generated for it so far."""
     gid: int
     index: int
-    seed: int
+    seed: int                                               # seeds.sample_seed of its group's seed and index
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)    # behaviour (engine) logprobs
     versions: list[int] = field(default_factory=list)      # version that produced each token
     old_logprobs: list[float] = field(default_factory=list)  # trainer l_old, stitched (a prefix)
-    finish_reason: str = ""                                 # "" until stop | length
+    finish_reason: str = ""                                 # "" until stop | length (then done)
     restarts: int = 0
     attempts: int = 0                                       # requests sent (unique request keys)
 
     @property
-    def finished(self) -> bool:
+    def done(self) -> bool:
+        """Nothing left to generate: stopped (EOS / stop string) or at its token budget."""
         return self.finish_reason in ("stop", "length")
 
     def restart(self) -> int:
@@ -75,7 +77,7 @@ class Slot:
         return lost
 
     def clip(self, budget: int) -> None:
-        """Keep at most `budget` tokens, finished on length (a carry restored under a smaller
+        """Keep at most `budget` tokens, done on length (a carry restored under a smaller
         rollout.max_new_tokens: nothing is left to generate)."""
         for name in ("response_ids", "logprobs", "versions", "old_logprobs"):
             setattr(self, name, getattr(self, name)[:budget])
@@ -94,12 +96,13 @@ class Group:
     deadline: Optional[int] = None   # stale_policy=finish: the step that must train it at the latest
 
     @property
-    def done(self) -> int:
-        return sum(s.finished for s in self.slots)
+    def done_count(self) -> int:
+        return sum(s.done for s in self.slots)
 
     @property
     def complete(self) -> bool:
-        return self.done == len(self.slots)
+        """Every sample done: the group can be scored."""
+        return self.done_count == len(self.slots)
 
 
 @dataclass
@@ -131,12 +134,6 @@ def group_state(g: Group) -> dict:
             "rewards": list(g.rewards), "reward_done": g.reward_done, "deadline": g.deadline,
             "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
                       for s in g.slots]}
-
-
-def request_seed(slot: Slot) -> int:
-    """Sampling seed of the next request of `slot`: a function of its base seed, how many tokens
-    it already has and how often it restarted, so reruns draw the same tokens."""
-    return (slot.seed * 1_000_003 + len(slot.response_ids) * 7919 + slot.restarts * 104_729) % (2**31 - 1)
 
 
 def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
@@ -203,7 +200,7 @@ class PartialRolloutController:
         for g in self.groups.values():   # one pass: each group's done count and its waiting slots
             done, waiting = 0, []
             for s in g.slots:
-                if s.finished:
+                if s.done:
                     done += 1
                 elif (s.gid, s.index) not in busy:
                     waiting.append(s)
@@ -227,8 +224,8 @@ class PartialRolloutController:
                              f"{', '.join(map(str, record)) or 'none'}): check data.prompt_key / data.messages_key "
                              f"and that the model folder has its tokenizer files")
         self.next_gid += 1
-        base = (self.seed * 1_000_003 + gid * 10_007) % (2**31 - 1)
-        group = Group(gid, record, list(prompt), [Slot(gid, j, base * 1000 + j) for j in range(self.n)],
+        base = seeds.group_seed(self.seed, gid)
+        group = Group(gid, record, list(prompt), [Slot(gid, j, seeds.sample_seed(base, j)) for j in range(self.n)],
                       deadline=deadline)
         self.groups[gid] = group
         return group
@@ -267,7 +264,9 @@ class PartialRolloutController:
         slot.attempts += 1
         budget = self._budget(slot) - len(slot.response_ids)
         return GenRequest(self._key(slot), self.groups[slot.gid].prompt_ids + slot.response_ids, budget,
-                          self.temperature, seed=request_seed(slot), ignore_eos=self.ignore_eos)
+                          self.temperature, ignore_eos=self.ignore_eos,
+                          # a function of how far the slot got: a rerun draws the same tokens
+                          seed=seeds.request_seed(slot.seed, len(slot.response_ids), slot.restarts))
 
     @staticmethod
     def _track(tasks: set, coro) -> None:
@@ -289,7 +288,7 @@ class PartialRolloutController:
         try:
             self._absorb(slot, result)
             group = self.groups[slot.gid]
-            if slot.finished and group.complete and not group.reward_done:
+            if slot.done and group.complete and not group.reward_done:
                 self._emit(group)
             if self._ending or self._holding:
                 self._sample_occupancy()
@@ -373,7 +372,8 @@ class PartialRolloutController:
         st.last_inflight = len(self._inflight)
         st.last_busy = sum(1 for n in self._load.values() if n > 0)
         if not self._ending and not self._holding and st.started:
-            st.inflight_min = len(self._inflight) if st.inflight_min is None else min(st.inflight_min, len(self._inflight))
+            now_inflight = len(self._inflight)
+            st.inflight_min = now_inflight if st.inflight_min is None else min(st.inflight_min, now_inflight)
 
     async def _occupancy_timer(self) -> None:
         """Sample occupancy every `sample_every_s`, not only on events: a blocked loop (or a
@@ -392,11 +392,11 @@ class PartialRolloutController:
 
     def _prepare_round(self, version: int) -> None:
         """Before a round for step `version`: the staleness rule on everything untrained, and
-        carried samples already at their token budget finished (a carry restored under a
+        carried samples already at their token budget done (a carry restored under a
         smaller rollout.max_new_tokens)."""
         for g in self.groups.values():
             for s in g.slots:
-                if not s.finished and len(s.response_ids) >= self._budget(s):
+                if not s.done and len(s.response_ids) >= self._budget(s):
                     s.clip(self._budget(s))
         if self.stale_policy == "finish":
             self.completed, lost = staleness.check_deadlines(self.groups, self.completed, version, self.pool.version,
@@ -525,7 +525,7 @@ class PartialRolloutController:
     def metrics(self) -> dict:
         st = self.stats
         wall = max(st.ended - st.started, 1e-9)
-        open_tokens = [s for g in self.groups.values() for s in g.slots if s.response_ids and not s.finished]
+        open_tokens = [s for g in self.groups.values() for s in g.slots if s.response_ids and not s.done]
         out = {"rollout_inflight_mean": st.inflight_area / wall, "rollout_concurrency": self.concurrency,
                "engine_busy_frac": st.busy_area / wall / max(1, len(self.pool.engines)),
                "rollout_requests": st.requests, "rollout_tokens": st.tokens,
