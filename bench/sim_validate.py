@@ -36,8 +36,7 @@ TRAIN_FIXED_S = 0.3
 def prompt_lengths() -> list[int]:
     """Token counts of the dataset's prompts, in the order the benchmark uses them."""
     from transformers import AutoTokenizer
-    from megarl.data.prompts import load_prompts
-    from megarl.rollout.sync_rollout import encode_prompts
+    from megarl.data.prompts import encode_prompts, load_prompts
     model = ROOT / "artifacts" / "tiny_countdown"
     records = load_prompts(str(model / "prompts.jsonl"), "prompt")
     return [len(p) for p in encode_prompts(AutoTokenizer.from_pretrained(str(model)), records, "prompt")]

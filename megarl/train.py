@@ -240,6 +240,6 @@ def rollout_metrics(samples, batch) -> dict:
             # share of decode slots doing useful work when the whole batch waits for its longest
             # sample: what partial rollout wins back
             "rollout_slot_utilization": mean / max(lengths),
-            "finished_frac": sum(s.finished for s in samples) / len(samples),
+            "finished_frac": sum(s.stopped for s in samples) / len(samples),
             **device.host_values({"reward_mean": batch.scores.mean()})}
 

@@ -12,6 +12,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.config.errors import ConfigError
+from megarl.data.seeds import epoch_shuffle_seed
+
 
 class Records(list):
     """The dataset's records, with the file's row number of each (`rows[i]`, as error
@@ -34,7 +37,6 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
         raise FileNotFoundError(f"data.prompts={path!r} does not exist: build it with "
                                 f"`python tools/make_tiny_model.py` or point data.prompts at a "
                                 f".jsonl or .parquet file")
-    from megarl.config import ConfigError
     records = Records()
     for row, rec in _rows(p, path):
         _check_row(rec, path, row, prompt_key, messages_key, answer_key)
@@ -49,9 +51,8 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
 def _rows(p: Path, path: str):
     """(row number, record) pairs: JSONL rows are line numbers (blank lines skipped), parquet
     rows count from 1."""
-    from megarl.config import ConfigError
     if p.suffix.lower() == ".parquet":
-        try:
+        try:   # here: only parquet datasets need pyarrow
             import pyarrow.parquet as pq
         except ImportError:
             raise ConfigError(f"data.prompts={path!r}: reading parquet needs pyarrow (a megarl "
@@ -85,7 +86,6 @@ def _rows(p: Path, path: str):
 
 
 def _check_row(rec, path: str, row: int, prompt_key: str, messages_key: str, answer_key: str | None) -> None:
-    from megarl.config import ConfigError
     where = f"data.prompts={path!r}, row {row}"
     if not isinstance(rec, dict) or (prompt_key not in rec and messages_key not in rec):
         fields = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
@@ -132,15 +132,22 @@ def prompt_text(record: dict, tokenizer, prompt_key: str, messages_key: str) -> 
     return tokenizer.apply_chat_template(record[messages_key], add_generation_prompt=True, tokenize=False)
 
 
+def encode_prompts(tokenizer, records: list[dict], key: str, messages_key: str = "messages") -> list[list[int]]:
+    """Token ids of each record's prompt: the text field `key`, or the chat `messages_key`
+    rendered with the tokenizer's chat template (`prompt_text`). No special tokens are added:
+    prompts and chat templates carry their own."""
+    return [tokenizer(prompt_text(r, tokenizer, key, messages_key), add_special_tokens=False)["input_ids"]
+            for r in records]
+
+
 def check_chat_template(records: list[dict], model_path: str, prompt_key: str, messages_key: str,
                         path: str, tokenizer=None) -> None:
     """Chat rows need a tokenizer with a chat template: checked (and the first chat row rendered)
     before any model is built. Loads the tokenizer of `model_path` only when there is a chat row."""
-    from megarl.config import ConfigError
     first = next((r for r in records if not isinstance(r.get(prompt_key), str)), None)
     if first is None:
         return
-    if tokenizer is None:
+    if tokenizer is None:   # transformers is heavy: only chat rows without a tokenizer at hand need it
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     chats = sum(not isinstance(r.get(prompt_key), str) for r in records)
@@ -171,7 +178,7 @@ class PromptSampler:
     def _epoch_order(self) -> list[int]:
         order = list(range(self.size))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            random.Random(epoch_shuffle_seed(self.seed, self.epoch)).shuffle(order)
         return order
 
     def take(self, k: int) -> list[int]:

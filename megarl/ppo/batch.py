@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from megarl.data.sample import Sample
 from megarl.distributed import device as dev
-from megarl.rollout.types import Sample
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Batch:
     behav_logp: torch.Tensor    # [B, R] float, engine logprobs
     versions: torch.Tensor      # [B, R] long, policy version of each token
     scores: torch.Tensor        # [B] float, verifier reward
-    finished: torch.Tensor      # [B] bool, ended on EOS
+    stopped: torch.Tensor       # [B] bool, ended on EOS
     stored_old: torch.Tensor    # [B, R] float, trainer logprobs stored by partial rollout (a prefix)
     stored_mask: torch.Tensor   # [B, R] bool, where stored_old holds a value
 
@@ -74,8 +74,8 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
             stored[i, :m] = torch.tensor(s.old_logprobs[:m])
             stored_mask[i, :m] = True
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float)
-    finished = torch.tensor([s.finished for s in samples])
-    batch = Batch(tokens, resp_index, mask, behav, versions, scores, finished, stored, stored_mask)
+    stopped = torch.tensor([s.stopped for s in samples])
+    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask)
     return batch.to(target or dev.current())
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from megarl.rollout.types import Sample
+from megarl.data.sample import Sample
 
 
 def sample_record(s: Sample, tokenizer) -> dict:
@@ -18,7 +18,7 @@ def sample_record(s: Sample, tokenizer) -> dict:
             "response": tokenizer.decode(s.response_ids, skip_special_tokens=False),
             "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
             "logprobs": [float(x) for x in s.logprobs], "versions": [int(v) for v in s.versions],
-            "finish_reason": s.finish_reason or ("stop" if s.finished else "length"),
+            "finish_reason": s.finish_reason or ("stop" if s.stopped else "length"),
             "reward": float(s.reward)}
 
 

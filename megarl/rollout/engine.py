@@ -80,7 +80,7 @@ class GenResult:
         self.versions += [version] * len(ids)
 
     @property
-    def finished(self) -> bool:
+    def stopped(self) -> bool:
         """Stopped on EOS / a stop token (not on the token budget, not aborted)."""
         return self.finish_reason == "stop"
 

@@ -22,9 +22,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from megarl.data.prompts import encode_prompts
+from megarl.data.sample import Sample
+from megarl.data.seeds import step_prompt_seeds
 from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.sync_rollout import encode_prompts, generate_groups, sample_seeds, score
-from megarl.rollout.types import Sample
+from megarl.rollout.scoring import score_sample
+from megarl.rollout.sync_rollout import generate_groups
 
 
 class Rollout:
@@ -37,7 +40,7 @@ class Rollout:
             self.controller = PartialRolloutController(
                 pool.pool, n=r.n, concurrency=r.concurrency, max_new_tokens=r.max_new_tokens,
                 temperature=r.temperature, max_staleness=r.max_staleness, stale_policy=r.stale_policy,
-                new_group=self._new_group, score=lambda s: score(s, tokenizer, reward_fn),
+                new_group=self._new_group, score=lambda s: score_sample(s, tokenizer, reward_fn),
                 seed=cfg.run.seed,
                 # one thread: the verifier runs one call at a time anyway (one worker process),
                 # and FIFO keeps the order in which groups complete
@@ -58,7 +61,7 @@ class Rollout:
             chosen = [self.records[i] for i in self.sampler.take(groups)]
             prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
             samples = generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
-                                      self.reward_fn, sample_seeds(self.cfg.run.seed, step, len(chosen)),
+                                      self.reward_fn, step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
                                       r.temperature, tag=f"{step}-", first_uid=first_uid)
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, r.max_new_tokens)

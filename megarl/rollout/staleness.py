@@ -68,7 +68,7 @@ def stale_slots(group, step: int, max_staleness: int) -> list:
 
 def discard_stale(groups: dict, completed: list, step: int, max_staleness: int, drop: bool) -> tuple[list, Discarded]:
     """restart / drop, before the round of `step`: restart every stale sample (drop: its whole
-    group), finished samples and complete groups too, so the bound holds for everything the
+    group), done samples and complete groups too, so the bound holds for everything the
     trainer will see. Mutates `groups` (open, by gid); returns the complete groups still
     complete and what was discarded."""
     out = Discarded()

@@ -34,7 +34,7 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
     from megarl.rollout.engine import GenRequest
-    from megarl.rollout.types import Sample
+    from megarl.data.sample import Sample
 
     per_engine = None
     if pool is not None:
@@ -43,7 +43,7 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
             reqs = [GenRequest(f"probe-{e.name}-{i}", p, max_tokens, temperature, seed=i)
                     for i, p in enumerate(prompts)]
             outs = pool.call(_on_engine(pool.pool, e, reqs), f"probing {e.name}")
-            per_engine[e.name] = [Sample(p, r.token_ids, r.logprobs, r.versions, r.finished, i)
+            per_engine[e.name] = [Sample(p, r.token_ids, r.logprobs, r.versions, r.stopped, i)
                                   for i, (p, r) in enumerate(zip(prompts, outs))]
     per_engine = from_rank0(per_engine)
     gaps = {}

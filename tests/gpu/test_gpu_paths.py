@@ -26,7 +26,7 @@ def main():
     from megarl.models.setup import build_all
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
-    from megarl.rollout.types import Sample
+    from megarl.data.sample import Sample
     from transformers import AutoModelForCausalLM
     models = build_all(cfg)
     ids = [1, 20, 4, 19, 18, 17, 16]

@@ -10,13 +10,13 @@ import asyncio
 import math
 
 import pytest
+from scripted_engine import Clock, ScriptedEngine
+from test_rollout_stress import PROMPT, WorkloadEngine, long_tail
 
 from megarl.rollout import weight_sync
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.pool import EnginePool
-from scripted_engine import Clock, ScriptedEngine
-from test_rollout_stress import PROMPT, WorkloadEngine, long_tail
 
 
 class Either(WorkloadEngine):

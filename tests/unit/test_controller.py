@@ -9,13 +9,13 @@ import asyncio
 import re
 
 import pytest
+import torch
+from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
 
 from megarl.ppo.batch import build_batch, stitch_old_logprobs
 from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.engine import EngineError
 from megarl.rollout.pool import EnginePool
-from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
-
-import torch
 
 PROMPT_LEN = 2
 
@@ -50,7 +50,6 @@ class DyingKeyedEngine(KeyedEngine):
         self.failed_with_tokens = 0   # requests that died holding streamed tokens
 
     async def generate(self, req):
-        from megarl.rollout.engine import EngineError
         task = asyncio.ensure_future(super().generate(req))
         while not task.done() and self.clock.ticks < self.at:
             await self.clock.tick()
@@ -89,7 +88,7 @@ async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_stalene
             trained.append((version, groups))
             metrics.append(ctl.metrics())
             # the trainer: l_old of this round's tokens, before its weights change
-            for slot, restarts, length, sample in ctl.pending_old_logprobs():
+            for slot, restarts, length, _sample in ctl.pending_old_logprobs():
                 ctl.store_old_logprobs(slot, restarts, length, [trainer_logprob(version, p) for p in range(length)])
             if on_round:
                 on_round(ctl, version)
@@ -149,7 +148,7 @@ def test_an_engine_dying_mid_round_loses_no_token():
     assert [f["engine"] for f in ctl.pool.failures] == ["e1"] and [e.name for e in ctl.pool.engines] == ["e0"]
     gids = [g.gid for _, groups in trained for g in groups]
     assert len(gids) == len(set(gids)) == 15
-    for version, groups in trained:
+    for _version, groups in trained:
         for g in groups:
             for s in g.slots:
                 L = min(length_of(g.gid, s.index), 64)
@@ -166,7 +165,7 @@ def test_frontier_first_admission_prefers_carried_then_nearly_complete_groups():
 
     def check(ctl, version):
         seen["carried"] = {(s.gid, s.index) for g in ctl.groups.values() for s in g.slots
-                           if s.response_ids and not s.finished}
+                           if s.response_ids and not s.done}
 
     async def main():
         ctl, *_ = await drive(1, concurrency=8, on_round=check)
@@ -177,9 +176,9 @@ def test_frontier_first_admission_prefers_carried_then_nearly_complete_groups():
     assert (first.gid, first.index) in seen["carried"]
     fresh = [s for s in waiting if not s.response_ids]
     if fresh:
-        best = max(ctl.groups[s.gid].done for s in fresh)
-        pick = min(fresh, key=lambda s: (-ctl.groups[s.gid].done, s.gid, s.index))
-        assert ctl.groups[pick.gid].done == best
+        best = max(ctl.groups[s.gid].done_count for s in fresh)
+        pick = min(fresh, key=lambda s: (-ctl.groups[s.gid].done_count, s.gid, s.index))
+        assert ctl.groups[pick.gid].done_count == best
 
 
 def test_stitched_old_logprobs_come_from_each_tokens_own_version():

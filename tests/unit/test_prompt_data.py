@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import ROOT
 
 from megarl.config import ConfigError
 from megarl.data import countdown as cd
-from megarl.data.prompts import check_chat_template, load_prompts, prompt_text
-from megarl.rollout.sync_rollout import encode_prompts
-
-from conftest import ROOT
+from megarl.data.prompts import check_chat_template, encode_prompts, load_prompts, prompt_text
 
 SAMPLE = ROOT / "tests" / "data" / "math_sample.jsonl"
 # the tiny model's tokenizer has no chat template; a minimal one for these tests

@@ -10,17 +10,16 @@ import asyncio
 import random
 import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.staleness import free_deadline
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool
 from scripted_engine import Clock, ScriptedEngine
 
-from collections import Counter
+from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.engine import EngineError
+from megarl.rollout.pool import EnginePool
+from megarl.rollout.staleness import free_deadline
 
 PROMPT = [7, 7]
 
@@ -133,7 +132,7 @@ def test_default_staleness_policy_trains_long_samples_as_often_as_sync(length_of
         for k, gs in trained:
             for g in gs:
                 for s in g.slots:
-                    assert s.restarts == 0 and s.finished
+                    assert s.restarts == 0 and s.done
                     assert all(k - v <= S for v in s.versions), (S, k, s.versions)
         assert sum(m["restarted_samples"] + m["dropped_groups"] + m["stale_tokens_discarded"]
                    for m in metrics) == 0

@@ -1,4 +1,7 @@
-"""What a rollout produces: one Sample per generated sequence."""
+"""What a rollout produces and PPO trains on: one Sample per generated sequence.
+
+Here, below rollout and ppo, so both import it without either importing the other.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +14,7 @@ class Sample:
     response_ids: list[int]
     logprobs: list[float]          # behaviour logprob of each response token (engine)
     versions: list[int]            # policy version that produced each response token
-    finished: bool                 # the engine stopped on EOS (not on the token budget)
+    stopped: bool                  # the engine stopped on EOS / a stop string (not on the token budget)
     group: int                     # index of the prompt's group within the step
     record: dict = field(default_factory=dict)  # the dataset record (answer, metadata)
     reward: float = 0.0
