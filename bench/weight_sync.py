@@ -68,7 +68,7 @@ def make_model(out: Path, shape: dict, shard_bytes: int = 512 << 20) -> int:
     import transformers
     from safetensors.torch import save_file
 
-    from megarl.conversion.mapping import mapping_for
+    from megarl.formats.mapping import mapping_for
     from megarl.data import countdown as cd
     done = out / "bench_done.json"
     if done.exists() and json.loads(done.read_text()).get("shape") == shape:

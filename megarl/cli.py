@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     # `megarl train` runs in every rank (torchrun): the shim first, then what imports megatron
     from megarl.bootstrap import bootstrap
     bootstrap()
+    from megarl import preflight
     from megarl.checkpoint import CheckpointError
-    from megarl.config import preflight
     from megarl.formats.hf_reader import ConversionError
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.rollout.engine import EngineError

@@ -12,7 +12,8 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from megarl.config import ConfigError, RootConfig, preflight, save_config, validate_world
+from megarl import preflight
+from megarl.config import ConfigError, RootConfig, save_config, validate_world
 from megarl.config.paths import check_writable
 from megarl.distributed import cpu, device, faults, parallel
 from megarl.distributed.env import from_rank0, init_distributed

@@ -1,11 +1,7 @@
-"""HF <-> megatron-core parameter names and layouts, and the checkpoint converters.
+"""The checkpoint conversion tools: HF <-> megatron dist checkpoint, and a logits check.
 
-`ops` holds pure shard/merge tensor functions (no process groups, no megatron imports);
-`mapping` holds one declarative table per architecture and applies the ops. Both the
-trainer -> vLLM weight sync and the checkpoint conversion tools use them.
-`hf_reader` is the project's one HF safetensors reader (lazy, per tensor or slice; also used by
-the trainer's `megarl.models.loading`); `dist_reader` reads a megatron dist checkpoint's global
-tensors and names a converted folder's parts (both below the converters and the trainer's
-loading, so their imports run one way); `to_megatron` / `to_hf` are the converters, `launch`
-starts their gloo ranks, `compare` checks logits, `cli` holds the tools/ entry points.
+They sit above `megarl.models` (they build the trainer's GPTModel and load it with its own
+loader) and read and map weights with `megarl.formats`. `to_megatron` / `to_hf` are the
+converters, `output` prepares their output folders, `launch` starts their gloo ranks,
+`compare` checks logits, `cli` holds the tools/ entry points.
 """

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Iterable
 
 from megarl.conversion.compare import compare_logits
-from megarl.conversion.hf_reader import ConversionError
 from megarl.conversion.to_hf import megatron_to_hf
 from megarl.conversion.to_megatron import DEFAULT_DIVISIBLE_BY, hf_to_megatron
+from megarl.formats.hf_reader import ConversionError
 
 
 def _return_freed_memory(threshold: int = 1 << 20) -> None:

@@ -6,20 +6,23 @@ from pathlib import Path
 
 import torch
 
-from megarl.conversion.dist_reader import HF_CONFIG_DIR
-from megarl.conversion.hf_reader import ConversionError, load_hf_config
 from megarl.conversion.launch import init_world
 from megarl.distributed.env import free_port
+from megarl.formats.dist_reader import HF_CONFIG_DIR
+from megarl.formats.hf_reader import ConversionError, load_hf_config
+from megarl.models.masks import causal_mask
 
 
 def load_megatron_actor(megatron_dir: str, hf_config_dir: str | None = None):
     """The actor GPTModel at TP=1, PP=1 (fp32) loaded from a dist checkpoint (resharded on
     load), with its ModelInfo. Call in a process whose world is this one rank."""
+    # megatron, and the megarl modules that import it, inside functions: the CLI
+    # (conversion.cli._run_cli) hides the GPUs before megatron reads torch.cuda at import
     from megatron.core import dist_checkpointing
 
     from megarl.distributed import parallel
     from megarl.models.builders import build_model
-    from megarl.models.config import transformer_config
+    from megarl.models.transformer_config import transformer_config
 
     mdir = Path(megatron_dir)
     if not (mdir / "metadata.json").is_file():
@@ -68,13 +71,11 @@ def compare_logits(hf_dir: str, megatron_dir: str, prompts: int = 4, length: int
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from megarl.ppo.schedule import _causal_mask
-
     model, info = load_megatron_actor(megatron_dir, hf_config_dir)
     tokens = random_prompts(info.vocab_size, prompts, length, seed)
     positions = torch.arange(length).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
-        mg = model(tokens, positions, _causal_mask(length, tokens.device))[..., :info.vocab_size]
+        mg = model(tokens, positions, causal_mask(length, tokens.device))[..., :info.vocab_size]
     del model
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -6,8 +6,9 @@ import sys
 
 import torch
 
-from megarl.conversion.hf_reader import ConversionError
-from megarl.distributed.env import free_port
+from megarl.distributed import cpu
+from megarl.distributed.env import free_port, init_distributed
+from megarl.formats.hf_reader import ConversionError
 
 
 def init_world(rank: int, world: int, port: int, threads: int) -> None:
@@ -15,8 +16,6 @@ def init_world(rank: int, world: int, port: int, threads: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    from megarl.distributed import cpu
-    from megarl.distributed.env import init_distributed
     init_distributed(backend="gloo")
     cpu.apply_if_cpu()
 

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
-from megarl.conversion.dist_reader import HF_CONFIG_DIR, DistCheckpointReader
-from megarl.conversion.hf_reader import (_ST_TO_TORCH, INDEX_JSON, ConversionError, copy_side_files,
-                                         load_hf_config, prepare_out)
+from megarl.conversion.output import copy_side_files, prepare_out
+from megarl.formats.dist_reader import HF_CONFIG_DIR, DistCheckpointReader
+from megarl.formats.hf_reader import INDEX_JSON, ST_TO_TORCH, ConversionError, load_hf_config
+from megarl.formats.mapping import is_extra_state, mapping_for
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-_ST_DTYPES = {t: s for s, t in _ST_TO_TORCH.items()}   # torch dtype -> safetensors name
+_ST_DTYPES = {t: s for s, t in ST_TO_TORCH.items()}   # torch dtype -> safetensors name
 
 
 class ShardWriter:
@@ -125,8 +126,6 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
     hf_config = load_hf_config(side)
     from tqdm import tqdm
 
-    from megarl.conversion.mapping import is_extra_state, mapping_for
-
     mapping = mapping_for(hf_config, te_names=True)  # dist checkpoint keys use TE's norm names
     dims = mapping.dims
     metadata = {k: v for k, v in reader.metadata.items()
@@ -140,7 +139,7 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
         raise ConversionError(f"the checkpoint does not match {mapping.arch} with {dims.num_layers} "
                               f"layers (config {str(side)!r}): missing megatron parameters "
                               f"{missing[:8]}, unknown {unknown[:8]}")
-    for n, (key, layer) in keys.items():
+    for key, layer in keys.values():
         if layer is not None and reader.shape(key)[0] != dims.num_layers:
             raise ConversionError(f"checkpoint tensor {key!r} has {reader.shape(key)[0]} layers, "
                                   f"the config {dims.num_layers}")

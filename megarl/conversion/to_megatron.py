@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import ModelConfig
-from megarl.conversion.dist_reader import CONVERSION_JSON, HF_CONFIG_DIR
-from megarl.conversion.hf_reader import (ConversionError, HFCheckpoint, check_hf_checkpoint,
-                                         copy_side_files, load_hf_config, prepare_out)
 from megarl.conversion.launch import init_world, launch
+from megarl.conversion.output import copy_side_files, prepare_out
+from megarl.formats.dist_reader import CONVERSION_JSON, HF_CONFIG_DIR
+from megarl.formats.hf_reader import ConversionError, HFCheckpoint, check_hf_checkpoint, load_hf_config
+from megarl.formats.mapping import mapping_for, padded_vocab_size
 
 DEFAULT_DIVISIBLE_BY = ModelConfig().make_vocab_size_divisible_by  # the schema owns the default
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,15 +57,16 @@ def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir:
                          progress: bool) -> None:
     """One gloo rank: build this (tp, pp) position's GPTModel, fill it from the HF files, save."""
     init_world(rank, world, port, threads)
+    # megatron, and the megarl modules that import it, inside functions: the CLI
+    # (conversion.cli._run_cli) hides the GPUs before megatron reads torch.cuda at import
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
-    from megarl.conversion.mapping import mapping_for
     from megarl.distributed import parallel
     from megarl.models.builders import build_model
-    from megarl.models.config import transformer_config
     from megarl.models.loading import load_hf_shard
+    from megarl.models.transformer_config import transformer_config
 
     parallel.initialize(tp, pp, seed=0)
     hf_config = load_hf_config(hf_dir)
@@ -94,8 +96,7 @@ def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str =
         raise ConversionError(f"--tp and --pp must be >= 1, got tp={tp}, pp={pp}")
     hf = HFCheckpoint(hf_dir)
     hf_config = load_hf_config(hf_dir)
-    from megarl.conversion.mapping import mapping_for, padded_vocab_size
-    from megarl.models.config import transformer_config
+    from megarl.models.transformer_config import transformer_config  # imports megatron: see _hf_to_megatron_rank
     mapping = mapping_for(hf_config)
     model_dtype = _model_dtype(hf, dtype)
     dtype_name = str(model_dtype).removeprefix("torch.")

@@ -4,7 +4,7 @@ megatron-core decorates its fusable functions (bias-GeLU, bias-SwiGLU, bias-drop
 with `megatron.core.jit.jit_fuser`, which is `torch.compile` on torch >= 2.2. Calling
 `torch.compile` imports torch's whole compiler stack (dynamo, inductor, sympy): about 3 s of
 CPU in every process that imports megatron, whether or not a fused kernel ever runs (on CPU
-the fusions are off, see `megarl/models/config.py`). With thousands of ranks, and a test suite
+the fusions are off, see `megarl/models/transformer_config.py`). With thousands of ranks, and a test suite
 that starts a few hundred processes, that is time spent for nothing.
 
 `install()` (called from `megarl/__init__.py`) adds an import hook for `megatron.core.jit`: once

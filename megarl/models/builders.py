@@ -15,8 +15,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megarl.conversion.mapping import padded_vocab_size
 from megarl.distributed import parallel
+from megarl.formats.mapping import padded_vocab_size
 
 
 def use_te() -> bool:

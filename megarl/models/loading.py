@@ -13,13 +13,22 @@ tests/unit/test_sliced_loading.py): the slices below are that function's splits,
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
-from megarl.conversion import ops
-from megarl.conversion.hf_reader import HFCheckpoint
+from megarl.config import ConfigError
+from megarl.distributed import parallel
+from megarl.formats import ops
+from megarl.formats.dist_reader import DistCheckpointReader
+from megarl.formats.hf_reader import ConversionError, HFCheckpoint, check_hf_checkpoint
+from megarl.formats.mapping import is_extra_state, mapping_for
+from megarl.models.builders import use_te
 
 
 def _split_range(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
@@ -77,10 +86,6 @@ def load_hf_shard(model: torch.nn.Module, info, hf: HFCheckpoint, role: str, map
     `output_layer.*` is not read. mapping: the table (default: for this model's layer spec).
     progress: wraps the list of parameter names (a tqdm bar in the converter).
     """
-    from megarl.conversion.mapping import is_extra_state, mapping_for
-    from megarl.distributed import parallel
-    from megarl.models.builders import use_te
-
     mapping = mapping or mapping_for(info.hf_config, te_names=use_te())
     tp, tp_rank = parallel.tp_size(), parallel.tp_rank()
     own = {k: v for k, v in model.state_dict().items() if not is_extra_state(k)}
@@ -111,7 +116,6 @@ def load_hf_shard(model: torch.nn.Module, info, hf: HFCheckpoint, role: str, map
 def open_checked(path: str, mapping, ignore: tuple[str, ...] = ()) -> HFCheckpoint:
     """The HF reader of `path` after checking names and shapes from the headers alone (no tensor
     data is read: a tied lm_head is not compared with the embedding, it is never used)."""
-    from megarl.conversion.hf_reader import check_hf_checkpoint
     hf = HFCheckpoint(path)
     check_hf_checkpoint(hf, mapping, ignore=ignore, compare_tied=False)
     return hf
@@ -123,10 +127,6 @@ def open_checked(path: str, mapping, ignore: tuple[str, ...] = ()) -> HFCheckpoi
 
 def check_megatron_dir(path: str, setting: str = "model.megatron_path") -> None:
     """A megatron torch_dist checkpoint folder (JSON only: runs before anything is built)."""
-    import json
-    import os
-
-    from megarl.config import ConfigError
     convert = (f"write one with `python tools/convert_hf_to_megatron.py --hf <model.path> --out "
                f"{path} --tp <N> --pp <M>` (any layout loads)")
     if not os.path.isdir(path):
@@ -151,9 +151,6 @@ def megatron_divisible_by(path: str, hf_config, tp: int, setting: str = "model.m
     """The `make_vocab_size_divisible_by` that gives this run's models the checkpoint's padded
     vocab at TP=tp (a dist checkpoint's embedding has one global shape; the trainer must build
     the same one to load it at another layout). Checks the checkpoint against the HF config."""
-    from megarl.config import ConfigError
-    from megarl.conversion.dist_reader import DistCheckpointReader
-    from megarl.conversion.hf_reader import ConversionError
     try:
         reader = DistCheckpointReader(path)
     except ConversionError as e:
@@ -176,9 +173,6 @@ def megatron_divisible_by(path: str, hf_config, tp: int, setting: str = "model.m
 def load_megatron_shard(model: torch.nn.Module, path: str, role: str) -> None:
     """Load this rank's shard from a megatron dist checkpoint (resharded to this layout by
     megatron). The critic keeps its value head (the checkpoint's output layer is not read)."""
-    from megatron.core import dist_checkpointing
-
-    from megarl.config import ConfigError
     sharded = model.sharded_state_dict()
     if role == "critic":
         sharded = {k: v for k, v in sharded.items() if not k.startswith("output_layer.")}
@@ -192,7 +186,6 @@ def load_megatron_shard(model: torch.nn.Module, path: str, role: str) -> None:
     if missing or unexpected:
         raise ConfigError(f"model.megatron_path={path!r}: missing {missing[:5]}, unexpected "
                           f"{unexpected[:5]}")
-    import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"megarl: {role} weights loaded from megatron checkpoint {path}", file=sys.stderr,
               flush=True)

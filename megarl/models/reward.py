@@ -9,8 +9,11 @@ import copy
 import torch
 from transformers import AutoConfig
 
+from megarl.distributed import parallel
+from megarl.formats.mapping import mapping_for
 from megarl.models.builders import build_model, use_te
-from megarl.models.config import transformer_config
+from megarl.models.loading import load_hf_shard, open_checked
+from megarl.models.transformer_config import transformer_config
 
 SCORE = "score.weight"  # the classifier head of transformers' sequence classifiers
 
@@ -32,10 +35,6 @@ def _as_causal_lm(hf_config):
 def build_reward_model(path: str, tp: int, pp: int, dtype: torch.dtype, divisible_by: int):
     """GPTModel backbone + scalar head holding the checkpoint's `score.weight`; frozen. Each rank
     reads only its shard's HF slices (megarl.models.loading)."""
-    from megarl.conversion.mapping import mapping_for
-    from megarl.distributed import parallel
-    from megarl.models.loading import load_hf_shard, open_checked
-
     hf_config = _as_causal_lm(AutoConfig.from_pretrained(path))
     mapping = mapping_for(hf_config, te_names=use_te())
     hf = open_checked(path, mapping, ignore=(SCORE,))

@@ -8,10 +8,15 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from megarl.config import ConfigError
 from megarl.config.schema import RootConfig
+from megarl.formats.mapping import mapping_for
+from megarl.models import loading, offload
+from megarl.models.arch import check_arch_matches
 from megarl.models.builders import Trainable, build_model, make_trainable, use_te
-from megarl.models.config import transformer_config
 from megarl.models.loading import check_megatron_dir
+from megarl.models.reward import build_reward_model
+from megarl.models.transformer_config import transformer_config
 
 
 @dataclass
@@ -25,7 +30,6 @@ class Models:
 
 def check_model_dir(path: str, setting: str) -> None:
     """A HF model folder: config.json and *.safetensors (before anything is built or written)."""
-    from megarl.config import ConfigError
     if not os.path.isdir(path):
         raise ConfigError(f"{setting}={path!r} does not exist: build the tiny model with "
                           f"`python tools/make_tiny_model.py --out {path}` or point {setting} at a HF folder")
@@ -45,13 +49,11 @@ def weight_source(cfg: RootConfig, hf_config):
     model.megatron_path: megatron loads and reshards the dist checkpoint; the vocab padding is
     the checkpoint's, so its embedding's global shape matches at any TP.
     """
-    from megarl.models import loading
     if cfg.model.megatron_path:
         path = cfg.model.megatron_path
         check_megatron_dir(path)
         divisible_by = loading.megatron_divisible_by(path, hf_config, cfg.parallel.tp)
         return (lambda model, info, role: loading.load_megatron_shard(model, path, role)), divisible_by
-    from megarl.conversion.mapping import mapping_for
     mapping = mapping_for(hf_config, te_names=use_te())
     loading.open_checked(cfg.model.path, mapping).close()
 
@@ -63,8 +65,7 @@ def weight_source(cfg: RootConfig, hf_config):
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     check_model_dir(cfg.model.path, "model.path")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
-    from megarl.plan import check_arch_matches   # recipe's model.arch (what `megarl plan` sized) = the checkpoint
-    check_arch_matches(cfg, hf_config.to_dict())
+    check_arch_matches(cfg, hf_config.to_dict())   # recipe's model.arch (what `megarl plan` sized) = the checkpoint
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path) if with_tokenizer else None
     dtype = getattr(torch, cfg.model.dtype)
     on_gpu = torch.cuda.is_available()
@@ -91,11 +92,9 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
         critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip, **schedule)
     reward_model = None
     if cfg.reward.model_path:
-        from megarl.models.reward import build_reward_model
         reward_model = build_reward_model(cfg.reward.model_path, tp, pp, dtype,
                                           cfg.model.make_vocab_size_divisible_by)
     if t.offload_idle:
-        from megarl.models import offload
         for idle in (reference, critic.model if critic else None, reward_model):
             if idle is not None:
                 offload.enable(idle)

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from conftest import run_py
+from safetensors import safe_open
 
 ARCHS = ("llama", "qwen2", "mistral")
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
@@ -104,7 +103,7 @@ def test_megatron_forward_matches_transformers(roundtrips, tmp_path, arch, layou
 
 
 def test_wrong_gate_up_mapping_fails_comparison(roundtrips, tmp_path):
-    """A deliberately wrong mapping (gate and up swapped in megarl.conversion.ops while writing
+    """A deliberately wrong mapping (gate and up swapped in megarl.formats.ops while writing
     the checkpoint) makes compare_logits exit 1 with a large max abs diff."""
     r = roundtrips["llama_tp1pp1"]
     bad = tmp_path / "bad"

@@ -56,7 +56,7 @@ def test_a_dist_checkpoint_folder_is_checked_against_its_metadata(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megarl.config import preflight
+    from megarl import preflight
     folder = tmp_path / "dist"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # no process group: torch warns and saves as one rank

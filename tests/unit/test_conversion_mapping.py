@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from megarl.conversion import ops
-from megarl.conversion.mapping import mapping_for, padded_vocab_size
+from megarl.formats import ops
+from megarl.formats.mapping import mapping_for, padded_vocab_size
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,8 @@ file or inside a function, as an arrow from the importing module to the module i
 The circle this test was written for: conversion/to_hf.py -> conversion/to_megatron.py
 (HF_CONFIG_DIR) -> models/loading.py (load_hf_shard) -> conversion/to_hf.py
 (DistCheckpointReader), broken by moving the constant and the reader down into
-conversion/dist_reader.py.
+conversion/dist_reader.py (now formats/dist_reader.py: the weight formats sit below both the
+trainer's models and the conversion tools, `test_weight_formats_sit_below_models_and_conversion`).
 """
 import ast
 from pathlib import Path
@@ -98,6 +99,17 @@ def test_megarl_has_no_import_circles():
     found = circles(graph)
     assert not found, "import circles among megarl's modules (move what both sides need into a module " \
                       "below them): " + " | ".join(describe(graph, c) for c in found)
+
+
+def test_weight_formats_sit_below_models_and_conversion():
+    """megarl.formats (mapping table, HF and dist-checkpoint readers, tensor ops) imports no other
+    megarl package; megarl.models imports neither the conversion tools nor what sits above them."""
+    graph = import_graph()
+    above_models = ("megarl.conversion", "megarl.ppo", "megarl.plan", "megarl.rollout", "megarl.preflight")
+    wrong = [f"{a} -> {b} (line {line})" for a, edges in graph.items() for b, line in edges.items()
+             if (a.startswith("megarl.formats") and not b.startswith("megarl.formats"))
+             or (a.startswith("megarl.models") and b.startswith(above_models))]
+    assert not wrong, "imports against the layers (formats < models < conversion): " + "; ".join(wrong)
 
 
 def test_the_checker_sees_a_circle_made_of_imports_inside_functions(tmp_path):

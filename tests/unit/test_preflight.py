@@ -1,11 +1,11 @@
-"""Inputs checked against the world before a run starts (megarl/config/preflight.py): model
+"""Inputs checked against the world before a run starts (megarl/preflight.py): model
 files, the tokenizer, the dataset against the engine's context, engine TP against the machine."""
 import shutil
 
 import pytest
 
+from megarl import preflight
 from megarl.config import ConfigError, load_config
-from megarl.config import preflight
 from megarl.data.prompts import load_prompts
 
 
@@ -79,8 +79,8 @@ def test_prompts_that_leave_no_room_for_the_response_name_row_and_limits(tiny_mo
     tok = preflight.load_tokenizer(str(tiny_model))
     cfg = load_config("recipes/tiny_cpu.yaml", [f"data.prompts={data}"])
     with pytest.raises(ConfigError, match=r"row 3: a prompt of 232 tokens \+ rollout\.max_new_tokens=56 exceeds "
-                                          r"rollout\.max_model_len=256 \(1 of 3 rows do\): raise rollout\.max_model_len "
-                                          r"to 288, lower rollout\.max_new_tokens to 24"):
+                                          r"rollout\.max_model_len=256 \(1 of 3 rows do\): raise "
+                                          r"rollout\.max_model_len to 288, lower rollout\.max_new_tokens to 24"):
         preflight.check_prompts(records, tok, cfg)
     short = load_prompts(str(tiny_model / "prompts.jsonl"))
     preflight.check_prompts(short, tok, cfg, vocab_size=128)
@@ -114,9 +114,11 @@ def test_engine_tp_against_the_model_and_the_machine(monkeypatch):
     preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=2: one engine needs that many GPUs and this machine shows 1"):
+    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=2: one engine needs that many GPUs and this "
+                                          r"machine shows 1"):
         preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
-    with pytest.raises(ConfigError, match=r"rollout\.max_model_len=512 exceeds the model's max_position_embeddings=256"):
+    with pytest.raises(ConfigError, match=r"rollout\.max_model_len=512 exceeds the model's "
+                                          r"max_position_embeddings=256"):
         preflight.check_engines_fit(cfg("rollout.max_model_len=512"), arch)
     scaled = {**arch, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     preflight.check_engines_fit(cfg("rollout.max_model_len=512"), scaled)   # vLLM's to judge
@@ -168,12 +170,14 @@ def test_the_launch_against_the_machine(monkeypatch):
         preflight.check_backends(cfg)
     preflight.check_backends(load_config("recipes/tiny_cpu.yaml", []))
     with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=True needs GPUs"):
-        preflight.check_backends(load_config("recipes/tiny_cpu.yaml", ["parallel.tp=2", "parallel.sequence_parallel=true"]))
+        preflight.check_backends(load_config("recipes/tiny_cpu.yaml",
+                                             ["parallel.tp=2", "parallel.sequence_parallel=true"]))
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     for var, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
         monkeypatch.setenv(var, value)
-    with pytest.raises(ConfigError, match=r"local rank 3 has no GPU: this node shows 2; launch at most 2 ranks per node"):
+    with pytest.raises(ConfigError, match=r"local rank 3 has no GPU: this node shows 2; launch at most 2 ranks "
+                                          r"per node"):
         preflight.check_backends(cfg)
     monkeypatch.setenv("LOCAL_RANK", "1")
     preflight.check_backends(cfg)
@@ -182,7 +186,7 @@ def test_the_launch_against_the_machine(monkeypatch):
 def test_the_hf_reader_names_a_damaged_weights_file(model_copy):
     """The converters (tools/convert_hf_to_megatron.py) read through HFCheckpoint too: a cut
     file is a ConversionError naming it (they print it, exit 2), not safetensors' own error."""
-    from megarl.conversion.hf_reader import ConversionError, HFCheckpoint
+    from megarl.formats.hf_reader import ConversionError, HFCheckpoint
     with open(model_copy / "model.safetensors", "r+b") as f:
         f.truncate(100_000)
     with pytest.raises(ConversionError, match=r"model\.safetensors in .* is not a readable safetensors file"):

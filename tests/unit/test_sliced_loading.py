@@ -5,8 +5,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from megarl.conversion.hf_reader import HFCheckpoint
-from megarl.conversion.mapping import mapping_for, padded_vocab_size
+from megarl.formats.hf_reader import HFCheckpoint
+from megarl.formats.mapping import mapping_for, padded_vocab_size
 from megarl.models.loading import shard_from_hf
 
 SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,

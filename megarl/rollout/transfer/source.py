@@ -15,8 +15,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.conversion.mapping import mapping_for
 from megarl.distributed import parallel
+from megarl.formats.mapping import mapping_for
 from megarl.models.builders import ModelInfo, use_te
 from megarl.rollout.transfer import packing
 

@@ -1,43 +1,27 @@
 """The one HF checkpoint reader of megarl: an HF folder's safetensors read lazily, one tensor (or
 one slice of a tensor) at a time.
 
-Both the checkpoint converter (`to_megatron`) and the trainer's model loading
+Both the checkpoint converter (`megarl.conversion.to_megatron`) and the trainer's model loading
 (`megarl.models.loading`) read through `HFCheckpoint`, so a 70B checkpoint is never held whole
 by one process: each reader asks only for the tensors (and, with `get_slice`, only the rows or
 columns) its megatron shard needs. Errors a user can fix raise `ConversionError`.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 INDEX_JSON = "model.safetensors.index.json"
-# Files of an HF folder that describe the model and tokenizer (everything but the weights).
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                 "added_tokens.json", "vocab*", "merges.txt", "*.model", "*.tiktoken",
-                 "chat_template*", "*.py")
-_ST_TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                "F64": torch.float64}
+# safetensors dtype names -> torch dtypes (the converter writes them back: to_hf)
+ST_TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+               "F64": torch.float64}
 
 
 class ConversionError(Exception):
     """A problem with the user's input; the CLIs print it without a traceback and exit 2."""
-
-
-def prepare_out(out: str, force: bool) -> Path:
-    """The converters' output folder, empty: a non-empty one is refused unless `force`."""
-    path = Path(out)
-    if path.exists() and any(path.iterdir()):
-        if not force:
-            raise ConversionError(f"output folder {out!r} is not empty (pass --force to replace it)")
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class HFCheckpoint:
@@ -103,7 +87,7 @@ class HFCheckpoint:
     def meta(self, name: str) -> torch.Tensor:
         """A meta tensor with the stored shape and dtype (no data is read)."""
         sl = self._file(name).get_slice(name)
-        dtype = _ST_TO_TORCH.get(sl.get_dtype(), torch.float32)
+        dtype = ST_TO_TORCH.get(sl.get_dtype(), torch.float32)
         return torch.empty(sl.get_shape(), dtype=dtype, device="meta")
 
     def get(self, name: str) -> torch.Tensor:
@@ -127,19 +111,6 @@ def load_hf_config(path: str | os.PathLike):
         return AutoConfig.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
         raise ConversionError(f"cannot read the HF config in {str(path)!r}: {e}") from None
-
-
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy config, generation config and every tokenizer file (incl. local *.py code that
-    tokenizer_config.json's auto_map may name) from src to dst; returns the names copied."""
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for f in sorted(src.iterdir()):
-        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in HF_SIDE_FILES) \
-                and f.name != INDEX_JSON:
-            shutil.copy2(f, dst / f.name)
-            copied.append(f.name)
-    return copied
 
 
 def check_hf_checkpoint(hf: HFCheckpoint, mapping, ignore: tuple[str, ...] = (),

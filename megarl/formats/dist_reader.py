@@ -1,11 +1,12 @@
 """A converted megatron folder: where its parts live, and a reader of its global tensors.
 
 This module sits below everything that reads or writes such a folder: the converters
-(`to_hf`, `to_megatron`), `compare`, and the trainer's loading (`megarl.models.loading`, for
-`model.megatron_path`). It imports nothing of megarl but `hf_reader`'s error type, so the
-imports between those modules run one way (tests/unit/test_import_cycles.py keeps it so).
+(`megarl.conversion.to_hf`, `to_megatron`, `compare`) and the trainer's loading
+(`megarl.models.loading`, for `model.megatron_path`). It imports nothing of megarl but
+`hf_reader`'s error type, so the imports between those run one way
+(tests/unit/test_import_cycles.py keeps it so).
 
-Layout of a folder `to_megatron` writes (its module docstring has the rest):
+Layout of a folder `megarl.conversion.to_megatron` writes (its module docstring has the rest):
   HF_CONFIG_DIR/     config.json, generation config and tokenizer files of the source model
   CONVERSION_JSON    tp, pp, source, architecture, dtype, padded vocab
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.conversion.hf_reader import ConversionError
+from megarl.formats.hf_reader import ConversionError
 
 HF_CONFIG_DIR = "hf_config"
 CONVERSION_JSON = "megarl_conversion.json"

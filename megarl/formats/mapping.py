@@ -2,9 +2,9 @@
 
 A table row (`ParamMapping`) names one megatron parameter, the HF parameter(s) it holds and
 how it is laid out over tensor parallelism (`kind`). `ArchMapping` applies the rows with the
-pure ops in `megarl.conversion.ops`; it is used by the trainer -> vLLM weight sync (one
+pure ops in `megarl.formats.ops`; it is used by the trainer -> vLLM weight sync (one
 gathered parameter at a time: `partition_dim`, `megatron_to_hf`) and by the checkpoint
-conversion tools (whole state dicts: `hf_to_megatron`, `megatron_shards_to_hf`).
+conversion tools (`megarl.conversion`; whole state dicts: `hf_to_megatron`, `megatron_shards_to_hf`).
 
 Megatron layer indices are local to the pipeline stage ("decoder.layers.{i}" with i from 0 on
 every stage); HF indices are global (local + the stage's layer offset). The embedding lives on
@@ -23,7 +23,7 @@ from typing import Literal, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from megarl.conversion import ops
+from megarl.formats import ops
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
 

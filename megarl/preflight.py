@@ -15,7 +15,18 @@ import os
 import struct
 from pathlib import Path
 
+import psutil
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from megarl.checkpoint.manager import dist_folder_problem
 from megarl.config.schema import ConfigError
+from megarl.data.prompts import prompt_text
+from megarl.distributed.env import read_env
+from megarl.formats.hf_reader import ConversionError, HFCheckpoint
+from megarl.formats.mapping import mapping_for
+from megarl.models.builders import use_te
+from megarl.models.loading import open_checked
 
 # files that hold a tokenizer's vocabulary (one of them must be in the model folder)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
@@ -55,7 +66,6 @@ def check_model_files(path: str, setting: str, tokenizer: bool = True) -> None:
                               f"copy the model folder again from its source")
     # the index of a sharded checkpoint (and which file holds which tensor): the reader the
     # trainer loads through, opened on headers only
-    from megarl.conversion.hf_reader import ConversionError, HFCheckpoint
     try:
         HFCheckpoint(path).close()
     except (ConversionError, ValueError, KeyError, OSError) as err:
@@ -69,12 +79,6 @@ def check_weights_match(path: str, setting: str = "model.path") -> None:
     """config.json names an architecture megarl maps, and the safetensors hold each of its
     tensors with the shape config.json implies (headers only: what build_all checks again
     before loading, here before the run directory is touched)."""
-    from transformers import AutoConfig
-
-    from megarl.conversion.hf_reader import ConversionError
-    from megarl.conversion.mapping import mapping_for
-    from megarl.models.builders import use_te
-    from megarl.models.loading import open_checked
     try:
         mapping = mapping_for(AutoConfig.from_pretrained(path, local_files_only=True), te_names=use_te())
         open_checked(path, mapping).close()
@@ -85,7 +89,6 @@ def check_weights_match(path: str, setting: str = "model.path") -> None:
 
 def read_hf_config(path: str, setting: str = "model.path") -> dict:
     """config.json of an HF folder as transformers reads it (a dict), or one line saying why not."""
-    from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True).to_dict()
     except Exception as err:   # noqa: BLE001 - bad JSON, an unknown model_type, ...
@@ -96,7 +99,6 @@ def read_hf_config(path: str, setting: str = "model.path") -> dict:
 
 def load_tokenizer(path: str, setting: str = "model.path"):
     """The model folder's tokenizer, or one line saying why it does not load."""
-    from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)   # a folder: never the hub
     except Exception as err:   # noqa: BLE001 - transformers raises many types for a broken folder
@@ -130,7 +132,6 @@ def prompts_problem(records, tokenizer, cfg, vocab_size: int | None = None) -> s
     the model's vocabulary, or a prompt that leaves no room for rollout.max_new_tokens in
     rollout.max_model_len (the engine would refuse it, or cut the response short silently).
     `records` come from megarl.data.prompts.load_prompts (their row numbers in `.rows`)."""
-    from megarl.data.prompts import prompt_text
     d, r = cfg.data, cfg.rollout
     texts = [prompt_text(rec, tokenizer, d.prompt_key, d.messages_key) for rec in records]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -196,9 +197,7 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
                           f"rollout.max_model_len <= {max_pos}")
     if r.engine_mode == "remote":
         return
-    import torch
     if not torch.cuda.is_available():   # vLLM on CPU allocates rollout.kv_cache_mb per engine up front
-        import psutil
         total_mb = psutil.virtual_memory().total >> 20
         if r.engines * r.kv_cache_mb > 0.8 * total_mb:
             raise ConfigError(f"rollout.kv_cache_mb={r.kv_cache_mb} x rollout.engines={r.engines} is more than 80% "
@@ -232,9 +231,7 @@ def check_backends(cfg) -> None:
     """The launch against this machine, before the ranks' process group is built (torch's own
     errors are tracebacks from inside it): more trainer ranks on this node than GPUs; NCCL or
     sequence parallelism asked for on a machine without a GPU."""
-    import torch
     if torch.cuda.is_available():
-        from megarl.distributed.env import read_env
         gpus, local_rank = torch.cuda.device_count(), read_env().local_rank
         if local_rank >= gpus:
             raise ConfigError(f"trainer rank with local rank {local_rank} has no GPU: this node shows {gpus}; "
@@ -245,7 +242,8 @@ def check_backends(cfg) -> None:
         if value == "nccl":
             raise ConfigError(f"{key}='nccl' needs GPUs and this machine shows none: use {key}=auto "
                               f"(gloo without a GPU) or gloo")
-    if cfg.parallel.sequence_parallel:   # megarl/models/config.py refuses it too, after the run dir is locked
+    # models/transformer_config.py refuses it too, after the run dir is locked
+    if cfg.parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=True needs GPUs with Transformer Engine and this machine "
                           "shows none: set parallel.sequence_parallel=false")
 
@@ -253,7 +251,6 @@ def check_backends(cfg) -> None:
 def check_megatron_files(path: str, setting: str = "model.megatron_path") -> None:
     """A converted megatron checkpoint (`check_megatron_dir` has seen its metadata.json) has
     every shard file its .metadata points into, each long enough."""
-    from megarl.checkpoint.manager import dist_folder_problem
     problem = dist_folder_problem(path)
     if problem:
         raise ConfigError(f"{setting}={path!r}: {problem}: convert it again with tools/convert_hf_to_megatron.py, "
