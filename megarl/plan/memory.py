@@ -21,29 +21,20 @@ Bytes everywhere; GiB only when printed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from megarl.models.arch import Arch  # the facts these formulas take
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-@dataclass(frozen=True)
-class Arch:
-    """The decoder facts memory depends on (HF config.json names in comments)."""
-    hidden: int          # hidden_size
-    layers: int          # num_hidden_layers
-    heads: int           # num_attention_heads
-    kv_heads: int        # num_key_value_heads
-    head_dim: int        # head_dim or hidden / heads
-    ffn: int             # intermediate_size (SwiGLU)
-    vocab: int           # vocab_size
-    max_positions: int = 0
-    tied: bool = False   # tie_word_embeddings
-    qkv_bias: bool = False
+def gib(x: float) -> float:
+    """Bytes as the GiB a plan prints (2 decimals)."""
+    return round(x / GiB, 2)
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocab (= conversion.mapping.padded_vocab_size, kept torch-free here)."""
+    """Megatron's padded vocab (= formats.mapping.padded_vocab_size, kept torch-free here)."""
     multiple = divisible_by * tp
     return int(math.ceil(vocab / multiple) * multiple)
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from megarl.plan.memory import Arch, total_params
+from megarl.models.arch import Arch
+from megarl.plan.memory import total_params
 
 # architecture facts of published models (config.json of each), one file per model
 MODEL_FACTS = Path(__file__).resolve().parents[2] / "recipes" / "models"

@@ -1,0 +1,197 @@
+"""`make_plan`: where every model goes on the recipe's cluster, its memory per GPU, and what
+does not fit, each problem with the settings that fix it."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+from megarl.config.schema import ClusterConfig, ConfigError, RootConfig, validate_world
+from megarl.models.arch import Arch, resolve_arch
+from megarl.plan import memory as mem
+from megarl.plan.engine import engine_memory
+from megarl.plan.inputs import resolve_cluster, reward_arch
+from megarl.plan.memory import GiB, gib
+from megarl.plan.trainer import Layout, best_layout, check_layout, trainer_fixes, trainer_memory
+from megarl.plan.transfer import staging_note, transfer_buffers, transfer_formula
+
+FUSED = True   # GPU runs: Transformer Engine (fused norm + linear, flash attention), fused SwiGLU
+
+ASSUMPTIONS = [
+    "trainer: megatron DDP + distributed optimizer as models/builders.py builds it: weights (dtype), "
+    "fp32 gradient buffer, Adam state (+ fp32 main weights for bf16) sharded over DP",
+    "activations: Korthikanti et al. 2022 per layer (RMSNorm/SwiGLU/GQA, no dropout, TE fused kernels + "
+    "flash attention), 1F1B in-flight micro-batches, sequence = rollout.max_model_len (prompt + response bound)",
+    "engine: bf16 weights / engine TP + KV cache 2 x layers x kv_heads x head_dim x 2 bytes per token "
+    "for every in-flight request at rollout.max_model_len, within rollout.gpu_memory_utilization",
+    "reserve per GPU (cluster.reserve_gb): CUDA context, NCCL buffers, allocator fragmentation",
+    "weight_sync.transport=collective (nccl): weight_sync.num_buffers packed buffers of up to weight_sync.bucket_mb "
+    "+ the largest tensor on global rank 0's GPU (in every phase: a safe bound) and on every engine GPU "
+    "(outside vLLM's gpu_memory_utilization share, less the reserve)",
+]
+
+
+def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | None = None,
+              gpu_mem_gb: float | None = None) -> dict:
+    """Placement and memory per GPU; raises ConfigError for a layout the code would refuse."""
+    arch, arch_src = resolve_arch(cfg)
+    rm_arch, rm_note = reward_arch(cfg, arch)
+    cluster, notes = resolve_cluster(cfg, nodes, gpus_per_node, gpu_mem_gb)
+    if rm_note and rm_arch is arch:
+        notes.append(f"reward model: {rm_note}")
+    check_placeable(cfg, arch, cluster)
+    r, g = cfg.rollout, cluster.gpus_per_node
+    engines, etp = r.engine_count, r.engine_tp
+    if r.engine_mode != "remote" and not cluster.engine_nodes:
+        notes.append("cluster.engine_nodes=0: engines not placed on this cluster (rollout.engine_mode "
+                     f"{r.engine_mode}); only the trainer is checked")
+    trainer, dp, problems = trainer_part(cfg, arch, cluster, rm_arch, notes)
+    placement = {"trainer": {"nodes": cluster.trainer_node_count, "gpus": cluster.trainer_node_count * g,
+                             "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
+                 "engines": {"nodes": cluster.engine_nodes, "gpus": cluster.engine_nodes * g, "count": engines,
+                             "tp": etp, "gpus_used": engines * etp}}
+    engine = None
+    if cluster.engine_nodes or r.engine_mode == "remote":
+        engine, more = engine_part(cfg, arch, cluster)
+        problems += more
+    note = staging_note(cfg, arch)
+    if note:
+        notes.append(note)
+    return {"fits": not problems, "problems": problems, "notes": notes,
+            "model": {**asdict(arch), "params": mem.total_params(arch), "source": arch_src},
+            "cluster": asdict(cluster), "placement": placement,
+            "sequence_tokens": r.max_model_len, "micro_batch_size": cfg.train.micro_batch_size,
+            "recompute": cfg.train.recompute, "offload_idle": cfg.train.offload_idle,
+            "per_gpu_bytes": per_gpu_bytes(trainer, engine), "trainer": trainer, "engine": engine,
+            "weight_transfer": transfer_formula(cfg, arch) if transfer_buffers(cfg, arch) else "",
+            "assumptions": ASSUMPTIONS}
+
+
+def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None:
+    """What no plan can place: a CPU-only cluster, a TP x PP or an engine TP the model (or
+    vLLM, or one node) does not allow. Raises ConfigError."""
+    g = cluster.gpus_per_node
+    if g == 0:
+        raise ConfigError("cluster.gpus_per_node=0 (a CPU-only recipe): nothing to place; give "
+                          "--gpus-per-node and --nodes, or a recipe with a cluster: block")
+    check_layout(arch, cfg.parallel.tp, cfg.parallel.pp)
+    etp = cfg.rollout.engine_tp
+    if arch.heads % etp or (arch.kv_heads % etp and etp % arch.kv_heads):
+        raise ConfigError(f"rollout.engine_tp={etp}: vLLM needs it to divide the {arch.heads} heads, and to divide "
+                          f"or be a multiple of the {arch.kv_heads} KV heads")
+    if etp > g:
+        raise ConfigError(f"rollout.engine_tp={etp} > cluster.gpus_per_node={g}: an engine's TP group must "
+                          f"sit on one node")
+
+
+def trainer_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: Arch | None,
+                 notes: list[str]) -> tuple[dict | None, int | None, list[dict]]:
+    """(the trainer's memory on its worst stage, DP, problems); no memory and no DP when TP x PP
+    does not divide the trainer's GPUs. Adds to `notes`."""
+    g, tp, pp = cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp
+    trainer_gpus = cluster.trainer_node_count * g
+    usable = (cluster.gpu_mem_gb - cluster.reserve_gb) * GiB
+    if trainer_gpus < tp * pp or trainer_gpus % (tp * pp):
+        return None, None, [indivisible_problem(cfg, arch, cluster, rm_arch, usable)]
+    dp = validate_world(cfg, trainer_gpus)
+    lay = Layout(tp, pp, dp)
+    trainer = trainer_memory(cfg, arch, lay, FUSED, rm_arch)
+    trainer["usable_bytes"] = usable
+    trainer["fits"] = trainer["peak_bytes"] <= usable
+    if tp > g:
+        notes.append(f"parallel.tp={tp} spans nodes (gpus_per_node={g}): TP all-reduces go over the network")
+    if trainer["fits"]:
+        return trainer, dp, []
+    held = trainer["roles"]["weight_transfer"]
+    return trainer, dp, [{"role": "trainer", "what": f"stage {trainer['stage']} at '{trainer['phase']}' needs "
+                          f"{gib(trainer['peak_bytes'])} GiB per GPU, {gib(usable)} GiB usable"
+                          + (f" (of it {gib(held)} GiB weight transfer buffers on global rank 0: "
+                             f"{transfer_formula(cfg, arch)})" if held else ""),
+                          "short_gib": gib(trainer["peak_bytes"] - usable),
+                          "fix": trainer_fixes(cfg, arch, lay, trainer_gpus, g, FUSED, rm_arch, usable)}]
+
+
+def indivisible_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: Arch | None,
+                        usable: float) -> dict:
+    """One model copy (TP x PP GPUs) does not divide the trainer's GPUs: the node count that
+    would do, and the lightest layout of the GPUs there are."""
+    g, tp, pp = cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp
+    trainer_nodes = cluster.trainer_node_count
+    trainer_gpus = trainer_nodes * g
+    best = best_layout(cfg, arch, trainer_gpus, g, FUSED, rm_arch) if trainer_gpus else None
+    need = tp * pp // math.gcd(tp * pp, g)   # fewest whole nodes holding a multiple of TP x PP GPUs
+    fix = (f"TP={tp} x PP={pp} needs a multiple of {need} trainer nodes "
+           f"({need + cluster.engine_nodes} nodes with the engines)")
+    if best:
+        lay, peak = best
+        fits = peak <= usable
+        fix += (f"; on {trainer_gpus} GPUs the lightest layout is parallel.tp={lay.tp} parallel.pp={lay.pp} "
+                f"(dp={lay.dp}), {gib(peak)} GiB per GPU, which "
+                + ("fits" if fits else f"does not fit either ({gib(peak - usable)} GiB over)"))
+    return {"role": "trainer", "what": f"one model copy needs TP x PP = {tp * pp} GPUs, which does not "
+            f"divide the trainer's {trainer_gpus} ({trainer_nodes} nodes x {g})",
+            "short_gib": None, "fix": fix}   # the GiB are in the fix: they are the best layout's
+
+
+def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> tuple[dict, list[dict]]:
+    """(the engines' memory per GPU, problems): too few engine GPUs, an engine GPU over its
+    vLLM share, transfer buffers that do not fit outside it."""
+    r, g = cfg.rollout, cluster.gpus_per_node
+    engines, etp = r.engine_count, r.engine_tp
+    engine_gpus = cluster.engine_nodes * g
+    problems = []
+    if r.engine_mode != "remote" and engines * etp > engine_gpus:
+        problems.append({"role": "engines", "what": f"{engines} engines x TP {etp} = {engines * etp} GPUs, "
+                         f"the engine pool has {engine_gpus} ({cluster.engine_nodes} nodes x {g})",
+                         "short_gib": None,
+                         "fix": f"lower rollout.engines to {engine_gpus // etp} or give "
+                                f"cluster.engine_nodes={math.ceil(engines * etp / g)}"})
+    e = engine_memory(cfg, arch, cluster, engines, etp)
+    if e["need_bytes"] > e["budget_bytes"]:
+        kv_room = e["budget_bytes"] - e["per_gpu_bytes"]["weights"] - e["per_gpu_bytes"]["workspace"]
+        max_req = max(0, int(kv_room // (r.max_model_len * e["kv_bytes_per_token_per_gpu"]))) * engines
+        problems.append({"role": "engines", "what": f"an engine GPU needs {gib(e['need_bytes'])} GiB "
+                         f"(weights {gib(e['per_gpu_bytes']['weights'])}, KV cache for "
+                         f"{e['requests_per_engine']} requests x {r.max_model_len} tokens "
+                         f"{gib(e['per_gpu_bytes']['kv_cache'])}), its budget is {gib(e['budget_bytes'])} GiB "
+                         f"(rollout.gpu_memory_utilization={r.gpu_memory_utilization})",
+                         "short_gib": gib(e["need_bytes"] - e["budget_bytes"]),
+                         "fix": f"raise rollout.gpu_memory_utilization "
+                                f"(<= {1 - cluster.reserve_gb / cluster.gpu_mem_gb:.2f}), a larger rollout.engine_tp, "
+                                f"more engines, or rollout.concurrency <= {max_req}"})
+    if e["transfer_bytes"] > e["transfer_room_bytes"]:
+        problems.append(transfer_room_problem(cfg, arch, cluster, e))
+    return e, problems
+
+
+def transfer_room_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, e: dict) -> dict:
+    """An engine GPU's transfer buffers do not fit outside vLLM's share, less the reserve."""
+    room, util = e["transfer_room_bytes"], cfg.rollout.gpu_memory_utilization
+    # the largest share that leaves the buffers room, rounded down to the 2 decimals printed;
+    # offered only while the weights, KV cache and workspace still fit in it
+    lower = math.floor((cluster.gpu_mem_gb - cluster.reserve_gb - e["transfer_bytes"] / GiB)
+                       / cluster.gpu_mem_gb * 100) / 100
+    lower = lower if lower * cluster.gpu_mem_gb * GiB >= e["need_bytes"] else 0
+    return {"role": "engines", "what": f"an engine GPU receives weights into "
+            f"{gib(e['transfer_bytes'])} GiB of transfer buffers ({transfer_formula(cfg, arch)}) "
+            f"outside vLLM's share (rollout.gpu_memory_utilization={util}), where "
+            f"{gib(max(room, 0))} GiB are left after the {cluster.reserve_gb} GiB reserve",
+            "short_gib": gib(e["transfer_bytes"] - room),
+            "fix": "lower weight_sync.bucket_mb or weight_sync.num_buffers"
+                   + (f", or rollout.gpu_memory_utilization <= {lower:.2f}" if lower > 0 else "")}
+
+
+def per_gpu_bytes(trainer: dict | None, engine: dict | None) -> dict:
+    """The plan's bytes per GPU by role, trainer and engine GPUs in one dict."""
+    per_gpu = {}
+    if trainer:
+        for role in ("actor", "critic"):
+            per_gpu[role] = sum(trainer["roles"][role].values())
+        for role in ("reference", "reward", "activations"):
+            per_gpu[role] = trainer["roles"][role]
+        per_gpu["weight_transfer"] = trainer["sender_bytes"]   # global rank 0's GPU only
+    if engine:
+        per_gpu["engine_weights"] = engine["per_gpu_bytes"]["weights"]
+        per_gpu["kv_cache"] = engine["per_gpu_bytes"]["kv_cache"]
+        per_gpu["engine_workspace"] = engine["per_gpu_bytes"]["workspace"]
+        per_gpu["engine_weight_transfer"] = engine["transfer_bytes"]
+    return per_gpu

@@ -1,0 +1,60 @@
+"""A plan (`make_plan`'s dict) as the lines `megarl plan` prints, and its problems as one line."""
+from __future__ import annotations
+
+from megarl.plan.memory import gib
+
+
+def format_plan(p: dict) -> str:
+    c, pl, m = p["cluster"], p["placement"], p["model"]
+    tr, en = pl["trainer"], pl["engines"]
+    lines = [f"model: {m['params'] / 1e9:.2f}B params, {m['layers']} layers, hidden {m['hidden']}, "
+             f"heads {m['heads']}/{m['kv_heads']} kv, ffn {m['ffn']}, vocab {m['vocab']} (from {m['source']})",
+             f"cluster: {c['nodes']} nodes x {c['gpus_per_node']} GPUs x {c['gpu_mem_gb']} GiB {c['gpu']}".rstrip()
+             + f", {c['reserve_gb']} GiB reserved per GPU",
+             f"trainer: {tr['nodes']} nodes = {tr['gpus']} GPUs, TP={tr['tp']} PP={tr['pp']} DP={tr['dp'] or '-'}",
+             f"engines: {en['count']} x TP={en['tp']} = {en['gpus_used']} of {en['gpus']} GPUs on {en['nodes']} nodes",
+             f"sequence {p['sequence_tokens']} tokens, micro batch {p['micro_batch_size']}, "
+             f"recompute {p['recompute']}, offload_idle {p['offload_idle']}"]
+    t = p["trainer"]
+    if t:
+        lines.append(f"trainer GPU (worst: PP stage {t['stage']}, {t['in_flight']} of {t['microbatches']} "
+                     f"micro-batches in flight), GiB:")
+        for role in ("actor", "critic"):
+            parts = t["roles"][role]
+            if sum(parts.values()):
+                lines.append(f"  {role:12s}{gib(sum(parts.values())):8.2f}  (weights {gib(parts['weights'])}, "
+                             f"grads {gib(parts['grads'])}, optimizer {gib(parts['optimizer'])})")
+        for role in ("reference", "reward"):
+            if t["roles"][role]:
+                lines.append(f"  {role:12s}{gib(t['roles'][role]):8.2f}")
+        if t["roles"]["weight_transfer"]:
+            lines.append(f"  {'transfer':12s}{gib(t['roles']['weight_transfer']):8.2f}  (weight transfer buffers, "
+                         f"on global rank 0: {p['weight_transfer']})")
+        lines.append(f"  {'activations':12s}{gib(t['roles']['activations']):8.2f}  (at the peak phase)")
+        for name, b in t["phases"].items():
+            lines.append(f"  phase {name:30s}{gib(b):8.2f}" + ("  <- peak" if name == t["phase"] else ""))
+        lines.append(f"  peak {gib(t['peak_bytes'])} of {gib(t['usable_bytes'])} usable: "
+                     + ("fits" if t["fits"] else "DOES NOT FIT"))
+        if t["sender_bytes"] and t["stage"] != 0:
+            lines.append(f"  global rank 0 (PP stage 0) also holds {gib(t['sender_bytes'])} GiB of weight transfer "
+                         f"buffers ({p['weight_transfer']}): peak {gib(t['sender_peak_bytes'])} GiB")
+    e = p["engine"]
+    if e:
+        b = e["per_gpu_bytes"]
+        lines.append(f"engine GPU, GiB: weights {gib(b['weights'])}, KV cache {gib(b['kv_cache'])} "
+                     f"({e['requests_per_engine']} requests x {p['sequence_tokens']} tokens), workspace "
+                     f"{gib(b['workspace'])}; {gib(e['need_bytes'])} of {gib(e['budget_bytes'])} budget: "
+                     + ("fits" if e["need_bytes"] <= e["budget_bytes"] else "DOES NOT FIT"))
+        if e["transfer_bytes"]:
+            lines.append(f"  + weight transfer buffers {gib(e['transfer_bytes'])} ({p['weight_transfer']}) outside "
+                         f"vLLM's share, {gib(max(e['transfer_room_bytes'], 0))} left there after the reserve: "
+                         + ("fits" if e["transfer_bytes"] <= e["transfer_room_bytes"] else "DOES NOT FIT"))
+    for n in p["notes"]:
+        lines.append(f"note: {n}")
+    lines.append("fits" if p["fits"] else "DOES NOT FIT")
+    return "\n".join(lines)
+
+
+def problems_message(p: dict) -> str:
+    return "; ".join(f"{x['role']}: {x['what']}" + (f" ({x['short_gib']} GiB short)" if x["short_gib"] else "")
+                     + f"; to fix: {x['fix']}" for x in p["problems"])

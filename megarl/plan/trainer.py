@@ -1,0 +1,149 @@
+"""The trainer's share of a plan: peak bytes per trainer GPU for a TP x PP x DP layout, the
+layouts the code accepts, the lightest of them, and the changes that would make a layout fit."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megarl.config.schema import ConfigError, RootConfig, validate_world
+from megarl.models.arch import Arch
+from megarl.plan import memory as mem
+from megarl.plan.memory import gib
+from megarl.plan.transfer import transfer_buffers
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+
+def check_layout(arch: Arch, tp: int, pp: int) -> None:
+    """What models/transformer_config.py refuses at build time, said before any GPU is allocated."""
+    if arch.kv_heads % tp or arch.heads % tp:
+        fits = [d for d in range(1, arch.kv_heads + 1) if arch.kv_heads % d == 0 and arch.heads % d == 0]
+        raise ConfigError(f"parallel.tp={tp} must divide the model's {arch.heads} heads and {arch.kv_heads} "
+                          f"KV heads (QKV is split by whole GQA groups): use one of {fits}")
+    if arch.layers % pp:
+        raise ConfigError(f"parallel.pp={pp} must divide the model's {arch.layers} layers: use one of "
+                          f"{[d for d in range(1, arch.layers + 1) if arch.layers % d == 0 and d <= 16]}")
+
+
+def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True, rm_arch: Arch | None = None) -> dict:
+    """Peak bytes per trainer GPU over its phases, on the worst PP stage, by role.
+    fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU).
+    On the GPU path stage 0 also holds the weight transfer's buffers (`transfer_buffers`): its
+    first GPU is global rank 0, the sender. They are counted in every phase, a safe bound
+    (memory.transfer_buffer_bytes says why). The CPU path has none."""
+    t, tp, pp, dp = cfg.train, lay.tp, lay.pp, lay.dp
+    sender = transfer_buffers(cfg, arch) if fused else 0
+    div, wb = cfg.model.make_vocab_size_divisible_by, mem.DTYPE_BYTES[cfg.model.dtype]
+    seq, mbs = cfg.rollout.max_model_len, t.micro_batch_size
+    micro = max(1, cfg.samples_per_step // t.mini_batches // dp // mbs)
+    per_param = mem.trainable_bytes_per_param(cfg.model.dtype, dp)
+    ppo = cfg.algo.name == "ppo"
+    sp = cfg.parallel.sequence_parallel
+    worst = None
+
+    def trainable(role, stage):
+        n = mem.stage_params(arch, tp, pp, stage, role, div)
+        return {k: n * b for k, b in per_param.items()}
+
+    for stage in range(pp):
+        actor = trainable("actor", stage)
+        critic = trainable("critic", stage) if ppo else {"weights": 0, "grads": 0, "optimizer": 0}
+        ref = mem.stage_params(arch, tp, pp, stage, "reference", div) * wb
+        rm = mem.stage_params(rm_arch, tp, pp, stage, "reward", div) * wb if rm_arch else 0
+        act = dict(seq=seq, mbs=mbs, tp=tp, pp=pp, stage=stage, act_bytes=wb, sequence_parallel=sp,
+                   fused=fused, divisible_by=div)
+        train_actor = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute, **act)
+        train_critic = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute,
+                                                  with_logits=False, **act)
+        fwd = mem.forward_only_bytes(arch, **act)
+        fwd_value = mem.forward_only_bytes(arch, with_logits=False, **act)
+        a, c_model, c_opt = sum(actor.values()), critic["weights"] + critic["grads"], critic["optimizer"]
+        transfer = sender if stage == 0 else 0
+        # phase -> (models resident besides the base, activations of the phase)
+        if t.offload_idle:   # always resident: actor + the critic's Adam state (offload.py frees weights+grads only)
+            base = a + c_opt + transfer
+            phases = {"old logprobs (actor forward)": (0, fwd), "reference logprobs": (ref, fwd),
+                      "actor update": (0, train_actor)}
+            if ppo:
+                phases["values (critic forward)"] = (c_model, fwd_value)
+                phases["critic update"] = (c_model, train_critic)
+            if rm:
+                phases["reward model"] = (rm, fwd_value)
+        else:
+            base = a + c_model + c_opt + ref + rm + transfer
+            phases = {"old logprobs (actor forward)": (0, fwd), "actor update": (0, train_actor)}
+            if ppo:
+                phases["critic update"] = (0, train_critic)
+        totals = {k: base + extra + acts for k, (extra, acts) in phases.items()}
+        phase = max(totals, key=totals.get)
+        res = {"stage": stage, "phase": phase, "peak_bytes": totals[phase], "phases": totals,
+               "roles": {"actor": actor, "critic": critic, "reference": ref, "reward": rm,
+                         "weight_transfer": transfer, "activations": phases[phase][1]},
+               "microbatches": micro, "in_flight": mem.in_flight_microbatches(pp, stage, micro)}
+        if stage == 0:
+            sender_peak = totals[phase]
+        if worst is None or res["peak_bytes"] > worst["peak_bytes"]:
+            worst = res
+    # the sender's buffers and its GPU's peak, also when another stage is the worst
+    worst.update(sender_bytes=sender, sender_peak_bytes=sender_peak)
+    return worst
+
+
+def candidate_layouts(arch: Arch, gpus: int, gpus_per_node: int):
+    """Every TP x PP x DP the code accepts on `gpus` GPUs, TP within a node."""
+    for tp in range(1, min(gpus_per_node, arch.kv_heads) + 1):
+        if arch.kv_heads % tp or arch.heads % tp:
+            continue
+        for pp in range(1, arch.layers + 1):
+            if arch.layers % pp == 0 and gpus % (tp * pp) == 0:
+                yield Layout(tp, pp, gpus // (tp * pp))
+
+
+def best_layout(cfg, arch, gpus, gpus_per_node, fused, rm_arch) -> tuple[Layout, float] | None:
+    """The layout of `gpus` GPUs with the lowest peak (ties: least PP, then least TP)."""
+    best = None
+    for lay in candidate_layouts(arch, gpus, gpus_per_node):
+        try:
+            validate_world(replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp)), gpus)
+        except ConfigError:
+            continue
+        peak = trainer_memory(cfg, arch, lay, fused, rm_arch)["peak_bytes"]
+        key = (peak, lay.pp, lay.tp)
+        if best is None or key < best[0]:
+            best = (key, lay)
+    return (best[1], best[0][0]) if best else None
+
+
+def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
+    """Concrete changes with the peak each gives (same formulas), the fitting ones first."""
+    t, opts = cfg.train, []
+
+    def peak(c, layout):
+        return trainer_memory(c, arch, layout, fused, rm_arch)["peak_bytes"]
+
+    if not t.offload_idle:
+        opts.append(("train.offload_idle=true", peak(replace(cfg, train=replace(t, offload_idle=True)), lay)))
+    if t.recompute == "none":
+        opts.append(("train.recompute=full", peak(replace(cfg, train=replace(t, recompute="full")), lay)))
+    if t.micro_batch_size > 1:
+        opts.append(("train.micro_batch_size=1", peak(replace(cfg, train=replace(t, micro_batch_size=1)), lay)))
+    best = best_layout(cfg, arch, gpus, gpn, fused, rm_arch)
+    if best and (best[0].tp, best[0].pp) != (lay.tp, lay.pp):
+        opts.append((f"parallel.tp={best[0].tp} parallel.pp={best[0].pp}", best[1]))
+    ws = cfg.weight_sync
+    if transfer_buffers(cfg, arch):   # only global rank 0 holds them, but it may be the one that does not fit
+        def sync(**kw):
+            return peak(replace(cfg, weight_sync=replace(ws, **kw)), lay)
+        if ws.num_buffers > 1:
+            opts.append(("weight_sync.num_buffers=1 (no overlap of gather and send)", sync(num_buffers=1)))
+        if ws.bucket_mb > 128:
+            opts.append(("weight_sync.bucket_mb=128", sync(bucket_mb=128)))
+        opts.append(("weight_sync.transport=files (staged on disk, slower)", sync(transport="files")))
+    more = Layout(lay.tp, lay.pp, lay.dp * 2)
+    opts.append((f"twice the trainer nodes (dp={more.dp}: Adam state sharded twice as thin)", peak(cfg, more)))
+    opts.sort(key=lambda o: o[1])
+    return "; ".join(f"{name} -> {gib(p)} GiB" + (" (fits)" if p <= usable else "") for name, p in opts)
