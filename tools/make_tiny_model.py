@@ -55,7 +55,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from megarl.data import countdown as cd  # noqa: E402
-from megarl.rewards.countdown import score  # noqa: E402
+from megarl.rewards.countdown import countdown_score  # noqa: E402
 
 #: Bump when the recipe (model shape, warm-up, eval) changes, so cached builds are redone.
 RECIPE_VERSION = 6
@@ -280,7 +280,7 @@ def evaluate(model, tokenizer, records: list[dict], seed: int = 0, oracle: bool 
     resp_lens = []
     for r, (ids, fin) in zip(records, responses):
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        rew = score(text, r, finished=fin)
+        rew = countdown_score(text, r, finished=fin)
         rewards.append(rew)
         exact += rew == 1.0
         resp_lens.append(len(ids) + int(fin))

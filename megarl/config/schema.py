@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megarl.config.errors import ConfigError
+from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS, VERIFIERS
 
 
 def _require(ok: bool, key: str, value, fix: str) -> None:
@@ -117,7 +118,8 @@ class AlgoConfig:
     entropy_coef: float = 0.0          # entropy bonus in the actor loss
     whiten_advantages: bool = True     # normalise PPO advantages over the batch's tokens
     grpo_std_normalize: bool = True    # GRPO: divide by the group's std (Dr.GRPO sets this false)
-    loss_agg: str = "token-mean"       # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO)
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO)
+    loss_agg: str = "token-mean"
     is_mode: str = "tis"               # behaviour correction: tis (truncate) | mask | none
     is_level: str = "token"            # token | sequence | geo_sequence
     is_cap: float = 2.0                # TIS truncation C for w = exp(l_old - l_mu)
@@ -125,13 +127,12 @@ class AlgoConfig:
     is_high: float = 2.0
 
     def __post_init__(self):
-        _one_of("algo.name", self.name, {"ppo", "grpo"})
+        ADVANTAGES.check(self.name)
         _one_of("algo.kl_mode", self.kl_mode, {"reward", "loss"})
-        _one_of("algo.kl_kind", self.kl_kind, {"k1", "k2", "k3", "abs"})
-        _one_of("algo.loss_agg", self.loss_agg,
-                {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"})
-        _one_of("algo.is_mode", self.is_mode, {"tis", "mask", "none"})
-        _one_of("algo.is_level", self.is_level, {"token", "sequence", "geo_sequence"})
+        KL_KINDS.check(self.kl_kind)
+        LOSS_AGGS.check(self.loss_agg)
+        IS_MODES.check(self.is_mode)
+        IS_LEVELS.check(self.is_level)
         _require(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "must be in [0, 1]")
         _require(0 <= self.lam <= 1, "algo.lam", self.lam, "must be in [0, 1]")
         _require(self.clip_low > 0 and self.clip_high > 0, "algo.clip_low/clip_high",
@@ -278,12 +279,11 @@ class RewardConfig:
     fn: str = "countdown"              # verifier: countdown | math | exact | format | none (no verifier; docs/data.md)
     model_path: str = ""               # HF *ForSequenceClassification reward model, scored on the trainer ranks
     model_coef: float = 1.0            # score = verifier + model_coef * reward model
-    timeout_s: float = 5.0             # a verifier taking longer than this on one sample scores it 0 (counted: reward_timeouts)
+    # a verifier taking longer than this on one sample scores it 0 (counted: reward_timeouts)
+    timeout_s: float = 5.0
 
     def __post_init__(self):
-        from megarl.rewards import REWARD_FNS   # lazy: the registry is light, but schema imports nothing of megarl
-        _require(self.fn in REWARD_FNS, "reward.fn", self.fn,
-                 f"unknown verifier: use one of {sorted(REWARD_FNS)} (docs/data.md)")
+        VERIFIERS.check(self.fn)
         _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 (seconds per sample)")
         _require(self.fn != "none" or bool(self.model_path), "reward.fn", self.fn,
                  "with reward.fn=none set reward.model_path, or nothing scores the samples")

@@ -61,6 +61,13 @@ def dp_size() -> int:
     return ps.get_data_parallel_world_size()
 
 
+def dp_rows(n: int) -> slice:
+    """This DP rank's share of `n` rows: the r-th of dp_size() equal consecutive slices
+    (n // dp_size() rows each; the caller makes n divisible)."""
+    share = n // dp_size()
+    return slice(dp_rank() * share, (dp_rank() + 1) * share)
+
+
 def is_first_stage() -> bool:
     return ps.is_pipeline_first_stage()
 

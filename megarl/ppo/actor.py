@@ -7,9 +7,10 @@ from megarl.config.schema import AlgoConfig
 from megarl.models.builders import Trainable
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.ppo.aggregate import aggregate
-from megarl.ppo.nonfinite import optimizer_step
 from megarl.ppo.batch import Batch, response_targets, to_response_layout
 from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
+from megarl.ppo.optim import optimizer_step
+from megarl.ppo.reports import token_sums
 from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches, sum_reports
 
 
@@ -35,8 +36,9 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     temperature: the rollout's sampling temperature (logits are divided by it, as the engine did).
     normalizer: the loss aggregation's global normaliser for the whole mini-batch (all DP
     ranks), so the update does not depend on how rows are split.
-    Returns summed statistics (policy loss contribution, clip counts, entropy sums...) for
-    the caller to reduce over DP.
+    Returns this rank's summed statistics (policy loss contribution, token sums of every
+    statistic policy_loss reports, entropy and KL sums, the gradient norm) for the step to
+    reduce over DP (megarl.ppo.reports says how each key reduces).
     """
     extras = {"old_logp": old_logp, "ref_logp": ref_logp, "adv": advantages, "is_w": is_weights}
     n_micro = batch.size // micro_batch_size
@@ -55,15 +57,15 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
         if algo.kl_mode == "loss" and algo.kl_coef:
             total = total + algo.kl_coef * aggregate(kl, mask, algo.loss_agg, normalizer)
         tokens = mask.sum()
-        report = {"policy_loss": pg.detach(), "tokens": tokens,
-                  "clip_tokens": stats["clip_frac"] * tokens,
+        report = {"policy_loss": pg.detach(), "tokens": tokens, **token_sums(stats, tokens),
                   "entropy_sum": masked_sum(entropy.detach(), mask),
-                  "kl_sum": masked_sum(kl.detach(), mask)}
+                  # the algo.kl_kind penalty under the weights being updated (metric kl_penalty)
+                  "kl_penalty_sum": masked_sum(kl.detach(), mask)}
         return total * scale, report
 
     actor.model.zero_grad_buffer()
     actor.optimizer.zero_grad()
     reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras=extras)
-    ok, grad_norm = optimizer_step(actor, "actor")
-    return {**sum_reports(reports), "grad_norm": grad_norm, "update_ok": ok}
+    grad_norm = optimizer_step(actor, "actor")
+    return {**sum_reports(reports), "grad_norm": grad_norm}

@@ -1,10 +1,19 @@
 """Advantage estimators: GAE for PPO with a critic, group-normalised scores for GRPO.
 
-Pure tensor functions: no process groups, so they run and are tested on CPU.
+Pure tensor functions: no process groups, so they run and are tested on CPU. Each algo.name is
+an `Estimator` registered in ADVANTAGES (at the bottom): the step looks it up, runs the critic
+if it needs one, and calls it.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from megarl.config.registry import ADVANTAGES
+from megarl.config.schema import AlgoConfig
 
 
 @torch.no_grad()  # advantages and returns are targets: never differentiated
@@ -107,3 +116,56 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     mean = (x * mask).sum() / n
     var = (((x - mean) * mask) ** 2).sum() / n
     return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
+    """[B, R]: the verifier score [B] on each sequence's last token, minus kl_coef * KL per
+    token (kl [B, R], None for no penalty)."""
+    rewards = torch.zeros_like(mask)
+    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    rewards[torch.arange(mask.shape[0], device=mask.device), last] = scores
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl * mask
+    return rewards
+
+
+def grpo_advantages(scores: Tensor, kl: Tensor, mask: Tensor, algo: AlgoConfig,
+                    group_size: int) -> Tensor:
+    """[B, R] GRPO advantages: each sequence's group-normalised score on all its tokens.
+
+    scores [B], kl and mask [B, R]. With kl_mode=reward the score is first reduced by
+    kl_coef * the response's summed KL (`kl_penalized_scores`: what PPO's per-token rewards add
+    up to); with kl_mode=loss the KL stays out of the advantages (the actor loss carries it).
+    """
+    if algo.kl_mode == "reward":
+        scores = kl_penalized_scores(scores, kl, mask, algo.kl_coef)
+    return group_normalized_advantages(scores, group_size, algo.grpo_std_normalize)[:, None] * mask
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One algo.name. `fn(scores [B], kl [B, R], mask [B, R], values [B, R] or None, algo,
+    group_size) -> (advantages [B, R], returns [B, R] or None)`; `needs_critic`: the step runs
+    the critic for `values` (and trains it), else values is None and there is no critic."""
+    fn: Callable[..., tuple[Tensor, Optional[Tensor]]]
+    needs_critic: bool
+
+
+def _ppo(scores: Tensor, kl: Tensor, mask: Tensor, values: Tensor | None, algo: AlgoConfig,
+         group_size: int) -> tuple[Tensor, Tensor]:
+    """GAE over per-token rewards (score on the last token; the KL penalty per token with
+    kl_mode=reward), whitened over the batch's tokens with algo.whiten_advantages."""
+    rewards = token_rewards(scores, mask, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
+    advantages, returns = gae(rewards, values, mask, algo.gamma, algo.lam)
+    if algo.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def _grpo(scores: Tensor, kl: Tensor, mask: Tensor, values: Tensor | None, algo: AlgoConfig,
+          group_size: int) -> tuple[Tensor, None]:
+    return grpo_advantages(scores, kl, mask, algo, group_size), None
+
+
+ADVANTAGES.register("ppo", Estimator(_ppo, needs_critic=True))
+ADVANTAGES.register("grpo", Estimator(_grpo, needs_critic=False))

@@ -15,18 +15,64 @@ keeps the result independent of the split and its scale that of a per-token mean
 responses.
 """
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from torch import Tensor
 
+from megarl.config.registry import LOSS_AGGS
 from megarl.ppo.losses import masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+@dataclass(frozen=True)
+class Aggregation:
+    """One algo.loss_agg mode: `normalizer(mask, max_len)` is this rank's share of the divisor,
+    `total(per_token_loss, mask)` the sum of the per-token or per-sequence terms it divides."""
+    normalizer: Callable[[Tensor, Optional[int]], float]
+    total: Callable[[Tensor, Tensor], Tensor]
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {', '.join(AGG_MODES)}")
+def _tokens(mask: Tensor, max_len: Optional[int]) -> float:
+    return float(mask.sum())
+
+
+def _sequences(mask: Tensor, max_len: Optional[int]) -> float:
+    return float((mask.sum(dim=-1) > 0).sum())
+
+
+def _sequences_times_budget(mask: Tensor, max_len: Optional[int]) -> float:
+    mode = "seq-mean-token-sum-norm"
+    if max_len is None:
+        raise ValueError(
+            f"loss aggregation {mode!r} divides by a constant budget: pass "
+            f"max_len=rollout.max_new_tokens to global_normalizer"
+        )
+    longest = int(mask.sum(dim=-1).max()) if mask.numel() else 0
+    if max_len < max(longest, 1):
+        raise ValueError(
+            f"max_len={max_len} is below a response of {longest} tokens; {mode!r} needs the "
+            f"generation budget rollout.max_new_tokens, which bounds every response"
+        )
+    return _sequences(mask, max_len) * max_len
+
+
+def _token_sum(per_token_loss: Tensor, mask: Tensor) -> Tensor:
+    return masked_sum(per_token_loss, mask)
+
+
+def _sum_of_row_means(per_token_loss: Tensor, mask: Tensor) -> Tensor:
+    per_seq = masked_sum(per_token_loss, mask, dim=-1) / mask.sum(dim=-1).clamp_min(1)
+    return per_seq.sum()
+
+
+def _sum_of_row_sums(per_token_loss: Tensor, mask: Tensor) -> Tensor:
+    return masked_sum(per_token_loss, mask, dim=-1).sum()
+
+
+LOSS_AGGS.register("token-mean", Aggregation(_tokens, _token_sum))
+LOSS_AGGS.register("seq-mean-token-mean", Aggregation(_sequences, _sum_of_row_means))
+LOSS_AGGS.register("seq-mean-token-sum", Aggregation(_sequences, _sum_of_row_sums))
+LOSS_AGGS.register("seq-mean-token-sum-norm", Aggregation(_sequences_times_budget, _sum_of_row_sums))
 
 
 def global_normalizer(mask: Tensor, mode: str, max_len: Optional[int] = None) -> float:
@@ -42,24 +88,7 @@ def global_normalizer(mask: Tensor, mode: str, max_len: Optional[int] = None) ->
         of sequences, i.e. rows with at least one valid token (fully padded rows, e.g.
         microbatch filler, do not count); seq-mean-token-sum-norm: sequences * max_len.
     """
-    _check_mode(mode)
-    if mode == "token-mean":
-        return float(mask.sum())
-    sequences = float((mask.sum(dim=-1) > 0).sum())
-    if mode != "seq-mean-token-sum-norm":
-        return sequences
-    if max_len is None:
-        raise ValueError(
-            f"loss aggregation {mode!r} divides by a constant budget: pass "
-            f"max_len=rollout.max_new_tokens to global_normalizer"
-        )
-    longest = int(mask.sum(dim=-1).max()) if mask.numel() else 0
-    if max_len < max(longest, 1):
-        raise ValueError(
-            f"max_len={max_len} is below a response of {longest} tokens; {mode!r} needs the "
-            f"generation budget rollout.max_new_tokens, which bounds every response"
-        )
-    return sequences * max_len
+    return LOSS_AGGS.get(mode).normalizer(mask, max_len)
 
 
 def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, normalizer: float) -> Tensor:
@@ -80,15 +109,10 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, normalizer: float
         0-d tensor. Summing it over microbatches with the same normaliser equals aggregating
         the whole batch at once.
     """
-    _check_mode(mode)
+    agg = LOSS_AGGS.get(mode)
     if normalizer <= 0:
         raise ValueError(
             f"normalizer must be > 0, got {normalizer}; pass the all-reduced "
             f"global_normalizer(mask, {mode!r}) of a batch with at least one valid token"
         )
-    if mode == "token-mean":
-        return masked_sum(per_token_loss, mask) / normalizer
-    per_seq = masked_sum(per_token_loss, mask, dim=-1)
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq / mask.sum(dim=-1).clamp_min(1)
-    return per_seq.sum() / normalizer
+    return agg.total(per_token_loss, mask) / normalizer

@@ -6,9 +6,10 @@ import torch
 from megarl.config.schema import AlgoConfig
 from megarl.models.builders import Trainable
 from megarl.ppo.aggregate import aggregate
-from megarl.ppo.nonfinite import optimizer_step
 from megarl.ppo.batch import Batch, to_response_layout
 from megarl.ppo.losses import value_loss
+from megarl.ppo.optim import optimizer_step
+from megarl.ppo.reports import token_sums
 from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches, sum_reports
 
 
@@ -23,7 +24,8 @@ def values(critic_model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
 
 def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfig,
            micro_batch_size: int, normalizer: float) -> dict:
-    """One optimizer step of the critic on this rank's rows of a mini-batch."""
+    """One optimizer step of the critic on this rank's rows of a mini-batch; returns this rank's
+    summed statistics (megarl.ppo.reports says how each key reduces)."""
     scale = loss_scale(batch.size // micro_batch_size)
 
     def loss_fn(mb, out):
@@ -33,11 +35,11 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
         vl = aggregate(per_token, b.resp_mask, algo.loss_agg, normalizer)
         tokens = b.resp_mask.sum()
         return algo.value_coef * vl * scale, {"value_loss": vl.detach(), "tokens": tokens,
-                                              "value_clip_tokens": stats["value_clip_frac"] * tokens}
+                                              **token_sums(stats, tokens)}
 
     critic.model.zero_grad_buffer()
     critic.optimizer.zero_grad()
     reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras={"old_values": old_values, "returns": returns})
-    _, grad_norm = optimizer_step(critic, "critic")
+    grad_norm = optimizer_step(critic, "critic")
     return {**sum_reports(reports), "critic_grad_norm": grad_norm}

@@ -9,12 +9,13 @@ copy per microbatch and the caller can all-reduce them.
 import torch
 from torch import Tensor
 
+from megarl.config.registry import KL_KINDS
+
 # exp(20) ~ 5e8 is beyond any clip or cap, yet far from float overflow: garbage logprobs at
 # padded positions or a wildly stale token cannot make inf, and inf * 0 (mask) = nan.
 LOG_RATIO_CLAMP = 20.0
 # One far-off-policy token would otherwise dominate a k3 penalty; verl clamps at the same value.
 K3_CLAMP = 10.0
-KL_KINDS = ("k1", "k2", "k3", "abs")
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -107,24 +108,38 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
 
     Args:
         logp, ref_logp: same shape, e.g. [B, T].
-        kind: "k1" logp - ref (unbiased, can be negative); "k2" 0.5 * (logp - ref)^2;
-            "k3" exp(ref - logp) - (ref - logp) - 1 (Schulman's low-variance, non-negative
-            estimator; exponent and result clamped for stability); "abs" |logp - ref|.
+        kind: an estimator registered in KL_KINDS (algo.kl_kind), applied to logp - ref_logp.
 
     Returns:
         Same shape as the inputs.
     """
-    diff = logp - ref_logp
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff**2
-    if kind == "k3":
-        log_ratio = torch.clamp(-diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, max=K3_CLAMP)
-    if kind == "abs":
-        return diff.abs()
-    raise ValueError(f"unknown KL kind {kind!r}; allowed: {', '.join(KL_KINDS)}")
+    return KL_KINDS.get(kind)(logp - ref_logp)
+
+
+@KL_KINDS.register("k1")
+def _k1(diff: Tensor) -> Tensor:
+    """logp - ref: unbiased, can be negative."""
+    return diff
+
+
+@KL_KINDS.register("k2")
+def _k2(diff: Tensor) -> Tensor:
+    """0.5 * (logp - ref)^2."""
+    return 0.5 * diff**2
+
+
+@KL_KINDS.register("k3")
+def _k3(diff: Tensor) -> Tensor:
+    """exp(ref - logp) - (ref - logp) - 1: Schulman's low-variance, non-negative estimator;
+    exponent and result clamped for stability."""
+    log_ratio = torch.clamp(-diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, max=K3_CLAMP)
+
+
+@KL_KINDS.register("abs")
+def _abs(diff: Tensor) -> Tensor:
+    """|logp - ref|."""
+    return diff.abs()
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed import device as dev
-from megarl.distributed import faults
 
 
 class NonFiniteError(RuntimeError):
@@ -53,17 +52,6 @@ def grads_nonfinite(ddp_model) -> bool:
     for g in grads:   # one device-side reduction per buffer, one host read in all
         flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
     return _any_rank(flag)
-
-
-def optimizer_step(trainable, name: str) -> tuple[bool, float]:
-    """The optimizer and LR-schedule step of `trainable` (actor or critic), refused when its
-    gradients hold a NaN/Inf (collective: every rank stops or skips together)."""
-    faults.point("update")
-    if grads_nonfinite(trainable.model):
-        raise NonFiniteError(f"{name} gradients")
-    ok, grad_norm, _ = trainable.optimizer.step()
-    trainable.scheduler.step(increment=1)
-    return bool(ok), float(grad_norm or 0.0)
 
 
 def report(where: str, step: int, policy: str) -> dict:

@@ -10,6 +10,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.distributed import parallel
@@ -67,7 +68,6 @@ def share_from_last_stage(t: torch.Tensor | None, shape, device: torch.device,
     """Every PP stage gets the last stage's result (forward-only outputs live there)."""
     if parallel.pp_size() == 1:
         return t
-    import torch.distributed as dist
     if not parallel.is_last_stage():
         t = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(t, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
@@ -78,7 +78,6 @@ def gather_dp(t: torch.Tensor) -> torch.Tensor:
     """Concatenate each DP rank's rows (dim 0) in DP-rank order."""
     if parallel.dp_size() == 1:
         return t
-    import torch.distributed as dist
     parts = [torch.empty_like(t) for _ in range(parallel.dp_size())]
     dist.all_gather(parts, t.contiguous(), group=parallel.dp_group())
     return torch.cat(parts, dim=0)

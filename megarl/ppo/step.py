@@ -10,54 +10,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import AlgoConfig, RootConfig
+from megarl.config.registry import ADVANTAGES
+from megarl.config.schema import RootConfig
 from megarl.data.seeds import minibatch_seed
 from megarl.distributed import device as dev
 from megarl.distributed import parallel
+from megarl.distributed.parallel import dp_rows
 from megarl.models.offload import resident
 from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
-from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized_scores, masked_whiten
+from megarl.ppo import nonfinite, reports
 from megarl.ppo.aggregate import global_normalizer
 from megarl.ppo.batch import Batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatch_stats
-from megarl.ppo import nonfinite
 from megarl.ppo.losses import kl_penalty, masked_mean
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
 from megarl.ppo.schedule import gather_dp
 
 
-def dp_rows(n: int) -> slice:
-    share = n // parallel.dp_size()
-    return slice(parallel.dp_rank() * share, (parallel.dp_rank() + 1) * share)
-
-
 def _forward_all(fn, model, batch: Batch, mbs: int) -> torch.Tensor:
     return gather_dp(fn(model, batch.select(dp_rows(batch.size)), mbs))
-
-
-def token_rewards(batch: Batch, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
-    """[B, R]: the verifier score on each sequence's last token, minus kl_coef * KL per token."""
-    mask = batch.resp_mask
-    rewards = torch.zeros_like(mask)
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    rewards[torch.arange(batch.size, device=mask.device), last] = batch.scores
-    if kl is not None and kl_coef:
-        rewards = rewards - kl_coef * kl * mask
-    return rewards
-
-
-def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig,
-                    group_size: int) -> torch.Tensor:
-    """[B, R] GRPO advantages: each sequence's group-normalised score on all its tokens.
-
-    scores [B], kl and mask [B, R]. With kl_mode=reward the score is first reduced by
-    kl_coef * the response's summed KL (`kl_penalized_scores`: what PPO's per-token rewards add
-    up to); with kl_mode=loss the KL stays out of the advantages (the actor loss carries it).
-    """
-    if algo.kl_mode == "reward":
-        scores = kl_penalized_scores(scores, kl, mask, algo.kl_coef)
-    return group_normalized_advantages(scores, group_size, algo.grpo_std_normalize)[:, None] * mask
 
 
 def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int) -> dict:
@@ -70,17 +42,12 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     with resident(reference):
         ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab, temp), reference, batch, mbs)
     kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask
-    rewards = token_rewards(batch, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
-
-    if algo.name == "grpo":
-        advantages = grpo_advantages(batch.scores, kl, mask, algo, cfg.rollout.n)
-        returns, old_values = None, None
-    else:
+    estimator = ADVANTAGES.get(algo.name)
+    old_values = None
+    if estimator.needs_critic:
         with resident(critic.model):
             old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
-        advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
-        if algo.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+    advantages, returns = estimator.fn(batch.scores, kl, mask, old_values, algo, cfg.rollout.n)
     # partial rollout: tokens of earlier versions keep the l_old stored when they were generated
     # (stitching); the KL above used the current weights' logprobs, as it should
     cur_logp, old_logp = old_logp, stitch_old_logprobs(old_logp, batch)
@@ -97,7 +64,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
 
     sums: dict[str, float] = {}
     n_mini = cfg.train.mini_batches
-    train_actor = algo.name == "grpo" or step >= cfg.train.critic_warmup_steps
+    train_actor = not estimator.needs_critic or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(minibatch_seed(cfg.run.seed, step))
     try:
@@ -108,16 +75,16 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
                 mini, local = batch.select(chunk), batch.select(rows)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
                 if train_actor:
-                    _add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
-                                                is_w[rows], algo, mbs, norm, temp))
+                    reports.add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows],
+                                                       advantages[rows], is_w[rows], algo, mbs, norm, temp))
                 if critic is not None:
                     with resident(critic.model):
-                        _add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm))
+                        reports.add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows],
+                                                            algo, mbs, norm))
     except NonFiniteError as err:   # a loss or gradient: the remaining updates of the step are dropped
         return nonfinite.report(str(err), step, cfg.train.on_nonfinite)
-    stats = _reduce_to_rank0(sums, batch.device)
-    updates = cfg.train.ppo_epochs * n_mini
-    tokens = max(stats.get("tokens", 0.0), 1.0)
+    own = parallel.is_last_stage() and parallel.tp_rank() == 0   # one copy of the reports per DP rank
+    totals = reports.sum_over_ranks(sums, batch.device, own)
     on_device = {
         # the k1 estimate of KL(current weights || reference) whatever algo.kl_kind shapes the
         # penalty with: from the logprobs of the current weights, as the penalty itself, never
@@ -129,43 +96,9 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     }
     if old_values is not None:
         on_device["value_mean"] = masked_mean(old_values, mask)
-    out = {
-        "policy_loss": stats.get("policy_loss", 0.0) / updates,
-        "value_loss": stats.get("value_loss", 0.0) / updates,
-        "clip_frac": stats.get("clip_tokens", 0.0) / tokens,
-        "entropy": stats.get("entropy_sum", 0.0) / tokens,
-        "grad_norm": stats.get("grad_norm", 0.0) / updates,
-        "critic_grad_norm": stats.get("critic_grad_norm", 0.0) / updates,
-        **dev.host_values(on_device),   # one device-to-host copy for all of them
-    }
-    return out
-
-
-def _add(acc: dict, d: dict) -> None:
-    """Sum update reports; tensors stay on the device until `_reduce_to_rank0`."""
-    for k, v in d.items():
-        if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
-            acc[k] = acc.get(k, 0.0) + v
-
-
-_SUMMED = ("policy_loss", "value_loss", "tokens", "clip_tokens", "entropy_sum", "kl_sum",
-           "value_clip_tokens", "grad_norm", "critic_grad_norm")
-
-
-def _reduce_to_rank0(sums: dict, device: torch.device) -> dict:
-    """Update reports live on the last PP stage (identical on its TP ranks, partial per DP
-    rank): sum one copy per DP rank over the world. Grad norms are global already, so they
-    come from one rank only. One collective and one device-to-host copy per step."""
-    own = parallel.is_last_stage() and parallel.tp_rank() == 0
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    vec = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=device).reshape(())
-                       if own else zero for k in _SUMMED])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(vec)
-    out = dict(zip(_SUMMED, vec.cpu().tolist()))
-    for k in ("grad_norm", "critic_grad_norm"):
-        out[k] /= parallel.dp_size()
-    return out
+    updates = cfg.train.ppo_epochs * n_mini
+    return {**reports.to_metrics(totals, updates, parallel.dp_size()),
+            **dev.host_values(on_device)}   # one device-to-host copy for all of them
 
 
 def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) -> list[list[float]]:

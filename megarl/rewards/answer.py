@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from megarl.rewards.entry import register_verifier
+
 _ANSWER_LINE = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 
@@ -44,6 +46,7 @@ def normalize(answer: str) -> str:
     return " ".join(s.split()).casefold()
 
 
+@register_verifier("exact", needs_answer=True)
 def exact_score(response_text: str, record: dict, *, finished: bool, answer_key: str = "answer") -> float:
     """1.0 when the final answer (or, with no marker, the whole response) equals the gold
     `record[answer_key]` after normalize(), else 0.0."""
@@ -54,6 +57,7 @@ def exact_score(response_text: str, record: dict, *, finished: bool, answer_key:
     return float(bool(got) and got == normalize(record[answer_key]))
 
 
+@register_verifier("format")
 def format_score(response_text: str, record: dict, *, finished: bool) -> float:
     """1.0 when the response states a final answer as `\\boxed{...}` or `answer: ...`, else 0.0
     (a format reward: it looks at no gold answer)."""

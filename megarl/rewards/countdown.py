@@ -19,9 +19,11 @@ Examples (N = 5, target "n5 n4 n3 n2 n1 <eos>"):
 from __future__ import annotations
 
 from megarl.data.countdown import EOS_TOKEN
+from megarl.rewards.entry import register_verifier
 
 
-def score(response_text: str, record: dict, *, finished: bool) -> float:
+@register_verifier("countdown")
+def countdown_score(response_text: str, record: dict, *, finished: bool) -> float:
     """Reward in [0, 1] for one response.
 
     Args:

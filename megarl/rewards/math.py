@@ -12,11 +12,14 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 
+from megarl.rewards.entry import register_verifier
+
 # math-verify warns "timeout disabled" on every call: ours is outside it (see above)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def _parse(text: str):
+    # here, not at the top: importing it takes seconds (sympy); only a process that scores math pays
     from math_verify import parse
     return parse(text, parsing_timeout=None)
 
@@ -32,10 +35,11 @@ def parse_gold(answer) -> list:
     return list(_parse_gold_text(str(answer).strip()))
 
 
+@register_verifier("math", needs_answer=True, isolated=True)
 def math_score(response_text: str, record: dict, *, finished: bool, answer_key: str = "answer") -> float:
     """1.0 when the response's answer equals the gold `record[answer_key]` mathematically, else 0.0.
     A gold answer that does not parse raises (counted as reward_errors: a data problem)."""
-    from math_verify import verify
+    from math_verify import verify  # here, not at the top: as in _parse
     gold = parse_gold(record[answer_key])
     if not gold:
         raise ValueError(f"gold answer {record[answer_key]!r} (data.answer_key={answer_key!r}) does not parse")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from megarl.distributed.parallel import dp_rows
+from megarl.models.offload import resident
 from megarl.ppo.batch import Batch
 from megarl.ppo.schedule import forward_per_token, gather_dp
 
@@ -21,11 +23,9 @@ def _last_token_scores(batch: Batch, out: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def score(model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+def sequence_scores(model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
     """[B] reward-model score of each sequence (prompt + response). Collective over all ranks;
     each DP rank scores its rows, and every rank gets all of them."""
-    from megarl.models.offload import resident
-    from megarl.ppo.step import dp_rows
     local = batch.select(dp_rows(batch.size))
     with resident(model):
         out = forward_per_token(model, local, micro_batch_size, lambda mb, o: _last_token_scores(mb["batch"], o))

@@ -14,6 +14,7 @@ limit scores 0 as well (they cannot hang: no backtracking regex).
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -37,7 +38,6 @@ LOGGED_ERRORS = 5
 def _serve(conn, warm: list[str]) -> None:
     """Worker loop: import the verifier modules once, say ready, then answer (fn, args, kwargs)
     with ("ok", value) or ("err", text)."""
-    import importlib
     for name in warm:
         importlib.import_module(name)
     conn.send(("ready", None))

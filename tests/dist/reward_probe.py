@@ -21,16 +21,16 @@ def main(rm_dir: str, out_path: str, overrides: list[str]) -> None:
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, 0)
     from transformers import AutoModelForSequenceClassification
 
+    from megarl.data.sample import Sample
     from megarl.models.reward import build_reward_model
     from megarl.ppo.batch import build_batch
-    from megarl.rewards.model import score
-    from megarl.data.sample import Sample
+    from megarl.rewards.model import sequence_scores
     model = build_reward_model(rm_dir, cfg.parallel.tp, cfg.parallel.pp, torch.float32, 128)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 100, (int(n),), generator=g).tolist() for n in (9, 5, 14, 7)]
     batch = build_batch([Sample(s[:3], s[3:], [0.0] * (len(s) - 3), [0] * (len(s) - 3), True, i)
                          for i, s in enumerate(seqs)], pad_id=0)
-    ours = score(model, batch, 2)
+    ours = sequence_scores(model, batch, 2)
     hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = [float(hf(torch.tensor([s])).logits[0, 0]) for s in seqs]

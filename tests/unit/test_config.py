@@ -36,7 +36,7 @@ def test_wrong_type_names_key_and_value():
 
 def test_impossible_values_name_the_setting():
     """Values the schema can rule out alone fail with key, value and the allowed range."""
-    with pytest.raises(ConfigError, match=r"algo\.name='dpo': must be one of \['grpo', 'ppo'\]"):
+    with pytest.raises(ConfigError, match=r"algo\.name='dpo': unknown algorithm .*use one of grpo, ppo"):
         load_config(None, ["algo.name=dpo"])
     with pytest.raises(ConfigError, match=r"rollout\.n=1.*grpo"):
         load_config(None, ["algo.name=grpo", "rollout.n=1"])

@@ -7,9 +7,10 @@ import statistics
 
 import pytest
 
+from megarl.config.registry import VERIFIERS
 from megarl.data import countdown as cd
-from megarl.rewards import REWARD_FNS, get_reward_fn
-from megarl.rewards.countdown import score
+from megarl.rewards import get_reward_fn
+from megarl.rewards.countdown import countdown_score
 
 
 def rec(n: int) -> dict:
@@ -62,53 +63,53 @@ def test_length_distribution_is_long_tailed():
 def test_exact_answer_with_eos_scores_one():
     """The exact answer followed by eos (finished=True) scores exactly 1.0, for every N."""
     for n in (1, 2, 5, 48):
-        assert score(cd.correct_answer(n), rec(n), finished=True) == 1.0
+        assert countdown_score(cd.correct_answer(n), rec(n), finished=True) == 1.0
 
 
 def test_exact_answer_without_eos_is_below_one():
     """The exact answer without eos (truncated) scores N/(N+1): eos counts as the last token."""
-    assert score("n5 n4 n3 n2 n1", rec(5), finished=False) == pytest.approx(5 / 6)
-    assert score("n1", rec(1), finished=False) == pytest.approx(1 / 2)
+    assert countdown_score("n5 n4 n3 n2 n1", rec(5), finished=False) == pytest.approx(5 / 6)
+    assert countdown_score("n1", rec(1), finished=False) == pytest.approx(1 / 2)
 
 
 def test_wrong_mode_partial_credit():
     """A count-down-by-2 answer gets prefix credit divided by the longer of target and response."""
     # N=5, target "n5 n4 n3 n2 n1 <eos>" (6 tokens), response "n5 n3 n1 <eos>" (4 tokens):
     # common prefix = 1 ("n5"), denominator = max(6, 4) = 6 -> 1/6.
-    assert score(cd.wrong_answer(5), rec(5), finished=True) == pytest.approx(1 / 6)
+    assert countdown_score(cd.wrong_answer(5), rec(5), finished=True) == pytest.approx(1 / 6)
     # N=2, target "n2 n1 <eos>" (3), response "n2 <eos>" (2): prefix 1, denominator 3 -> 1/3.
-    assert score(cd.wrong_answer(2), rec(2), finished=True) == pytest.approx(1 / 3)
+    assert countdown_score(cd.wrong_answer(2), rec(2), finished=True) == pytest.approx(1 / 3)
     # N=1: both modes are "n1", so the wrong mode is right.
-    assert score(cd.wrong_answer(1), rec(1), finished=True) == 1.0
+    assert countdown_score(cd.wrong_answer(1), rec(1), finished=True) == 1.0
 
 
 def test_overlong_answers_are_penalised():
     """Running on after the answer lowers the score through the denominator."""
     # N=5, response "n5 n4 n3 n2 n1 n0 n0 n0 <eos>" (9 tokens): prefix 5, max(6, 9) = 9 -> 5/9.
-    assert score("n5 n4 n3 n2 n1 n0 n0 n0", rec(5), finished=True) == pytest.approx(5 / 9)
+    assert countdown_score("n5 n4 n3 n2 n1 n0 n0 n0", rec(5), finished=True) == pytest.approx(5 / 9)
     # Longer junk is worse than shorter junk with the same correct prefix: 5/7 vs 5/46.
-    short = score("n5 n4 n3 n2 n1 n0", rec(5), finished=True)
-    long = score("n5 n4 n3 n2 n1 " + "n0 " * 40, rec(5), finished=True)
+    short = countdown_score("n5 n4 n3 n2 n1 n0", rec(5), finished=True)
+    long = countdown_score("n5 n4 n3 n2 n1 " + "n0 " * 40, rec(5), finished=True)
     assert short == pytest.approx(5 / 7) and long == pytest.approx(5 / 46)
     # Not stopping after the answer is never better than the truncated exact answer (5/6).
-    assert score("n5 n4 n3 n2 n1 n0", rec(5), finished=False) <= 5 / 6
+    assert countdown_score("n5 n4 n3 n2 n1 n0", rec(5), finished=False) <= 5 / 6
 
 
 def test_reward_edge_cases():
     """Empty output scores 0 (or 0 when cut), whitespace is irrelevant, a literal <eos> word ends the response."""
-    assert score("", rec(3), finished=True) == 0.0
-    assert score("", rec(3), finished=False) == 0.0
-    assert score("  n3\tn2 \n n1 ", rec(3), finished=True) == 1.0
-    assert score("n3 n2 n1 <eos> n7 n7", rec(3), finished=False) == 1.0
-    assert score("n4 n3 n2 n1", rec(3), finished=True) == 0.0
+    assert countdown_score("", rec(3), finished=True) == 0.0
+    assert countdown_score("", rec(3), finished=False) == 0.0
+    assert countdown_score("  n3\tn2 \n n1 ", rec(3), finished=True) == 1.0
+    assert countdown_score("n3 n2 n1 <eos> n7 n7", rec(3), finished=False) == 1.0
+    assert countdown_score("n4 n3 n2 n1", rec(3), finished=True) == 0.0
     for text in ("n3", "n3 n2", "n3 n1", "n9 n9 n9 n9 n9 n9 n9", "= = ="):
         for fin in (True, False):
-            assert 0.0 <= score(text, rec(3), finished=fin) < 1.0
+            assert 0.0 <= countdown_score(text, rec(3), finished=fin) < 1.0
 
 
 def test_reward_registry():
     """get_reward_fn returns the registered scorer; unknown names raise ValueError naming the name and known ones."""
-    assert get_reward_fn("countdown") is score is REWARD_FNS["countdown"]
+    assert get_reward_fn("countdown") is countdown_score is VERIFIERS.get("countdown").fn
     with pytest.raises(ValueError, match="nope") as e:
         get_reward_fn("nope")
     assert "countdown" in str(e.value)
@@ -132,7 +133,7 @@ def test_tokenizer_round_trip(tmp_path):
     answer_ids = ids[3:]
     assert tok.decode(answer_ids, skip_special_tokens=True) == cd.correct_answer(n)
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert score(tok.decode(answer_ids, skip_special_tokens=True), rec(n), finished=True) == 1.0
+    assert countdown_score(tok.decode(answer_ids, skip_special_tokens=True), rec(n), finished=True) == 1.0
     # Unknown words map to <unk>; unused vocabulary slots are ordinary (visible) words.
     assert tok("n64 n3")["input_ids"] == [3, cd.TOKEN_TO_ID["n3"]]
     assert tok.decode([cd.TOKEN_TO_ID["<unused0>"], 2], skip_special_tokens=True) == "<unused0>"

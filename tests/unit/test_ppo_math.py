@@ -5,12 +5,20 @@ import re
 import pytest
 import torch
 
+from megarl.config.registry import LOSS_AGGS
 from megarl.config.schema import AlgoConfig, ConfigError
-from megarl.ppo.advantages import gae, group_normalized_advantages, kl_penalized_scores, masked_whiten
-from megarl.ppo.aggregate import AGG_MODES, aggregate, global_normalizer
+from megarl.ppo.advantages import (
+    gae,
+    group_normalized_advantages,
+    grpo_advantages,
+    kl_penalized_scores,
+    masked_whiten,
+)
+from megarl.ppo.aggregate import aggregate, global_normalizer
 from megarl.ppo.correction import behaviour_weights, mismatch_stats
 from megarl.ppo.losses import entropy_from_logits, kl_penalty, policy_loss, value_loss
-from megarl.ppo.step import grpo_advantages
+
+AGG_MODES = LOSS_AGGS.names()
 
 GARBAGE = 9.0  # put in padded positions: any leak into a valid output shows up
 
@@ -116,7 +124,8 @@ def _ppo_batch():
 
 
 def test_policy_loss_clip_and_dual_clip():
-    """PPO loss picks clipped/unclipped branches by hand, dual clip caps A<0 at 3|A|, and clipped tokens get no gradient."""
+    """PPO loss picks clipped/unclipped branches by hand, dual clip caps A<0 at 3|A|, and clipped tokens get
+    no gradient."""
     logp, old, adv, mask = _ppo_batch()
     loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     # clip range [0.8, 1.28]; loss = max(-r A, -clip(r) A)

@@ -7,14 +7,14 @@ import os
 import time
 
 import pytest
+from conftest import ROOT
 
 from megarl.config import ConfigError
+from megarl.config.registry import VERIFIERS
 from megarl.config.schema import RewardConfig
-from megarl.rewards import ISOLATED, NEEDS_ANSWER, REWARD_FNS, build_verifier
+from megarl.rewards import build_verifier, needs_answer, verifier_entry
 from megarl.rewards.answer import exact_score, extract_answer, format_score, normalize
 from megarl.rewards.verify import Verifier, Worker, WorkerStartError
-
-from conftest import ROOT
 
 
 # ------------------------------------------------------------------------------------- answers
@@ -169,8 +169,10 @@ def test_an_in_process_verifier_over_the_limit_scores_zero():
 
 # ------------------------------------------------------------------------------------- config
 def test_registry_and_config_validation():
-    assert {"countdown", "math", "exact", "format", "none"} <= set(REWARD_FNS)
-    assert NEEDS_ANSWER <= set(REWARD_FNS) and ISOLATED <= set(REWARD_FNS)
+    assert {"countdown", "math", "exact", "format", "none"} <= set(VERIFIERS)
+    # what each needs is a fact of its entry: the gold answer (math, exact), a killable worker (math)
+    assert {n for n in VERIFIERS if needs_answer(n)} == {"math", "exact"}
+    assert {n for n in VERIFIERS if verifier_entry(n).isolated} == {"math"}
     with pytest.raises(ConfigError) as e:
         RewardConfig(fn="maths")
     assert "reward.fn='maths'" in str(e.value)
