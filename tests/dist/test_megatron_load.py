@@ -4,8 +4,10 @@ same losses, gradient norms and logprobs; a TP=2 checkpoint also loads at TP=1 (
 import json
 
 import pytest
-
 from conftest import run_py
+
+from megarl.config import ConfigError
+from megarl.models.loading import check_megatron_dir
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,6 @@ def test_tp2_checkpoint_loads_at_tp1(tiny_model, megatron_tp2, tmp_path):
 def test_not_a_megatron_checkpoint_is_a_clear_error(tiny_model, tmp_path):
     """An HF folder, an empty folder and a missing one are refused before anything is built,
     naming the setting and how to make a checkpoint."""
-    from megarl.config import ConfigError
-    from megarl.models.loading import check_megatron_dir
     with pytest.raises(ConfigError, match="looks like an HF folder"):
         check_megatron_dir(str(tiny_model), "model.megatron_path")
     with pytest.raises(ConfigError, match="no metadata.json.*convert_hf_to_megatron"):

@@ -3,9 +3,10 @@ import json
 
 import pytest
 import torch
+from conftest import run_py
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from conftest import run_py
+from megarl.models.builders import rope_parameters
 
 COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -54,7 +55,6 @@ def test_actor_logprobs_match_transformers(families, tmp_path, nproc, overrides)
 
 def test_unsupported_rope_scaling_is_refused():
     """llama3 RoPE values megatron-core cannot express are refused with the values named."""
-    from megarl.models.builders import rope_parameters
     cfg = LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     with pytest.raises(ValueError, match="low_freq_factor"):

@@ -7,6 +7,7 @@ import pytest
 from megarl import preflight
 from megarl.config import ConfigError, load_config
 from megarl.data.prompts import load_prompts
+from megarl.formats.hf_reader import ConversionError, HFCheckpoint
 
 
 @pytest.fixture()
@@ -186,7 +187,6 @@ def test_the_launch_against_the_machine(monkeypatch):
 def test_the_hf_reader_names_a_damaged_weights_file(model_copy):
     """The converters (tools/convert_hf_to_megatron.py) read through HFCheckpoint too: a cut
     file is a ConversionError naming it (they print it, exit 2), not safetensors' own error."""
-    from megarl.formats.hf_reader import ConversionError, HFCheckpoint
     with open(model_copy / "model.safetensors", "r+b") as f:
         f.truncate(100_000)
     with pytest.raises(ConversionError, match=r"model\.safetensors in .* is not a readable safetensors file"):
