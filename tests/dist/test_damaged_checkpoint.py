@@ -5,7 +5,6 @@ megatron dist checkpoints of actor and critic with their optimizers)."""
 import json
 
 import pytest
-
 from conftest import run_py
 
 
