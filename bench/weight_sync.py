@@ -68,8 +68,8 @@ def make_model(out: Path, shape: dict, shard_bytes: int = 512 << 20) -> int:
     import transformers
     from safetensors.torch import save_file
 
-    from megarl.formats.mapping import mapping_for
     from megarl.data import countdown as cd
+    from megarl.formats.mapping import mapping_for
     done = out / "bench_done.json"
     if done.exists() and json.loads(done.read_text()).get("shape") == shape:
         return json.loads(done.read_text())["bytes"]
