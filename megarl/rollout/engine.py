@@ -1,24 +1,44 @@
 """The engine protocol: one async, request-level interface for every rollout engine.
 
 Implementations: `vllm_async.AsyncVLLMEngine` (vLLM `AsyncLLM`, engine core in its own
-process), `vllm_http.HTTPVLLMEngine` (a vLLM OpenAI-compatible server, local or remote), and
-scripted engines in unit tests. The controller and the synchronous rollout only see this.
+process), `vllm_http.HTTPVLLMEngine` (a vLLM OpenAI-compatible server, remote, or local as
+`servers.LocalServerEngine`), the simulator's `megarl.sim.engine.SimEngine`, and scripted
+engines in unit tests. The pool, the controller and the synchronous rollout only see this.
+tests/engine_contract.py checks the contract below on every kind.
 
-Contract (what callers may rely on):
-- `generate(req)` resolves exactly once, with every token the engine produced for it. An
-  aborted request resolves with finish_reason "abort" and the tokens and logprobs streamed
-  so far; it never raises for an abort.
-- `abort(keys)` / `abort()` returns only after every aborted `generate` has resolved.
-- Weights arrive only while the engine is paused with no request running (abort first): a
-  request never spans two weight versions, so every token's version is exact. Two routes
-  (megarl/rollout/transfer/): `collective`, vLLM's weight-transfer session
-  (`init_weight_transfer` once per group, then per push `start_weight_update`, one
+Contract (what PPO and the pool rely on):
+- Behaviour logprobs: `GenResult.logprobs[i]` is the log probability of `token_ids[i]` under
+  the distribution the engine sampled it from, after temperature: at top_p=1,
+  log_softmax(logits / temperature) of the weights that produced it (vLLM: servers and
+  engines run with logprobs_mode=processed_logprobs; raw logprobs would make every
+  importance ratio wrong at temperature != 1). PPO's ratios and the weight-sync check
+  (`weight_sync.verify`) compare them with the trainer's own log_softmax(logits / T).
+- Versions: the engine, not the trainer, stamps each token with the weight version that
+  produced it (`versions`, aligned with `token_ids`). One request never spans two weight
+  versions: weights arrive only while the engine is paused with no request running (abort
+  first, else the update raises EngineError), so every token's version is exact. A sample the
+  pool continues after an update (partial rollout) keeps each token's own version.
+- `generate(req)` resolves exactly once, with every token the engine produced for it; the
+  lists `token_ids`, `logprobs` and `versions` have one entry per generated token, at most
+  `max_tokens` of them. `finish_reason` is "stop" (EOS or a stop token), "length" (the token
+  budget ran out; always so with `ignore_eos`) or "abort". `GenResult.finished` is
+  finish_reason == "stop": only such a response is complete; one cut by the budget or an
+  abort is not (verifiers see `finished`; partial rollout continues an aborted one).
+- Abort: an aborted request resolves with finish_reason "abort" and the tokens and logprobs
+  streamed so far (a request that had already ended keeps its own reason); it never raises
+  for an abort. `abort(keys)` / `abort()` (all) returns only after every aborted `generate`
+  has resolved; keys not running are ignored. `running` is then 0 for them.
+- Pause: `pause()` stops scheduling; running requests are held, not aborted, and go on after
+  `resume()`.
+- Weights: two routes (megarl/rollout/transfer/): `collective`, vLLM's weight-transfer
+  session (`init_weight_transfer` once per group, then per push `start_weight_update`, one
   `update_weights(update_info)` per bucket, received while the trainer broadcasts, and
-  `finish_weight_update(version)`), and `files`, `reload_weights(path, version)`.
-  Either way the engine then resets its prefix cache (KV of the old weights would be reused)
-  and reports `version`; it stays paused until `resume()`.
-- The engine, not the trainer, stamps each token with the version that produced it.
-- Errors are `EngineError`s naming the engine, its address and its log file.
+  `finish_weight_update(version)`), and `files`, `reload_weights(path, version)`. Either way
+  the engine then resets its prefix cache (KV of the old weights would be reused), reports
+  `version` (attribute and `health().version`) and stays paused until `resume()`.
+- Errors are `EngineError`s naming the engine, its address and its log file; a request that
+  fails carries what it had generated in `EngineError.partial`, which the pool continues
+  elsewhere.
 """
 from __future__ import annotations
 
@@ -108,7 +128,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, req: GenRequest) -> GenResult:
-        """Generate one sample; resolves with the partial result if aborted."""
+        """Generate one sample; resolves with the partial result if aborted (module docstring:
+        the contract)."""
 
     @abc.abstractmethod
     async def abort(self, keys: Optional[list[str]] = None) -> None:

@@ -29,6 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Callable, Optional, Sequence
 
 from megarl.distributed import faults
+from megarl.rollout.build import build_engine, build_engines
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 log = logging.getLogger("megarl.engines")
@@ -351,7 +352,6 @@ def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str
     """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread, able to
     receive weights with `weight_backend` (build.weight_backend; "": files only).
     On failure every engine started so far is stopped and the loop ends."""
-    from megarl.rollout.build import build_engine, build_engines
     loop = LoopThread()
     try:
         def replace(slot):     # a fresh engine<slot>: same settings, seed and log file

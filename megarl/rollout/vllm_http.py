@@ -22,6 +22,7 @@ import itertools
 import json
 import re
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -122,7 +123,6 @@ class HTTPVLLMEngine(Engine):
         names the URL, comes before the pool's own deadline for the whole start (the same
         rollout.engine_start_timeout_s). A remote server (one megarl did not start) that never
         answered is the user's input: its error exits 2 like other bad inputs (megarl/cli.py)."""
-        import sys
         start = time.monotonic()
         deadline = start + max(timeout_s - 2.0, 0.9 * timeout_s)
         remote = type(self) is HTTPVLLMEngine
@@ -204,7 +204,8 @@ class HTTPVLLMEngine(Engine):
                 status = r.status
         except asyncio.TimeoutError:
             raise EngineError(f"{self._where()}: {method} {path} got no answer within "
-                              f"{timeout_s or self.timeout_s:.0f} s (rollout.engine_timeout_s).{self._failure_detail()}") from None
+                              f"{timeout_s or self.timeout_s:.0f} s (rollout.engine_timeout_s)."
+                              f"{self._failure_detail()}") from None
         except aiohttp.ClientError as err:
             raise EngineError(f"{self._where()}: {method} {path} failed: {type(err).__name__}: {err}. "
                               f"The server may have died; see its log.{self._failure_detail()}") from err

@@ -1,24 +1,32 @@
 """Trainer -> engines weight sync: the seam between the trainer and the transports.
 
 How the actor's weights reach the engines is `weight_sync.transport` (megarl/rollout/transfer/):
-`collective` (one broadcast to every engine worker, nothing on disk) or `files` (staged
-safetensors). `open_transport` picks one; its `push(model, info, version)` is collective over
-all trainer ranks. `verify` checks afterwards that every engine samples as the trainer would.
+`collective` (rank 0 sends each bucket once to every engine worker through vLLM's
+weight-transfer session, nothing on disk; the wire is weight_sync.backend, gloo on CPU, nccl
+on GPU, see transfer/wires.py) or `files` (safetensors staged in a folder the engines reload
+from). `open_transport` picks one; its `push(model, info, version)` is collective over all
+trainer ranks. `verify` (the trainer calls it after a push when weight_sync.verify is set)
+checks that every engine samples with the trainer's logprobs.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 
+from megarl.data.sample import Sample
 from megarl.distributed.env import from_rank0
+from megarl.ppo import actor as actor_ops
+from megarl.ppo.batch import build_batch
+from megarl.rollout.engine import GenRequest
+from megarl.rollout.transfer.collective import CollectiveTransport
+from megarl.rollout.transfer.files import FilesTransport
 
 
 def open_transport(ws, pool):
     """The transport of `ws` (a WeightSyncConfig), on every trainer rank; `pool` is the
     SyncPool on global rank 0, None elsewhere."""
     if ws.transport == "files":
-        from megarl.rollout.transfer.files import FilesTransport
         return FilesTransport(ws, pool)
-    from megarl.rollout.transfer.collective import CollectiveTransport
     return CollectiveTransport(ws, pool)
 
 
@@ -31,11 +39,6 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
     """Per engine of `pool`: mean |engine logprob - trainer logprob| over tokens that engine
     samples now at `temperature` (fp32: ~1e-6 when it holds the trainer's weights).
     Collective over all trainer ranks; `pool` is a SyncPool on global rank 0, None elsewhere."""
-    from megarl.ppo import actor as actor_ops
-    from megarl.ppo.batch import build_batch
-    from megarl.rollout.engine import GenRequest
-    from megarl.data.sample import Sample
-
     per_engine = None
     if pool is not None:
         per_engine = {}
@@ -57,7 +60,6 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
 
 
 async def _on_engine(pool, engine, reqs):
-    import asyncio
     return await asyncio.gather(*(pool.generate(r, engine) for r in reqs))
 
 

@@ -16,7 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from megarl.rollout.engine import Engine, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 TOKEN = 7   # every simulated token; only lengths matter
 
@@ -146,7 +146,7 @@ class SimEngine(Engine):
 
     async def reload_weights(self, path: str, version: int) -> None:
         if not self.paused or self._running:
-            raise RuntimeError(f"{self.name}: update_weights needs a paused engine with nothing running")
+            raise EngineError(f"{self.name}: update_weights needs a paused engine with nothing running")
         await asyncio.sleep(self.costs.load_weights_s)
         self.log.busy_s += self.costs.load_weights_s
         self.version = version

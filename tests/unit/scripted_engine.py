@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from megarl.rollout.engine import Engine, EngineHealth, GenResult
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult
 
 TOKEN0 = 1000
 
@@ -109,7 +109,9 @@ class ScriptedEngine(Engine):
         self.paused = False
 
     async def reload_weights(self, path, version):
-        assert self.paused and not self._running
+        if not self.paused or self._running:   # the protocol's rule (megarl/rollout/engine.py)
+            raise EngineError(f"engine {self.name}: a weight update needs the engine paused with "
+                              f"nothing running ({len(self._running)} running)")
         self.version = version
 
     async def health(self):

@@ -5,11 +5,19 @@ import asyncio
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from megarl.config.errors import ConfigError
+from megarl.config.registry import ENGINE_KINDS
+from megarl.config.schema import RolloutConfig
+from megarl.rollout.build import build_engine
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.servers import LocalServerEngine
+from megarl.rollout.vllm_async import AsyncVLLMEngine
+from megarl.rollout.vllm_http import HTTPVLLMEngine
 
 
 class ScriptedEngine(Engine):
@@ -322,3 +330,32 @@ def test_an_engine_start_past_its_deadline_names_the_start_setting():
             SyncPool(EnginePool([SlowStart("slow")], 10), loop, 0.3)
     finally:
         loop.stop()
+
+
+def test_engine_kinds_are_the_builders_registered_next_to_them(monkeypatch):
+    """rollout.engine_mode names an ENGINE_KINDS entry, registered in megarl/rollout/build.py:
+    the three built-in kinds build their engine classes (unstarted: nothing runs), a kind
+    registered elsewhere is validated and built like them, and an unknown one is a ConfigError
+    naming the setting, the value and the known kinds."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")     # engine_args' setdefault stays local
+    assert ENGINE_KINDS.names() == ["inprocess", "local_servers", "remote"]
+    made = {mode: build_engine(RolloutConfig(engine_mode=mode, **extra), "/m", 3, "/logs", 1, "gloo")
+            for mode, extra in [("inprocess", {}), ("local_servers", {}),
+                                ("remote", {"engine_urls": ["http://h:1", "http://h:2"]})]}
+    assert type(made["inprocess"]) is AsyncVLLMEngine and made["inprocess"].engine_args["seed"] == 4
+    assert made["inprocess"].engine_args["weight_transfer_config"] == {"backend": "gloo"}
+    assert type(made["local_servers"]) is LocalServerEngine
+    assert made["local_servers"].server.log_path == "/logs/engine_1.log" and made["local_servers"].server.proc is None
+    assert type(made["remote"]) is HTTPVLLMEngine and made["remote"].url == "http://h:2"
+    assert all(e.name == "engine1" for e in made.values())
+
+    def fake(cfg, model_path, seed, log_dir, i, weight_backend):
+        return ("fake", model_path, seed, i)
+    ENGINE_KINDS.register("test_fake", fake)
+    try:
+        ENGINE_KINDS.check("test_fake")
+        assert build_engine(SimpleNamespace(engine_mode="test_fake"), "/m", 3, "/logs", 2) == ("fake", "/m", 3, 2)
+    finally:
+        ENGINE_KINDS._entries.pop("test_fake")
+    with pytest.raises(ConfigError, match=r"rollout\.engine_mode='cloud'.*inprocess, local_servers, remote"):
+        build_engine(SimpleNamespace(engine_mode="cloud"), "/m", 3, "/logs", 0)

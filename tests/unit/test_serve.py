@@ -1,12 +1,15 @@
 """`python -m megarl.rollout.serve`: the cluster scripts' vLLM server (same argv as LocalServer)
 and their health wait."""
+import json
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
-from megarl.rollout import serve
+from megarl.config.schema import RolloutConfig
+from megarl.rollout import serve, vllm_async
 from megarl.rollout.servers import LocalServer
 
 
@@ -75,3 +78,55 @@ def test_wait_stops_when_a_watched_process_exits(tmp_path, capsys):
                        f"http://127.0.0.1:9={tmp_path / 'missing.log'}"]) == 1
     assert time.monotonic() - t0 < 30
     assert f"process {dead.pid} exited" in capsys.readouterr().err
+
+
+def _flags(argv: list[str]) -> dict:
+    """vLLM command-line flags back to AsyncEngineArgs-style names: `--x v` -> x: "v",
+    `--x` -> x: True, `--no-x` -> x: False."""
+    out, i = {}, 0
+    while i < len(argv):
+        name = argv[i][2:].replace("-", "_")
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[name], i = argv[i + 1], i + 2
+        elif name.startswith("no_"):
+            out[name[3:]], i = False, i + 1
+        else:
+            out[name], i = True, i + 1
+    return out
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("backend", ["", "gloo"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, cuda, backend, eager):
+    """vllm_settings.engine_settings is rendered once to AsyncEngineArgs keywords
+    (in-process engines) and once to the server's flags (LocalServer, and so `serve`): every
+    setting reaches both with the same value; besides them the in-process engine adds only
+    its quiet logging and the server only its address, name and key middleware."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = RolloutConfig(enforce_eager=eager, kv_cache_mb=32, max_model_len=192, gpu_memory_utilization=0.3)
+    in_process = vllm_async.engine_args(cfg, seed=5, index=2, weight_backend=backend)
+    server = LocalServer("m", "/dev/null", api_key="", seed=7, max_model_len=cfg.max_model_len,
+                         tp=cfg.engine_tp, enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
+                         gpu_memory_utilization=cfg.gpu_memory_utilization, port=8123, weight_backend=backend)
+    argv = server.command()
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    flags = _flags(argv[3:])
+    shared = {k: v for k, v in in_process.items() if k not in ("disable_log_stats", "use_tqdm_on_load")}
+    assert set(flags) - set(shared) == {"model", "host", "port", "served_model_name", "middleware"}
+    for name, value in shared.items():
+        got = flags[name]
+        if isinstance(value, bool):
+            assert got is value, name
+        elif isinstance(value, dict):
+            assert json.loads(got) == value, name
+        else:
+            assert got == str(value), name
+    assert shared["logprobs_mode"] == "processed_logprobs" and shared["seed"] == 7 and flags["enforce_eager"] is eager
+    assert ("weight_transfer_config" in shared) == bool(backend)
+    if cuda:
+        assert shared["dtype"] == "auto" and shared["gpu_memory_utilization"] == 0.3
+    else:
+        assert shared["dtype"] == "float32" and shared["kv_cache_memory_bytes"] == 32 << 20
+        assert shared["enable_chunked_prefill"] is False
+    assert in_process["disable_log_stats"] is True

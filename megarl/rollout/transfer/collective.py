@@ -35,11 +35,11 @@ from urllib.parse import urlparse
 
 import torch
 
-from megarl.distributed.env import free_port, from_rank0
 from megarl.distributed import faults
+from megarl.distributed.env import free_port, from_rank0
 from megarl.rollout.engine import Engine, EngineError
-from megarl.rollout.transfer.wires import WIRES
 from megarl.rollout.transfer import packing, source
+from megarl.rollout.transfer.wires import WIRES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("megarl.engines")
@@ -218,11 +218,11 @@ class CollectiveTransport:
                      for e, off in zip(engines, first)]
             box: dict = {}
 
-            def sender_join():
+            def sender_join(meet=meet, box=box):   # this round's: a late thread never fills the next one's
                 try:
                     box["group"] = meet.join()
-                except BaseException as err:  # noqa: BLE001 - read by the polling thread
-                    box["error"] = err
+                except BaseException as exc:  # noqa: BLE001 - read by the polling thread
+                    box["error"] = exc
             joiner = threading.Thread(target=sender_join, name="megarl-weight-join", daemon=True)
             joiner.start()
             failed: list = []

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                    WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from megarl.rollout.transfer import group, packing
 

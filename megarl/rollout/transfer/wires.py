@@ -26,7 +26,8 @@ class GlooRendezvous:
         # the members wait longer than the sender: when someone is missing, the sender times
         # out first and names who never arrived, instead of a member's timeout blaming itself
         return {"master_address": self.host, "master_port": self.port, "rank_offset": rank_offset,
-                "world_size": self.world, "token": self.token, "timeout_s": self.timeout_s + min(MEMBER_GRACE_S, self.timeout_s)}
+                "world_size": self.world, "token": self.token,
+                "timeout_s": self.timeout_s + min(MEMBER_GRACE_S, self.timeout_s)}
 
     def join(self):
         return wgroup.join(self.store, 0, self.world, self.token, self.timeout_s)
