@@ -11,6 +11,7 @@ import textwrap
 import torch
 from conftest import ROOT
 
+from megarl.distributed.env import free_port
 from megarl.ppo import reports
 from megarl.ppo.losses import policy_loss, value_loss
 
@@ -76,7 +77,8 @@ def test_add_skips_flags_and_keeps_tensors_on_the_device():
 
 _RANK = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
-    from megarl.ppo import reports
+    from megarl.distributed.env import free_port
+from megarl.ppo import reports
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     # rank 0: a first PP stage (no loss reports, only the gradient norm, not counted);
@@ -90,7 +92,7 @@ _RANK = textwrap.dedent("""
 
 
 def test_ranks_with_different_keys_agree_on_all_of_them():
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 2000),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r)], env=env, stdout=subprocess.PIPE, text=True)
              for r in (0, 1)]
