@@ -77,8 +77,7 @@ def test_add_skips_flags_and_keeps_tensors_on_the_device():
 
 _RANK = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
-    from megarl.distributed.env import free_port
-from megarl.ppo import reports
+    from megarl.ppo import reports
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     # rank 0: a first PP stage (no loss reports, only the gradient norm, not counted);
