@@ -21,9 +21,9 @@ Contract (what PPO and the pool rely on):
 - `generate(req)` resolves exactly once, with every token the engine produced for it; the
   lists `token_ids`, `logprobs` and `versions` have one entry per generated token, at most
   `max_tokens` of them. `finish_reason` is "stop" (EOS or a stop token), "length" (the token
-  budget ran out; always so with `ignore_eos`) or "abort". `GenResult.finished` is
-  finish_reason == "stop": only such a response is complete; one cut by the budget or an
-  abort is not (verifiers see `finished`; partial rollout continues an aborted one).
+  budget ran out; always so with `ignore_eos`) or "abort". `GenResult.stopped` is
+  finish_reason == "stop": only such a response ended on its own; one cut by the budget or
+  an abort did not (the verifier is told whether it stopped; partial rollout continues an aborted one).
 - Abort: an aborted request resolves with finish_reason "abort" and the tokens and logprobs
   streamed so far (a request that had already ended keeps its own reason); it never raises
   for an abort. `abort(keys)` / `abort()` (all) returns only after every aborted `generate`

@@ -7,7 +7,7 @@ update is re-prefilled, as the update resets the prefix cache) and a per-request
 that step. A step's time is `costs.step_s(batch, context_tokens, prefill_tokens, new_requests)`.
 Responses have no content: a request runs for its `max_tokens` (the workload forces every
 sample's length through the controller's budgets) unless it is aborted; aborts resolve at
-once with the tokens so far. `update_weights` costs `costs.load_weights_s`.
+once with the tokens so far (no simulated time passes). `reload_weights` costs `costs.load_weights_s`.
 """
 from __future__ import annotations
 
@@ -136,6 +136,8 @@ class SimEngine(Engine):
         targets = list(self._running) if keys is None else [k for k in keys if k in self._running]
         for k in targets:
             self._finish(self._running[k], "abort")
+        if targets:
+            await asyncio.sleep(0)   # their generate() calls resolve before abort returns (the protocol)
 
     async def pause(self) -> None:
         self.paused = True
@@ -146,7 +148,7 @@ class SimEngine(Engine):
 
     async def reload_weights(self, path: str, version: int) -> None:
         if not self.paused or self._running:
-            raise EngineError(f"{self.name}: update_weights needs a paused engine with nothing running")
+            raise EngineError(f"{self.name}: reload_weights needs a paused engine with nothing running")
         await asyncio.sleep(self.costs.load_weights_s)
         self.log.busy_s += self.costs.load_weights_s
         self.version = version

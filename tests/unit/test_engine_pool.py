@@ -18,6 +18,11 @@ from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
 from megarl.rollout.servers import LocalServerEngine
 from megarl.rollout.vllm_async import AsyncVLLMEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.sim.engine import SimEngine
+
+import engine_contract
+import scripted_engine
+from scripted_engine import Clock, ScriptedEngine as ClockedEngine
 
 
 class ScriptedEngine(Engine):
@@ -359,3 +364,60 @@ def test_engine_kinds_are_the_builders_registered_next_to_them(monkeypatch):
         ENGINE_KINDS._entries.pop("test_fake")
     with pytest.raises(ConfigError, match=r"rollout\.engine_mode='cloud'.*inprocess, local_servers, remote"):
         build_engine(SimpleNamespace(engine_mode="cloud"), "/m", 3, "/logs", 0)
+
+
+# -- the engine contract (tests/engine_contract.py) on the two fakes ------------------------
+class _Costs:
+    load_weights_s = 0.0
+
+    def step_s(self, batch, context_tokens, prefill_tokens, new_requests):
+        return 0.001
+
+
+def _scripted_subject():
+    """tests/unit/scripted_engine.py's engine: prompts [gid, index, L] with L beyond any
+    budget; its model gives token p the logprob behaviour_logprob(p) at any temperature."""
+    clock = Clock()
+    clock.start()
+    e = ClockedEngine("scripted", clock)
+    return clock.stop, engine_contract.Subject(
+        e, prompt=lambda i: [i, 0, 10 ** 9], weights="/unused", long=10 ** 6, tempered=False,
+        reference=lambda p, toks, t: [scripted_engine.behaviour_logprob(len(p) - 3 + j) for j in range(len(toks))])
+
+
+def _sim_subject():
+    """megarl/sim/engine.py's SimEngine: every token TOKEN with logprob -1 (its model)."""
+    e = SimEngine("sim", _Costs())
+    return (lambda: None), engine_contract.Subject(
+        e, prompt=lambda i: [1, 2, 3 + i], weights="/unused", long=10 ** 6, tempered=False,
+        reference=lambda p, toks, t: [-1.0] * len(toks))
+
+
+@pytest.mark.parametrize("check", engine_contract.CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("make", [_scripted_subject, _sim_subject], ids=["scripted", "sim"])
+def test_fake_engines_keep_the_engine_contract(make, check):
+    async def main():
+        stop, subject = make()
+        await subject.engine.start()
+        try:
+            await asyncio.wait_for(check(subject), 60)
+        finally:
+            await subject.engine.close()
+            stop()
+    run(main())
+
+
+def test_the_contract_catches_logprobs_of_another_distribution():
+    """The logprob check fails an engine whose reported logprobs are not its model's (here: a
+    reference off by 0.01, as raw logprobs at T != 1 would be)."""
+    async def main():
+        stop, subject = _scripted_subject()
+        model = subject.reference
+        subject.reference = lambda p, toks, t: [x + 0.01 for x in model(p, toks, t)]
+        try:
+            with pytest.raises(AssertionError):
+                await engine_contract.logprobs_are_of_the_sampled_distribution(subject)
+        finally:
+            await subject.engine.abort()
+            stop()
+    run(main())

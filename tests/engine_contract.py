@@ -1,0 +1,195 @@
+"""The engine contract (megarl/rollout/engine.py, module docstring) as checks every engine kind
+passes: in-process vLLM (tests/e2e/pool_sync_probe.py), HTTP against a megarl-started server
+(tests/e2e/test_http_engine.py), the scripted engine and the simulated engine
+(tests/unit/test_engine_pool.py). Each check is a coroutine taking a `Subject`, run by the
+test file that already owns a running engine of that kind (no engine is started here).
+A check leaves the engine as it found it: running, not paused, at its weight version.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+
+from megarl.rollout.engine import FINISH_REASONS, Engine, EngineError, GenRequest, GenResult
+
+
+@dataclass
+class Subject:
+    """An engine under the contract and what the checks need to know about its model."""
+    engine: Engine
+    prompt: Callable[[int], list[int]]      # prompt i; its response never stops before the budget
+    # log softmax(logits / T) of each generated token after the prompt: the engine's model
+    # (transformers for vLLM, the scripted model for fakes)
+    reference: Callable[[list[int], list[int], float], list[float]]
+    weights: str                            # a reload_weights path holding the engine's current weights
+    long: int                               # a budget no request reaches while a check waits to abort it
+    tol: float = 1e-4
+    tempered: bool = True                   # its distribution depends on the temperature (fakes: not)
+    progress: Optional[Callable[[str], int]] = None   # tokens streamed so far by key (None: wait settle_s)
+    settle_s: float = 0.05
+    timeout_s: float = 120.0
+
+
+async def _until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def _streaming(s: Subject, keys: list[str], tasks: list) -> None:
+    """Until every request in `keys` has tokens (or, without `progress`, runs for settle_s)."""
+    e = s.engine
+    if s.progress is not None:
+        await _until(lambda: all(s.progress(k) > 0 for k in keys) or any(t.done() for t in tasks),
+                     s.timeout_s, f"{e.name}: {keys} streaming")
+    else:
+        await _until(lambda: e.running >= len(keys) or any(t.done() for t in tasks), s.timeout_s,
+                     f"{e.name}: {keys} running")
+        await asyncio.sleep(s.settle_s)
+    assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+
+
+def _aligned(res: GenResult, budget: int) -> None:
+    assert len(res.token_ids) == len(res.logprobs) == len(res.versions) <= budget, res
+    assert res.finish_reason in FINISH_REASONS, res.finish_reason
+    assert res.stopped == (res.finish_reason == "stop")
+
+
+def _gen(s: Subject, key: str, i: int, budget: int, temperature: float = 1.0, seed: int = 0) -> GenRequest:
+    return GenRequest(key, s.prompt(i), budget, temperature=temperature, seed=seed, ignore_eos=True)
+
+
+async def budget_ends_with_length(s: Subject) -> None:
+    """A request runs to its budget: finish_reason "length", not `stopped`, one token, logprob
+    and version each, every version the engine's, the engine's name on it; nothing left running."""
+    e, n = s.engine, 8
+    res = await e.generate(_gen(s, "c-budget", 0, n))
+    _aligned(res, n)
+    assert res.finish_reason == "length" and len(res.token_ids) == n and not res.stopped
+    assert res.versions == [e.version] * n and res.engine == e.name and res.key == "c-budget"
+    assert e.running == 0
+
+
+async def logprobs_are_of_the_sampled_distribution(s: Subject) -> None:
+    """The logprob of each sampled token is log_softmax(logits / T) of the engine's model, at T
+    below and at 1; for a model whose distribution depends on T, the raw (T=1) logprobs of
+    tokens sampled at T=0.7 differ from what is reported (the temperature reached them)."""
+    e = s.engine
+    for t, temperature in enumerate((0.7, 1.0)):
+        reqs = [_gen(s, f"c-lp{t}-{i}", 10 + i, 12, temperature, seed=i) for i in range(3)]
+        results = await asyncio.gather(*(e.generate(r) for r in reqs))
+        for req, res in zip(reqs, results):
+            _aligned(res, 12)
+            assert len(res.token_ids) == 12, res
+            ref = s.reference(req.prompt_ids, res.token_ids, temperature)
+            gap = max(abs(a - b) for a, b in zip(ref, res.logprobs))
+            assert gap < s.tol, (e.name, temperature, gap)
+            if s.tempered and temperature != 1.0:
+                raw = s.reference(req.prompt_ids, res.token_ids, 1.0)
+                assert max(abs(a - b) for a, b in zip(raw, res.logprobs)) > 10 * s.tol, (e.name, "untempered")
+
+
+async def abort_resolves_with_the_partial(s: Subject) -> None:
+    """abort(keys) returns once those requests resolved with finish_reason "abort" and the
+    tokens streamed so far (aligned, not stopped); the others run on until abort() ends them
+    all; an abort of keys not running returns at once; nothing is left running."""
+    e = s.engine
+    keys = [f"c-abort{i}" for i in range(3)]
+    tasks = [asyncio.ensure_future(e.generate(_gen(s, k, 20 + i, s.long, seed=i))) for i, k in enumerate(keys)]
+    try:
+        await _streaming(s, keys, tasks)
+        await e.abort([keys[0]])
+        assert tasks[0].done(), "abort() returned before the aborted generate() resolved"
+        assert not any(t.done() for t in tasks[1:]), "abort([key]) ended other requests"
+        await e.abort()
+        assert all(t.done() for t in tasks), "abort() returned before every generate() resolved"
+    finally:
+        await e.abort()
+    for t in tasks:
+        res = t.result()
+        _aligned(res, s.long)
+        assert res.finish_reason == "abort" and 0 < len(res.token_ids) < s.long and not res.stopped, res
+        assert set(res.versions) == {e.version}
+    t0 = time.monotonic()
+    await e.abort(["c-nobody"])
+    assert time.monotonic() - t0 < 5 and e.running == 0
+
+
+async def pause_holds_requests_without_aborting_them(s: Subject) -> None:
+    """A request running when the engine pauses is held, not aborted: it makes no progress
+    while paused (where the engine reports progress) and is still running after resume();
+    an abort then ends it with its tokens, all of one weight version."""
+    e = s.engine
+    task = asyncio.ensure_future(e.generate(_gen(s, "c-held", 30, s.long, seed=3)))
+    try:
+        await _streaming(s, ["c-held"], [task])
+        await e.pause()
+        assert (await e.health()).paused
+        await asyncio.sleep(s.settle_s)
+        if s.progress is not None:
+            held = s.progress("c-held")
+            await asyncio.sleep(s.settle_s)
+            assert s.progress("c-held") == held, "tokens arrived while paused"
+        assert not task.done(), task.result()
+    finally:
+        await e.resume()
+    await asyncio.sleep(s.settle_s)
+    assert not task.done(), task.result()
+    assert not (await e.health()).paused
+    await e.abort(["c-held"])
+    res = task.result()
+    _aligned(res, s.long)
+    assert res.finish_reason == "abort" and res.token_ids and set(res.versions) == {e.version}
+
+
+async def weights_arrive_only_when_paused_and_quiet(s: Subject) -> None:
+    """reload_weights refuses (EngineError) on a running engine and on a paused one with a
+    request in flight (a request must not span two versions); once that request is aborted it
+    loads, the engine reports the version and stamps every later token with it. The check ends
+    back at the engine's own version."""
+    e = s.engine
+    before, new = e.version, e.version + 7
+    with pytest.raises(EngineError, match="paused"):
+        await e.reload_weights(s.weights, new)
+    held = asyncio.ensure_future(e.generate(_gen(s, "c-span", 40, s.long)))
+    try:
+        await _streaming(s, ["c-span"], [held])
+        await e.pause()
+        with pytest.raises(EngineError, match="running"):
+            await e.reload_weights(s.weights, new)
+        await e.abort(["c-span"])
+        part = held.result()
+        assert part.finish_reason == "abort" and set(part.versions) <= {before}
+        await e.reload_weights(s.weights, new)
+        health = await e.health()
+        assert health.version == new == e.version and health.paused and health.running == 0
+    finally:
+        await e.abort()
+        await e.resume()
+    try:
+        res = await e.generate(_gen(s, "c-after", 41, 6))
+        assert res.versions == [new] * 6, res.versions
+    finally:
+        await e.pause()
+        await e.reload_weights(s.weights, before)
+        await e.resume()
+    assert e.version == before and (await e.health()).version == before
+
+
+CHECKS = [budget_ends_with_length, logprobs_are_of_the_sampled_distribution, abort_resolves_with_the_partial,
+          pause_holds_requests_without_aborting_them, weights_arrive_only_when_paused_and_quiet]
+
+
+async def run_all(s: Subject) -> list[str]:
+    """Every check in order; returns the names of those that passed (raises on the first failure)."""
+    done = []
+    for check in CHECKS:
+        await check(s)
+        done.append(check.__name__)
+    return done
