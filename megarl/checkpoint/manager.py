@@ -3,7 +3,9 @@
 Layout of `<dir>/step_<N>/`:
   actor/, critic/      megatron dist checkpoints (model + distributed optimizer + LR schedule),
                        fully reshardable: a run may resume at another TP x PP x DP
-  driver.pt            step, weight version, data cursor, RNG states (rank 0 writes)
+  driver.pt            step, weight version, and the state of every component registered in
+                       a `StateRegistry` (checkpoint/state.py: data cursor "sampler", RNG
+                       states "rng", the driver's carry "rollout"), under its name (rank 0 writes)
   config.yaml          the resolved config of the run that wrote it
   COMPLETE             written last; a folder without it is ignored
 A save goes to `tmp_step_<N>` and is renamed when every rank has finished, so a crash at any
@@ -13,16 +15,19 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint import FileSystemReader
 
 from megarl.checkpoint import CheckpointError
+from megarl.checkpoint.state import StateRegistry, rng_state, set_rng_state  # noqa: F401 - rng_*: public here
+from megarl.config.errors import ConfigError
 from megarl.distributed import faults
 from megarl.distributed.env import from_rank0
 from megarl.models.builders import Trainable
@@ -78,7 +83,6 @@ def checkpoint_problem(path: str | Path) -> str | None:
 
 
 def _warn(line: str) -> None:
-    import sys
     print(line, file=sys.stderr, flush=True)
 
 
@@ -87,7 +91,6 @@ def dist_folder_problem(folder: str | Path) -> str | None:
     from its files alone: `.metadata` loads, and every shard file it points into is there and
     at least as long as the data it locates there (None when complete). Names are relative
     to the folder."""
-    from torch.distributed.checkpoint import FileSystemReader
     folder = Path(folder)
     if not (folder / ".metadata").is_file():
         return ".metadata is missing"
@@ -111,7 +114,6 @@ def resume_point(root: str | Path, log=_warn) -> Path | None:
     """The newest complete checkpoint under root that is intact (None: there is none yet).
     Newer ones that are damaged are skipped, each named through `log` with what is wrong;
     when every one is damaged the run stops (ConfigError) instead of starting over silently."""
-    from megarl.config import ConfigError
     damaged = []
     for path in reversed(complete_checkpoints(root)):
         problem = checkpoint_problem(path)
@@ -174,15 +176,6 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-
-
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
@@ -236,13 +229,30 @@ def _is_full(root: Path) -> bool:
         return False
 
 
-def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None, driver: dict,
-         config_text: str, keep: int) -> Path:
-    """Collective. Writes step_<step> atomically and prunes to the newest `keep`.
+def driver_state(step: int, components: StateRegistry) -> dict:
+    """driver.pt's content: the step, the weight version its weights are (step + 1: the update
+    of step k makes version k + 1) and each registered component's state under its name."""
+    return {"step": step, "version": step + 1, **components.state_dict()}
+
+
+def restore(driver: dict, components: StateRegistry) -> int:
+    """Hands each registered component its state from a loaded driver.pt (`load`'s result);
+    returns the step to continue at."""
+    components.load_state_dict(driver)
+    return driver["step"] + 1
+
+
+def save(root: str | Path, step: int, actor: Trainable, critic: Trainable | None,
+         driver: dict | StateRegistry, config_text: str, keep: int) -> Path:
+    """Collective. Writes step_<step> atomically and prunes to the newest `keep`. `driver`:
+    the registered components (their states are taken first, see `driver_state`), or the
+    content of driver.pt as it is.
 
     Raises CheckpointError, with the previous checkpoint intact and no partial folder left,
     when the filesystem refuses the write (checked up front against the previous checkpoint's
     size, and caught if it fills during the write)."""
+    if isinstance(driver, StateRegistry):
+        driver = driver_state(step, driver)
     root = Path(root)
     tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
     done = complete_checkpoints(root) if _is_rank0() else []
@@ -307,7 +317,6 @@ def load(path: str | Path, actor: Trainable, critic: Trainable | None) -> dict:
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:   # noqa: BLE001 - megatron raises several types for a mismatch
-            from megarl.config import ConfigError
             first = (str(err).strip().splitlines() or [""])[0][:300]
             raise ConfigError(f"checkpoint {path}/{folder} does not load into this run's {folder} "
                               f"({type(err).__name__}: {first}): it was written with another model or "
