@@ -31,8 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megarl.sim.costs import (GPUS, Model, RooflineEngine, RooflineTrainer, published_models,  # noqa: E402
-                              engines_to_keep_trainer_busy, weight_push_s)
+from megarl.metrics.step import trainer_idle_frac  # noqa: E402
+from megarl.sim.costs import (  # noqa: E402
+    GPUS,
+    Model,
+    RooflineEngine,
+    RooflineTrainer,
+    engines_to_keep_trainer_busy,
+    published_models,
+    weight_push_s,
+)
 from megarl.sim.run import SimSettings, simulate  # noqa: E402
 from megarl.sim.workload import Workload, parse_dist  # noqa: E402
 
@@ -89,8 +97,8 @@ def run(p: Preset, gpu: str, mode: str, steps: int, **over) -> dict:
 def with_steady_state(r: dict) -> dict:
     """Figures without the first step (async has nothing to overlap with there)."""
     after_first = r["per_step"][1:] or r["per_step"]
-    r["trainer_idle_after_first"] = sum(x["rollout_s"] + x["push_s"] for x in after_first) / sum(
-        x["step_s"] for x in after_first)
+    r["trainer_idle_after_first"] = trainer_idle_frac(sum(x["train_s"] for x in after_first),
+                                                      sum(x["step_s"] for x in after_first))
     r["step_s_after_first"] = sum(x["step_s"] for x in after_first) / len(after_first)
     # the trainer waiting for generation (not for the push, which no engine count hides)
     r["rollout_wait_frac"] = sum(x["rollout_s"] for x in after_first) / sum(x["train_s"] for x in after_first)
@@ -215,7 +223,8 @@ def plot(results: dict, png: str) -> None:
     for n in names:
         sweep = results[n]["concurrency_sweep"]["partial"]
         cs = sorted(sweep, key=int)
-        axes[1].plot([int(c) for c in cs], [sweep[c]["trained_tokens_per_s"] for c in cs], marker="o", label=f"{n} partial")
+        axes[1].plot([int(c) for c in cs], [sweep[c]["trained_tokens_per_s"] for c in cs], marker="o",
+                     label=f"{n} partial")
         sweep = results[n]["concurrency_sweep"]["async"]
         axes[1].plot([int(c) for c in cs], [sweep[c]["trained_tokens_per_s"] for c in cs], marker="s",
                      linestyle="--", label=f"{n} async")
@@ -267,14 +276,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         for mode, sweep in r["concurrency_sweep"].items():
-            print(f"| {name} | {mode} | " + " | ".join(f"{v['trained_tokens_per_s']:.0f}" for v in sweep.values()) + " |")
+            print(f"| {name} | {mode} | "
+                  + " | ".join(f"{v['trained_tokens_per_s']:.0f}" for v in sweep.values()) + " |")
     print("\n| preset | mode | max_staleness: trained tok/s (staleness seen) |")
     print("|---|---|---|")
     for name, r in results.items():
         for mode, sweep in r["staleness_sweep"].items():
             print(f"| {name} | {mode} | " + ", ".join(f"S={s}: {v['trained_tokens_per_s']:.0f} ({v['staleness_max']})"
                                                         for s, v in sweep.items()) + " |")
-    print("\n| preset | train s/step | engine tok/s (TP) | formula engines | simulated engines | rollout wait / train time by engines |")
+    print("\n| preset | train s/step | engine tok/s (TP) | formula engines | simulated engines "
+          "| rollout wait / train time by engines |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         v = r["provisioning"]

@@ -9,6 +9,9 @@ what a checkpoint keeps (the data cursor and, in partial mode, the whole carry).
 - partial + rollout.async: `prefetch(step + 1)` starts the next round right after this one
   ended, so it generates (under the current weights, then under the new ones after the
   mid-round sync) while the trainer trains; `round()` then only waits for what is missing.
+The stepping itself (which round runs when, what is pending, where stitched values go) is
+`RoundStepper`, on the event loop: the driver runs it through the pool's loop thread, the
+simulator (megarl/sim/run.py) on its virtual clock, so both step the same way.
 Runs on trainer rank 0 only. Everything that touches the controller's state runs on the
 pool's event loop thread (the controller is not thread-safe); the driver thread only sees
 copies. A round's groups stay on the controller (`ready`) until the driver takes them on the
@@ -17,10 +20,11 @@ loop, so a checkpoint taken at any moment holds each untrained group exactly onc
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Awaitable, Callable
 
 from megarl.data.prompts import encode_prompts
 from megarl.data.sample import Sample
@@ -30,7 +34,60 @@ from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups
 
 
+class RoundStepper:
+    """One round per training step, on the engine pool's event loop (its methods run there).
+
+    sync (`controller` None): `round(k)` is `fresh(k)`, a round of fresh prompts; nothing is
+    carried. partial: `round(k)` is the controller's round of `groups` groups for step k (the
+    one `prefetch(k)` started, if any), taken from it. async (`asynchronous`): the driver calls
+    `prefetch(k + 1)` as soon as round k ended, so round k+1 generates while step k trains.
+    After a round, `pending()` lists the slots whose new tokens need the trainer's logprobs
+    under the current weights and `store(values)` puts them into those slots."""
+
+    def __init__(self, controller: PartialRolloutController | None, groups: int, asynchronous: bool,
+                 fresh: Callable[[int], Awaitable[list]] | None = None):
+        self.controller, self.groups, self.asynchronous = controller, groups, asynchronous
+        self.fresh = fresh
+        self._next: asyncio.Future | None = None     # the prefetched round (async mode)
+        self._pending: list = []
+
+    async def round(self, step: int) -> list:
+        """sync: what `fresh(step)` returns; partial: the round's groups (the controller's)."""
+        if self.controller is None:
+            return await self.fresh(step)
+        started = self._next or asyncio.ensure_future(self.controller.run_round(self.groups, step))
+        self._next = None
+        await started
+        return self.controller.take_ready()
+
+    def prefetch(self, step: int) -> None:
+        """Async mode: start the round of `step` now (the trainer is about to train)."""
+        if self.controller is not None and self.asynchronous:
+            self._next = asyncio.ensure_future(self.controller.run_round(self.groups, step))
+
+    def pending(self) -> list[tuple]:
+        """(slot, restarts, length, sample) of each slot whose tokens of this round need l_old
+        before the weights change; call between rounds, before `prefetch`."""
+        self._pending = [] if self.controller is None else self.controller.pending_old_logprobs()
+        return self._pending
+
+    def store(self, old_logprobs: list[list[float]]) -> None:
+        """The trainer's logprobs of the slots `pending()` listed, in its order."""
+        for (slot, restarts, length, _), values in zip(self._pending, old_logprobs):
+            self.controller.store_old_logprobs(slot, restarts, length, values)
+        self._pending = []
+
+    def cancel(self) -> None:
+        """Drop a prefetched round nobody will train (the last step's, at the end of a run)."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+
+
 class Rollout:
+    """The driver's rollout (trainer rank 0, its own thread): `RoundStepper` run on the pool's
+    loop thread, the samples and metrics of each round, the state a checkpoint keeps."""
+
     def __init__(self, cfg, pool, records: list[dict], sampler, tokenizer, reward_fn: Callable):
         self.cfg, self.pool, self.records, self.sampler = cfg, pool, records, sampler
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
@@ -45,8 +102,9 @@ class Rollout:
                 # one thread: the verifier runs one call at a time anyway (one worker process),
                 # and FIFO keeps the order in which groups complete
                 scorer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score"))
-        self._pending: list = []
-        self._next = None      # the prefetched round (async mode): a concurrent.futures.Future
+        # sync mode's fresh round runs here, on the driver thread (`_fresh`): SyncPool's calls
+        # block until the loop thread has served them
+        self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.asynchronous)
 
     def _new_group(self) -> tuple[dict, list[int]]:
         record = self.records[self.sampler.take(1)[0]]
@@ -54,26 +112,25 @@ class Rollout:
                                       self.cfg.data.messages_key)[0]
 
     def round(self, step: int) -> tuple[list[Sample], dict]:
-        r, groups = self.cfg.rollout, self.cfg.train.groups_per_step
-        version = self.pool.version
         if self.controller is None:
-            first_uid = self.sampler.drawn
-            chosen = [self.records[i] for i in self.sampler.take(groups)]
-            prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
-            samples = generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
-                                      self.reward_fn, step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
-                                      r.temperature, tag=f"{step}-", first_uid=first_uid)
+            version = self.pool.version
+            samples = self._fresh(step)
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
-        deadline = self.pool.pool.timeout_s * max(4, r.max_new_tokens)
-        if self._next is None:
-            done = self.pool.call(self._round_and_take(groups, step), f"rollout round {step}", deadline)
-        else:
-            self.pool.loop.wait(self._next, deadline, f"rollout round {step}")
-            self._next = None
-            done = self.pool.call(self._take(), f"taking the groups of round {step}")
+        deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.max_new_tokens)
+        done = self.pool.call(self.stepper.round(step), f"rollout round {step}", deadline)
         samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
         # the trainer's weights at step k are version k
         return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
+
+    def _fresh(self, step: int) -> list[Sample]:
+        """Sync mode: every sample of groups_per_step fresh prompts, seeded by (run seed, step)."""
+        r = self.cfg.rollout
+        first_uid = self.sampler.drawn
+        chosen = [self.records[i] for i in self.sampler.take(self.cfg.train.groups_per_step)]
+        prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
+        return generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
+                               self.reward_fn, step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
+                               r.temperature, tag=f"{step}-", first_uid=first_uid)
 
     def _engine_metrics(self) -> dict:
         """Engines retired and restarted so far (each event is also logged when it happens)."""
@@ -81,32 +138,24 @@ class Rollout:
         return {"engine_failures": len(pool.failures), "engines_alive": len(pool.engines),
                 "engine_restarts": pool.restarts}
 
-    async def _round_and_take(self, groups: int, step: int) -> list:
-        await self.controller.run_round(groups, step)
-        return self.controller.take_ready()
-
-    async def _take(self) -> list:
-        return self.controller.take_ready()
-
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""
         if self.controller is not None and self.cfg.rollout.asynchronous:
-            self._next = self.pool.loop.submit(
-                self.controller.run_round(self.cfg.train.groups_per_step, step))
+            async def start():
+                self.stepper.prefetch(step)
+            self.pool.call(start(), f"starting rollout round {step}")
 
     def pending(self) -> list[Sample]:
         """Partial samples whose tokens of this round need l_old before the weights change."""
         if self.controller is None:
             return []
-        self._pending = self.controller.pending_old_logprobs()   # the loop is idle between rounds
-        return [sample for *_, sample in self._pending]
+        # read from this thread: the loop is idle between rounds (no prefetch started yet)
+        return [sample for *_, sample in self.stepper.pending()]
 
     def store(self, old_logprobs: list[list[float]]) -> None:
         async def put():   # on the loop thread: a prefetched round may be mutating slots
-            for (slot, restarts, length, _), values in zip(self._pending, old_logprobs):
-                self.controller.store_old_logprobs(slot, restarts, length, values)
+            self.stepper.store(old_logprobs)
         self.pool.call(put(), "storing old logprobs")
-        self._pending = []
 
     async def snapshot(self) -> tuple[dict, dict]:
         """On the loop: the controller's and the sampler's state, as copies. A running

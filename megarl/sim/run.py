@@ -1,10 +1,11 @@
 """`simulate`: megarl's training loop on the virtual clock, with simulated engines and trainer.
 
 What runs is megarl's own code: `EnginePool` (least-loaded placement, versioned updates that
-hold the controller, abort, pause, load, resume) and `PartialRolloutController` (fixed
-concurrency, frontier-first admission, group emission, carry, staleness), unmodified. Only
-the engines (`SimEngine`) and the trainer (a sleep of its modelled time) are simulated.
-A step follows `megarl/train.py`:
+hold the controller, abort, pause, load, resume), `PartialRolloutController` (fixed
+concurrency, frontier-first admission, group emission, carry, staleness) and the driver's
+stepping `RoundStepper` (megarl/rollout/rounds.py: which round runs when, prefetch, stitching),
+unmodified. Only the engines (`SimEngine`) and the trainer (a sleep of its modelled time) are
+simulated. A step follows `megarl/train.py`:
 - sync: all groups_per_step x n samples of fresh prompts at once; wait for the longest.
 - partial: `controller.run_round(groups_per_step, k)`; the rest is carried.
 - async: partial, and the round of step k+1 starts as soon as round k ended (the driver's
@@ -18,9 +19,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from megarl.metrics.step import trainer_idle_frac
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.engine import GenRequest
 from megarl.rollout.pool import EnginePool
+from megarl.rollout.rounds import RoundStepper
 from megarl.sim import clock as vclock
 from megarl.sim.engine import SimEngine
 from megarl.sim.workload import Workload
@@ -63,71 +66,80 @@ async def _simulate(s: SimSettings, w: Workload, engine_costs, trainer, record_t
     engines = [SimEngine(f"sim{i}", engine_costs, record_timeline) for i in range(s.engines)]
     pool = EnginePool(engines, timeout_s=float("inf"))
     await pool.start()
-    G, n = s.groups_per_step, w.n
-    controller = None
-    if s.mode != "sync":
-        counter = iter(range(10**12))
-
-        def new_group():
-            gid = next(counter)
-            return {"gid": gid}, [1] * w.prompt_len(gid)
-        controller = PartialRolloutController(
-            pool, n=n, concurrency=s.concurrency, max_new_tokens=w.max_len, temperature=1.0,
-            max_staleness=s.max_staleness, stale_policy=s.stale_policy, new_group=new_group,
-            score=lambda sample: 0.0, seed=s.seed, budget_of=w.length_of, ignore_eos=True,
-            clock=loop.time)
-
-    steps, nxt = [], None
+    stepper = _stepper(s, w, pool, loop)
+    steps = []
     t_begin = loop.time()
     for k in range(s.steps):
-        t0 = loop.time()
-        if controller is None:
-            gids = range(k * G, (k + 1) * G)
-            reqs = [GenRequest(f"s{k}g{g}s{j}", [1] * w.prompt_len(g), w.length_of(g, j), 1.0,
-                               ignore_eos=True) for g in gids for j in range(n)]
-            results = await asyncio.gather(*(pool.generate(r) for r in reqs))
-            tokens = [r.versions for r in results]
-            info = {}
-        else:
-            if nxt is None:
-                nxt = asyncio.ensure_future(controller.run_round(G, k))
-            done = await nxt
-            nxt = None
-            tokens = [sl.versions for g in done for sl in g.slots]
-            info = controller.metrics()
-        t_rollout = loop.time() - t0
-        stitch = 0
-        if controller is not None:   # l_old of this round's new tokens, before the weights move
-            for slot, restarts, length, _ in controller.pending_old_logprobs():
-                stitch += length - len(slot.old_logprobs)
-                controller.store_old_logprobs(slot, restarts, length, [0.0] * length)
-            if s.mode == "async" and k + 1 < s.steps:
-                nxt = asyncio.ensure_future(controller.run_round(G, k + 1))
-        trained = sum(len(v) for v in tokens)
-        t1 = loop.time()
-        await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)))
-        t2 = loop.time()
-        await asyncio.sleep(trainer.push_s)
-        await pool.reload_weights("simulated", k + 1)
-        t3 = loop.time()
-        staleness = [k - v for vs in tokens for v in vs]
-        steps.append({"rollout_s": t_rollout, "train_s": t2 - t1, "push_s": t3 - t2, "step_s": t3 - t0,
-                      "trained_tokens": trained, "stitch_tokens": stitch,
-                      "staleness_max": max(staleness, default=0),
-                      "staleness_mean": sum(staleness) / max(1, len(staleness)),
-                      **{key: info[key] for key in ("rollout_inflight_mean", "carried_samples",
-                                                    "restarted_samples", "rollout_requests") if key in info}})
+        steps.append(await _step(s, k, stepper, pool, trainer, loop))
     wall = loop.time() - t_begin
-    if nxt is not None:
-        nxt.cancel()
+    stepper.cancel()
     await pool.close()
+    return _summary(s, steps, wall, engines, record_timeline)
+
+
+def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop) -> RoundStepper:
+    """train.py's rounds (rollout/rounds.py) on simulated engines: sync rounds of fresh
+    prompts at forced lengths, or the controller with the workload's per-sample budgets."""
+    G, n = s.groups_per_step, w.n
+    if s.mode == "sync":
+        async def fresh(k: int) -> list:
+            reqs = [GenRequest(f"s{k}g{g}s{j}", [1] * w.prompt_len(g), w.length_of(g, j), 1.0,
+                               ignore_eos=True) for g in range(k * G, (k + 1) * G) for j in range(n)]
+            return await asyncio.gather(*(pool.generate(r) for r in reqs))
+        return RoundStepper(None, G, asynchronous=False, fresh=fresh)
+    counter = iter(range(10**12))
+
+    def new_group():
+        gid = next(counter)
+        return {"gid": gid}, [1] * w.prompt_len(gid)
+    controller = PartialRolloutController(
+        pool, n=n, concurrency=s.concurrency, max_new_tokens=w.max_len, temperature=1.0,
+        max_staleness=s.max_staleness, stale_policy=s.stale_policy, new_group=new_group,
+        score=lambda sample: 0.0, seed=s.seed, budget_of=w.length_of, ignore_eos=True,
+        clock=loop.time)
+    return RoundStepper(controller, G, asynchronous=s.mode == "async")
+
+
+async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool, trainer, loop) -> dict:
+    """One training step, in train.py's order: round, l_old of the round's new tokens (before
+    the weights move), the next round started (async), train, push."""
+    t0 = loop.time()
+    done = await stepper.round(k)
+    if stepper.controller is None:
+        tokens, info = [r.versions for r in done], {}
+    else:
+        tokens, info = [sl.versions for g in done for sl in g.slots], stepper.controller.metrics()
+    t_rollout = loop.time() - t0
+    pending = stepper.pending()
+    stitch = sum(length - len(slot.old_logprobs) for slot, _, length, _ in pending)
+    if k + 1 < s.steps:
+        stepper.prefetch(k + 1)
+    stepper.store([[0.0] * length for _, _, length, _ in pending])
+    trained = sum(len(v) for v in tokens)
+    t1 = loop.time()
+    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)))
+    t2 = loop.time()
+    await asyncio.sleep(trainer.push_s)
+    await pool.reload_weights("simulated", k + 1)
+    t3 = loop.time()
+    staleness = [k - v for vs in tokens for v in vs]
+    return {"rollout_s": t_rollout, "train_s": t2 - t1, "push_s": t3 - t2, "step_s": t3 - t0,
+            "trained_tokens": trained, "stitch_tokens": stitch,
+            "staleness_max": max(staleness, default=0),
+            "staleness_mean": sum(staleness) / max(1, len(staleness)),
+            **{key: info[key] for key in ("rollout_inflight_mean", "carried_samples",
+                                          "restarted_samples", "rollout_requests") if key in info}}
+
+
+def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEngine],
+             record_timeline: bool) -> dict:
     total = {key: sum(x[key] for x in steps) for key in ("rollout_s", "train_s", "push_s", "trained_tokens")}
     generated = sum(e.log.tokens for e in engines)
     out = {"mode": s.mode, "steps": s.steps, "wall_s": wall, **total,
            "step_s_mean": wall / s.steps,
            "generated_tokens": generated,
            "engine_busy_frac": sum(e.log.busy_s for e in engines) / (wall * len(engines)),
-           "trainer_idle_frac": 1.0 - total["train_s"] / wall,
+           "trainer_idle_frac": trainer_idle_frac(total["train_s"], wall),
            "trained_tokens_per_s": total["trained_tokens"] / wall,
            "requests": sum(e.log.requests for e in engines),
            "prefill_tokens": sum(e.log.prefill_tokens for e in engines),

@@ -3,18 +3,18 @@
 The driver (`Rollout`, megarl/rollout/rounds.py) prefetches round k+1 on the pool's loop
 thread; a checkpoint's snapshot runs on that loop at any moment. Here the snapshot is taken at
 every loop offset from the moment round k+1 starts ending until well after its coroutine
-returned (where the cross-thread future is not yet done): each untrained group is in the
+returned (before the driver's `round` has taken its groups): each untrained group is in the
 snapshot exactly once, the trained ones never, and the sampler's cursor counts exactly those.
 """
+import asyncio
 from types import SimpleNamespace
 
-import asyncio
+from scripted_engine import Clock
+from test_rollout_stress import WorkloadEngine, long_tail
 
 from megarl.data.prompts import PromptSampler
 from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
 from megarl.rollout.rounds import Rollout
-from scripted_engine import Clock
-from test_rollout_stress import WorkloadEngine, long_tail
 
 
 class Tok:
@@ -66,7 +66,7 @@ def test_a_snapshot_at_any_loop_offset_around_an_async_round_end_keeps_every_gro
             trained = {s.uid for s in samples}
             ctl, before = rollout.controller, rollout.controller.stats
 
-            async def snapshot_at(offset=offset):
+            async def snapshot_at(offset=offset, ctl=ctl, before=before, rollout=rollout):
                 while ctl.stats is before or not ctl._ending:   # round 1 started, then ends
                     await asyncio.sleep(0)
                 for _ in range(offset):

@@ -26,3 +26,22 @@ def test_fresh_run_truncates_and_resume_drops_rows_after_checkpoint(tmp_path):
 
     MetricsLogger(str(tmp_path), 4, tensorboard=False, progress=False).close()
     assert rows(tmp_path / "metrics.jsonl") == []
+
+
+def test_trainer_idle_frac_is_the_share_of_the_step_not_training():
+    """One definition for the trainer's metric and the simulator's (megarl/metrics/step.py)."""
+    from megarl.metrics.step import trainer_idle_frac
+    assert trainer_idle_frac(3.0, 4.0) == 0.25
+    assert trainer_idle_frac(4.0, 4.0) == 0.0
+
+
+def test_rollout_metrics_of_a_step():
+    from types import SimpleNamespace
+
+    import torch
+
+    from megarl.metrics.step import rollout_metrics
+    samples = [SimpleNamespace(response_ids=[1] * n, stopped=n < 4) for n in (2, 4)]
+    out = rollout_metrics(samples, SimpleNamespace(scores=torch.tensor([0.0, 1.0])))
+    assert out == {"samples": 2, "response_len_mean": 3.0, "response_len_max": 4,
+                   "rollout_slot_utilization": 0.75, "finished_frac": 0.5, "reward_mean": 0.5}

@@ -156,6 +156,39 @@ def test_async_hides_rollout_behind_training():
     assert out["wall_s"] == pytest.approx(0.1 + 5 * 2.0)
 
 
+@pytest.mark.parametrize("mode", ["sync", "partial", "async"])
+def test_the_simulator_steps_through_the_drivers_round_stepper(mode, monkeypatch):
+    """sim/run.py runs the driver's stepping (rollout/rounds.RoundStepper), in train.py's order:
+    round, pending, prefetch of the next round, store; only async mode's prefetch starts a
+    round. Its trainer_idle_frac is the trainer's definition (metrics/step.py) over the sums."""
+    from megarl.metrics.step import trainer_idle_frac
+    from megarl.rollout.rounds import RoundStepper
+    calls, started = [], []
+
+    def spy(name):
+        orig = getattr(RoundStepper, name)
+        if asyncio.iscoroutinefunction(orig):
+            async def wrapped(self, *args):
+                calls.append(name)
+                return await orig(self, *args)
+        else:
+            def wrapped(self, *args):
+                calls.append(name)
+                out = orig(self, *args)
+                if name == "prefetch":
+                    started.append(self._next is not None)
+                return out
+        monkeypatch.setattr(RoundStepper, name, wrapped)
+    for name in ("round", "pending", "prefetch", "store"):
+        spy(name)
+    out = simulate(SimSettings(mode=mode, steps=3, groups_per_step=2, concurrency=4), _fixed(),
+                   Linear(a=0.01), MeasuredTrainer(0.5, 0.0, push_s=0.1))
+    assert calls == ["round", "pending", "prefetch", "store"] * 2 + ["round", "pending", "store"]
+    assert started == [mode == "async"] * 2
+    assert out["trainer_idle_frac"] == trainer_idle_frac(out["train_s"], out["wall_s"])
+    assert out["trainer_idle_frac"] == pytest.approx(1 - 3 * 0.5 / out["wall_s"])
+
+
 @pytest.mark.parametrize("policy", ["finish", "restart"])
 def test_staleness_bound_holds_in_the_simulator(policy):
     """Partial with max_staleness=0: everything trained is on-policy, under the default policy

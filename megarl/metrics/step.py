@@ -1,0 +1,25 @@
+"""Per-step figures computed from a step's samples and timings (one definition each, used by
+the trainer, megarl/train.py, and the simulator, megarl/sim/run.py)."""
+from __future__ import annotations
+
+from megarl.distributed import device
+
+
+def trainer_idle_frac(train_s: float, step_s: float) -> float:
+    """Share of a step (or of a run: the sums) in which the trainer does not train: it waits
+    for the rollout (all of it in sync mode, what the overlap did not hide in async mode) and
+    for the weight push to the engines. `train_s`: stitched logprobs, reward model and update."""
+    return 1.0 - train_s / step_s
+
+
+def rollout_metrics(samples, batch) -> dict:
+    lengths = [len(s.response_ids) for s in samples]
+    mean = sum(lengths) / len(lengths)
+    return {"samples": len(samples),
+            "response_len_mean": mean,
+            "response_len_max": max(lengths),
+            # share of decode slots doing useful work when the whole batch waits for its longest
+            # sample: what partial rollout wins back
+            "rollout_slot_utilization": mean / max(lengths),
+            "finished_frac": sum(s.stopped for s in samples) / len(samples),
+            **device.host_values({"reward_mean": batch.scores.mean()})}
