@@ -74,6 +74,20 @@ from megarl.bootstrap import bootstrap
 
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
+from megarl.config import load_config  # noqa: E402
+from megarl.data.prompts import encode_prompts, load_prompts  # noqa: E402
+from megarl.data.sample import Sample  # noqa: E402
+from megarl.distributed.env import init_distributed  # noqa: E402
+from megarl.models.setup import build_all  # noqa: E402
+from megarl.ppo.batch import build_batch  # noqa: E402
+from megarl.ppo.step import ppo_step, trainer_logprobs  # noqa: E402
+from megarl.rewards import get_reward_fn  # noqa: E402
+from megarl.rollout.build import build_engines  # noqa: E402
+from megarl.rollout.engine import GenRequest  # noqa: E402
+from megarl.rollout.pool import EnginePool, LoopThread, SyncPool  # noqa: E402
+from megarl.rollout.scoring import score_sample  # noqa: E402
+from megarl.rollout.transfer import files  # noqa: E402 - rollout is measured here, not the sync route
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -123,7 +137,6 @@ def parse_train(spec: str) -> dict:
 
 
 def make_config(args, model: Path, run_dir: Path, prompt_max: int):
-    from megarl.config import load_config
     over = [f"model.path={model}", f"data.prompts={ROOT / 'artifacts/tiny_countdown/prompts.jsonl'}",
             f"run.dir={run_dir}", f"run.seed={args.seed}", "run.name=rollout_speedup",
             f"train.groups_per_step={args.groups_per_step}", f"rollout.n={args.n}",
@@ -151,7 +164,6 @@ async def _batch(pool, engine, reqs, limit=None):
 
 def decode_curve(spool, prompt, sizes, tokens, tag, quiet=False) -> dict:
     """t(b): seconds per decode step with b requests in flight on engine 0."""
-    from megarl.rollout.engine import GenRequest
     e0 = spool.engines[0]
     out = {}
     for b in sizes:
@@ -167,7 +179,6 @@ def decode_curve(spool, prompt, sizes, tokens, tag, quiet=False) -> dict:
 
 def overheads(spool, prompt, conc, vocab, seed) -> dict:
     """Prefill seconds per prompt token and per-request overhead, at `conc` in flight."""
-    from megarl.rollout.engine import GenRequest
     e0 = spool.engines[0]
     rng = np.random.default_rng(seed)
     plen = 256
@@ -247,11 +258,6 @@ def main() -> None:
 
     import torch
 
-    from megarl.data.prompts import encode_prompts, load_prompts
-    from megarl.data.sample import Sample
-    from megarl.rewards import get_reward_fn
-    from megarl.rollout.engine import GenRequest
-    from megarl.rollout.scoring import score_sample
 
     out_dir = ROOT / "bench/out"
     run_dir = out_dir / "rollout_speedup_run"
@@ -282,20 +288,16 @@ def main() -> None:
     models, parallel = None, None
     t0 = time.perf_counter()
     if train_spec["kind"] == "real":
-        from megarl.distributed import parallel
-        from megarl.distributed.env import init_distributed
+        from megarl.distributed import parallel  # here: `parallel` stays None unless a process group is built
         init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
         if bootstrap():
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        from megarl.models.setup import build_all
         models = build_all(cfg)
     trainer_build_s = time.perf_counter() - t0
 
     # -- engines -------------------------------------------------------------------------
-    from megarl.rollout.build import build_engines
-    from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
     rec = Recorder()
     t0 = time.perf_counter()
     loop = LoopThread()
@@ -343,7 +345,6 @@ def main() -> None:
         def push(version: int) -> float:
             t = time.perf_counter()
             if models is not None:
-                from megarl.rollout.transfer import files  # rollout is measured here, not the sync route
                 files.push(models.actor.model, models.actor.info, spool, version,
                            cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
             else:
@@ -357,8 +358,6 @@ def main() -> None:
             if models is None:
                 time.sleep(train_spec["fixed"] + train_spec["per_ktok"] * tokens / 1000)
                 return {"train_s": time.perf_counter() - t}
-            from megarl.ppo.batch import build_batch
-            from megarl.ppo.step import ppo_step, trainer_logprobs
             stitch_s = 0.0
             if partials:
                 # pending_old_logprobs() items: (slot, restarts, length, sample)
@@ -370,7 +369,7 @@ def main() -> None:
             ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
             return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s}
 
-        def score_sample(s: Sample) -> float:
+        def score_one(s: Sample) -> float:   # (named score_sample, it called itself)
             return score_sample(s, tokenizer, reward_fn)
 
         def make_controller(cls, max_staleness=args.max_staleness):
@@ -382,7 +381,7 @@ def main() -> None:
                 return record, prompt
             return cls(spool.pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
                        max_staleness=max_staleness, stale_policy=cfg.rollout.stale_policy,
-                       new_group=new_group, score=score_sample, seed=args.seed, budget_of=length_of,
+                       new_group=new_group, score=score_one, seed=args.seed, budget_of=length_of,
                        ignore_eos=True)
 
         controllers = {"partial": make_controller(Measured)}     # the stock controller, measured
@@ -438,8 +437,6 @@ def main() -> None:
 
         train_warmup_s = 0.0
         if models is not None:   # megatron's first step is slow (allocation, first-call work): not timed
-            from megarl.ppo.batch import build_batch
-            from megarl.ppo.step import ppo_step, trainer_logprobs
             t = time.perf_counter()
             rng = np.random.default_rng(12345)
             warm = []
@@ -528,8 +525,8 @@ def main() -> None:
             ideal_p = ideal_partial(trained_tokens[m], curve, C, E)
             rs = roll["sync"] / roll[m]
             # the ideal speedup with each pass's curve alone: how much the load drift moves it
-            per_pass = [sum(ideal_sync_step(ls, c, E) for ls in trained["sync"]) / ideal_partial(trained_tokens[m], c, C, E)
-                        for _, c in curve_passes]
+            per_pass = [sum(ideal_sync_step(ls, c, E) for ls in trained["sync"])
+                        / ideal_partial(trained_tokens[m], c, C, E) for _, c in curve_passes]
             ideal_range = [float(np.min(per_pass)), float(np.median(per_pass)), float(np.max(per_pass))]
             carry = gen_tokens[m] - trained_tokens[m]
             # where the partial rollout time goes beyond the ideal (estimates; they may overlap)
@@ -594,7 +591,8 @@ def main() -> None:
             "speedup": pf["speedup"], "rollout_speedup": pf["rollout_speedup"],
             "speedup_median_train": pf["speedup_median_train"], "speedup_without_train": pf["speedup_without_train"],
             "ideal_rollout_speedup": pf["ideal_rollout_speedup"],
-            "ideal_rollout_speedup_min_median_max_over_curve_passes": pf["ideal_rollout_speedup_min_median_max_over_curve_passes"],
+            "ideal_rollout_speedup_min_median_max_over_curve_passes":
+                pf["ideal_rollout_speedup_min_median_max_over_curve_passes"],
             "efficiency_vs_ideal": pf["efficiency_vs_ideal"],
             "rollout_speedup_carry_credited": pf["rollout_speedup_carry_credited"],
             "efficiency_vs_ideal_carry_credited": pf["efficiency_vs_ideal_carry_credited"],
@@ -605,7 +603,8 @@ def main() -> None:
             "ideal_sync_rollout_s": ideal_sync, "ideal_partial_rollout_s": pf["ideal_rollout_s"],
             "sync_frac_of_ideal": ideal_sync / roll["sync"], "partial_frac_of_ideal": pf["frac_of_ideal"],
             "engine_busy_sync": busy["sync"]["wall"], "engine_busy_partial": pf["engine_busy"],
-            "engine_busy_rollout_sync": busy["sync"]["rollout"], "engine_busy_rollout_partial": pf["engine_busy_rollout"],
+            "engine_busy_rollout_sync": busy["sync"]["rollout"],
+            "engine_busy_rollout_partial": pf["engine_busy_rollout"],
             "slot_utilization_sync": busy["sync"]["inflight_mean"] / C,
             "slot_utilization_partial": pf["slot_utilization"],
             "tokens_per_s_rollout_sync": gen_tokens["sync"] / roll["sync"],
@@ -658,7 +657,8 @@ def main() -> None:
             print(f"{m}: speedup {f['speedup']:.2f} (median train {f['speedup_median_train']:.2f}, without train "
                   f"{f['speedup_without_train']:.2f}) rollout {f['rollout_speedup']:.2f} ideal "
                   f"{f['ideal_rollout_speedup']:.2f} efficiency {f['efficiency_vs_ideal']:.2f} (carry credited "
-                  f"{f['efficiency_vs_ideal_carry_credited']:.2f}); late admissions {f['late_admissions']}; round tails "
+                  f"{f['efficiency_vs_ideal_carry_credited']:.2f}); late admissions {f['late_admissions']}; "
+                  f"round tails "
                   f"{f['round_tail_s']:.2f}s (max {f['round_tail_max_s']:.2f}s); max_staleness {f['max_staleness']} "
                   f"({f['stale_policy']}): restarted {f['restarted_samples']}, discarded tokens "
                   f"{f['stale_tokens_discarded']}, throttled fills {f['admission_throttled']}, trained length mean "

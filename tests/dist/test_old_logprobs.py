@@ -3,8 +3,8 @@ metric under stitching, on 2 real gloo ranks (tests/dist/old_logprob_probe.py)."
 import json
 
 import pytest
-
 from conftest import run_py
+
 from megarl.ppo.step import carry_layout
 
 

@@ -21,7 +21,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from conftest import run_py
 
 STEPS, N, GROUPS = 5, 4, 16          # tiny recipe: 16 groups x 4 samples per step

@@ -3,7 +3,6 @@ import json
 import os
 
 import pytest
-
 from conftest import ROOT, run_py
 
 REQUIRED = ("step", "reward_mean", "response_len_mean", "response_len_max", "kl", "policy_loss",
