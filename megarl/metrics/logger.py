@@ -28,7 +28,7 @@ class MetricsLogger:
         self.jsonl = path.open("a")
         self.tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # here: it loads tensorboard (seconds)
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=start_step, desc="megarl", unit="step",
                         disable=not progress, dynamic_ncols=True)

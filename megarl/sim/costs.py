@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from megarl.models.arch import Arch
+from megarl.config import load_config
+from megarl.models.arch import Arch, resolve_arch
 from megarl.plan.memory import total_params
 
 # architecture facts of published models (config.json of each), one file per model
@@ -104,8 +105,6 @@ class Model:
 def published_models() -> dict[str, Model]:
     """{name: Model} from recipes/models/*.yaml (the facts the recipes and `megarl plan` use),
     named after the file: llama3.1_70b.yaml -> "llama3.1-70b"."""
-    from megarl.config import load_config
-    from megarl.plan import resolve_arch
     models = {}
     for path in sorted(MODEL_FACTS.glob("*.yaml")):
         arch, _ = resolve_arch(load_config(str(path)))
