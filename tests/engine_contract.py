@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import pytest
+import torch
 
 from megarl.rollout.engine import FINISH_REASONS, Engine, EngineError, GenRequest, GenResult
 
@@ -53,6 +54,20 @@ async def _streaming(s: Subject, keys: list[str], tasks: list) -> None:
                      f"{e.name}: {keys} running")
         await asyncio.sleep(s.settle_s)
     assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+
+
+def hf_model(path):
+    """The transformers model of a model folder, fp32: the reference for real engines."""
+    from transformers import AutoModelForCausalLM  # heavy: only where a real engine is checked
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt_ids, gen_ids, temperature):
+    """log softmax(logits / T) of each generated token, from one forward over prompt + tokens."""
+    logits = model(torch.tensor([prompt_ids + gen_ids])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(gen_ids)]
 
 
 def _aligned(res: GenResult, budget: int) -> None:
@@ -123,9 +138,9 @@ async def abort_resolves_with_the_partial(s: Subject) -> None:
 
 async def pause_holds_requests_without_aborting_them(s: Subject) -> None:
     """A request running when the engine pauses is held, not aborted: it makes no progress
-    while paused (where the engine reports progress) and is still running after resume();
-    an abort then ends it with its tokens, all of one weight version."""
-    e = s.engine
+    while paused and goes on after resume() (where the engine reports progress), still
+    running; an abort then ends it with its tokens, all of one weight version."""
+    e, held = s.engine, 0
     task = asyncio.ensure_future(e.generate(_gen(s, "c-held", 30, s.long, seed=3)))
     try:
         await _streaming(s, ["c-held"], [task])
@@ -139,9 +154,10 @@ async def pause_holds_requests_without_aborting_them(s: Subject) -> None:
         assert not task.done(), task.result()
     finally:
         await e.resume()
-    await asyncio.sleep(s.settle_s)
-    assert not task.done(), task.result()
     assert not (await e.health()).paused
+    if s.progress is not None:      # it goes on
+        await _until(lambda: s.progress("c-held") > held or task.done(), s.timeout_s, "c-held resuming")
+    assert not task.done(), task.result()
     await e.abort(["c-held"])
     res = task.result()
     _aligned(res, s.long)

@@ -8,20 +8,42 @@ its weights (so an engine that missed the push cannot match by accident), pushes
 version, and measures per engine the mean |engine - trainer| logprob of tokens the engine
 samples at temperature 0.7. During the collective pushes the staging folder is read-only and
 safetensors' writer is counted: nothing may be staged. Finally one push per transport silently
-drops a bucket, which the same measure must expose.
+drops a bucket, which the same measure must expose. Before the first push, rank 0 runs the
+engine contract (tests/engine_contract.py) on the in-process engine, whose weights are still
+the model folder's (its logprobs' reference: a transformers forward of them).
 usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES(comma-separated) STAGING_BASE LOG_DIR
 """
 import dataclasses
 import json
+import random
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: engine_contract
 
 from megarl.bootstrap import bootstrap
 
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
 TEMPERATURE = 0.7
+
+
+def contract(pool, model_dir: str) -> list[str]:
+    """The engine contract on the pool's in-process engine: the checks that passed, in order."""
+    import engine_contract
+
+    hf = engine_contract.hf_model(model_dir)
+    engine = pool.engines[0]
+
+    def prompt(i):
+        rng = random.Random(i)
+        return [1] + [rng.randrange(4, 128) for _ in range(15)]
+    subject = engine_contract.Subject(
+        engine, prompt=prompt, weights=model_dir, long=200, progress=engine.progress, settle_s=0.3,
+        reference=lambda p, toks, t: engine_contract.hf_logprobs(hf, p, toks, t))
+    return pool.call(engine_contract.run_all(subject), "the engine contract", 600)
 
 
 def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> None:
@@ -43,8 +65,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
 
     from megarl.formats.hf_reader import HFCheckpoint
     from megarl.models.builders import build_model, make_trainable
-    from megarl.models.transformer_config import transformer_config
     from megarl.models.loading import load_hf_shard
+    from megarl.models.transformer_config import transformer_config
     from megarl.rollout import weight_sync
     from megarl.rollout.pool import open_pool
     from megarl.rollout.transfer import files, source
@@ -80,6 +102,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     prompts = [[1, 5 + i, 9, 12 + 3 * i] for i in range(6)]
     result = {"layouts": {}, "versions_ok": True}
     try:
+        if pools.get("inprocess") is not None:
+            result["contract/inprocess"] = contract(pools["inprocess"], model_dir)
         version = 0
         for tp, pp in [(2, 1), (1, 2), (2, 2)]:
             parallel.initialize(tp, pp, 0)

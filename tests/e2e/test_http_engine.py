@@ -18,9 +18,10 @@ import signal
 import stat
 import time
 
+import engine_contract
 import psutil
 import pytest
-import torch
+from engine_contract import hf_logprobs, hf_model
 
 from megarl.rollout import reaper
 from megarl.rollout.engine import EngineError, GenRequest
@@ -35,19 +36,6 @@ START_TIMEOUT_S = 300
 def prompt(seed: int, length: int = 16) -> list[int]:
     rng = random.Random(seed)
     return [1] + [rng.randrange(4, 128) for _ in range(length - 1)]
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_logprobs(model, prompt_ids, gen_ids, temperature):
-    """log softmax(logits / T) of each generated token, from one forward over prompt + tokens."""
-    logits = model(torch.tensor([prompt_ids + gen_ids])).logits[0].float() / temperature
-    lp = torch.log_softmax(logits, -1)
-    return [lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(gen_ids)]
 
 
 async def wait_until(cond, timeout_s=120.0, what="condition"):
@@ -272,6 +260,18 @@ def test_a_weight_session_left_open_by_a_dead_trainer_is_closed_by_the_next(serv
     res = run_with_engine(server, body)
     ref = hf_logprobs(hf, p, res.token_ids, 0.7)
     assert len(res.token_ids) == 16 and max(abs(a - b) for a, b in zip(ref, res.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("check", engine_contract.CHECKS, ids=lambda c: c.__name__)
+def test_http_engine_keeps_the_engine_contract(server, hf, long_model, check):
+    """tests/engine_contract.py on an HTTP engine of the module's megarl-started server; the
+    logprobs' reference is a transformers forward of the same weights."""
+    def body(engine):
+        return check(engine_contract.Subject(
+            engine, prompt=lambda i: prompt(500 + i), weights=str(long_model), long=LONG,
+            reference=lambda p, toks, t: hf_logprobs(hf, p, toks, t), progress=engine.progress,
+            settle_s=0.3, timeout_s=120))
+    run_with_engine(server, body)
 
 
 def test_startup_failure_names_log_and_fails_fast(tiny_model, tmp_path):

@@ -2,6 +2,7 @@
 import json
 import os
 
+import engine_contract
 from conftest import run_py
 
 
@@ -13,7 +14,9 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
     left running; the collective pushes stage no file (the staging folder is read-only
     meanwhile, safetensors' writer is never called, and no weight file appears in shared
     memory, the temp folder or the staging base); a push that drops one bucket is
-    caught by the same measure (and by `verify`) on both routes; no staging folder is left."""
+    caught by the same measure (and by `verify`) on both routes; no staging folder is left.
+    Before the pushes, the in-process engine keeps the engine contract (tests/engine_contract.py;
+    the HTTP kind keeps it in test_http_engine)."""
     staging = tmp_path / "staging"
     staging.mkdir()
     out = tmp_path / "probe.json"
@@ -22,6 +25,7 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
                    "inprocess,local_servers", str(staging), str(tmp_path / "logs")], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads(out.read_text())
+    assert r["contract/inprocess"] == [c.__name__ for c in engine_contract.CHECKS]
     assert set(r["layouts"]) == {f"{lay}/{kind}" for lay in ("tp2pp1", "tp1pp2", "tp2pp2")
                                  for kind in ("collective", "files")}
     for layout, entry in r["layouts"].items():

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import engine_contract
 import pytest
+import scripted_engine
+from scripted_engine import Clock
+from scripted_engine import ScriptedEngine as ClockedEngine
 
 from megarl.config.errors import ConfigError
 from megarl.config.registry import ENGINE_KINDS
@@ -19,10 +23,6 @@ from megarl.rollout.servers import LocalServerEngine
 from megarl.rollout.vllm_async import AsyncVLLMEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
 from megarl.sim.engine import SimEngine
-
-import engine_contract
-import scripted_engine
-from scripted_engine import Clock, ScriptedEngine as ClockedEngine
 
 
 class ScriptedEngine(Engine):
