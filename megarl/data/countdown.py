@@ -136,6 +136,7 @@ def build_tokenizer(out_dir: str | None = None):
     ``AutoTokenizer.from_pretrained(out_dir)`` reloads it, also when out_dir holds a qwen2 model
     (see ``_pin_tokenizer_class``).
     """
+    # here, not at the top: transformers is heavy, and the dataset and verifier need neither
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
