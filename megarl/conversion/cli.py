@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from megarl.bootstrap import bootstrap
 from megarl.conversion.compare import compare_logits
 from megarl.conversion.to_hf import megatron_to_hf
 from megarl.conversion.to_megatron import DEFAULT_DIVISIBLE_BY, hf_to_megatron
@@ -40,6 +41,7 @@ def _run_cli(prog: str, fn, argv: Iterable[str] | None) -> int:
     Conversion is a CPU job (see the module docstring): the GPUs are hidden from this process
     (CUDA reads the variable when it is first touched, which has not happened yet)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    bootstrap()   # after the GPUs are hidden: the CPU shim, before the converters import megatron
     _return_freed_memory()
     import warnings
     for category in (UserWarning, FutureWarning, DeprecationWarning):  # megatron's "Apex is not

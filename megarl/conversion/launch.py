@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from megarl.distributed import cpu
+from megarl.bootstrap import bootstrap
 from megarl.distributed.env import free_port, init_distributed
 from megarl.formats.hf_reader import ConversionError
 
@@ -17,7 +17,7 @@ def init_world(rank: int, world: int, port: int, threads: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     init_distributed(backend="gloo")
-    cpu.apply_if_cpu()
+    bootstrap()   # a no-op in a forked rank (the CLI applied it); a spawned one applies it here
 
 
 def _rank_main(rank: int, world: int, port: int, threads: int, target, prog: str, *args) -> None:
