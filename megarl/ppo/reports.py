@@ -4,7 +4,8 @@ The actor's and the critic's `update` return sums over this rank's micro-batches
 on the device); the step adds them over its updates (`add`), sums them over the ranks in one
 collective (`sum_over_ranks`) and turns the totals into metrics (`to_metrics`):
 
-  "tokens"     response tokens trained on: the denominator of every `_sum`, not a metric itself.
+  "tokens"     response tokens a model trained on: the denominator of that model's `_sum`s (the
+               actor's and the critic's are kept apart: `add(..., model)`), not a metric itself.
   "<x>_sum"    a sum over tokens of a per-token quantity -> metric "<x>" = total / tokens
                (entropy_sum -> entropy). A statistic a loss computes as a token mean over its
                micro-batch is reported as mean * tokens (`token_sums`): clip_frac_sum -> clip_frac.
@@ -32,12 +33,15 @@ def token_sums(means: dict, tokens: torch.Tensor) -> dict:
     return {f"{k}_sum": v * tokens for k, v in means.items()}
 
 
-def add(acc: dict, report: dict) -> None:
-    """Add one update's report into `acc`; tensors stay on the device until `sum_over_ranks`.
-    Only numbers count (a bool is a flag, not a statistic)."""
+def add(acc: dict, report: dict, model: str = "") -> None:
+    """Add one update's report of `model` (e.g. "actor", "critic") into `acc`; tensors stay on
+    the device until `sum_over_ranks`. Only numbers count (a bool is a flag, not a statistic).
+    Each model's statistics are kept apart (under "<model>/<key>"): each reports its own
+    `tokens`, and a `_sum` divides by the tokens of the model that reported it."""
     for k, v in report.items():
         if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
-            acc[k] = acc.get(k, 0.0) + v
+            key = f"{model}/{k}" if model else k
+            acc[key] = acc.get(key, 0.0) + v
 
 
 def sum_over_ranks(sums: dict, device: torch.device, own: bool) -> dict:
@@ -66,11 +70,12 @@ def to_metrics(totals: dict, updates: int, dp_size: int) -> dict:
     """Step metrics from the totals over ranks (`sum_over_ranks`), by the rule of the module doc.
 
     updates: optimizer updates in the step (ppo_epochs * mini_batches); dp_size: DP ranks."""
-    tokens = max(totals.get("tokens", 0.0), 1.0)
     out = dict.fromkeys(ALWAYS, 0.0)
-    for k, v in totals.items():
+    for key, v in totals.items():
+        model, _, k = key.rpartition("/")
         if k == "tokens":
             continue
+        tokens = max(totals.get(f"{model}/tokens" if model else "tokens", 0.0), 1.0)
         if k.endswith("_sum"):
             out[k[:-len("_sum")]] = v / tokens
         elif k.endswith("_norm"):

@@ -75,12 +75,13 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
                 mini, local = batch.select(chunk), batch.select(rows)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
                 if train_actor:
-                    reports.add(sums, actor_ops.update(actor, local, old_logp[rows], ref_logp[rows],
-                                                       advantages[rows], is_w[rows], algo, mbs, norm, temp))
+                    report = actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
+                                              is_w[rows], algo, mbs, norm, temp)
+                    reports.add(sums, report, "actor")
                 if critic is not None:
                     with resident(critic.model):
-                        reports.add(sums, critic_ops.update(critic, local, old_values[rows], returns[rows],
-                                                            algo, mbs, norm))
+                        report = critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm)
+                        reports.add(sums, report, "critic")
     except NonFiniteError as err:   # a loss or gradient: the remaining updates of the step are dropped
         return nonfinite.report(str(err), step, cfg.train.on_nonfinite)
     own = parallel.is_last_stage() and parallel.tp_rank() == 0   # one copy of the reports per DP rank

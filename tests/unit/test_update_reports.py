@@ -67,6 +67,20 @@ def test_every_statistic_the_losses_report_reaches_the_metrics():
         assert abs(out[k] - want) < 1e-6, k
 
 
+def test_actor_and_critic_statistics_divide_by_their_own_tokens():
+    """Both models report `tokens`: added into one total (as before), a PPO step with both
+    training halved every per-token metric (clip_frac, entropy). Kept apart per model, each
+    `_sum` divides by the tokens of the model that reported it."""
+    acc: dict = {}
+    for _ in range(2):   # two updates over the same 10 tokens
+        reports.add(acc, {"tokens": 10.0, "clip_frac_sum": 3.0, "entropy_sum": 5.0, "policy_loss": 0.4}, "actor")
+        reports.add(acc, {"tokens": 10.0, "value_clip_frac_sum": 4.0, "value_loss": 0.8}, "critic")
+    out = reports.to_metrics(reports.sum_over_ranks(acc, torch.device("cpu"), own=True), updates=2, dp_size=1)
+    assert out["clip_frac"] == 0.3 and out["entropy"] == 0.5 and out["value_clip_frac"] == 0.4
+    assert out["policy_loss"] == 0.4 and out["value_loss"] == 0.8
+    assert not any("/" in k for k in out), out
+
+
 def test_add_skips_flags_and_keeps_tensors_on_the_device():
     acc: dict = {}
     reports.add(acc, {"x_sum": torch.tensor(2.0), "ok": True, "note": "text", "grad_norm": 1.5})
