@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from megarl.config import ConfigError
+from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import RootConfig
 from megarl.formats.mapping import mapping_for
 from megarl.models import loading, offload
@@ -88,7 +89,7 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     reference, _ = make("reference")
     reference.eval().requires_grad_(False)
     critic = None
-    if cfg.algo.name == "ppo":
+    if ADVANTAGES.get(cfg.algo.name).needs_critic:
         critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip, **schedule)
     reward_model = None
     if cfg.reward.model_path:

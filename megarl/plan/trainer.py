@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import ConfigError, RootConfig, validate_world
 from megarl.models.arch import Arch
 from megarl.plan import memory as mem
@@ -41,7 +42,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     seq, mbs = cfg.rollout.max_model_len, t.micro_batch_size
     micro = max(1, cfg.samples_per_step // t.mini_batches // dp // mbs)
     per_param = mem.trainable_bytes_per_param(cfg.model.dtype, dp)
-    ppo = cfg.algo.name == "ppo"
+    ppo = ADVANTAGES.get(cfg.algo.name).needs_critic   # a critic to place
     sp = cfg.parallel.sequence_parallel
     worst = None
 

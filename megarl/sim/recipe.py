@@ -5,16 +5,26 @@ generation budget, PPO or GRPO); the command line gives what a recipe does not h
 response-length distribution and the hardware, either measured on this machine
 (`--calibration`, a `bench/rollout_speedup.py` result) or a GPU roofline (`--gpu`, `--model`,
 `--engine-tp`, `--trainer-gpus`). The weight sync takes the recipe's route
-(weight_sync.transport: one broadcast, or files every engine reads). Prints step time, engine busy and trainer idle fractions and
-trained tokens/s for sync, partial and async mode, the recipe's own mode marked.
+(weight_sync.transport: one broadcast, or files every engine reads). Prints step time, engine
+busy and trainer idle fractions and trained tokens/s for sync, partial and async mode, the recipe's own mode marked.
 """
 from __future__ import annotations
 
 import json
 
 from megarl.config import ConfigError
-from megarl.sim.costs import (GPUS, MeasuredEngine, MeasuredTrainer, Model, RooflineEngine, RooflineTrainer, interp,
-                              published_models, weight_push_s)
+from megarl.config.registry import ADVANTAGES
+from megarl.sim.costs import (
+    GPUS,
+    MeasuredEngine,
+    MeasuredTrainer,
+    Model,
+    RooflineEngine,
+    RooflineTrainer,
+    interp,
+    published_models,
+    weight_push_s,
+)
 from megarl.sim.run import MODES, SimSettings, simulate
 from megarl.sim.workload import Workload, parse_dist
 
@@ -73,7 +83,7 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int)
     # the recipe's route: collective = one broadcast, files = written once, read by every engine
     send, load = weight_push_s(m, g, cfg.rollout.engines, engine_tp, cfg.weight_sync.transport)
     return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
-            RooflineTrainer(m, g, trainer_gpus, critic=cfg.algo.name == "ppo", push_s=send,
+            RooflineTrainer(m, g, trainer_gpus, critic=ADVANTAGES.get(cfg.algo.name).needs_critic, push_s=send,
                             route=cfg.weight_sync.transport))
 
 
