@@ -3,11 +3,11 @@
 A registry belongs to the config layer (so `config/schema.py` validates a setting against it
 without importing what sits above config) and is filled by the module that holds the code:
 
-    # megarl/rewards/countdown.py
-    from megarl.config.registry import VERIFIERS
+    # megarl/ppo/losses.py
+    from megarl.config.registry import KL_KINDS
 
-    @VERIFIERS.register("countdown")
-    def score(response_text, record, *, finished): ...
+    @KL_KINDS.register("k3")
+    def _k3(diff): ...
 
 `home` names the module whose import registers every built-in entry; the registry imports it
 the first time anyone asks for names or an entry, so validating a recipe sees them all. Adding
