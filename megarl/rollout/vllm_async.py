@@ -143,12 +143,21 @@ class AsyncVLLMEngine(Engine):
             await self.llm.abort(rids)
             _, pending = await asyncio.wait(tasks, timeout=ABORT_POLL_S)
             if not pending:
-                return
+                return await self._resolved(rids)
             if loop.time() > deadline:
                 for t in pending:
                     t.cancel()
                 await asyncio.wait(pending, timeout=5)
+                return await self._resolved(rids)
+
+    async def _resolved(self, rids: list[str]) -> None:
+        """Until the generate() calls of `rids` have returned (the protocol: abort returns after
+        them). Each leaves _inflight in its finally, a loop iteration or two after its stream
+        task ended; bounded, so a call that never returns cannot hold the abort."""
+        for _ in range(1000):
+            if not any(r in self._inflight for r in rids):
                 return
+            await asyncio.sleep(0)
 
     async def pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)

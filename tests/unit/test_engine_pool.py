@@ -16,6 +16,7 @@ from scripted_engine import ScriptedEngine as ClockedEngine
 from megarl.config.errors import ConfigError
 from megarl.config.registry import ENGINE_KINDS
 from megarl.config.schema import RolloutConfig
+from megarl.rollout import vllm_async
 from megarl.rollout.build import build_engine
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
@@ -421,3 +422,47 @@ def test_the_contract_catches_logprobs_of_another_distribution():
             await subject.engine.abort()
             stop()
     run(main())
+
+
+class _FakeAsyncLLM:
+    """Just enough of vLLM's AsyncLLM for AsyncVLLMEngine's generate/abort: one token per
+    10 ms, streamed as deltas; an aborted request ends with finish_reason "abort"."""
+
+    def __init__(self):
+        self.aborted = set()
+
+    async def generate(self, prompt, params, request_id):
+        for i in range(10 ** 6):
+            await asyncio.sleep(0.01)
+            done = request_id in self.aborted
+            out = SimpleNamespace(token_ids=[] if done else [i], finish_reason="abort" if done else None,
+                                  logprobs=[] if done else [{i: SimpleNamespace(logprob=-0.5)}])
+            yield SimpleNamespace(outputs=[out], finished=done)
+            if done:
+                return
+
+    async def abort(self, rids):
+        self.aborted.update([rids] if isinstance(rids, str) else rids)
+
+
+def test_in_process_abort_returns_after_the_aborted_generate_calls(monkeypatch):
+    """AsyncVLLMEngine.abort returns only once the aborted generate() calls have returned (the
+    protocol), not merely their stream readers: the pool may load weights right after it."""
+    monkeypatch.setattr(vllm_async, "sampling_params", lambda req: None)   # no vLLM import here
+    engine = AsyncVLLMEngine("e", "/m", {}, timeout_s=30)
+    engine.llm = _FakeAsyncLLM()
+
+    async def main():
+        tasks = [asyncio.ensure_future(engine.generate(GenRequest(f"k{i}", [1, 2], 10 ** 6))) for i in range(2)]
+        deadline = asyncio.get_running_loop().time() + 30
+        while not all(engine.progress(f"k{i}") for i in range(2)):
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        await engine.abort(["k0"])
+        first = (tasks[0].done(), tasks[1].done(), engine.running)
+        await engine.abort()
+        return first, [t.done() for t in tasks], engine.running, [t.result() for t in tasks]
+
+    first, done, running, results = run(main())
+    assert first == (True, False, 1) and done == [True, True] and running == 0
+    assert all(r.finish_reason == "abort" and r.token_ids and len(r.logprobs) == len(r.token_ids) for r in results)

@@ -6,7 +6,8 @@ the update "succeeds" and the old weights stay), so CPU engines receive over glo
 with the same session and the same roles: the trainer's sender is rank 0 of a stateless group,
 this worker is `dp_rank * TP * PP + worker rank + rank_offset`. Each `update_weights` call is one
 bucket: `BucketMeta` describes a packed uint8 buffer; the worker receives it with one broadcast
-and loads the views with `model.load_weights` inside vLLM's layerwise reload (started in
+and loads its views with `model.load_weights` while the next bucket arrives (the last one in
+`finish_weight_update`), inside vLLM's layerwise reload (started in
 `start_weight_update`, finalized in `finish_weight_update`), which also refreshes the
 oneDNN-repacked copies the CPU backend keeps of linear weights.
 """

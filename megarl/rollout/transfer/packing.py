@@ -1,7 +1,9 @@
-"""Packing a bucket of named tensors into one flat byte buffer, and back: pure functions.
+"""Packing a bucket of named tensors into one flat byte buffer, and back (pure functions), and
+the pool of packed buffers reused push after push (`BufferPool`).
 
-One broadcast per bucket instead of one per tensor (per-tensor messages are the field's most
-reported cause of slow weight syncs). The layout is fully described by `BucketMeta`, which is
+On the gloo wire, one broadcast per bucket instead of one per tensor (per-tensor messages are
+the field's most reported cause of slow weight syncs; vLLM's nccl receiver takes one per
+tensor, wires.py). The layout is fully described by `BucketMeta`, which is
 what the trainer sends ahead of the bytes (`update_weights`' update_info): the receiver sizes
 its buffer from it and never trusts anything else.
 """
