@@ -156,7 +156,7 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b x (b only through the origin when there is a single x)."""
     if len(set(xs)) < 2:
         return 0.0, sum(ys) / sum(xs)
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return my - b * mx, b
 
@@ -265,10 +265,12 @@ def targets(rows: list[dict], b: dict, sizes: list[str]) -> tuple[str, dict]:
         if not one or not two:
             continue
         ratio = two["sync_s"] / one["sync_s"]
-        parts = {k: (two[k] / one[k] if one[k] > 0 else float("nan")) for k in ("wire_s", "engine_load_s", "trainer_only_s")}
+        parts = {k: (two[k] / one[k] if one[k] > 0 else float("nan"))
+                 for k in ("wire_s", "engine_load_s", "trainer_only_s")}
         out["two_vs_one"][layout] = {"one_s": one["sync_s"], "two_s": two["sync_s"], "ratio": ratio,
                                      "parts": parts, "met": ratio <= TWO_ENGINES_MAX}
-        lines.append(f"- collective, two engines vs one ({big}, {layout}): {two['sync_s']:.2f} s vs {one['sync_s']:.2f} s "
+        lines.append(f"- collective, two engines vs one ({big}, {layout}): "
+                     f"{two['sync_s']:.2f} s vs {one['sync_s']:.2f} s "
                      f"= {ratio:.2f}x (wire {parts['wire_s']:.2f}x, engine load {parts['engine_load_s']:.2f}x, "
                      f"trainer-side {parts['trainer_only_s']:.2f}x) -> "
                      f"{'MET' if ratio <= TWO_ENGINES_MAX else 'MISSED'} (target <= {TWO_ENGINES_MAX})")
@@ -293,7 +295,8 @@ def targets(rows: list[dict], b: dict, sizes: list[str]) -> tuple[str, dict]:
         lines.append(f"- bytes on disk, {kind} ({d['pushes']} pushes, worst push): new files under the staging / "
                      f"temp folders {d['new_file_bytes_peak_max']:,} B ({d['new_entries_max']} entries; median push "
                      f"{d['new_file_bytes_peak_median']:,.0f} B), "
-                     f"/dev/shm growth {d['shm_growth_max']:,} B, write_bytes trainer {d['write_bytes_trainer_max']:,} B, "
+                     f"/dev/shm growth {d['shm_growth_max']:,} B, "
+                     f"write_bytes trainer {d['write_bytes_trainer_max']:,} B, "
                      f"engines {d['write_bytes_engines_max']:,} B"
                      + (f" ({d['unreadable_procs_max']} process(es) unreadable)" if d["unreadable_procs_max"] else "")
                      + (f"; not this run's (neither named after nor held open by its processes): up to "
@@ -310,11 +313,15 @@ def targets(rows: list[dict], b: dict, sizes: list[str]) -> tuple[str, dict]:
         lines.append(f"  collective: no file of this run created under the staging / temp folders in any push, and "
                      f"block-device writes by its processes at most {worst:,} B in a push (a bucket is >= 64 MiB) -> "
                      f"{'MET' if d['met'] else 'MISSED'}"
-                     + (f"; pushes with writes: " + "; ".join(f"{w[0]} {w[1]} n={w[2]} {w[3]} MB rep {w[4]}: "
-                                                           f"{w[5][1]:,} B by " + ("a trainer rank" if "weight_sync_probe" in w[5][0] else w[5][0][:40])
-                                                           for w in writers[:4]) if writers else "")
+                     + ("; pushes with writes: " + "; ".join(_writer(w) for w in writers[:4]) if writers else "")
                      + " (/dev/shm growth includes other users' files)")
     return "\n".join(lines), out
+
+
+def _writer(w) -> str:
+    """One push that wrote to a block device: layout, engines, transport, size, rep, who wrote."""
+    who = "a trainer rank" if "weight_sync_probe" in w[5][0] else w[5][0][:40]
+    return f"{w[0]} {w[1]} n={w[2]} {w[3]} MB rep {w[4]}: {w[5][1]:,} B by {who}"
 
 
 def baselines(probes: dict) -> str:
@@ -448,7 +455,8 @@ def main() -> None:
 def bounds(a) -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    out = a.out if a.out != str(ROOT / "bench/out/weight_sync.json") else str(ROOT / "bench/out/weight_sync_bounds.json")
+    default = str(ROOT / "bench/out/weight_sync.json")
+    out = a.out if a.out != default else str(ROOT / "bench/out/weight_sync_bounds.json")
     t_all, probes = time.perf_counter(), {}
     sizes = [s for s in SIZES if s in (a.sizes or ["large"])]
     for size in sizes:
@@ -484,7 +492,8 @@ def report(rows: list[dict], probes: dict, sizes: list[str], runtime: float, whe
     warm = [(s, w) for s, p in probes.items() for w in p.get("warm", [])]
     if warm:
         print("\nfirst push per transport / layout / engines (collective: forms the weight group), s:")
-        print("  " + "; ".join(f"{s} {w['layout']} n={w['engines']} {w['transport']} {w['warm_s']:.2f}" for s, w in warm))
+        print("  " + "; ".join(f"{s} {w['layout']} n={w['engines']} {w['transport']} {w['warm_s']:.2f}"
+                               for s, w in warm))
     print("\nper-byte fit and projection (bf16 bytes: " + ", ".join(f"{m} {v / 1e9:.1f} GB" for m, v in PROJECT.items())
           + "; engine load = the engines' own load, apart from the rest):")
     print(projection(b)[0])
