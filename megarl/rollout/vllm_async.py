@@ -21,6 +21,9 @@ from megarl.rollout.engine import STALE_SESSION, Engine, EngineError, EngineHeal
 from megarl.rollout.transfer import plugin
 from megarl.rollout.vllm_settings import engine_settings
 
+# vLLM itself is imported inside the methods that use it: building engines (build.py), the pool
+# and the trainer's imports stay free of it; only a started in-process engine needs it.
+
 
 def sampling_params(req: GenRequest):
     """vLLM SamplingParams for one sample: deltas, the sampled token's logprob (logprobs=0)."""

@@ -25,6 +25,7 @@ of the survivors, so they end on the new version. Nothing is kept for the redo: 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import socket
@@ -283,7 +284,6 @@ class CollectiveTransport:
 
 async def _settled(coros) -> list:
     """Every coroutine's result, or the exception it raised (the caller names the engine)."""
-    import asyncio
     return await asyncio.gather(*coros, return_exceptions=True)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import secrets
 
+from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+
 PREFIX = "megarl-weights"
 
 
@@ -21,7 +23,6 @@ def new_token() -> str:
 
 def store(host: str, port: int, world_size: int, timeout_s: float, sender: bool):
     """The group's TCPStore: the sender hosts it (listening before any member arrives)."""
-    from torch.distributed import TCPStore
     timeout = datetime.timedelta(seconds=timeout_s)
     if sender:
         return TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -30,7 +31,6 @@ def store(host: str, port: int, world_size: int, timeout_s: float, sender: bool)
 
 def keys(tcp_store, token: str):
     """The group's own key space in the store (unguessable without the token)."""
-    from torch.distributed import PrefixStore
     return PrefixStore(f"{PREFIX}/{token}/", tcp_store)
 
 
@@ -38,7 +38,6 @@ def join(tcp_store, rank: int, world_size: int, token: str, timeout_s: float):
     """Join the group as `rank` (0: the sender). Blocks until every member has joined or
     `timeout_s` passes. Members first record `joined/<rank>`, so the sender can name the ones
     that never arrived. Returns a torch ProcessGroupGloo (collectives on CPU tensors)."""
-    from torch.distributed import ProcessGroupGloo
     space = keys(tcp_store, token)
     space.set(f"joined/{rank}", "1")
     return ProcessGroupGloo(space, rank, world_size, datetime.timedelta(seconds=timeout_s))
@@ -57,7 +56,6 @@ def broadcast(group, tensor) -> None:
 
 def start_broadcast(group, tensor):
     """The same, asynchronous: returns the work; `.wait()` blocks until `tensor` is complete."""
-    from torch.distributed import BroadcastOptions
     opts = BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0

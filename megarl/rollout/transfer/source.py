@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.distributed import parallel
+from megarl.distributed import device, parallel
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import ModelInfo, use_te
 from megarl.rollout.transfer import packing
@@ -113,7 +113,6 @@ def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | Non
 
 
 def _device() -> torch.device:
-    from megarl.distributed import device
     return device.current()
 
 

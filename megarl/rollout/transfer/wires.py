@@ -10,6 +10,8 @@ it tells them per bucket, and how it puts a packed bucket on the wire.
 """
 from __future__ import annotations
 
+import torch
+
 from megarl.rollout.transfer import group as wgroup
 from megarl.rollout.transfer import packing
 
@@ -69,7 +71,7 @@ class NcclRendezvous:
                 "world_size": self.world, "packed": False}
 
     def join(self):
-        import torch
+        # vLLM's trainer-side helper: imported only where a GPU push runs (the trainer has no vLLM otherwise)
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
         return stateless_init_process_group(self.host, self.port, 0, self.world, torch.cuda.current_device())
 
@@ -87,7 +89,6 @@ class NcclWire:
 
     @staticmethod
     def send(group, meta: packing.BucketMeta, buf) -> None:
-        import torch
         stream = torch.cuda.current_stream()
         for _, view in packing.unpack(meta, buf):      # the order vLLM's receiver expects
             group.broadcast(view, src=0, stream=stream)
