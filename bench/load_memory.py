@@ -5,7 +5,8 @@
 
 For two synthetic Llama-architecture HF folders (~26M and ~81M parameters, fp32, ~40 MB
 safetensors shards + index json, written locally: nothing is downloaded):
-1. (the folders are written by a child process) forks TP x PP gloo ranks; each builds its GPTModel shard (no init) and loads it either
+1. (the folders are written by a child process) forks TP x PP gloo ranks; each builds its GPTModel
+   shard (no init) and loads it either
    `sliced` (megarl.models.loading.load_hf_shard: only this rank's slices of its stage's
    tensors) or `full` (what the trainer did before: every HF tensor read, every rank's shards
    split, this rank's copied);
@@ -95,8 +96,8 @@ def _load_full(model, info, hf_dir: str) -> None:
     every rank's shards split by the mapping, this rank's copied in."""
     from safetensors import safe_open
 
-    from megarl.formats.mapping import mapping_for
     from megarl.distributed import parallel
+    from megarl.formats.mapping import mapping_for
     state = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
@@ -118,11 +119,11 @@ def _rank(rank: int, world: int, port: int, threads: int, hf_dir: str, tp: int, 
     init_world(rank, world, port, threads)
     import torch.distributed as dist
 
-    from megarl.formats.hf_reader import HFCheckpoint, load_hf_config
     from megarl.distributed import parallel
+    from megarl.formats.hf_reader import HFCheckpoint, load_hf_config
     from megarl.models.builders import build_model
-    from megarl.models.transformer_config import transformer_config
     from megarl.models.loading import load_hf_shard
+    from megarl.models.transformer_config import transformer_config
 
     parallel.initialize(tp, pp, seed=0)
     hf_config = load_hf_config(hf_dir)

@@ -9,8 +9,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from megarl.rollout.controller import Group, PartialRolloutController
-from megarl.sim.costs import interp  # noqa: F401  (t(b) of the decode curve; re-exported)
 from megarl.rollout.engine import Engine, GenRequest, GenResult
+from megarl.sim.costs import interp  # noqa: F401  (t(b) of the decode curve; re-exported)
 
 
 class Measured(PartialRolloutController):
@@ -135,7 +135,7 @@ class Recorder:
     def _segments(self, mode: str, engine: Optional[str] = None):
         """(t0, t1, in-flight) pieces over the mode's rollout phases (one engine or all)."""
         ev = sorted((t, d) for t, e, d, m in self.events if m == mode and (engine is None or e == engine))
-        for _, kind, a, b in [p for p in self.phases if p[0] == mode and p[1] == "rollout"]:
+        for _, _kind, a, b in [p for p in self.phases if p[0] == mode and p[1] == "rollout"]:
             count = 0
             # requests never span phases; start from 0 at each phase start
             pts = [(t, d) for t, d in ev if a <= t <= b]

@@ -36,6 +36,7 @@ TRAIN_FIXED_S = 0.3
 def prompt_lengths() -> list[int]:
     """Token counts of the dataset's prompts, in the order the benchmark uses them."""
     from transformers import AutoTokenizer
+
     from megarl.data.prompts import encode_prompts, load_prompts
     model = ROOT / "artifacts" / "tiny_countdown"
     records = load_prompts(str(model / "prompts.jsonl"), "prompt")
@@ -94,11 +95,12 @@ def main() -> None:
                    "trained_tokens_partial": [result["partial"]["trained_tokens"], sim["partial"]["trained_tokens"]],
                    "load_avg_at_end": result["machine"]["load_avg_at_end"][0]}
             for k in ("sync", "partial", "speedup"):
-                mk, pk = (f"measured_{k}_s", f"predicted_{k}_s") if k != "speedup" else ("measured_speedup", "predicted_speedup")
+                mk, pk = ((f"measured_{k}_s", f"predicted_{k}_s") if k != "speedup"
+                          else ("measured_speedup", "predicted_speedup"))
                 row[f"error_{k}"] = row[pk] / row[mk] - 1.0
             rows.append(row)
-    print(f"\n| length distribution | C | sync s: measured / predicted (err) | partial s: measured / "
-          f"predicted (err) | speedup: measured / predicted (err) |")
+    print("\n| length distribution | C | sync s: measured / predicted (err) | partial s: measured / "
+          "predicted (err) | speedup: measured / predicted (err) |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dist']} | {r['concurrency']} | {r['measured_sync_s']:.1f} / {r['predicted_sync_s']:.1f} "

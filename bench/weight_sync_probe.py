@@ -160,7 +160,7 @@ def write_bytes(pids) -> dict:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/io") as f:
-                out[pid] = next(int(l.split()[1]) for l in f if l.startswith("write_bytes"))
+                out[pid] = next(int(line.split()[1]) for line in f if line.startswith("write_bytes"))
         except (OSError, StopIteration, ValueError):
             out[pid] = None
     return out

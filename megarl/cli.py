@@ -11,6 +11,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # vLLM logs every weight reload at INFO/WARNING; keep the console to megarl's progress lines
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+from megarl.config import ConfigError, load_config  # noqa: E402 - after the environment above: it may import torch
+
 
 def quiet_known_warnings() -> None:
     """Warnings that are expected on the CPU path and say nothing actionable to a user."""
@@ -18,8 +20,6 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|vllm)\.")
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
-
-from megarl.config import ConfigError, load_config
 
 
 def _debug() -> bool:

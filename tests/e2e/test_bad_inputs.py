@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-
 from conftest import run_py
 
 # (id, overrides or full argv (starting with "-"), message must contain)

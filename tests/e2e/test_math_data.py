@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from conftest import ROOT, run_py
 
 # the tiny model's tokenizer has no chat template (tools/make_tiny_model.py builds none): the test

@@ -16,7 +16,6 @@ import threading
 import time
 
 import psutil
-
 from conftest import ROOT, VLLM_SERVER, is_vllm_server
 
 STANDIN = ROOT / "tests" / "slurm_standin" / "bin"
@@ -71,7 +70,8 @@ def _env(tmp_path, run_dir, extra: str, **settings) -> dict:
            "PATH": f"{STANDIN}:{os.environ['PATH']}", "SLURM_STANDIN_STATE": str(tmp_path / "state"),
            "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
            "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
-           "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "WEIGHT_PORT": str(_free_port()), "RUN_DIR": str(run_dir),
+           "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "WEIGHT_PORT": str(_free_port()),
+           "RUN_DIR": str(run_dir),
            "MEGARL_PY": sys.executable, "EXTRA": extra, **settings}
     for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
         env.pop(var, None)

@@ -134,11 +134,11 @@ def child_speed(small: bool) -> dict:
     import torch
     from transformers import LlamaConfig
 
+    from megarl.data.sample import Sample
     from megarl.distributed import device as dev
     from megarl.models.builders import build_model, make_trainable
     from megarl.models.transformer_config import transformer_config
     from megarl.ppo.step import ppo_step
-    from megarl.data.sample import Sample
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -246,7 +246,8 @@ def check(name: str, out_dir: Path, on_cpu: bool) -> tuple[bool, str, dict]:
         with tempfile.TemporaryDirectory() as tmp:
             r = _run("checkpoint", [tmp], out_dir, on_cpu, 600)
         ok = r["max_abs_diff"] < 1e-6 and r["update_moved"] > 1e-6
-        return ok, f"logprobs after load vs before save {r['max_abs_diff']:.1e}; the update moved them {r['update_moved']:.1e}", r
+        return ok, (f"logprobs after load vs before save {r['max_abs_diff']:.1e}; "
+                    f"the update moved them {r['update_moved']:.1e}"), r
     if name == "speed_1b":
         r = _run("speed", ["small" if on_cpu else "full"], out_dir, on_cpu, 900)
         ok = on_cpu or r["params"] >= 1e9

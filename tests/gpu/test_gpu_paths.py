@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_py
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

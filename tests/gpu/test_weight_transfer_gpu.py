@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_py
 
 pytestmark = [

@@ -5,8 +5,8 @@ import sys
 import types
 
 import torch
-
 from conftest import ROOT
+
 from megarl.distributed import megatron_jit
 
 

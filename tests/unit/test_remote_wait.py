@@ -55,6 +55,7 @@ def test_a_server_without_health_is_not_waited_for():
             server.close()
         return url
 
-    with pytest.raises(EngineError, match=r"/health answers HTTP 404: that is not a vLLM server.*rollout\.engine_urls") as e:
+    with pytest.raises(EngineError,
+                       match=r"/health answers HTTP 404: that is not a vLLM server.*rollout\.engine_urls") as e:
         asyncio.run(main())
     assert e.value.exit_code == 2

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_import_cycles import PKG, circles, import_graph, module_name
 
 ROOT = PKG.parent
@@ -168,8 +167,8 @@ def early_megatron_imports(path: Path, heavy: dict[str, str]) -> list[str]:
     module_first = None
     for scope in [tree] + functions:
         # a scope's own nodes: those of functions nested in it belong to their own scope
-        nested = {id(x) for f in ast.walk(scope) if f is not scope and isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                  for x in ast.walk(f)}
+        nested = {id(x) for f in ast.walk(scope)
+                  if f is not scope and isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for x in ast.walk(f)}
         own = [n for n in ast.walk(scope) if id(n) not in nested]
         first = min((n.lineno for n in own if is_bootstrap_call(n)), default=None)
         if scope is tree:
