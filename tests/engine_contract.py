@@ -120,7 +120,7 @@ async def abort_resolves_with_the_partial(s: Subject) -> None:
     try:
         await _streaming(s, keys, tasks)
         await e.abort([keys[0]])
-        assert tasks[0].done(), "abort() returned before the aborted generate() resolved"
+        assert tasks[0].done(), f"abort() returned before the aborted generate() resolved ({e.running} running)"
         assert not any(t.done() for t in tasks[1:]), "abort([key]) ended other requests"
         await e.abort()
         assert all(t.done() for t in tasks), "abort() returned before every generate() resolved"
