@@ -116,8 +116,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
             with torch.no_grad():
                 for i, p in enumerate(source.unwrap(actor.model).parameters()):
                     split = getattr(p, "tensor_model_parallel", False)
-                    g = torch.Generator().manual_seed(
-                        10_000 * tp + 1000 * pp + 100 * i + 10 * parallel.pp_rank() + (parallel.tp_rank() if split else 0))
+                    seed = 10_000 * tp + 1000 * pp + 100 * i + 10 * parallel.pp_rank()
+                    g = torch.Generator().manual_seed(seed + (parallel.tp_rank() if split else 0))
                     p.add_(0.05 * torch.randn(p.shape, generator=g))
             for kind in ("collective", "files"):
                 with torch.no_grad():   # a different perturbation per transport

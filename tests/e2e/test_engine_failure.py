@@ -8,7 +8,6 @@ import sys
 import time
 
 import psutil
-
 from conftest import ROOT, is_vllm_server
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from scripted_engine import Clock, ScriptedEngine
 
 from megarl.config.schema import WeightSyncConfig
 from megarl.distributed.env import free_port
@@ -17,8 +18,6 @@ from megarl.rollout import auth
 from megarl.rollout.engine import EngineError, EngineHealth
 from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
 from megarl.rollout.transfer import collective, group, packing, source
-
-from scripted_engine import Clock, ScriptedEngine
 
 
 # -- packing ---------------------------------------------------------------------------------
