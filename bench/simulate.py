@@ -9,7 +9,7 @@ Per preset (a model family at a cluster size; docs/simulator.md lists the hardwa
 sized for), on a roofline cost model (megarl/sim/costs.py):
 - sync, partial and async mode at the preset's concurrency: step time, engine busy fraction,
   trainer idle fraction, trained tokens/s;
-- partial and async across concurrency per engine and across rollout.max_staleness;
+- partial and async across concurrency per engine and across rollout.partial.max_staleness;
 - the provisioning rule: engines needed to keep the trainer busy in async mode, by the formula
   (`engines_to_keep_trainer_busy`) and by the simulator (the fewest engines for which, after
   the first step, the trainer waits for rollout less than 5% of its train time), side by side;

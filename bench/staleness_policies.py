@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""rollout.stale_policy on the scripted engine: what each policy trains, and how fast.
+"""rollout.partial.stale_policy on the scripted engine: what each policy trains, and how fast.
 
     .venv/bin/python bench/staleness_policies.py [--steps 60]      # about a minute on 2 cores
 

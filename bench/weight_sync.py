@@ -10,7 +10,7 @@
    tensor at a time, with the countdown tokenizer (no downloads; reused when already there):
    small 108 MiB (28M parameters), medium 380 MiB (100M), large 1.04 GiB (278M);
 2. per size, runs bench/weight_sync_probe.py under torchrun on gloo in one 2-rank world: rank 0
-   starts ONE pool of in-process vLLM engines (rollout.engine_mode=inprocess) with megarl's gloo
+   starts ONE pool of in-process vLLM engines (rollout.engines.mode=inprocess) with megarl's gloo
    weight-transfer backend, so every engine takes both routes, and keeps it for the layouts 1x1
    (TP=1 x PP=1; the second rank is a DP replica, which sits out of a sync), TP=2 and PP=2. Per
    layout and engine count (the pool's first 1 and 2 engines) it opens both transports through

@@ -409,7 +409,7 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     from transformers import AutoConfig
 
-    from megarl.config.schema import RolloutConfig, WeightSyncConfig
+    from megarl.config.schema import EnginesConfig, RolloutConfig, WeightSyncConfig
     from megarl.models.builders import build_model
     from megarl.models.transformer_config import transformer_config
     from megarl.rollout import weight_sync
@@ -425,12 +425,12 @@ def main(spec_path: str) -> None:
     t0 = time.perf_counter()
     if rank0 and spec["layouts"] and spec["engines"]:
         BROADCAST = instrument_broadcast()
-        cfg = RolloutConfig(engines=max(spec["engines"]), engine_mode="inprocess", engine_timeout_s=1200,
-                            max_model_len=256, kv_cache_mb=64)
+        cfg = RolloutConfig(engines=EnginesConfig(count=max(spec["engines"]), mode="inprocess", timeout_s=1200,
+                                                  max_model_len=256, kv_cache_mb=64))
         pool = open_pool(cfg, model_dir, 0, spec["logs"], "gloo")
         extra["pool_start_s"] = time.perf_counter() - t0
         instrument(pool.engines)
-        print(f"[probe] {cfg.engines} engine(s) up in {extra['pool_start_s']:.1f} s", flush=True)
+        print(f"[probe] {cfg.engines.count} engine(s) up in {extra['pool_start_s']:.1f} s", flush=True)
     if spec.get("baseline"):
         bucket = max(spec["bucket_mb"]) << 20
         base, reps = {}, int(spec.get("baseline_repeats", 1))

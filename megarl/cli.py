@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     sm.add_argument("--model", default="",
                     help="roofline model: a file of recipes/models/ (llama3.1-70b, qwen2.5-7b, ...); "
                          "default: the recipe's own model")
-    sm.add_argument("--engine-tp", type=int, default=0, help="GPUs per engine (default: rollout.engine_tp)")
+    sm.add_argument("--engine-tp", type=int, default=0, help="GPUs per engine (default: rollout.engines.tp)")
     sm.add_argument("--trainer-gpus", type=int, default=0,
                     help="trainer GPUs (default: the recipe's cluster: trainer nodes x gpus_per_node, else 8)")
     sm.add_argument("--steps", type=int, default=10)
@@ -144,7 +144,7 @@ def _simulate(cfg, args) -> int:
     from megarl.sim import recipe as sim
     try:
         costs = (sim.measured_costs(args.calibration, cfg) if args.calibration else
-                 sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp or cfg.rollout.engine_tp,
+                 sim.roofline_costs(cfg, args.gpu, args.model, args.engine_tp or cfg.rollout.engines.tp,
                                     args.trainer_gpus or sim.trainer_gpus(cfg)))
         result = sim.run(cfg, args.lengths, costs, args.steps, cfg.run.seed)
     except ConfigError as err:

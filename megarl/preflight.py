@@ -2,7 +2,7 @@
 
 `load_config` checks a recipe against the schema; this module checks what the recipe points
 at: the model folder's files (weights complete, a tokenizer that encodes), the dataset
-against the engine's context (rollout.max_model_len), and the engine layout against this
+against the engine's context (rollout.engines.max_model_len), and the engine layout against this
 machine. Each check is cheap (headers and file sizes, one tokenizer pass over the prompts)
 and raises ConfigError naming the setting or file, the value and the fix, so `megarl train`
 exits 2 with one line before the run directory is touched.
@@ -129,8 +129,8 @@ def check_prompts(records, tokenizer, cfg, vocab_size: int | None = None) -> Non
 def prompts_problem(records, tokenizer, cfg, vocab_size: int | None = None) -> str | None:
     """Why the dataset cannot run on the engines (None when it can): a prompt the tokenizer
     turns into no tokens (a tokenizer that does not belong to the model), token ids outside
-    the model's vocabulary, or a prompt that leaves no room for rollout.max_new_tokens in
-    rollout.max_model_len (the engine would refuse it, or cut the response short silently).
+    the model's vocabulary, or a prompt that leaves no room for rollout.sampling.max_new_tokens in
+    rollout.engines.max_model_len (the engine would refuse it, or cut the response short silently).
     `records` come from megarl.data.prompts.load_prompts (their row numbers in `.rows`)."""
     d, r = cfg.data, cfg.rollout
     texts = [prompt_text(rec, tokenizer, d.prompt_key, d.messages_key) for rec in records]
@@ -148,15 +148,16 @@ def prompts_problem(records, tokenizer, cfg, vocab_size: int | None = None) -> s
             return (f"{where}, row {rows[bad]}: the tokenizer of model.path={cfg.model.path!r} gives token id "
                     f"{max(ids[bad])}, outside the model's vocab_size={vocab_size} (config.json): the "
                     f"tokenizer is not this model's")
-    room = r.max_model_len - r.max_new_tokens
+    room = r.engines.max_model_len - r.sampling.max_new_tokens
     over = [i for i, x in enumerate(ids) if len(x) > room]
     if over:
         longest = max(over, key=lambda i: len(ids[i]))
         n = len(ids[longest])
-        return (f"{where}, row {rows[longest]}: a prompt of {n} tokens + rollout.max_new_tokens="
-                f"{r.max_new_tokens} exceeds rollout.max_model_len={r.max_model_len} ({len(over)} of "
-                f"{len(ids)} rows do): raise rollout.max_model_len to {n + r.max_new_tokens}, lower "
-                f"rollout.max_new_tokens to {max(r.max_model_len - n, 0)}, or remove the long rows")
+        return (f"{where}, row {rows[longest]}: a prompt of {n} tokens + rollout.sampling.max_new_tokens="
+                f"{r.sampling.max_new_tokens} exceeds rollout.engines.max_model_len={r.engines.max_model_len} "
+                f"({len(over)} of "
+                f"{len(ids)} rows do): raise rollout.engines.max_model_len to {n + r.sampling.max_new_tokens}, lower "
+                f"rollout.sampling.max_new_tokens to {max(r.engines.max_model_len - n, 0)}, or remove the long rows")
     return None
 
 
@@ -184,46 +185,49 @@ def _id_count(text: str) -> int:
 
 
 def check_engines_fit(cfg, hf_config: dict) -> None:
-    """rollout.engine_tp against the model and this machine, for engines megarl starts here
+    """rollout.engines.tp against the model and this machine, for engines megarl starts here
     (inprocess, local_servers); remote engines run where someone else started them."""
     r = cfg.rollout
     max_pos = hf_config.get("max_position_embeddings") or 0
     rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         max_pos = 0   # a scaled RoPE stretches the context: vLLM derives the limit, not checked here
-    if r.engine_mode != "remote" and max_pos and r.max_model_len > max_pos:
-        raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+    if r.engines.mode != "remote" and max_pos and r.engines.max_model_len > max_pos:
+        raise ConfigError(f"rollout.engines.max_model_len={r.engines.max_model_len} exceeds the model's "
+                          f"max_position_embeddings="
                           f"{max_pos} (model.path={cfg.model.path!r}/config.json), which vLLM refuses: use "
-                          f"rollout.max_model_len <= {max_pos}")
-    if r.engine_mode == "remote":
+                          f"rollout.engines.max_model_len <= {max_pos}")
+    if r.engines.mode == "remote":
         return
-    if not torch.cuda.is_available():   # vLLM on CPU allocates rollout.kv_cache_mb per engine up front
+    if not torch.cuda.is_available():   # vLLM on CPU allocates rollout.engines.kv_cache_mb per engine up front
         total_mb = psutil.virtual_memory().total >> 20
-        if r.engines * r.kv_cache_mb > 0.8 * total_mb:
-            raise ConfigError(f"rollout.kv_cache_mb={r.kv_cache_mb} x rollout.engines={r.engines} is more than 80% "
+        if r.engines.count * r.engines.kv_cache_mb > 0.8 * total_mb:
+            raise ConfigError(f"rollout.engines.kv_cache_mb={r.engines.kv_cache_mb} x "
+                              f"rollout.engines.count={r.engines.count} is more than 80% "
                               f"of this machine's {total_mb} MiB of memory (the engines' KV caches are allocated "
-                              f"at start, next to the trainer): lower rollout.kv_cache_mb or rollout.engines")
-    if r.engine_tp == 1:
+                              f"at start, next to the trainer): lower rollout.engines.kv_cache_mb or "
+                              f"rollout.engines.count")
+    if r.engines.tp == 1:
         return
     heads = hf_config.get("num_attention_heads") or 0
-    if heads and heads % r.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={r.engine_tp} must divide the model's {heads} attention heads "
+    if heads and heads % r.engines.tp:
+        raise ConfigError(f"rollout.engines.tp={r.engines.tp} must divide the model's {heads} attention heads "
                           f"(vLLM splits heads over TP): pick a divisor of {heads}")
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        if r.engine_tp > gpus:
-            raise ConfigError(f"rollout.engine_tp={r.engine_tp}: one engine needs that many GPUs and this machine "
-                              f"shows {gpus}: use rollout.engine_tp <= {gpus}, or start the engines on larger "
-                              f"nodes (rollout.engine_mode=remote)")
+        if r.engines.tp > gpus:
+            raise ConfigError(f"rollout.engines.tp={r.engines.tp}: one engine needs that many GPUs and this machine "
+                              f"shows {gpus}: use rollout.engines.tp <= {gpus}, or start the engines on larger "
+                              f"nodes (rollout.engines.mode=remote)")
         return
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") not in ("", "auto") or \
             os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":
         return   # the user binds the CPU workers' threads: vLLM does not ask for NUMA nodes
     nodes = numa_nodes()
-    if r.engine_tp > nodes:
-        raise ConfigError(f"rollout.engine_tp={r.engine_tp}: vLLM on CPU runs one TP worker per NUMA node and "
-                          f"this machine has {nodes}: use rollout.engine_tp <= {nodes} (more engines instead: "
-                          f"rollout.engines), or bind the workers' threads yourself with "
+    if r.engines.tp > nodes:
+        raise ConfigError(f"rollout.engines.tp={r.engines.tp}: vLLM on CPU runs one TP worker per NUMA node and "
+                          f"this machine has {nodes}: use rollout.engines.tp <= {nodes} (more engines instead: "
+                          f"rollout.engines.count), or bind the workers' threads yourself with "
                           f"VLLM_CPU_OMP_THREADS_BIND")
 
 

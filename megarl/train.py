@@ -2,7 +2,7 @@
 
 Rank 0 (the driver) drives the rollout engines and writes metrics; every rank trains. One step
 (`Trainer.step`): rollout -> share the samples -> stitch + PPO/GRPO update -> push the weights
-to the engines as the next version -> log -> maybe checkpoint. With rollout.async the next
+to the engines as the next version -> log -> maybe checkpoint. With rollout.partial.async the next
 round starts right after this one ended (`Rollout.prefetch`) and generates while the trainer
 trains, so `rollout_time_s` is only the wait for what it has not generated yet.
 What a checkpoint keeps besides the models is the state of the components registered in
@@ -208,7 +208,7 @@ class Trainer:
         samples, round_metrics = self.rollout.round(step)
         partials = self.rollout.pending()
         if step + 1 < cfg.train.steps:
-            self.rollout.prefetch(step + 1)   # rollout.async: the next round runs while we train
+            self.rollout.prefetch(step + 1)   # rollout.partial.async: the next round runs while we train
         if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
             dump_samples(cfg.run.dir, step, samples, self.tokenizer)
         return samples, partials, round_metrics
@@ -235,9 +235,9 @@ class Trainer:
         cfg = self.cfg
         sync = self.transport.push(self.models.actor.model, self.models.actor.info, version)
         if samples is not None and cfg.weight_sync.verify:
-            probe = [s.prompt_ids for s in samples[:: cfg.rollout.n]]
+            probe = [s.prompt_ids for s in samples[:: cfg.rollout.sampling.n]]
             sync["sync_verify_gap"] = weight_sync.verify(self.models.actor, self.pool, probe, 8,
-                                                         cfg.train.micro_batch_size, cfg.rollout.temperature)
+                                                         cfg.train.micro_batch_size, cfg.rollout.sampling.temperature)
         return sync
 
     # -- checkpoints and the end -------------------------------------------------------------

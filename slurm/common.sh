@@ -8,7 +8,7 @@
 # torchrun with TRAINER_PROCS_PER_NODE ranks; global rank 0 on the head node), the next
 # ENGINE_NODES nodes run ENGINES_PER_NODE vLLM servers each (srun: one step per node), bound
 # to the node's cluster-internal address with an API key made for this job. The trainer gets
-# their URLs as rollout.engine_mode=remote rollout.engine_urls=[...]. Any trainer task that
+# their URLs as rollout.engines.mode=remote rollout.engines.urls=[...]. Any trainer task that
 # fails ends the trainer step (--kill-on-bad-exit); when the trainer step ends, everything else
 # is stopped and the job exits with its code. SIGTERM to the batch shell (#SBATCH
 # --signal=B:TERM@...) reaches the trainer ranks, which save a checkpoint and exit; the job
@@ -222,8 +222,8 @@ megarl_job() {
     urls=$(IFS=,; echo "${ENGINE_URLS[*]}")
     local -a extra_args=() overrides=()
     read -r -a extra_args <<<"$EXTRA"
-    overrides=("run.dir=$RUN_DIR" "rollout.engine_mode=remote" "rollout.engine_urls=[$urls]"
-               "rollout.engine_tp=$ENGINE_TP" "rollout.engine_start_timeout_s=$ENGINE_START_TIMEOUT"
+    overrides=("run.dir=$RUN_DIR" "rollout.engines.mode=remote" "rollout.engines.urls=[$urls]"
+               "rollout.engines.tp=$ENGINE_TP" "rollout.engines.start_timeout_s=$ENGINE_START_TIMEOUT"
                "weight_sync.staging_dir=$STAGING_DIR"
                # global rank 0 hosts the weight group; every engine worker connects to it
                "weight_sync.master_addr=$MASTER_ADDR" "weight_sync.master_port=$WEIGHT_PORT"

@@ -23,7 +23,7 @@ set -euo pipefail
 RECIPE=${RECIPE:-recipes/llama3.1_70b.yaml}
 TRAINER_NODES=${TRAINER_NODES:-5}        # the first nodes of the job; rank 0 on the first
 ENGINE_NODES=${ENGINE_NODES:-3}          # the next nodes: vLLM servers
-ENGINE_TP=${ENGINE_TP:-4}             # GPUs per vLLM server (rollout.engine_tp)
+ENGINE_TP=${ENGINE_TP:-4}             # GPUs per vLLM server (rollout.engines.tp)
 # the batch script runs from a copy in slurm's spool folder: find the repository from where
 # sbatch was called
 MEGARL_ROOT=${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}

@@ -23,7 +23,7 @@ set -euo pipefail
 RECIPE=${RECIPE:-recipes/qwen2.5_7b.yaml}
 TRAINER_NODES=${TRAINER_NODES:-1}        # the first nodes of the job; rank 0 on the first
 ENGINE_NODES=${ENGINE_NODES:-1}          # the next nodes: vLLM servers
-ENGINE_TP=${ENGINE_TP:-1}             # GPUs per vLLM server (rollout.engine_tp)
+ENGINE_TP=${ENGINE_TP:-1}             # GPUs per vLLM server (rollout.engines.tp)
 # the batch script runs from a copy in slurm's spool folder: find the repository from where
 # sbatch was called
 MEGARL_ROOT=${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}

@@ -64,7 +64,7 @@ def tiny_model() -> Path:
 def remote_engine(tiny_model, tmp_path_factory):
     """A vLLM server on the tiny model, for the end-to-end runs that test something other than
     the engines (crash consistency, disk full, data, loading): `megarl train ...
-    *remote_engine.overrides` uses it as `rollout.engine_mode=remote`, as a cluster job does,
+    *remote_engine.overrides` uses it as `rollout.engines.mode=remote`, as a cluster job does,
     instead of starting an in-process engine of its own (~40 s of CPU per run, most of it
     imports). Every run pushes its own weights before it generates, and a run killed
     mid-sync leaves it paused, which the next run's first push ends: runs need nothing reset.
@@ -81,7 +81,7 @@ def remote_engine(tiny_model, tmp_path_factory):
     try:
         server.wait_healthy(600)
         yield SimpleNamespace(server=server, env={"MEGARL_ENGINE_API_KEY": server.api_key},
-                              overrides=["rollout.engine_mode=remote", f"rollout.engine_urls=[{server.url}]"])
+                              overrides=["rollout.engines.mode=remote", f"rollout.engines.urls=[{server.url}]"])
     finally:
         server.stop()
 

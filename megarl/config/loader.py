@@ -6,6 +6,7 @@ type fails here, before any rank or engine starts, with the key, the value and t
 from __future__ import annotations
 
 import difflib
+import warnings
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Sequence
@@ -108,14 +109,72 @@ def _recipe_layers(path: Path, seen: tuple = ()) -> list[tuple[str, object]]:
 
 
 # keys a recipe may spell as in docs/design.md but that cannot be Python field names
-ALIASES = {("rollout", "async"): "asynchronous"}
+ALIASES = {"rollout.partial.async": "rollout.partial.asynchronous"}
+
+# rollout's flat keys from before they were grouped into sampling / engines / partial: still
+# accepted in recipes and on the command line, each with one warning naming its new key
+MOVED = {
+    # first: the old count has the name of the new section, which the moves below fill
+    "rollout.engines": "rollout.engines.count",
+    **{f"rollout.{k}": f"rollout.sampling.{k}" for k in ("n", "max_new_tokens", "temperature", "top_p")},
+    **{f"rollout.{k}": f"rollout.engines.{k}" for k in ("max_model_len", "api_key", "kv_cache_mb",
+                                                        "gpu_memory_utilization", "enforce_eager")},
+    **{f"rollout.engine_{k}": f"rollout.engines.{k}" for k in ("tp", "mode", "urls", "timeout_s",
+                                                               "start_timeout_s", "failures_max", "restart")},
+    **{f"rollout.{k}": f"rollout.partial.{k}" for k in ("concurrency", "max_staleness", "stale_policy",
+                                                        "asynchronous")},
+    "rollout.async": "rollout.partial.asynchronous",
+}
+_warned: set[str] = set()   # old keys already warned about in this process
 
 
-def _apply_aliases(layer) -> None:
-    for (section, key), field in ALIASES.items():
-        sub = layer.get(section) if OmegaConf.is_dict(layer) else None
-        if OmegaConf.is_dict(sub) and key in sub:
-            sub[field] = sub.pop(key)
+def _pop(layer, dotted: str):
+    """`dotted`'s value in `layer`, removed from it; `_MISSING` when the layer does not set it
+    (or, for rollout.engines, sets the section rather than the old count)."""
+    *path, key = dotted.split(".")
+    node = layer
+    for part in path:
+        node = node.get(part) if OmegaConf.is_dict(node) else None
+    if not OmegaConf.is_dict(node) or key not in node:
+        return _MISSING
+    if dotted == "rollout.engines" and (node[key] is None or OmegaConf.is_dict(node[key])):
+        return _MISSING    # the new section of that name, not the old count
+    return node.pop(key)
+
+
+def _put(layer, dotted: str, value, old: str, source: str) -> None:
+    *path, key = dotted.split(".")
+    node = layer
+    for part in path:
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not OmegaConf.is_dict(node):
+            return         # a plain value where a section goes: _sections_problem names it
+    if key in node:
+        raise ConfigError(f"{old} and {dotted} are both set (from {source}): {old} is the old name of "
+                          f"{dotted}; keep {dotted} only")
+    node[key] = value
+
+
+_MISSING = object()
+
+
+def _apply_aliases(layer, source: str) -> None:
+    """Moved keys to their new place (warning once per old key), then spellings to fields."""
+    for old, new in MOVED.items():
+        value = _pop(layer, old)
+        if value is _MISSING:
+            continue
+        if old not in _warned:
+            _warned.add(old)
+            warnings.warn(f"{old} is now {new} (from {source}): the old key still works, but write "
+                          f"{new}", FutureWarning)
+        _put(layer, new, value, old, source)
+    for spelling, name in ALIASES.items():
+        value = _pop(layer, spelling)
+        if value is not _MISSING:
+            _put(layer, name, value, spelling, source)
 
 
 def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RootConfig:
@@ -130,11 +189,12 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
         except (yaml.YAMLError, OmegaConfBaseException) as err:
             what = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override '{item}': its value is not valid YAML ({what}): "
-                              f"quote it, or close its brackets, e.g. rollout.engine_urls=[http://host:8000]") from None
+                              f"quote it, or close its brackets, e.g. "
+                              f"rollout.engines.urls=[http://host:8000]") from None
     if overrides:
         layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
     for source, layer in layers:
-        _apply_aliases(layer)
+        _apply_aliases(layer, source)
         problem = _sections_problem(layer, RootConfig)
         if problem:
             raise ConfigError(f"{problem} (from {source})")

@@ -70,7 +70,7 @@ class Registry:
 
 
 # One registry per extension point. The home module registers the built-in entries.
-ENGINE_KINDS = Registry("rollout.engine_mode", "megarl.rollout.build", "engine kind")
+ENGINE_KINDS = Registry("rollout.engines.mode", "megarl.rollout.build", "engine kind")
 VERIFIERS = Registry("reward.fn", "megarl.rewards", "verifier", doc="docs/data.md")
 KL_KINDS = Registry("algo.kl_kind", "megarl.ppo.losses", "KL estimator")
 LOSS_AGGS = Registry("algo.loss_agg", "megarl.ppo.aggregate", "loss aggregation")

@@ -146,7 +146,7 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     steps: int = 60                    # optimizer steps of the RL loop (one rollout round each)
-    groups_per_step: int = 16          # prompts per step; each has rollout.n samples
+    groups_per_step: int = 16          # prompts per step; each has rollout.sampling.n samples
     ppo_epochs: int = 1                # passes over each step's data
     mini_batches: int = 1              # optimizer updates per epoch
     micro_batch_size: int = 8          # sequences per forward/backward (gradient accumulation)
@@ -177,87 +177,123 @@ class TrainConfig:
 
 
 @dataclass
-class RolloutConfig:
+class SamplingConfig:
+    """How each response is sampled (`rollout.sampling.*`): the trainer recomputes logprobs
+    under the same settings."""
     n: int = 4                         # samples per prompt (a group)
     max_new_tokens: int = 56           # response budget in tokens
     temperature: float = 1.0           # engine samples from softmax(logits / T); the trainer divides by the same T
     top_p: float = 1.0                 # only 1.0: the trainer cannot yet renormalise over the nucleus
+
+    def __post_init__(self):
+        _require(self.n >= 1, "rollout.sampling.n", self.n, "must be >= 1")
+        _require(self.max_new_tokens >= 1, "rollout.sampling.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _require(self.temperature > 0, "rollout.sampling.temperature", self.temperature,
+                 "must be > 0: PPO needs sampled tokens with their logprobs")
+        _require(self.top_p == 1.0, "rollout.sampling.top_p", self.top_p,
+                 "must be 1.0: the trainer's logprobs would not be those of the nucleus the engine "
+                 "sampled from (wrong PPO ratios); lower rollout.sampling.temperature instead")
+
+
+@dataclass
+class EnginesConfig:
+    """The vLLM engines that generate (`rollout.engines.*`, docs/engines.md): where they run,
+    their size, and how long megarl waits for them."""
+    # inprocess (vLLM AsyncLLM) | local_servers (megarl starts vLLM servers) | remote (servers at `urls`)
+    mode: str = "inprocess"
+    count: int = 1                     # number of vLLM engines (inprocess / local_servers)
+    tp: int = 1                        # tensor-parallel size of each engine
+    urls: list[str] = field(default_factory=list)  # remote: base URLs of running vLLM servers
+    # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
+    api_key: str = ""
+    timeout_s: float = 120.0           # an engine call (or a silent stream) longer than this is an error
+    start_timeout_s: float = 600.0     # time allowed for an engine to come up (remote: to answer /health)
+    # engines retired after a failure before the run stops (it also stops when none is left)
+    failures_max: int = 3
+    restart: bool = True               # start a fresh engine in place of a failed one; it joins at the next weight push
     max_model_len: int = 256           # engine context (prompt + response), tokens
-    engines: int = 1                   # number of vLLM engines (inprocess / local_servers)
-    engine_tp: int = 1                 # tensor-parallel size of each engine
-    engine_mode: str = "inprocess"     # inprocess (vLLM AsyncLLM) | local_servers (megarl starts vLLM servers) | remote (engine_urls)
-    engine_urls: list[str] = field(default_factory=list)  # remote: base URLs of running vLLM servers
-    api_key: str = ""                  # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
-    engine_timeout_s: float = 120.0    # an engine call (or a silent stream) longer than this is an error
-    engine_start_timeout_s: float = 600.0  # time allowed for an engine to come up (remote: to answer /health)
-    engine_failures_max: int = 3       # engines retired after a failure before the run stops (it also stops when none is left)
-    engine_restart: bool = True        # start a fresh engine in place of a failed one; it joins at the next weight push
     kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
-    dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
-    mode: str = "partial"              # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
-    concurrency: int = 64              # partial: sample requests kept in flight across all engines
-    max_staleness: int = 2             # partial: a token may be at most this many weight versions older than the step training on it
-    stale_policy: str = "finish"       # partial: finish (a sample about to pass max_staleness is finished before the round ends; admission throttled; nothing discarded) | restart (from its prompt) | drop (its whole group); docs/partial_rollout.md
-    asynchronous: bool = False         # partial (`rollout.async` in recipes): round k+1 generates under version k while the trainer trains round k
 
     def __post_init__(self):
-        _require(self.n >= 1, "rollout.n", self.n, "must be >= 1")
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
-        _require(self.temperature > 0, "rollout.temperature", self.temperature,
-                 "must be > 0: PPO needs sampled tokens with their logprobs")
-        _require(self.top_p == 1.0, "rollout.top_p", self.top_p,
-                 "must be 1.0: the trainer's logprobs would not be those of the nucleus the engine "
-                 "sampled from (wrong PPO ratios); lower rollout.temperature instead")
-        _require(self.engines >= 1, "rollout.engines", self.engines, "must be >= 1")
-        _require(self.engine_tp >= 1, "rollout.engine_tp", self.engine_tp, "must be >= 1")
-        _require(self.kv_cache_mb >= 16, "rollout.kv_cache_mb", self.kv_cache_mb, "must be >= 16")
-        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+        _require(self.count >= 1, "rollout.engines.count", self.count, "must be >= 1")
+        _require(self.tp >= 1, "rollout.engines.tp", self.tp, "must be >= 1")
+        _require(self.kv_cache_mb >= 16, "rollout.engines.kv_cache_mb", self.kv_cache_mb, "must be >= 16")
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.engines.gpu_memory_utilization",
                  self.gpu_memory_utilization, "must be in (0, 1]: the share of each GPU's memory vLLM may use")
-        _one_of("rollout.engine_mode", self.engine_mode, {"inprocess", "local_servers", "remote"})
-        _require(self.engine_mode != "remote" or bool(self.engine_urls), "rollout.engine_urls",
-                 list(self.engine_urls), "rollout.engine_mode=remote needs the servers' URLs, "
-                 "e.g. rollout.engine_urls='[http://node1:8000]'")
-        for url in self.engine_urls:
-            _require(str(url).startswith(("http://", "https://")), "rollout.engine_urls", url,
+        _one_of("rollout.engines.mode", self.mode, {"inprocess", "local_servers", "remote"})
+        _require(self.mode != "remote" or bool(self.urls), "rollout.engines.urls",
+                 list(self.urls), "rollout.engines.mode=remote needs the servers' URLs, "
+                 "e.g. rollout.engines.urls='[http://node1:8000]'")
+        for url in self.urls:
+            _require(str(url).startswith(("http://", "https://")), "rollout.engines.urls", url,
                      "each URL must start with http:// or https://")
             # megarl adds /v1/completions, /health, ... itself: an OpenAI-style base URL
             # (.../v1) would reach /v1/v1/completions
-            _require(str(url).split("://", 1)[-1].partition("/")[2].strip("/") == "", "rollout.engine_urls", url,
+            _require(str(url).split("://", 1)[-1].partition("/")[2].strip("/") == "", "rollout.engines.urls", url,
                      "give each server's base URL, scheme, host and port only (e.g. http://node1:8000, "
                      "without /v1)")
         # settings another one makes unused: refused, not silently ignored
-        _require(self.engine_mode == "remote" or not self.engine_urls, "rollout.engine_urls",
-                 list(self.engine_urls), f"are used only with rollout.engine_mode=remote (it is "
-                 f"{self.engine_mode!r}, which starts its own engines): add rollout.engine_mode=remote, "
-                 f"or remove rollout.engine_urls")
-        _require(self.engine_mode != "inprocess" or not self.api_key, "rollout.api_key", "<set>",
-                 "is used only by engine servers (rollout.engine_mode=local_servers or remote); "
-                 "in-process engines have no key: remove it, or change rollout.engine_mode")
-        _require(self.max_new_tokens < self.max_model_len, "rollout.max_new_tokens", self.max_new_tokens,
-                 f"must be below rollout.max_model_len={self.max_model_len} (the engine's context holds "
-                 f"the prompt and the response): lower it, or raise rollout.max_model_len")
-        _require(self.engine_timeout_s > 0, "rollout.engine_timeout_s", self.engine_timeout_s, "must be > 0")
-        _require(self.engine_failures_max >= 0, "rollout.engine_failures_max", self.engine_failures_max,
+        _require(self.mode == "remote" or not self.urls, "rollout.engines.urls",
+                 list(self.urls), f"are used only with rollout.engines.mode=remote (it is "
+                 f"{self.mode!r}, which starts its own engines): add rollout.engines.mode=remote, "
+                 f"or remove rollout.engines.urls")
+        _require(self.mode != "inprocess" or not self.api_key, "rollout.engines.api_key", "<set>",
+                 "is used only by engine servers (rollout.engines.mode=local_servers or remote); "
+                 "in-process engines have no key: remove it, or change rollout.engines.mode")
+        _require(self.timeout_s > 0, "rollout.engines.timeout_s", self.timeout_s, "must be > 0")
+        _require(self.failures_max >= 0, "rollout.engines.failures_max", self.failures_max,
                  "must be >= 0 (0: the first engine failure stops the run)")
-        _require(self.engine_start_timeout_s > 0, "rollout.engine_start_timeout_s",
-                 self.engine_start_timeout_s, "must be > 0")
-        _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
-        _one_of("rollout.mode", self.mode, {"partial", "sync"})
-        _require(self.concurrency >= 1, "rollout.concurrency", self.concurrency, "must be >= 1")
-        _require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness,
-                 "must be >= 0 (0: every sample is trained at the version that generated it)")
-        _one_of("rollout.stale_policy", self.stale_policy, {"finish", "restart", "drop"})
-        _require(not self.asynchronous or self.mode == "partial", "rollout.async", self.asynchronous,
-                 "needs rollout.mode=partial")
-        _require(not self.asynchronous or self.max_staleness >= 1, "rollout.max_staleness", self.max_staleness,
-                 "rollout.async=true trains tokens one version old: set rollout.max_staleness >= 1")
+        _require(self.start_timeout_s > 0, "rollout.engines.start_timeout_s", self.start_timeout_s, "must be > 0")
 
     @property
-    def engine_count(self) -> int:
-        """Engines in the pool: len(engine_urls) in remote mode, else `engines`."""
-        return len(self.engine_urls) if self.engine_mode == "remote" else self.engines
+    def pool_size(self) -> int:
+        """Engines in the pool: len(urls) in remote mode, else `count`."""
+        return len(self.urls) if self.mode == "remote" else self.count
+
+
+@dataclass
+class PartialConfig:
+    """Partial rollout (`rollout.mode=partial`, `rollout.partial.*`, docs/partial_rollout.md):
+    fixed concurrency, carry-over, bounded staleness."""
+    concurrency: int = 64              # sample requests kept in flight across all engines
+    # a token may be at most this many weight versions older than the step training on it
+    max_staleness: int = 2
+    # finish (a sample about to pass max_staleness is finished before the round ends; admission
+    # throttled; nothing discarded) | restart (from its prompt) | drop (its whole group)
+    stale_policy: str = "finish"
+    # `rollout.partial.async` in recipes: round k+1 generates under version k while the trainer
+    # trains round k
+    asynchronous: bool = False
+
+    def __post_init__(self):
+        _require(self.concurrency >= 1, "rollout.partial.concurrency", self.concurrency, "must be >= 1")
+        _require(self.max_staleness >= 0, "rollout.partial.max_staleness", self.max_staleness,
+                 "must be >= 0 (0: every sample is trained at the version that generated it)")
+        _one_of("rollout.partial.stale_policy", self.stale_policy, {"finish", "restart", "drop"})
+
+
+@dataclass
+class RolloutConfig:
+    # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
+    mode: str = "partial"
+    dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    partial: PartialConfig = field(default_factory=PartialConfig)
+
+    def __post_init__(self):
+        s, e, p = self.sampling, self.engines, self.partial
+        _require(s.max_new_tokens < e.max_model_len, "rollout.sampling.max_new_tokens", s.max_new_tokens,
+                 f"must be below rollout.engines.max_model_len={e.max_model_len} (the engine's context holds "
+                 f"the prompt and the response): lower it, or raise rollout.engines.max_model_len")
+        _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
+        _one_of("rollout.mode", self.mode, {"partial", "sync"})
+        _require(not p.asynchronous or self.mode == "partial", "rollout.partial.async", p.asynchronous,
+                 "needs rollout.mode=partial")
+        _require(not p.asynchronous or p.max_staleness >= 1, "rollout.partial.max_staleness", p.max_staleness,
+                 "rollout.partial.async=true trains tokens one version old: set rollout.partial.max_staleness >= 1")
 
 
 @dataclass
@@ -391,8 +427,8 @@ class RootConfig:
 
     def __post_init__(self):
         if self.algo.name == "grpo":
-            _require(self.rollout.n >= 2, "rollout.n", self.rollout.n,
-                     "algo.name=grpo normalises within a group: use rollout.n >= 2")
+            _require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
+                     "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
             _require(self.train.critic_warmup_steps == 0, "train.critic_warmup_steps",
                      self.train.critic_warmup_steps, "algo.name=grpo has no critic to warm up: "
                      "remove it, or use algo.name=ppo")
@@ -404,8 +440,8 @@ class RootConfig:
 
     @property
     def samples_per_step(self) -> int:
-        """Sequences trained per step = train.groups_per_step * rollout.n."""
-        return self.train.groups_per_step * self.rollout.n
+        """Sequences trained per step = train.groups_per_step * rollout.sampling.n."""
+        return self.train.groups_per_step * self.rollout.sampling.n
 
 
 def validate_world(cfg: RootConfig, world_size: int) -> int:
@@ -422,7 +458,7 @@ def validate_world(cfg: RootConfig, world_size: int) -> int:
     per_mini = cfg.samples_per_step // cfg.train.mini_batches
     _require(cfg.samples_per_step % cfg.train.mini_batches == 0, "train.mini_batches",
              cfg.train.mini_batches,
-             f"must divide the samples per step ({cfg.samples_per_step} = groups_per_step x rollout.n)")
+             f"must divide the samples per step ({cfg.samples_per_step} = groups_per_step x rollout.sampling.n)")
     _require(per_mini % (dp * cfg.train.micro_batch_size) == 0, "train.micro_batch_size",
              cfg.train.micro_batch_size,
              f"a mini-batch of {per_mini} sequences over dp={dp} ranks must split into "

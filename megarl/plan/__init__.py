@@ -2,7 +2,7 @@
 
 Placement follows the code: trainer ranks (TP x PP x DP) each hold actor, reference, critic
 (PPO) and reward model (reward.model_path) for their stage and TP rank; the vLLM engines are
-their own GPU pool (cluster.engine_nodes), rollout.engines of rollout.engine_tp GPUs.
+their own GPU pool (cluster.engine_nodes), rollout.engines.count of rollout.engines.tp GPUs.
 train.offload_idle keeps reference, critic weights+gradients and reward model in host memory
 except in the phases that use them (models/offload.py; the critic's Adam state stays).
 weight_sync.transport=collective adds the weight transfer's packed GPU buffers on the sending

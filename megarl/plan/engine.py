@@ -1,5 +1,5 @@
 """The engines' share of a plan: bytes per vLLM engine GPU (weights, KV cache, workspace)
-within rollout.gpu_memory_utilization, and the weight transfer's buffers outside it."""
+within rollout.engines.gpu_memory_utilization, and the weight transfer's buffers outside it."""
 from __future__ import annotations
 
 import math
@@ -12,21 +12,21 @@ from megarl.plan.transfer import transfer_buffers
 
 
 def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: int, engine_tp: int) -> dict:
-    """Bytes per engine GPU. vLLM fills its share (rollout.gpu_memory_utilization) with weights,
+    """Bytes per engine GPU. vLLM fills its share (rollout.engines.gpu_memory_utilization) with weights,
     workspace and KV cache when it starts; the weight transfer's buffers are allocated later,
     at each sync, so they must fit in what vLLM leaves outside its share, less the reserve."""
     r = cfg.rollout
     # sync mode submits every sample of the step at once; partial keeps `concurrency` in flight
-    in_flight = cfg.samples_per_step if r.mode == "sync" else r.concurrency
+    in_flight = cfg.samples_per_step if r.mode == "sync" else r.partial.concurrency
     per_engine = math.ceil(in_flight / engines)
     kv_tok = mem.kv_bytes_per_token(arch, engine_tp)
     b = {"weights": mem.engine_weight_bytes(arch, engine_tp),
-         "kv_cache": per_engine * r.max_model_len * kv_tok,
+         "kv_cache": per_engine * r.engines.max_model_len * kv_tok,
          "workspace": mem.engine_workspace_bytes(arch, engine_tp, per_engine)}
     total = cluster.gpu_mem_gb * GiB
-    budget = min(r.gpu_memory_utilization * total, total - cluster.reserve_gb * GiB)
+    budget = min(r.engines.gpu_memory_utilization * total, total - cluster.reserve_gb * GiB)
     transfer = transfer_buffers(cfg, arch)
-    room = total - r.gpu_memory_utilization * total - cluster.reserve_gb * GiB
+    room = total - r.engines.gpu_memory_utilization * total - cluster.reserve_gb * GiB
     transfer_fits = not transfer or transfer <= room
     return {"per_gpu_bytes": b, "need_bytes": sum(b.values()), "budget_bytes": budget,
             "requests_per_engine": per_engine, "kv_bytes_per_token_per_gpu": kv_tok,

@@ -20,9 +20,10 @@ ASSUMPTIONS = [
     "trainer: megatron DDP + distributed optimizer as models/builders.py builds it: weights (dtype), "
     "fp32 gradient buffer, Adam state (+ fp32 main weights for bf16) sharded over DP",
     "activations: Korthikanti et al. 2022 per layer (RMSNorm/SwiGLU/GQA, no dropout, TE fused kernels + "
-    "flash attention), 1F1B in-flight micro-batches, sequence = rollout.max_model_len (prompt + response bound)",
+    "flash attention), 1F1B in-flight micro-batches, sequence = rollout.engines.max_model_len (prompt + "
+    "response bound)",
     "engine: bf16 weights / engine TP + KV cache 2 x layers x kv_heads x head_dim x 2 bytes per token "
-    "for every in-flight request at rollout.max_model_len, within rollout.gpu_memory_utilization",
+    "for every in-flight request at rollout.engines.max_model_len, within rollout.engines.gpu_memory_utilization",
     "reserve per GPU (cluster.reserve_gb): CUDA context, NCCL buffers, allocator fragmentation",
     "weight_sync.transport=collective (nccl): weight_sync.num_buffers packed buffers of up to weight_sync.bucket_mb "
     "+ the largest tensor on global rank 0's GPU (in every phase: a safe bound) and on every engine GPU "
@@ -40,17 +41,17 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
         notes.append(f"reward model: {rm_note}")
     check_placeable(cfg, arch, cluster)
     r, g = cfg.rollout, cluster.gpus_per_node
-    engines, etp = r.engine_count, r.engine_tp
-    if r.engine_mode != "remote" and not cluster.engine_nodes:
-        notes.append("cluster.engine_nodes=0: engines not placed on this cluster (rollout.engine_mode "
-                     f"{r.engine_mode}); only the trainer is checked")
+    engines, etp = r.engines.pool_size, r.engines.tp
+    if r.engines.mode != "remote" and not cluster.engine_nodes:
+        notes.append("cluster.engine_nodes=0: engines not placed on this cluster (rollout.engines.mode "
+                     f"{r.engines.mode}); only the trainer is checked")
     trainer, dp, problems = trainer_part(cfg, arch, cluster, rm_arch, notes)
     placement = {"trainer": {"nodes": cluster.trainer_node_count, "gpus": cluster.trainer_node_count * g,
                              "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
                  "engines": {"nodes": cluster.engine_nodes, "gpus": cluster.engine_nodes * g, "count": engines,
                              "tp": etp, "gpus_used": engines * etp}}
     engine = None
-    if cluster.engine_nodes or r.engine_mode == "remote":
+    if cluster.engine_nodes or r.engines.mode == "remote":
         engine, more = engine_part(cfg, arch, cluster)
         problems += more
     note = staging_note(cfg, arch)
@@ -59,7 +60,7 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
     return {"fits": not problems, "problems": problems, "notes": notes,
             "model": {**asdict(arch), "params": mem.total_params(arch), "source": arch_src},
             "cluster": asdict(cluster), "placement": placement,
-            "sequence_tokens": r.max_model_len, "micro_batch_size": cfg.train.micro_batch_size,
+            "sequence_tokens": r.engines.max_model_len, "micro_batch_size": cfg.train.micro_batch_size,
             "recompute": cfg.train.recompute, "offload_idle": cfg.train.offload_idle,
             "per_gpu_bytes": per_gpu_bytes(trainer, engine), "trainer": trainer, "engine": engine,
             "weight_transfer": transfer_formula(cfg, arch) if transfer_buffers(cfg, arch) else "",
@@ -74,12 +75,12 @@ def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None
         raise ConfigError("cluster.gpus_per_node=0 (a CPU-only recipe): nothing to place; give "
                           "--gpus-per-node and --nodes, or a recipe with a cluster: block")
     check_layout(arch, cfg.parallel.tp, cfg.parallel.pp)
-    etp = cfg.rollout.engine_tp
+    etp = cfg.rollout.engines.tp
     if arch.heads % etp or (arch.kv_heads % etp and etp % arch.kv_heads):
-        raise ConfigError(f"rollout.engine_tp={etp}: vLLM needs it to divide the {arch.heads} heads, and to divide "
+        raise ConfigError(f"rollout.engines.tp={etp}: vLLM needs it to divide the {arch.heads} heads, and to divide "
                           f"or be a multiple of the {arch.kv_heads} KV heads")
     if etp > g:
-        raise ConfigError(f"rollout.engine_tp={etp} > cluster.gpus_per_node={g}: an engine's TP group must "
+        raise ConfigError(f"rollout.engines.tp={etp} > cluster.gpus_per_node={g}: an engine's TP group must "
                           f"sit on one node")
 
 
@@ -136,28 +137,28 @@ def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> tuple[di
     """(the engines' memory per GPU, problems): too few engine GPUs, an engine GPU over its
     vLLM share, transfer buffers that do not fit outside it."""
     r, g = cfg.rollout, cluster.gpus_per_node
-    engines, etp = r.engine_count, r.engine_tp
+    engines, etp = r.engines.pool_size, r.engines.tp
     engine_gpus = cluster.engine_nodes * g
     problems = []
-    if r.engine_mode != "remote" and engines * etp > engine_gpus:
+    if r.engines.mode != "remote" and engines * etp > engine_gpus:
         problems.append({"role": "engines", "what": f"{engines} engines x TP {etp} = {engines * etp} GPUs, "
                          f"the engine pool has {engine_gpus} ({cluster.engine_nodes} nodes x {g})",
                          "short_gib": None,
-                         "fix": f"lower rollout.engines to {engine_gpus // etp} or give "
+                         "fix": f"lower rollout.engines.count to {engine_gpus // etp} or give "
                                 f"cluster.engine_nodes={math.ceil(engines * etp / g)}"})
     e = engine_memory(cfg, arch, cluster, engines, etp)
     if e["need_bytes"] > e["budget_bytes"]:
         kv_room = e["budget_bytes"] - e["per_gpu_bytes"]["weights"] - e["per_gpu_bytes"]["workspace"]
-        max_req = max(0, int(kv_room // (r.max_model_len * e["kv_bytes_per_token_per_gpu"]))) * engines
+        max_req = max(0, int(kv_room // (r.engines.max_model_len * e["kv_bytes_per_token_per_gpu"]))) * engines
         problems.append({"role": "engines", "what": f"an engine GPU needs {gib(e['need_bytes'])} GiB "
                          f"(weights {gib(e['per_gpu_bytes']['weights'])}, KV cache for "
-                         f"{e['requests_per_engine']} requests x {r.max_model_len} tokens "
+                         f"{e['requests_per_engine']} requests x {r.engines.max_model_len} tokens "
                          f"{gib(e['per_gpu_bytes']['kv_cache'])}), its budget is {gib(e['budget_bytes'])} GiB "
-                         f"(rollout.gpu_memory_utilization={r.gpu_memory_utilization})",
+                         f"(rollout.engines.gpu_memory_utilization={r.engines.gpu_memory_utilization})",
                          "short_gib": gib(e["need_bytes"] - e["budget_bytes"]),
-                         "fix": f"raise rollout.gpu_memory_utilization "
-                                f"(<= {1 - cluster.reserve_gb / cluster.gpu_mem_gb:.2f}), a larger rollout.engine_tp, "
-                                f"more engines, or rollout.concurrency <= {max_req}"})
+                         "fix": f"raise rollout.engines.gpu_memory_utilization "
+                                f"(<= {1 - cluster.reserve_gb / cluster.gpu_mem_gb:.2f}), a larger rollout.engines.tp, "
+                                f"more engines, or rollout.partial.concurrency <= {max_req}"})
     if e["transfer_bytes"] > e["transfer_room_bytes"]:
         problems.append(transfer_room_problem(cfg, arch, cluster, e))
     return e, problems
@@ -165,7 +166,7 @@ def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> tuple[di
 
 def transfer_room_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, e: dict) -> dict:
     """An engine GPU's transfer buffers do not fit outside vLLM's share, less the reserve."""
-    room, util = e["transfer_room_bytes"], cfg.rollout.gpu_memory_utilization
+    room, util = e["transfer_room_bytes"], cfg.rollout.engines.gpu_memory_utilization
     # the largest share that leaves the buffers room, rounded down to the 2 decimals printed;
     # offered only while the weights, KV cache and workspace still fit in it
     lower = math.floor((cluster.gpu_mem_gb - cluster.reserve_gb - e["transfer_bytes"] / GiB)
@@ -173,11 +174,11 @@ def transfer_room_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, e
     lower = lower if lower * cluster.gpu_mem_gb * GiB >= e["need_bytes"] else 0
     return {"role": "engines", "what": f"an engine GPU receives weights into "
             f"{gib(e['transfer_bytes'])} GiB of transfer buffers ({transfer_formula(cfg, arch)}) "
-            f"outside vLLM's share (rollout.gpu_memory_utilization={util}), where "
+            f"outside vLLM's share (rollout.engines.gpu_memory_utilization={util}), where "
             f"{gib(max(room, 0))} GiB are left after the {cluster.reserve_gb} GiB reserve",
             "short_gib": gib(e["transfer_bytes"] - room),
             "fix": "lower weight_sync.bucket_mb or weight_sync.num_buffers"
-                   + (f", or rollout.gpu_memory_utilization <= {lower:.2f}" if lower > 0 else "")}
+                   + (f", or rollout.engines.gpu_memory_utilization <= {lower:.2f}" if lower > 0 else "")}
 
 
 def per_gpu_bytes(trainer: dict | None, engine: dict | None) -> dict:

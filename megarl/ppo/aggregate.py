@@ -9,7 +9,7 @@ over ranks (Megatron's default), multiply the loss by the DP world size to undo 
 
 Names follow verl's `loss_agg_mode`. Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
 Training") is "seq-mean-token-sum-norm": token sums divided by a constant, the generation budget
-(rollout.max_new_tokens), so no length enters the normaliser. verl divides each micro-batch by
+(rollout.sampling.max_new_tokens), so no length enters the normaliser. verl divides each micro-batch by
 that constant only; here it is also divided by the number of sequences (the paper's 1/G), which
 keeps the result independent of the split and its scale that of a per-token mean over full-budget
 responses.
@@ -45,13 +45,13 @@ def _sequences_times_budget(mask: Tensor, max_len: Optional[int]) -> float:
     if max_len is None:
         raise ValueError(
             f"loss aggregation {mode!r} divides by a constant budget: pass "
-            f"max_len=rollout.max_new_tokens to global_normalizer"
+            f"max_len=rollout.sampling.max_new_tokens to global_normalizer"
         )
     longest = int(mask.sum(dim=-1).max()) if mask.numel() else 0
     if max_len < max(longest, 1):
         raise ValueError(
             f"max_len={max_len} is below a response of {longest} tokens; {mode!r} needs the "
-            f"generation budget rollout.max_new_tokens, which bounds every response"
+            f"generation budget rollout.sampling.max_new_tokens, which bounds every response"
         )
     return _sequences(mask, max_len) * max_len
 
@@ -80,7 +80,7 @@ def global_normalizer(mask: Tensor, mode: str, max_len: Optional[int] = None) ->
 
     Args:
         mask: [B, T] 1 on response tokens.
-        max_len: the generation budget in tokens (rollout.max_new_tokens); required by
+        max_len: the generation budget in tokens (rollout.sampling.max_new_tokens); required by
             seq-mean-token-sum-norm, ignored by the other modes.
 
     Returns:

@@ -95,7 +95,7 @@ MASKED_AGES = (0, 1, 2)
 def masked_frac_by_age(weights: Tensor, mask: Tensor, versions: Tensor, step: int) -> dict[str, Tensor]:
     """is_masked_frac split by token age: is_masked_frac_age0 / _age1 / _age2plus, the share of
     the tokens of that age whose weight is 0 (0 when there are none). Age 0 measures only the
-    train/inference mismatch; in async mode (rollout.async) tokens generated between pending()
+    train/inference mismatch; in async mode (rollout.partial.async) tokens generated between pending()
     and the push carry one version of policy drift too, and show in the older buckets.
 
     Args:

@@ -35,7 +35,7 @@ def _forward_all(fn, model, batch: Batch, mbs: int) -> torch.Tensor:
 def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int) -> dict:
     algo, mbs = cfg.algo, cfg.train.micro_batch_size
     vocab = actor.info.vocab_size
-    temp = cfg.rollout.temperature   # the engine sampled from softmax(z / T): so must every logprob here
+    temp = cfg.rollout.sampling.temperature   # the engine sampled from softmax(z / T): so must every logprob here
     mask = batch.resp_mask
 
     old_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab, temp), actor.model, batch, mbs)
@@ -47,7 +47,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
     if estimator.needs_critic:
         with resident(critic.model):
             old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
-    advantages, returns = estimator.fn(batch.scores, kl, mask, old_values, algo, cfg.rollout.n)
+    advantages, returns = estimator.fn(batch.scores, kl, mask, old_values, algo, cfg.rollout.sampling.n)
     # partial rollout: tokens of earlier versions keep the l_old stored when they were generated
     # (stitching); the KL above used the current weights' logprobs, as it should
     cur_logp, old_logp = old_logp, stitch_old_logprobs(old_logp, batch)
@@ -73,7 +73,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int)
             for chunk in order.chunk(n_mini):
                 rows = chunk[dp_rows(len(chunk))]
                 mini, local = batch.select(chunk), batch.select(rows)
-                norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.max_new_tokens)
+                norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
                     report = actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
                                               is_w[rows], algo, mbs, norm, temp)
@@ -125,7 +125,7 @@ def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) 
     order[:count] = torch.arange(count)
     mine = dev.put(order[parallel.dp_rank() * rows:(parallel.dp_rank() + 1) * rows], tokens.device)
     local = _logprob_batch(tokens[mine], lens[mine], width)
-    logp = actor_ops.logprobs(actor.model, local, mbs, actor.info.vocab_size, cfg.rollout.temperature)
+    logp = actor_ops.logprobs(actor.model, local, mbs, actor.info.vocab_size, cfg.rollout.sampling.temperature)
     logp = gather_dp(logp)[:count].cpu()      # DP-rank order = the padded order
     resp = lens[:, 1].cpu().tolist()
     return [logp[i, :n].tolist() for i, n in enumerate(resp)]

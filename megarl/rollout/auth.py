@@ -28,7 +28,7 @@ class RequireKey:
         if not key:
             # a megarl server without a key would be open to everyone: refuse to start
             raise RuntimeError(f"megarl.rollout.auth.RequireKey: ${KEY_ENV} is empty; a megarl-started "
-                               f"server must have an API key (rollout.api_key or $MEGARL_ENGINE_API_KEY)")
+                               f"server must have an API key (rollout.engines.api_key or $MEGARL_ENGINE_API_KEY)")
         self.app = app
         self._digest = hashlib.sha256(key.encode()).digest()
 

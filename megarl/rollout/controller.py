@@ -2,7 +2,7 @@
 
 One round (docs/design.md "One training step"; docs/partial_rollout.md), on the pool's event loop
 (trainer rank 0):
-- up to `rollout.concurrency` sample requests stay in flight across the engines while the
+- up to `rollout.partial.concurrency` sample requests stay in flight across the engines while the
   round runs; a finished request is replaced at once (the pool sends it to the least-loaded
   engine).
 - admission is frontier-first: samples the staleness bound says must finish this step, then
@@ -18,7 +18,7 @@ One round (docs/design.md "One training step"; docs/partial_rollout.md), on the 
 - any exception (engine, scoring, the data stream, building a request) ends the round at once
   and is raised by `run_round`.
 
-Staleness (`rollout.stale_policy`, megarl/rollout/staleness.py): by default (`finish`) every
+Staleness (`rollout.partial.stale_policy`, megarl/rollout/staleness.py): by default (`finish`) every
 group gets a deadline step when it opens, admission waits while no step within the bound has
 room, and a round may not end while a group due at its step is incomplete: long samples are
 finished, never discarded. `restart` / `drop` (opt-in) discard stale samples instead and
@@ -78,7 +78,7 @@ class Slot:
 
     def clip(self, budget: int) -> None:
         """Keep at most `budget` tokens, done on length (a carry restored under a smaller
-        rollout.max_new_tokens: nothing is left to generate)."""
+        rollout.sampling.max_new_tokens: nothing is left to generate)."""
         for name in ("response_ids", "logprobs", "versions", "old_logprobs"):
             setattr(self, name, getattr(self, name)[:budget])
         self.finish_reason = "length"
@@ -153,7 +153,8 @@ class PartialRolloutController:
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
                  sample_every_s: Optional[float] = 0.05):
         if stale_policy not in STALE_POLICIES:
-            raise ValueError(f"rollout.stale_policy={stale_policy!r}: choose one of {', '.join(STALE_POLICIES)}")
+            raise ValueError(f"rollout.partial.stale_policy={stale_policy!r}: choose one of "
+                             f"{', '.join(STALE_POLICIES)}")
         self.pool, self.n, self.concurrency = pool, n, concurrency
         pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
@@ -393,7 +394,7 @@ class PartialRolloutController:
     def _prepare_round(self, version: int) -> None:
         """Before a round for step `version`: the staleness rule on everything untrained, and
         carried samples already at their token budget done (a carry restored under a
-        smaller rollout.max_new_tokens)."""
+        smaller rollout.sampling.max_new_tokens)."""
         for g in self.groups.values():
             for s in g.slots:
                 if not s.done and len(s.response_ids) >= self._budget(s):
@@ -443,8 +444,9 @@ class PartialRolloutController:
         will train them (the staleness bound is measured against it)."""
         if self.stale_policy == "finish" and self.pool.engines and \
                 self.pool.version + self.max_staleness < train_version:
-            raise ValueError(f"rollout.max_staleness={self.max_staleness}: step {train_version} cannot train "
-                             f"tokens of weight version {self.pool.version}; rollout.async needs max_staleness >= 1")
+            raise ValueError(f"rollout.partial.max_staleness={self.max_staleness}: step {train_version} cannot train "
+                             f"tokens of weight version {self.pool.version}; rollout.partial.async needs "
+                             f"max_staleness >= 1")
         self.ready = []              # a result nobody took was consumed through the return value
         self.stats = RoundStats()
         self.stats.started = self.clock()

@@ -9,12 +9,12 @@ Weight updates go to every engine at once, as one session (`begin_update` -> the
 calls -> `end_update`): abort what runs, pause, load (megarl/rollout/transfer/), reset the
 prefix cache, set the version, resume. If any engine fails, the error names it.
 
-Engine faults: an engine whose request fails (it died, hung past rollout.engine_timeout_s,
+Engine faults: an engine whose request fails (it died, hung past rollout.engines.timeout_s,
 or answered garbage) is retired: it leaves the pool, the event is logged and counted
 (`failures`), and the request continues on the least-loaded remaining engine from the tokens
 the failed engine had streamed (their versions kept). The pool gives up, with the last
 engine's error, only when no engine is left or after `failures_max` retirements. A retired
-engine takes no more requests or weights. With a `replace` factory (rollout.engine_restart),
+engine takes no more requests or weights. With a `replace` factory (rollout.engines.restart),
 a fresh engine is started in its place in the background; it joins at the next weight update,
 after loading that version, so it never serves weights other than the pool's.
 """
@@ -44,14 +44,14 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coro: Awaitable, timeout: Optional[float] = None, what: str = "engine call",
-            setting: str = "rollout.engine_timeout_s"):
+            setting: str = "rollout.engines.timeout_s"):
         return self.wait(self.submit(coro), timeout, what, setting)
 
     def submit(self, coro: Awaitable):
         """Start `coro` on the loop; returns a concurrent.futures.Future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def wait(self, future, timeout: Optional[float], what: str, setting: str = "rollout.engine_timeout_s"):
+    def wait(self, future, timeout: Optional[float], what: str, setting: str = "rollout.engines.timeout_s"):
         """The future's result within `timeout`; past it an EngineError naming `setting`."""
         try:
             return future.result(timeout)
@@ -180,7 +180,7 @@ class EnginePool:
         if not self.engines:
             raise EngineError(f"no rollout engine left: {err}") from err
         if len(self.failures) > self.failures_max:
-            raise EngineError(f"{len(self.failures)} engine failures (rollout.engine_failures_max="
+            raise EngineError(f"{len(self.failures)} engine failures (rollout.engines.failures_max="
                               f"{self.failures_max}); the last: {err}") from err
 
     async def retire(self, engine: Engine, err: EngineError) -> None:
@@ -304,12 +304,12 @@ async def _gather_or_raise(coros) -> list:
 
 class SyncPool:
     """The pool as the synchronous driver sees it: each call runs on the loop thread with a
-    deadline of rollout.engine_timeout_s (longer for whole batches, see `generate_many`)."""
+    deadline of rollout.engines.timeout_s (longer for whole batches, see `generate_many`)."""
 
     def __init__(self, pool: EnginePool, loop: LoopThread, start_timeout_s: float):
         self.pool, self.loop = pool, loop
         self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines",
-                      "rollout.engine_start_timeout_s")
+                      "rollout.engines.start_timeout_s")
 
     @property
     def version(self) -> int:
@@ -324,7 +324,7 @@ class SyncPool:
 
     def generate_many(self, requests: list[GenRequest]) -> list[GenResult]:
         """All requests concurrently; results in request order. The deadline scales with the
-        number of requests per engine (each must make progress within engine_timeout_s)."""
+        number of requests per engine (each must make progress within rollout.engines.timeout_s)."""
         async def run():
             return await _gather_or_raise([self.pool.generate(r) for r in requests])
         per_engine = -(-len(requests) // len(self.pool.engines))
@@ -356,9 +356,9 @@ def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str
     try:
         def replace(slot):     # a fresh engine<slot>: same settings, seed and log file
             return build_engine(cfg, model_path, seed, log_dir, slot, weight_backend)
-        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir, weight_backend), cfg.engine_timeout_s,
-                          cfg.engine_failures_max, replace if cfg.engine_restart else None)
-        return SyncPool(pool, loop, cfg.engine_start_timeout_s)
+        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir, weight_backend), cfg.engines.timeout_s,
+                          cfg.engines.failures_max, replace if cfg.engines.restart else None)
+        return SyncPool(pool, loop, cfg.engines.start_timeout_s)
     except BaseException:
         loop.stop()
         raise

@@ -1,12 +1,12 @@
 """What the driver asks of the rollout each step, whatever `rollout.mode` is.
 
-`Rollout.round(step)` returns the step's samples (train.groups_per_step groups of rollout.n)
+`Rollout.round(step)` returns the step's samples (train.groups_per_step groups of rollout.sampling.n)
 and its metrics; `pending()` the partial samples whose newest tokens still need the trainer's
 logprobs (stitching, partial mode only) and `store(...)` takes them back; `state_dict()` is
 what a checkpoint keeps (the data cursor and, in partial mode, the whole carry).
 - sync: every sample of `groups_per_step` fresh prompts, the step waits for the longest one.
 - partial: the controller (`controller.py`) on the pool's event loop.
-- partial + rollout.async: `prefetch(step + 1)` starts the next round right after this one
+- partial + rollout.partial.async: `prefetch(step + 1)` starts the next round right after this one
   ended, so it generates (under the current weights, then under the new ones after the
   mid-round sync) while the trainer trains; `round()` then only waits for what is missing.
 The stepping itself (which round runs when, what is pending, where stitched values go) is
@@ -95,8 +95,9 @@ class Rollout:
         self.controller = None
         if r.mode == "partial":
             self.controller = PartialRolloutController(
-                pool.pool, n=r.n, concurrency=r.concurrency, max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature, max_staleness=r.max_staleness, stale_policy=r.stale_policy,
+                pool.pool, n=r.sampling.n, concurrency=r.partial.concurrency,
+                max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
+                max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
                 new_group=self._new_group, score=lambda s: score_sample(s, tokenizer, reward_fn),
                 seed=cfg.run.seed,
                 # one thread: the verifier runs one call at a time anyway (one worker process),
@@ -104,7 +105,7 @@ class Rollout:
                 scorer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score"))
         # sync mode's fresh round runs here, on the driver thread (`_fresh`): SyncPool's calls
         # block until the loop thread has served them
-        self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.asynchronous)
+        self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous)
 
     def _new_group(self) -> tuple[dict, list[int]]:
         record = self.records[self.sampler.take(1)[0]]
@@ -116,7 +117,7 @@ class Rollout:
             version = self.pool.version
             samples = self._fresh(step)
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
-        deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.max_new_tokens)
+        deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.sampling.max_new_tokens)
         done = self.pool.call(self.stepper.round(step), f"rollout round {step}", deadline)
         samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
         # the trainer's weights at step k are version k
@@ -128,9 +129,9 @@ class Rollout:
         first_uid = self.sampler.drawn
         chosen = [self.records[i] for i in self.sampler.take(self.cfg.train.groups_per_step)]
         prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
-        return generate_groups(self.pool, chosen, prompts, r.n, r.max_new_tokens, self.tokenizer,
+        return generate_groups(self.pool, chosen, prompts, r.sampling.n, r.sampling.max_new_tokens, self.tokenizer,
                                self.reward_fn, step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
-                               r.temperature, tag=f"{step}-", first_uid=first_uid)
+                               r.sampling.temperature, tag=f"{step}-", first_uid=first_uid)
 
     def _engine_metrics(self) -> dict:
         """Engines retired and restarted so far (each event is also logged when it happens)."""
@@ -140,7 +141,7 @@ class Rollout:
 
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""
-        if self.controller is not None and self.cfg.rollout.asynchronous:
+        if self.controller is not None and self.cfg.rollout.partial.asynchronous:
             async def start():
                 self.stepper.prefetch(step)
             self.pool.call(start(), f"starting rollout round {step}")

@@ -1,12 +1,12 @@
 """vLLM servers for cluster jobs (`slurm/common.sh`), from the recipe the trainer runs.
 
     python -m megarl.rollout.serve serve RECIPE [key=value ...] --host ADDR --port P [--index I]
-        Replaces itself (exec) with exactly the server `rollout.engine_mode=local_servers` starts
+        Replaces itself (exec) with exactly the server `rollout.engines.mode=local_servers` starts
         (`servers.LocalServer.command()` / `.env()`: the flags render `vllm_settings.engine_settings`,
         the settings in-process engines get too), configured
-        from the same recipe and overrides as the trainer: model.path, rollout.max_model_len,
-        rollout.engine_tp, rollout.enforce_eager, rollout.kv_cache_mb,
-        rollout.gpu_memory_utilization; seed run.seed + I, as `build_engines` gives engine I.
+        from the same recipe and overrides as the trainer: model.path, rollout.engines.max_model_len,
+        rollout.engines.tp, rollout.engines.enforce_eager, rollout.engines.kv_cache_mb,
+        rollout.engines.gpu_memory_utilization; seed run.seed + I, as `build_engines` gives engine I.
         The API key comes from $MEGARL_ENGINE_API_KEY (required) and reaches vLLM as
         $VLLM_API_KEY, so it never shows in the process list. ADDR is the node's
         cluster-internal address, never 0.0.0.0. Every route but /health needs the key
@@ -52,8 +52,9 @@ def _serve(args) -> int:
         return 2
     ro = cfg.rollout
     server = LocalServer(cfg.model.path, log_path=os.devnull, api_key="", seed=cfg.run.seed + args.index,
-                         max_model_len=ro.max_model_len, tp=ro.engine_tp, enforce_eager=ro.enforce_eager,
-                         kv_cache_mb=ro.kv_cache_mb, gpu_memory_utilization=ro.gpu_memory_utilization,
+                         max_model_len=ro.engines.max_model_len, tp=ro.engines.tp,
+                         enforce_eager=ro.engines.enforce_eager,
+                         kv_cache_mb=ro.engines.kv_cache_mb, gpu_memory_utilization=ro.engines.gpu_memory_utilization,
                          port=args.port, host=args.host, weight_backend=weight_backend(cfg.weight_sync))
     # env() names a socket folder after this pid, which the server keeps (exec): once it is
     # gone, the next megarl process on the node removes the folder (reaper.remove_stale)

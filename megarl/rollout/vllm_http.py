@@ -121,12 +121,12 @@ class HTTPVLLMEngine(Engine):
         """Poll GET /health until the server answers 200; for a remote server, say every few
         seconds on stderr what it waits for. Gives up a little before `timeout_s`, so that this error, which
         names the URL, comes before the pool's own deadline for the whole start (the same
-        rollout.engine_start_timeout_s). A remote server (one megarl did not start) that never
+        rollout.engines.start_timeout_s). A remote server (one megarl did not start) that never
         answered is the user's input: its error exits 2 like other bad inputs (megarl/cli.py)."""
         start = time.monotonic()
         deadline = start + max(timeout_s - 2.0, 0.9 * timeout_s)
         remote = type(self) is HTTPVLLMEngine
-        what = "rollout.engine_urls" if remote else "the server megarl started"
+        what = "rollout.engines.urls" if remote else "the server megarl started"
         last, said = "no answer yet", start
         while True:
             self._check_process()
@@ -139,7 +139,7 @@ class HTTPVLLMEngine(Engine):
                     last = f"HTTP {r.status}"
                     if remote and r.status == 404:   # vLLM always serves /health: waiting cannot help
                         err = EngineError(f"{self._where()}: {self.url}/health answers HTTP 404: that is not a "
-                                          f"vLLM server. Fix: check the host and port in rollout.engine_urls")
+                                          f"vLLM server. Fix: check the host and port in rollout.engines.urls")
                         err.exit_code = 2
                         raise err
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
@@ -149,13 +149,13 @@ class HTTPVLLMEngine(Engine):
                 err = EngineError(
                     f"{self._where()}: no server answered GET {self.url}/health within {timeout_s:.0f} s "
                     f"({last}).{self._failure_detail()} Fix: check that a vLLM server runs at that URL "
-                    f"({what}) and is reachable from this node, or raise rollout.engine_start_timeout_s")
+                    f"({what}) and is reachable from this node, or raise rollout.engines.start_timeout_s")
                 err.exit_code = 2 if remote else 1
                 raise err
             if remote and now - said >= 5.0:   # a server we started reports through its log
                 said = now
                 print(f"megarl: waiting for engine {self.name} at {self.url} ({what}): {last}; "
-                      f"{now - start:.0f} s of rollout.engine_start_timeout_s={timeout_s:g}",
+                      f"{now - start:.0f} s of rollout.engines.start_timeout_s={timeout_s:g}",
                       file=sys.stderr, flush=True)
             await asyncio.sleep(_POLL_S)
 
@@ -164,7 +164,7 @@ class HTTPVLLMEngine(Engine):
         status, body = await self._call("GET", "/v1/models", check=False)
         if status == 401:
             raise EngineError(f"{self._where()}: the server rejected the API key (HTTP 401 on /v1/models). "
-                              f"Fix: set rollout.api_key (or $MEGARL_ENGINE_API_KEY) to the server's --api-key")
+                              f"Fix: set rollout.engines.api_key (or $MEGARL_ENGINE_API_KEY) to the server's --api-key")
         if status != 200 or not body.get("data"):
             raise EngineError(f"{self._where()}: GET /v1/models -> HTTP {status} {str(body)[:300]}")
         self.model = body["data"][0]["id"]
@@ -204,7 +204,7 @@ class HTTPVLLMEngine(Engine):
                 status = r.status
         except asyncio.TimeoutError:
             raise EngineError(f"{self._where()}: {method} {path} got no answer within "
-                              f"{timeout_s or self.timeout_s:.0f} s (rollout.engine_timeout_s)."
+                              f"{timeout_s or self.timeout_s:.0f} s (rollout.engines.timeout_s)."
                               f"{self._failure_detail()}") from None
         except aiohttp.ClientError as err:
             raise EngineError(f"{self._where()}: {method} {path} failed: {type(err).__name__}: {err}. "
@@ -359,7 +359,7 @@ class HTTPVLLMEngine(Engine):
         try:
             if resp.status != 200:
                 text = await resp.text()
-                hint = (" Fix: rollout.api_key must equal the server's --api-key" if resp.status == 401 else "")
+                hint = (" Fix: rollout.engines.api_key must equal the server's --api-key" if resp.status == 401 else "")
                 raise EngineError(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
             buf = b""
             while not f._stopped:
@@ -394,7 +394,7 @@ class HTTPVLLMEngine(Engine):
                     break
                 if not (self._paused or f.aborted):
                     raise EngineError(f"{self._where()}: request {req.key} {what} for {self.timeout_s:.0f} s "
-                                      f"(rollout.engine_timeout_s); the server is hung or overloaded, see its log."
+                                      f"(rollout.engines.timeout_s); the server is hung or overloaded, see its log."
                                       f"{self._failure_detail()}")
             return None if f.reader.cancelled() else f.reader.result()
         finally:

@@ -51,7 +51,7 @@ def measured_costs(path: str, cfg=None):
     push = sum(pushes) / len(pushes)
     bench_route = r.get("weight_sync", {}).get("transport", "files")
     if cfg is not None and cfg.weight_sync.transport == bench_route == "files":
-        push *= cfg.rollout.engines / E
+        push *= cfg.rollout.engines.count / E
     return (MeasuredEngine(curve, ovh["prefill_s_per_token"], request_s, push),
             MeasuredTrainer(0.0, per_token, route=f"measured ({bench_route}, {E} engines in the bench)"))
 
@@ -81,7 +81,7 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int)
         raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
     m, g = roofline_model(cfg, model), GPUS[gpu]
     # the recipe's route: collective = one broadcast, files = written once, read by every engine
-    send, load = weight_push_s(m, g, cfg.rollout.engines, engine_tp, cfg.weight_sync.transport)
+    send, load = weight_push_s(m, g, cfg.rollout.engines.count, engine_tp, cfg.weight_sync.transport)
     return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
             RooflineTrainer(m, g, trainer_gpus, critic=ADVANTAGES.get(cfg.algo.name).needs_critic, push_s=send,
                             route=cfg.weight_sync.transport))
@@ -93,18 +93,18 @@ def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
     except ValueError as err:
         raise ConfigError(f"--lengths: {err}") from None
     r = cfg.rollout
-    recipe_mode = "sync" if r.mode == "sync" else ("async" if r.asynchronous else "partial")
+    recipe_mode = "sync" if r.mode == "sync" else ("async" if r.partial.asynchronous else "partial")
     engine, trainer = costs
     out = {"recipe_mode": recipe_mode, "modes": {},
            # one sync: trainer side (engines still generate), then engine side (engines paused)
            "weight_sync": {"transport": cfg.weight_sync.transport, "route": trainer.route,
                            "trainer_s": trainer.push_s, "engine_s": engine.load_weights_s}}
     for mode in MODES:
-        w = Workload(dist, r.n, r.max_new_tokens, seed)
+        w = Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed)
         s = SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
-                        concurrency=r.concurrency, engines=r.engines,
-                        max_staleness=max(r.max_staleness, 1) if mode == "async" else r.max_staleness,
-                        stale_policy=r.stale_policy, seed=seed)
+                        concurrency=r.partial.concurrency, engines=r.engines.count,
+                        max_staleness=max(r.partial.max_staleness, 1) if mode == "async" else r.partial.max_staleness,
+                        stale_policy=r.partial.stale_policy, seed=seed)
         res = simulate(s, w, *costs)
         out["modes"][mode] = {k: res[k] for k in ("step_s_mean", "engine_busy_frac", "trainer_idle_frac",
                                                   "trained_tokens_per_s", "staleness_max")} | {

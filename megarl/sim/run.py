@@ -39,7 +39,7 @@ class SimSettings:
     concurrency: int = 64
     engines: int = 1
     max_staleness: int = 10**9
-    stale_policy: str = "finish"               # as rollout.stale_policy (the schema's default)
+    stale_policy: str = "finish"               # as rollout.partial.stale_policy (the schema's default)
     seed: int = 0
 
     def __post_init__(self):
@@ -48,7 +48,7 @@ class SimSettings:
         for name in ("steps", "groups_per_step", "concurrency", "engines"):
             if getattr(self, name) < 1:
                 raise ValueError(f"simulation {name}={getattr(self, name)}: must be >= 1")
-        if self.mode == "async" and self.max_staleness < 1:   # the rule of rollout.async in the schema
+        if self.mode == "async" and self.max_staleness < 1:   # the rule of rollout.partial.async in the schema
             raise ValueError(f"simulation max_staleness={self.max_staleness}: async mode trains tokens one "
                              f"version old; set it >= 1")
 

@@ -24,7 +24,7 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
     leave = leave[0].split(",") if leave and leave[0] else []
     overrides = [a for a in args if not a.startswith("leave=")]
     cfg = load_config("recipes/tiny_cpu.yaml", [
-        f"model.path={model_dir}", "rollout.n=4", "train.mini_batches=2", "train.micro_batch_size=4",
+        f"model.path={model_dir}", "rollout.sampling.n=4", "train.mini_batches=2", "train.micro_batch_size=4",
         *overrides])
     from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed

@@ -44,7 +44,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     extra = dict(a.split("=", 1) for a in args if a.startswith(("save=", "resume=")))
     overrides = [a for a in args if not a.startswith(("save=", "resume="))]
     cfg = load_config("recipes/tiny_cpu.yaml", [
-        f"model.path={model_dir}", "train.groups_per_step=8", "rollout.n=4", "train.mini_batches=2",
+        f"model.path={model_dir}", "train.groups_per_step=8", "rollout.sampling.n=4", "train.mini_batches=2",
         "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=2e-4", "train.critic_lr=2e-4",
         *overrides])
     validate_world(cfg, world_size)

@@ -20,8 +20,8 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.config import load_config
     from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
-    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.n=4", "train.mini_batches=2",
-                                                "train.micro_batch_size=8", "algo.name=ppo"])
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.sampling.n=4",
+                                                "train.mini_batches=2", "train.micro_batch_size=8", "algo.name=ppo"])
     init_distributed()
     bootstrap()
     torch.set_num_threads(1)

@@ -25,8 +25,8 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
     cfg = load_config("recipes/tiny_cpu.yaml", [
-        f"model.path={model_dir}", "algo.name=grpo", "rollout.n=4", "train.groups_per_step=8",
-        "train.mini_batches=2", "train.micro_batch_size=8", "rollout.temperature=0.7"])
+        f"model.path={model_dir}", "algo.name=grpo", "rollout.sampling.n=4", "train.groups_per_step=8",
+        "train.mini_batches=2", "train.micro_batch_size=8", "rollout.sampling.temperature=0.7"])
     env = init_distributed()
     validate_world(cfg, env.world_size)
     bootstrap()
@@ -42,7 +42,7 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.rollout.dump import read_samples
 
     models = build_all(cfg)
-    pad, vocab, temp = models.tokenizer.pad_token_id, models.actor.info.vocab_size, cfg.rollout.temperature
+    pad, vocab, temp = models.tokenizer.pad_token_id, models.actor.info.vocab_size, cfg.rollout.sampling.temperature
     actor = models.actor.model
     with torch.no_grad():   # the actor one step away from the reference: a KL that is not 0
         gen = torch.Generator().manual_seed(1)

@@ -19,7 +19,7 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.rollout.engine import GenRequest
     from megarl.rollout.pool import open_pool
 
-    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines=1"])
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines.count=1"])
     tok = AutoTokenizer.from_pretrained(model_dir)
     long_prompt = tok("<bos> n40 =", add_special_tokens=False)["input_ids"]
     short_prompt = tok("<bos> n3 =", add_special_tokens=False)["input_ids"]

@@ -53,8 +53,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
 
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", f"data.prompts={model_dir}/prompts.jsonl", "run.dir=unused",
-        "rollout.engines=1", f"rollout.temperature={TEMPERATURE}",
-        f"weight_sync.staging_dir={staging}", "rollout.engine_timeout_s=60"])
+        "rollout.engines.count=1", f"rollout.sampling.temperature={TEMPERATURE}",
+        f"weight_sync.staging_dir={staging}", "rollout.engines.timeout_s=60"])
     env = init_distributed("gloo")
     cpu.apply()
     torch.set_num_threads(1)
@@ -93,7 +93,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
         return found
     pools, transports = {}, {}
     for mode in modes.split(","):
-        c = dataclasses.replace(cfg.rollout, engine_mode=mode)
+        c = dataclasses.replace(cfg.rollout, engines=dataclasses.replace(cfg.rollout.engines, mode=mode))
         pools[mode] = open_pool(c, model_dir, 0, f"{logs}/{mode}", "gloo") if env.rank == 0 else None
         for kind in ("collective", "files"):
             ws = dataclasses.replace(cfg.weight_sync, transport=kind, bucket_mb=1)

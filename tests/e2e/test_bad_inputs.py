@@ -19,17 +19,18 @@ CASES = [
     ("dtype_unknown", ["model.dtype=float8"], "model.dtype"),
     ("tp_zero", ["parallel.tp=0"], "parallel.tp"),
     ("tp_vs_world", ["parallel.tp=2"], "parallel.tp"),
-    ("temperature_zero", ["rollout.temperature=0"], "rollout.temperature"),
-    ("top_p_nucleus", ["rollout.top_p=0.9"], "rollout.top_p"),
-    ("n_zero", ["rollout.n=0"], "rollout.n"),
+    ("temperature_zero", ["rollout.sampling.temperature=0"], "rollout.sampling.temperature"),
+    ("top_p_nucleus", ["rollout.sampling.top_p=0.9"], "rollout.sampling.top_p"),
+    ("n_zero", ["rollout.sampling.n=0"], "rollout.sampling.n"),
     ("mode_unknown", ["rollout.mode=fast"], "rollout.mode"),
-    ("concurrency_zero", ["rollout.concurrency=0"], "rollout.concurrency"),
-    ("staleness_negative", ["rollout.max_staleness=-1"], "rollout.max_staleness"),
-    ("async_without_staleness", ["rollout.async=true", "rollout.max_staleness=0"], "rollout.max_staleness"),
-    ("engine_mode_unknown", ["rollout.engine_mode=cloud"], "rollout.engine_mode"),
-    ("remote_without_urls", ["rollout.engine_mode=remote"], "rollout.engine_urls"),
-    ("remote_bad_url", ["rollout.engine_mode=remote", "rollout.engine_urls=[ftp://host:1]"], "rollout.engine_urls"),
-    ("failures_max_negative", ["rollout.engine_failures_max=-1"], "rollout.engine_failures_max"),
+    ("concurrency_zero", ["rollout.partial.concurrency=0"], "rollout.partial.concurrency"),
+    ("staleness_negative", ["rollout.partial.max_staleness=-1"], "rollout.partial.max_staleness"),
+    ("async_without_staleness", ["rollout.partial.async=true", "rollout.partial.max_staleness=0"],
+     "rollout.partial.max_staleness"),
+    ("engine_mode_unknown", ["rollout.engines.mode=cloud"], "rollout.engines.mode"),
+    ("remote_without_urls", ["rollout.engines.mode=remote"], "rollout.engines.urls"),
+    ("remote_bad_url", ["rollout.engines.mode=remote", "rollout.engines.urls=[ftp://host:1]"], "rollout.engines.urls"),
+    ("failures_max_negative", ["rollout.engines.failures_max=-1"], "rollout.engines.failures_max"),
     ("nonfinite_policy", ["train.on_nonfinite=ignore"], "train.on_nonfinite"),
     ("kl_kind", ["algo.kl_kind=k9"], "algo.kl_kind"),
     ("loss_agg", ["algo.loss_agg=sum"], "algo.loss_agg"),
@@ -62,11 +63,11 @@ CASES = [
     ("recipe_a_folder", ["-", "train", "recipes"], "recipe 'recipes' is a folder"),
     ("section_given_a_value", ["train=3"], "train is a section of settings"),
     ("override_not_yaml", ["train.steps=[1"], "override 'train.steps=[1'"),
-    ("list_given_one_value", ["rollout.engine_mode=remote", "rollout.engine_urls=http://h:1"],
-     "rollout.engine_urls is a list"),
+    ("list_given_one_value", ["rollout.engines.mode=remote", "rollout.engines.urls=http://h:1"],
+     "rollout.engines.urls is a list"),
     # contradictory settings: refused, not silently ignored
-    ("urls_while_inprocess", ["rollout.engine_urls=[http://127.0.0.1:9]"], "rollout.engine_mode=remote"),
-    ("api_key_while_inprocess", ["rollout.api_key=k"], "rollout.api_key"),
+    ("urls_while_inprocess", ["rollout.engines.urls=[http://127.0.0.1:9]"], "rollout.engines.mode=remote"),
+    ("api_key_while_inprocess", ["rollout.engines.api_key=k"], "rollout.engines.api_key"),
     ("critic_warmup_without_critic", ["algo.name=grpo", "train.critic_warmup_steps=2"], "train.critic_warmup_steps"),
     ("model_coef_without_model", ["reward.model_coef=0.5"], "reward.model_coef"),
     # model files
@@ -75,21 +76,22 @@ CASES = [
     ("model_config_not_json", ["model.path={tmp}/m_bad_config"], "config.json does not load"),
     ("model_tokenizer_broken", ["model.path={tmp}/m_bad_tokenizer"], "its tokenizer does not load"),
     # hardware limits (this machine: one NUMA node, no GPU) and the model's
-    ("engine_tp_beyond_machine", ["rollout.engine_tp=4"], "rollout.engine_tp=4"),
-    ("engine_tp_not_dividing_heads", ["rollout.engine_tp=3"], "attention heads"),
-    ("context_beyond_model", ["rollout.max_model_len=512"], "max_position_embeddings=256"),
+    ("engine_tp_beyond_machine", ["rollout.engines.tp=4"], "rollout.engines.tp=4"),
+    ("engine_tp_not_dividing_heads", ["rollout.engines.tp=3"], "attention heads"),
+    ("context_beyond_model", ["rollout.engines.max_model_len=512"], "max_position_embeddings=256"),
     # data vs the engine's limits: found before the run, the row named
     ("prompt_beyond_context", ["data.prompts={tmp}/long_prompt.jsonl"], "row 3: a prompt of 232 tokens"),
-    ("budget_beyond_context", ["rollout.max_new_tokens=254"], "rollout.max_new_tokens=254 exceeds"),
-    ("budget_is_the_context", ["rollout.max_new_tokens=256"], "must be below rollout.max_model_len"),
+    ("budget_beyond_context", ["rollout.sampling.max_new_tokens=254"], "rollout.sampling.max_new_tokens=254 exceeds"),
+    ("budget_is_the_context", ["rollout.sampling.max_new_tokens=256"], "must be below rollout.engines.max_model_len"),
     ("data_not_text", ["data.prompts={tmp}/binary.jsonl"], "not a text file"),
-    ("url_with_api_path", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://node1:8000/v1]"], "without /v1"),
+    ("url_with_api_path", ["rollout.engines.mode=remote", "rollout.engines.urls=[http://node1:8000/v1]"],
+     "without /v1"),
     ("data_is_a_folder", ["data.prompts={tmp}"], "is a folder"),
     ("data_one_json_array", ["data.prompts={tmp}/array.jsonl"], "one JSON object per line"),
     ("nccl_without_gpu", ["parallel.backend=nccl"], "parallel.backend='nccl' needs GPUs"),
     ("sequence_parallel_without_gpu", ["parallel.tp=2", "parallel.sequence_parallel=true"],
      "parallel.sequence_parallel=True needs GPUs"),
-    ("kv_cache_beyond_memory", ["rollout.kv_cache_mb=100000000"], "rollout.kv_cache_mb=100000000"),
+    ("kv_cache_beyond_memory", ["rollout.engines.kv_cache_mb=100000000"], "rollout.engines.kv_cache_mb=100000000"),
     ("model_index_names_missing_file", ["model.path={tmp}/m_index"], "names missing files"),
     ("model_config_disagrees_with_weights", ["model.path={tmp}/m_layers"], "missing HF parameters"),
     ("model_architecture_unsupported", ["model.path={tmp}/m_arch"], "unsupported architecture"),
@@ -102,8 +104,8 @@ CASES = [
 # its lock and config.yaml, but nothing of a run (no checkpoint, no metrics). {port}: a local
 # port where nothing listens.
 LATE = [
-    ("remote_url_nothing_listens", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://127.0.0.1:{port}]",
-                                    "rollout.engine_start_timeout_s=15"], "http://127.0.0.1:{port}"),
+    ("remote_url_nothing_listens", ["rollout.engines.mode=remote", "rollout.engines.urls=[http://127.0.0.1:{port}]",
+                                    "rollout.engines.start_timeout_s=15"], "http://127.0.0.1:{port}"),
 ]
 
 
@@ -210,9 +212,9 @@ def test_unreachable_engine_says_what_it_waits_for_and_names_the_url(results, ci
     assert r["rc"] == 2, r
     lines = [line for line in r["stderr"].splitlines() if line.strip()]
     waits = [line for line in lines if line.startswith("megarl: waiting for engine") and url in line]
-    assert waits and all("rollout.engine_urls" in line for line in waits), r["stderr"]
+    assert waits and all("rollout.engines.urls" in line for line in waits), r["stderr"]
     (error,) = [line for line in lines if line.startswith("megarl: engine error")]
-    assert url in error and "rollout.engine_urls" in error and "rollout.engine_start_timeout_s" in error
+    assert url in error and "rollout.engines.urls" in error and "rollout.engines.start_timeout_s" in error
     run_dir = tmp / "runs" / cid
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
 

@@ -1,7 +1,7 @@
 """SIGKILL anywhere, resume, lose nothing: one run killed at four points in a row, against an
 uninterrupted run of the same seed.
 
-Both runs are the recipe's partial rollout with rollout.async=true (the next round generates
+Both runs are the recipe's partial rollout with rollout.partial.async=true (the next round generates
 while the trainer trains, so partial samples are in flight at every kill), a checkpoint after
 every step and every step's samples dumped. Both are served by one vLLM server they reach as a remote engine
 (as on a cluster, the server outlives each killed trainer: a leg killed mid-rollout leaves
@@ -26,7 +26,7 @@ from conftest import run_py
 STEPS, N, GROUPS = 5, 4, 16          # tiny recipe: 16 groups x 4 samples per step
 # max_staleness above the run's length: no carried sample may be restarted (a restart throws
 # tokens away legitimately; the bound itself is tested in tests/unit/test_controller.py)
-COMMON = ("rollout.async=true", "rollout.max_staleness=5", "checkpoint.every=1", "checkpoint.keep=8",
+COMMON = ("rollout.partial.async=true", "rollout.partial.max_staleness=5", "checkpoint.every=1", "checkpoint.keep=8",
           "rollout.dump_every=1", f"train.steps={STEPS}")
 # (fault, what the killed leg was doing). A tiny-recipe step makes 4 optimizer steps (2
 # mini-batches, each actor then critic) and its weights fit one sync bucket; each leg counts
@@ -91,13 +91,13 @@ def uninterrupted(tiny_model, remote_engine, tmp_path_factory):
 
 
 def test_async_rounds_generate_while_training_within_the_bound(uninterrupted):
-    """rollout.async=true: rounds run while the trainer trains, so trained tokens are up to
-    rollout.max_staleness versions old and some are older than the current version; every
+    """rollout.partial.async=true: rounds run while the trainer trains, so trained tokens are up to
+    rollout.partial.max_staleness versions old and some are older than the current version; every
     checkpoint holds the carry."""
     rows = _metrics(uninterrupted)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["staleness_max"] <= 5 for r in rows), [r["staleness_max"] for r in rows]
-    # the round keeps rollout.concurrency requests in flight until it has its groups
+    # the round keeps rollout.partial.concurrency requests in flight until it has its groups
     assert all(r.get("rollout_inflight_min", 64) == 64 for r in rows) and \
         any("rollout_inflight_min" in r for r in rows), rows
     assert any(r.get("staleness_frac_1", 0) > 0 for r in rows[1:])

@@ -37,7 +37,7 @@ def _wait_rows(proc, path, count, timeout=600):
 
 def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model, tmp_path):
     """Contract: `megarl train` with 2 local vLLM servers (partial rollout,
-    rollout.engine_failures_max=1). One server is SIGKILLed while steps run: the run goes on
+    rollout.engines.failures_max=1). One server is SIGKILLed while steps run: the run goes on
     on the other one (its in-flight requests continue there), every later step trains a full
     batch, each step's metrics count the failure, and a fresh server started in its place
     joins at a weight push (engines_alive back to 2, engine_restarts 1). Then every server is
@@ -50,8 +50,8 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml",
            f"model.path={tiny_model}", f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}",
-           "train.steps=500", "rollout.engine_mode=local_servers", "rollout.engines=2",
-           "rollout.engine_timeout_s=30", "rollout.engine_failures_max=1", f"weight_sync.staging_dir={staging}",
+           "train.steps=500", "rollout.engines.mode=local_servers", "rollout.engines.count=2",
+           "rollout.engines.timeout_s=30", "rollout.engines.failures_max=1", f"weight_sync.staging_dir={staging}",
            "checkpoint.resume=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
@@ -93,7 +93,7 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
     assert elapsed < 120, elapsed
     last = [line for line in err.strip().splitlines() if line.startswith("megarl:")]
     assert last and "engine error" in last[-1], err[-3000:]
-    assert "rollout.engine_failures_max=1" in last[-1] or "no rollout engine left" in last[-1], last[-1]
+    assert "rollout.engines.failures_max=1" in last[-1] or "no rollout engine left" in last[-1], last[-1]
     assert any(f"127.0.0.1:{port}" in last[-1] for port in ports) and ".log" in last[-1], last[-1]
     time.sleep(2)
     leftovers = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -159,7 +159,7 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
         names = {p.name for p in folder.iterdir()}
         assert {"git.txt", "config.yaml", "job.txt", "env.txt", "overrides.txt", "trainer.log", "engines"} <= names
         config = (folder / "config.yaml").read_text()
-        assert "engine_mode: remote" in config and f"http://127.0.0.1:{port}" in config
+        assert "    mode: remote" in config and f"http://127.0.0.1:{port}" in config
         assert re.match(r"[0-9a-f]{40}|not a git checkout", (folder / "git.txt").read_text())
         assert "SLURM_JOB_ID=" in (folder / "env.txt").read_text()
         engine_log = (folder / "engines" / "engine_0.log").read_text()

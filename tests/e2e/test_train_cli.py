@@ -92,8 +92,8 @@ def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_pat
     version it was generated under (within the staleness bound) and the engine's logprob. GRPO:
     no critic is built or trained."""
     run_dir = tmp_path / "tp2"
-    _, rows = train(tiny_model, run_dir, "train.steps=2", "parallel.tp=2", "rollout.engines=2",
-                    "rollout.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true",
+    _, rows = train(tiny_model, run_dir, "train.steps=2", "parallel.tp=2", "rollout.engines.count=2",
+                    "rollout.sampling.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true",
                     "algo.name=grpo", nproc=2)
     assert len(rows) == 2
     assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows

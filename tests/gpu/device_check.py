@@ -50,7 +50,7 @@ def _setup(overrides: list[str]):
     from megarl.distributed.env import init_distributed
 
     cfg = load_config(str(ROOT / "recipes" / "tiny_cpu.yaml"),
-                      [f"model.path={MODEL}", "rollout.n=4", "train.mini_batches=2",
+                      [f"model.path={MODEL}", "rollout.sampling.n=4", "train.mini_batches=2",
                        "train.micro_batch_size=4", *overrides])
     init_distributed()
     if bootstrap():
@@ -148,8 +148,9 @@ def child_speed(small: bool) -> dict:
     hf = LlamaConfig(**size, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
                      rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
     seqs, prompt, response = (4, 64, 64) if small else (16, 256, 768)
-    cfg = _setup(["model.dtype=float32", "algo.name=ppo", f"rollout.n={seqs // 2}",
-                  f"rollout.max_new_tokens={response}", f"rollout.max_model_len={prompt + response + 1}",
+    cfg = _setup(["model.dtype=float32", "algo.name=ppo", f"rollout.sampling.n={seqs // 2}",
+                  f"rollout.sampling.max_new_tokens={response}",
+                  f"rollout.engines.max_model_len={prompt + response + 1}",
                   "train.mini_batches=1",
                   f"train.micro_batch_size={2 if small else 4}", "train.critic_warmup_steps=0"])
 

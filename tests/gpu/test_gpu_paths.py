@@ -78,7 +78,8 @@ from megarl.distributed.env import init_distributed
 def main():
     model, out, staging = sys.argv[1:4]
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model}", "model.dtype=float32",
-                      "rollout.engines=1", "rollout.enforce_eager=false", "rollout.temperature=0.7",
+                      "rollout.engines.count=1", "rollout.engines.enforce_eager=false",
+                      "rollout.sampling.temperature=0.7",
                       f"weight_sync.staging_dir={staging}"])
     init_distributed()
     parallel.initialize(1, 1, 0)

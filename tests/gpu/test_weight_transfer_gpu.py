@@ -28,7 +28,7 @@ def main(model_dir, out):
     from megarl.rollout.pool import open_pool
     from megarl.rollout.transfer import collective, packing, source
     from megarl.rollout.engine import GenRequest
-    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines=1"])
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines.count=1"])
     torch.cuda.set_device(0)
     import os
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"      # the engine's core process takes GPU 1

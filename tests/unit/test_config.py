@@ -24,7 +24,7 @@ def test_unknown_key_in_recipe_file_names_the_file(tmp_path):
     """An unknown key inside a recipe names the recipe it came from."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  temprature: 0.7\n")
-    with pytest.raises(ConfigError, match=r"rollout\.temprature.*bad\.yaml.*rollout\.temperature"):
+    with pytest.raises(ConfigError, match=r"rollout\.temprature.*bad\.yaml.*rollout\.sampling\.temperature"):
         load_config(bad)
 
 
@@ -38,8 +38,8 @@ def test_impossible_values_name_the_setting():
     """Values the schema can rule out alone fail with key, value and the allowed range."""
     with pytest.raises(ConfigError, match=r"algo\.name='dpo': unknown algorithm .*use one of grpo, ppo"):
         load_config(None, ["algo.name=dpo"])
-    with pytest.raises(ConfigError, match=r"rollout\.n=1.*grpo"):
-        load_config(None, ["algo.name=grpo", "rollout.n=1"])
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.n=1.*grpo"):
+        load_config(None, ["algo.name=grpo", "rollout.sampling.n=1"])
     with pytest.raises(ConfigError, match=r"algo\.dual_clip=0\.5"):
         load_config(None, ["algo.dual_clip=0.5"])
 
@@ -54,7 +54,7 @@ def test_parallel_sizes_must_divide_world():
 
 def test_micro_batch_must_split_dp_share():
     """A micro-batch size that does not divide each DP rank's share of a mini-batch is refused."""
-    cfg = load_config(None, ["train.groups_per_step=4", "rollout.n=4", "train.micro_batch_size=3"])
+    cfg = load_config(None, ["train.groups_per_step=4", "rollout.sampling.n=4", "train.micro_batch_size=3"])
     with pytest.raises(ConfigError, match=r"train\.micro_batch_size=3"):
         validate_world(cfg, 1)
 
@@ -89,31 +89,31 @@ def test_sequence_parallel_needs_tensor_parallel():
 
 
 def test_rollout_async_spelling_and_the_settings_it_needs(tmp_path):
-    """`rollout.async` (DESIGN's spelling, a Python keyword) is accepted in recipes and on the
+    """`rollout.partial.async` (DESIGN's spelling, a Python keyword) is accepted in recipes and on the
     command line; it needs partial mode and a staleness bound of at least one version."""
-    assert load_config("recipes/tiny_cpu.yaml", ["rollout.async=true"]).rollout.asynchronous
+    assert load_config("recipes/tiny_cpu.yaml", ["rollout.partial.async=true"]).rollout.partial.asynchronous
     recipe = tmp_path / "r.yaml"
     recipe.write_text("defaults: [" + str(__import__("pathlib").Path("recipes/tiny_cpu.yaml").resolve())
                       + "]\nrollout:\n  async: true\n")
-    assert load_config(str(recipe)).rollout.asynchronous
-    with pytest.raises(ConfigError, match=r"rollout\.async.*rollout\.mode=partial"):
-        load_config("recipes/tiny_cpu.yaml", ["rollout.async=true", "rollout.mode=sync"])
-    with pytest.raises(ConfigError, match=r"rollout\.max_staleness=0.*>= 1"):
-        load_config("recipes/tiny_cpu.yaml", ["rollout.async=true", "rollout.max_staleness=0"])
+    assert load_config(str(recipe)).rollout.partial.asynchronous
+    with pytest.raises(ConfigError, match=r"rollout\.partial\.async.*rollout\.mode=partial"):
+        load_config("recipes/tiny_cpu.yaml", ["rollout.partial.async=true", "rollout.mode=sync"])
+    with pytest.raises(ConfigError, match=r"rollout\.partial\.max_staleness=0.*>= 1"):
+        load_config("recipes/tiny_cpu.yaml", ["rollout.partial.async=true", "rollout.partial.max_staleness=0"])
 
 
 @pytest.mark.parametrize("override, key", [
-    ("rollout.top_p=0.9", "rollout.top_p"),
-    ("rollout.engine_mode=cloud", "rollout.engine_mode"),
-    ("rollout.engine_mode=remote", "rollout.engine_urls"),
-    ("rollout.engine_urls=[node1:8000]", "rollout.engine_urls"),
+    ("rollout.sampling.top_p=0.9", "rollout.sampling.top_p"),
+    ("rollout.engines.mode=cloud", "rollout.engines.mode"),
+    ("rollout.engines.mode=remote", "rollout.engines.urls"),
+    ("rollout.engines.urls=[node1:8000]", "rollout.engines.urls"),
     ("rollout.mode=fast", "rollout.mode"),
-    ("rollout.concurrency=0", "rollout.concurrency"),
-    ("rollout.stale_policy=keep", "rollout.stale_policy"),
-    ("rollout.engine_timeout_s=0", "rollout.engine_timeout_s"),
+    ("rollout.partial.concurrency=0", "rollout.partial.concurrency"),
+    ("rollout.partial.stale_policy=keep", "rollout.partial.stale_policy"),
+    ("rollout.engines.timeout_s=0", "rollout.engines.timeout_s"),
     ("rollout.dump_every=-1", "rollout.dump_every"),
-    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
-    ("rollout.engine_urls=[http://node1:8000/v1]", "rollout.engine_urls"),
+    ("rollout.engines.gpu_memory_utilization=1.5", "rollout.engines.gpu_memory_utilization"),
+    ("rollout.engines.urls=[http://node1:8000/v1]", "rollout.engines.urls"),
 ])
 def test_bad_rollout_settings_name_the_setting(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -155,19 +155,20 @@ def test_override_values_that_are_not_yaml_or_not_a_list():
         load_config(None, ["train.steps=[1"])
     with pytest.raises(ConfigError, match=r"override '=3' is not key=value"):
         load_config(None, ["=3"])
-    with pytest.raises(ConfigError, match=r"rollout\.engine_urls is a list.*\[a,b\]"):
-        load_config(None, ["rollout.engine_mode=remote", "rollout.engine_urls=http://node1:8000"])
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.urls is a list.*\[a,b\]"):
+        load_config(None, ["rollout.engines.mode=remote", "rollout.engines.urls=http://node1:8000"])
 
 
 @pytest.mark.parametrize("overrides, match", [
     # a setting another one makes unused is refused, not silently ignored
-    (["rollout.engine_urls=[http://node1:8000]"], r"rollout\.engine_urls=.*only with rollout\.engine_mode=remote"),
-    (["rollout.engine_mode=local_servers", "rollout.engine_urls=[http://node1:8000]"], r"'local_servers'"),
-    (["rollout.api_key=secret"], r"rollout\.api_key='<set>': is used only by engine servers"),
+    (["rollout.engines.urls=[http://node1:8000]"], r"rollout\.engines\.urls=.*only with rollout\.engines\.mode=remote"),
+    (["rollout.engines.mode=local_servers", "rollout.engines.urls=[http://node1:8000]"], r"'local_servers'"),
+    (["rollout.engines.api_key=secret"], r"rollout\.engines\.api_key='<set>': is used only by engine servers"),
     (["algo.name=grpo", "train.critic_warmup_steps=3"], r"train\.critic_warmup_steps=3: algo\.name=grpo has no critic"),
     (["reward.model_coef=0.5"], r"reward\.model_coef=0\.5: .*reward\.model_path is empty"),
     # the engine's context holds the prompt and the response
-    (["rollout.max_new_tokens=256"], r"rollout\.max_new_tokens=256: must be below rollout\.max_model_len=256"),
+    (["rollout.sampling.max_new_tokens=256"],
+     r"rollout\.sampling\.max_new_tokens=256: must be below rollout\.engines\.max_model_len=256"),
 ])
 def test_contradictory_settings_are_refused(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -175,9 +176,9 @@ def test_contradictory_settings_are_refused(overrides, match):
 
 
 def test_consistent_settings_still_load():
-    cfg = load_config("recipes/tiny_cpu.yaml", ["rollout.engine_mode=remote", "rollout.engine_urls=[http://n:1]",
-                                                "rollout.api_key=k"])
-    assert cfg.rollout.engine_urls == ["http://n:1"]
-    assert load_config("recipes/tiny_cpu.yaml", ["rollout.engine_mode=local_servers",
-                                                 "rollout.api_key=k"]).rollout.api_key == "k"
+    cfg = load_config("recipes/tiny_cpu.yaml", ["rollout.engines.mode=remote", "rollout.engines.urls=[http://n:1]",
+                                                "rollout.engines.api_key=k"])
+    assert cfg.rollout.engines.urls == ["http://n:1"]
+    assert load_config("recipes/tiny_cpu.yaml", ["rollout.engines.mode=local_servers",
+                                                 "rollout.engines.api_key=k"]).rollout.engines.api_key == "k"
     assert load_config("recipes/tiny_cpu.yaml", ["reward.model_path=/rm", "reward.model_coef=0.5"])

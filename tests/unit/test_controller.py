@@ -234,7 +234,7 @@ def test_state_saved_between_rounds_continues_identically():
 
 
 def test_async_rounds_overlap_training_and_keep_the_bound():
-    """rollout.async: round k+1 starts when round k ends and keeps generating while the
+    """rollout.partial.async: round k+1 starts when round k ends and keeps generating while the
     'trainer' trains; the weight update holds it mid-round (abort, load, continue). Tokens
     generated during training carry the old version, none is lost or duplicated, at most
     `concurrency` requests run, and nothing trained at step k is more than 1 version old."""

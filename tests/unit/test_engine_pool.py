@@ -15,7 +15,7 @@ from scripted_engine import ScriptedEngine as ClockedEngine
 
 from megarl.config.errors import ConfigError
 from megarl.config.registry import ENGINE_KINDS
-from megarl.config.schema import RolloutConfig
+from megarl.config.schema import EnginesConfig, RolloutConfig
 from megarl.rollout import vllm_async
 from megarl.rollout.build import build_engine
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
@@ -142,7 +142,7 @@ def test_update_aborts_pauses_loads_and_resumes_every_engine_and_versions_follow
 
 def test_failed_load_still_resumes_and_names_the_engine():
     """An engine is never left paused after an update, even a failed one (AReaL #1160); with
-    rollout.engine_failures_max=0 the failure stops the run, naming the engine."""
+    rollout.engines.failures_max=0 the failure stops the run, naming the engine."""
     engines = [ScriptedEngine("e0"), ScriptedEngine("e1", fail_load=True)]
     pool = EnginePool(engines, 10, failures_max=0)
     with pytest.raises(EngineError, match="e1.*load failed"):
@@ -193,7 +193,7 @@ class StartFails(ScriptedEngine):
 
 @pytest.mark.parametrize("replacement_starts", [True, False])
 def test_a_failed_engine_is_replaced_and_the_replacement_loads_before_it_serves(replacement_starts):
-    """rollout.engine_restart: the failed engine is closed, a fresh one is started in its
+    """rollout.engines.restart: the failed engine is closed, a fresh one is started in its
     place, and it joins only at the next weight update, after loading that version: the first
     thing it does after starting is pause + load, and the requests after the update are spread
     over both engines again. A replacement that cannot start is logged and left out."""
@@ -256,7 +256,7 @@ def test_injected_engine_failure_retires_that_engine_and_every_request_completes
 
 @pytest.mark.parametrize("engines,failures_max,message", [
     (1, 5, "no rollout engine left"),
-    (2, 0, r"engine_failures_max=0"),
+    (2, 0, r"engines\.failures_max=0"),
 ])
 def test_pool_gives_up_when_no_engine_is_left_or_too_many_failed(engines, failures_max, message):
     async def main():
@@ -279,11 +279,11 @@ def test_duplicate_keys_in_flight_are_refused():
 
 
 def test_sync_pool_times_out_instead_of_hanging():
-    """A call that exceeds rollout.engine_timeout_s raises EngineError; it never blocks forever."""
+    """A call that exceeds rollout.engines.timeout_s raises EngineError; it never blocks forever."""
     loop = LoopThread()
     try:
         sync = SyncPool(EnginePool([ScriptedEngine("e0")], timeout_s=0.3), loop, 5)
-        with pytest.raises(EngineError, match="engine_timeout_s"):
+        with pytest.raises(EngineError, match="engines.timeout_s"):
             sync.call(asyncio.sleep(5), "sleeping", timeout=0.3)
         out = sync.generate_many([GenRequest("a", [1], 1)])
         assert out[0].token_ids == [0]
@@ -323,8 +323,8 @@ def test_staging_problems_are_named(tmp_path):
 
 
 def test_an_engine_start_past_its_deadline_names_the_start_setting():
-    """The start deadline is rollout.engine_start_timeout_s, and its error says so (it named
-    rollout.engine_timeout_s, which does not govern the start)."""
+    """The start deadline is rollout.engines.start_timeout_s, and its error says so (it named
+    rollout.engines.timeout_s, which does not govern the start)."""
     from megarl.rollout.pool import LoopThread, SyncPool
 
     class SlowStart(ScriptedEngine):
@@ -332,22 +332,22 @@ def test_an_engine_start_past_its_deadline_names_the_start_setting():
             await asyncio.sleep(30)
     loop = LoopThread()
     try:
-        with pytest.raises(EngineError, match="rollout.engine_start_timeout_s"):
+        with pytest.raises(EngineError, match="rollout.engines.start_timeout_s"):
             SyncPool(EnginePool([SlowStart("slow")], 10), loop, 0.3)
     finally:
         loop.stop()
 
 
 def test_engine_kinds_are_the_builders_registered_next_to_them(monkeypatch):
-    """rollout.engine_mode names an ENGINE_KINDS entry, registered in megarl/rollout/build.py:
+    """rollout.engines.mode names an ENGINE_KINDS entry, registered in megarl/rollout/build.py:
     the three built-in kinds build their engine classes (unstarted: nothing runs), a kind
     registered elsewhere is validated and built like them, and an unknown one is a ConfigError
     naming the setting, the value and the known kinds."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")     # engine_args' setdefault stays local
     assert ENGINE_KINDS.names() == ["inprocess", "local_servers", "remote"]
-    made = {mode: build_engine(RolloutConfig(engine_mode=mode, **extra), "/m", 3, "/logs", 1, "gloo")
+    made = {mode: build_engine(RolloutConfig(engines=EnginesConfig(mode=mode, **extra)), "/m", 3, "/logs", 1, "gloo")
             for mode, extra in [("inprocess", {}), ("local_servers", {}),
-                                ("remote", {"engine_urls": ["http://h:1", "http://h:2"]})]}
+                                ("remote", {"urls": ["http://h:1", "http://h:2"]})]}
     assert type(made["inprocess"]) is AsyncVLLMEngine and made["inprocess"].engine_args["seed"] == 4
     assert made["inprocess"].engine_args["weight_transfer_config"] == {"backend": "gloo"}
     assert type(made["local_servers"]) is LocalServerEngine
@@ -360,11 +360,12 @@ def test_engine_kinds_are_the_builders_registered_next_to_them(monkeypatch):
     ENGINE_KINDS.register("test_fake", fake)
     try:
         ENGINE_KINDS.check("test_fake")
-        assert build_engine(SimpleNamespace(engine_mode="test_fake"), "/m", 3, "/logs", 2) == ("fake", "/m", 3, 2)
+        fake = SimpleNamespace(engines=SimpleNamespace(mode="test_fake"))
+        assert build_engine(fake, "/m", 3, "/logs", 2) == ("fake", "/m", 3, 2)
     finally:
         ENGINE_KINDS._entries.pop("test_fake")
-    with pytest.raises(ConfigError, match=r"rollout\.engine_mode='cloud'.*inprocess, local_servers, remote"):
-        build_engine(SimpleNamespace(engine_mode="cloud"), "/m", 3, "/logs", 0)
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.mode='cloud'.*inprocess, local_servers, remote"):
+        build_engine(SimpleNamespace(engines=SimpleNamespace(mode="cloud")), "/m", 3, "/logs", 0)
 
 
 # -- the engine contract (tests/engine_contract.py) on the two fakes ------------------------

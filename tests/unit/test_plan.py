@@ -144,10 +144,10 @@ def test_json_not_fitting_still_prints_json_and_exits_2():
 
 
 def test_engine_kv_shortfall_names_concurrency():
-    cfg = load_config(R70, ["rollout.concurrency=4096"])
+    cfg = load_config(R70, ["rollout.partial.concurrency=4096"])
     p = make_plan(cfg)
     (prob,) = p["problems"]
-    assert prob["role"] == "engines" and "rollout.concurrency <=" in prob["fix"] and prob["short_gib"] > 0
+    assert prob["role"] == "engines" and "rollout.partial.concurrency <=" in prob["fix"] and prob["short_gib"] > 0
 
 
 # -- weight transfer buffers (weight_sync.transport=collective) -------------------------------------
@@ -204,7 +204,7 @@ def test_gloo_buffers_are_host_memory():
 def test_trainer_that_fits_only_without_buffers_exits_2_naming_the_setting(capsys):
     """7B: 63.9 GiB per trainer GPU without buffers, + 2 x (6 GiB + 1.02 GiB) with them > 76 usable.
     The engines have room (their share lowered to 0.6), so the trainer is the one problem."""
-    over = ["weight_sync.bucket_mb=6144", "rollout.gpu_memory_utilization=0.6"]
+    over = ["weight_sync.bucket_mb=6144", "rollout.engines.gpu_memory_utilization=0.6"]
     assert main(["plan", R7, *over, "weight_sync.transport=files"]) == 0
     capsys.readouterr()
     assert main(["plan", R7, *over]) == 2
@@ -220,8 +220,8 @@ def test_engine_without_room_for_buffers_exits_2_naming_the_setting(capsys):
     err = capsys.readouterr().err
     assert "trainer:" not in err and "engines:" in err and "outside vLLM's share" in err
     # (80 - 4 - 10.03) / 80 = 0.8246: the share that leaves them room, rounded down
-    assert "weight_sync.bucket_mb=4096" in err and "rollout.gpu_memory_utilization <= 0.82" in err
-    assert main(["plan", R7, "weight_sync.bucket_mb=4096", "rollout.gpu_memory_utilization=0.82"]) == 0
+    assert "weight_sync.bucket_mb=4096" in err and "rollout.engines.gpu_memory_utilization <= 0.82" in err
+    assert main(["plan", R7, "weight_sync.bucket_mb=4096", "rollout.engines.gpu_memory_utilization=0.82"]) == 0
 
 
 # -- bad inputs ----------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_engine_without_room_for_buffers_exits_2_naming_the_setting(capsys):
     (["--gpu-mem-gb", "0"], r"--gpu-mem-gb=0.0: must be > 0"),
     (["parallel.tp=3"], r"parallel\.tp=3 must divide the model's 64 heads and 8 KV heads"),
     (["parallel.pp=3"], r"parallel\.pp=3 must divide the model's 80 layers"),
-    (["rollout.engine_tp=16"], r"rollout\.engine_tp=16 > cluster\.gpus_per_node=8"),
+    (["rollout.engines.tp=16"], r"rollout\.engines\.tp=16 > cluster\.gpus_per_node=8"),
     (["train.micro_batch_size=3"], r"train\.micro_batch_size=3"),
     (["cluster.trainer_nodes=6"], r"cluster\.trainer_nodes \+ engine_nodes=9: must be <= cluster\.nodes=8"),
 ])

@@ -298,7 +298,7 @@ def test_token_sum_norm_divides_by_the_budget_not_the_lengths():
     ones = torch.ones(2, 4)
     assert close(aggregate(ones, long, mode, 16.0), 7 / 16)
     assert close(aggregate(ones, short, mode, 16.0), 3 / 16)
-    with pytest.raises(ValueError, match="max_len.*rollout.max_new_tokens"):
+    with pytest.raises(ValueError, match="max_len.*rollout.sampling.max_new_tokens"):
         global_normalizer(long, mode)
     with pytest.raises(ValueError, match="max_len=3"):
         global_normalizer(long, mode, max_len=3)  # row 0 has 4 tokens: not a budget

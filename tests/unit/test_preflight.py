@@ -79,15 +79,17 @@ def test_prompts_that_leave_no_room_for_the_response_name_row_and_limits(tiny_mo
     assert records.rows == [1, 3, 4]    # JSONL line numbers, blank lines skipped
     tok = preflight.load_tokenizer(str(tiny_model))
     cfg = load_config("recipes/tiny_cpu.yaml", [f"data.prompts={data}"])
-    with pytest.raises(ConfigError, match=r"row 3: a prompt of 232 tokens \+ rollout\.max_new_tokens=56 exceeds "
-                                          r"rollout\.max_model_len=256 \(1 of 3 rows do\): raise "
-                                          r"rollout\.max_model_len to 288, lower rollout\.max_new_tokens to 24"):
+    with pytest.raises(ConfigError, match=r"row 3: a prompt of 232 tokens \+ rollout\.sampling\.max_new_tokens=56 "
+                                          r"exceeds rollout\.engines\.max_model_len=256 \(1 of 3 rows do\): raise "
+                                          r"rollout\.engines\.max_model_len to 288, lower "
+                                          r"rollout\.sampling\.max_new_tokens to 24"):
         preflight.check_prompts(records, tok, cfg)
     short = load_prompts(str(tiny_model / "prompts.jsonl"))
     preflight.check_prompts(short, tok, cfg, vocab_size=128)
     # the budget alone: 3-token prompts + 254 new tokens > 256
-    budget = load_config("recipes/tiny_cpu.yaml", ["rollout.max_new_tokens=254"])
-    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=254 exceeds rollout\.max_model_len=256"):
+    budget = load_config("recipes/tiny_cpu.yaml", ["rollout.sampling.max_new_tokens=254"])
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.max_new_tokens=254 exceeds "
+                                          r"rollout\.engines\.max_model_len=256"):
         preflight.check_prompts(short, tok, budget)
     with pytest.raises(ConfigError, match=r"outside the model's vocab_size=5"):
         preflight.check_prompts(short, tok, cfg, vocab_size=5)
@@ -103,26 +105,26 @@ def test_engine_tp_against_the_model_and_the_machine(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
     monkeypatch.setattr(preflight, "numa_nodes", lambda: 1)
     preflight.check_engines_fit(cfg(), arch)
-    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=2: vLLM on CPU runs one TP worker per NUMA node "
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.tp=2: vLLM on CPU runs one TP worker per NUMA node "
                                           r"and this machine has 1"):
-        preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
-    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=3 must divide the model's 4 attention heads"):
-        preflight.check_engines_fit(cfg("rollout.engine_tp=3"), arch)
+        preflight.check_engines_fit(cfg("rollout.engines.tp=2"), arch)
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.tp=3 must divide the model's 4 attention heads"):
+        preflight.check_engines_fit(cfg("rollout.engines.tp=3"), arch)
     # remote engines run elsewhere; threads bound by hand need no NUMA node each
-    preflight.check_engines_fit(cfg("rollout.engine_tp=2", "rollout.engine_mode=remote",
-                                    "rollout.engine_urls=[http://n:1]"), arch)
+    preflight.check_engines_fit(cfg("rollout.engines.tp=2", "rollout.engines.mode=remote",
+                                    "rollout.engines.urls=[http://n:1]"), arch)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
+    preflight.check_engines_fit(cfg("rollout.engines.tp=2"), arch)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"rollout\.engine_tp=2: one engine needs that many GPUs and this "
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.tp=2: one engine needs that many GPUs and this "
                                           r"machine shows 1"):
-        preflight.check_engines_fit(cfg("rollout.engine_tp=2"), arch)
-    with pytest.raises(ConfigError, match=r"rollout\.max_model_len=512 exceeds the model's "
+        preflight.check_engines_fit(cfg("rollout.engines.tp=2"), arch)
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.max_model_len=512 exceeds the model's "
                                           r"max_position_embeddings=256"):
-        preflight.check_engines_fit(cfg("rollout.max_model_len=512"), arch)
+        preflight.check_engines_fit(cfg("rollout.engines.max_model_len=512"), arch)
     scaled = {**arch, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    preflight.check_engines_fit(cfg("rollout.max_model_len=512"), scaled)   # vLLM's to judge
+    preflight.check_engines_fit(cfg("rollout.engines.max_model_len=512"), scaled)   # vLLM's to judge
 
 
 def test_numa_id_lists():

@@ -29,7 +29,7 @@ def test_recipe_loads_and_validates(recipe):
     world = c.trainer_node_count * c.gpus_per_node if c.gpus_per_node else 1
     if c.gpus_per_node:
         assert validate_world(cfg, world) >= 1
-        assert cfg.rollout.engines * cfg.rollout.engine_tp <= c.engine_nodes * c.gpus_per_node
+        assert cfg.rollout.engines.count * cfg.rollout.engines.tp <= c.engine_nodes * c.gpus_per_node
 
 
 @pytest.mark.parametrize("recipe", [p for p in RECIPES if load_config(p).cluster.gpus_per_node],

@@ -1,5 +1,5 @@
 """A remote engine that does not answer (megarl/rollout/vllm_http.py `_wait_healthy`): the
-wait is said every few seconds, and the error names the URL and rollout.engine_urls, exit 2."""
+wait is said every few seconds, and the error names the URL and rollout.engines.urls, exit 2."""
 import asyncio
 import socket
 
@@ -30,11 +30,11 @@ def test_nothing_listening_is_said_while_waiting_and_named_at_the_end(capsys):
     with pytest.raises(EngineError) as e:
         _start(url, 12)
     msg = str(e.value)
-    assert f"no server answered GET {url}/health within 12 s" in msg and "rollout.engine_urls" in msg
-    assert "rollout.engine_start_timeout_s" in msg and "\n" not in msg
+    assert f"no server answered GET {url}/health within 12 s" in msg and "rollout.engines.urls" in msg
+    assert "rollout.engines.start_timeout_s" in msg and "\n" not in msg
     assert e.value.exit_code == 2   # a remote URL is the user's input (megarl/cli.py exits 2)
     waits = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megarl: waiting for engine")]
-    assert waits and all(url in line and "rollout.engine_urls" in line for line in waits)
+    assert waits and all(url in line and "rollout.engines.urls" in line for line in waits)
 
 
 def test_a_server_without_health_is_not_waited_for():
@@ -56,6 +56,6 @@ def test_a_server_without_health_is_not_waited_for():
         return url
 
     with pytest.raises(EngineError,
-                       match=r"/health answers HTTP 404: that is not a vLLM server.*rollout\.engine_urls") as e:
+                       match=r"/health answers HTTP 404: that is not a vLLM server.*rollout\.engines\.urls") as e:
         asyncio.run(main())
     assert e.value.exit_code == 2

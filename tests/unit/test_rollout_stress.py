@@ -59,7 +59,7 @@ async def drive(length_of, rounds, *, concurrency=32, n=4, target=3, max_new=64,
                 policy="finish", asynchronous=False, score=None, scorer=None, new_group=None,
                 engines=2, sample_every_s=None, clock=None):
     """`rounds` training steps as train.py runs them (push version k+1 after step k; with
-    `asynchronous`, round k+1 starts before the push, as rollout.async does)."""
+    `asynchronous`, round k+1 starts before the push, as rollout.partial.async does)."""
     clock = clock or Clock()
     clock.start()
     pool = EnginePool([WorkloadEngine(f"e{i}", clock, length_of) for i in range(engines)], 30)
@@ -218,7 +218,7 @@ def test_a_request_that_cannot_be_built_ends_the_round_with_its_error():
 
 
 def test_a_carry_longer_than_a_smaller_budget_is_finished_not_an_error():
-    """Resumed with a smaller rollout.max_new_tokens: a carried sample already at (or past)
+    """Resumed with a smaller rollout.sampling.max_new_tokens: a carried sample already at (or past)
     the budget is finished on length, clipped to it, and trained; no request with budget < 1."""
     async def main():
         ctl, trained, _ = await drive(bimodal, 2, max_staleness=8, policy="restart")
@@ -258,7 +258,7 @@ class DiesAt(WorkloadEngine):
 
 
 def test_an_engine_error_stops_admission_at_once():
-    """With rollout.engine_failures_max=0 the first engine failure ends the run: the round raises
+    """With rollout.engines.failures_max=0 the first engine failure ends the run: the round raises
     it, and no request is admitted after it (the other engine's requests finishing meanwhile
     are not replaced)."""
     admitted_after = []
@@ -283,7 +283,7 @@ def test_an_engine_error_stops_admission_at_once():
             await ctl.run_round(1000, 0)   # more groups than it can make before tick 20
         finally:
             clock.stop()
-    with pytest.raises(EngineError, match="engine_failures_max=0.*e1"):
+    with pytest.raises(EngineError, match="engines.failures_max=0.*e1"):
         asyncio.run(main())
     assert sum(admitted_after) == 0
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megarl.config.schema import RolloutConfig
+from megarl.config.schema import EnginesConfig, RolloutConfig
 from megarl.rollout import serve, vllm_async
 from megarl.rollout.servers import LocalServer
 
@@ -29,7 +29,7 @@ def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(ca
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "k" * 32)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     with pytest.raises(SystemExit):
-        serve.main(["serve", "recipes/tiny_cpu.yaml", "rollout.kv_cache_mb=32", "--host", "10.1.2.3",
+        serve.main(["serve", "recipes/tiny_cpu.yaml", "rollout.engines.kv_cache_mb=32", "--host", "10.1.2.3",
                     "--port", "8123", "--index", "2", "run.seed=5"])
     want = LocalServer("artifacts/tiny_countdown", "/dev/null", api_key="", seed=7, max_model_len=256,
                        kv_cache_mb=32, port=8123, host="10.1.2.3", weight_backend="gloo").command()
@@ -104,11 +104,13 @@ def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, 
     setting reaches both with the same value; besides them the in-process engine adds only
     its quiet logging and the server only its address, name and key middleware."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    cfg = RolloutConfig(enforce_eager=eager, kv_cache_mb=32, max_model_len=192, gpu_memory_utilization=0.3)
+    cfg = RolloutConfig(engines=EnginesConfig(enforce_eager=eager, kv_cache_mb=32, max_model_len=192,
+                                             gpu_memory_utilization=0.3))
     in_process = vllm_async.engine_args(cfg, seed=5, index=2, weight_backend=backend)
-    server = LocalServer("m", "/dev/null", api_key="", seed=7, max_model_len=cfg.max_model_len,
-                         tp=cfg.engine_tp, enforce_eager=cfg.enforce_eager, kv_cache_mb=cfg.kv_cache_mb,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization, port=8123, weight_backend=backend)
+    server = LocalServer("m", "/dev/null", api_key="", seed=7, max_model_len=cfg.engines.max_model_len,
+                         tp=cfg.engines.tp, enforce_eager=cfg.engines.enforce_eager,
+                         kv_cache_mb=cfg.engines.kv_cache_mb,
+                         gpu_memory_utilization=cfg.engines.gpu_memory_utilization, port=8123, weight_backend=backend)
     argv = server.command()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     flags = _flags(argv[3:])

@@ -241,7 +241,7 @@ def _bench_json(tmp_path):
 def test_megarl_simulate_a_recipe(tmp_path, capsys):
     from megarl.cli import main
     rc = main(["simulate", "recipes/tiny_cpu.yaml", "--calibration", str(_bench_json(tmp_path)), "--steps", "3",
-               "--json", "rollout.max_new_tokens=128"])
+               "--json", "rollout.sampling.max_new_tokens=128"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["modes"]) == {"sync", "partial", "async"} and out["recipe_mode"] == "partial"
@@ -307,14 +307,15 @@ def test_the_simulated_step_pays_the_push_once_however_many_engines():
 
 @pytest.mark.parametrize("route", ["collective", "files"])
 def test_the_recipe_picks_the_route(route, tmp_path):
-    """`megarl simulate`: the roofline push follows weight_sync.transport and rollout.engines;
+    """`megarl simulate`: the roofline push follows weight_sync.transport and rollout.engines.count;
     a measured push (bench/rollout_speedup.py, 1 engine, files) scales with the engines only
     on the files route."""
     from megarl.config import load_config
     from megarl.sim.costs import H100, weight_push_s
     from megarl.sim.recipe import measured_costs, roofline_costs
     for engines in (1, 4):
-        cfg = load_config("recipes/tiny_cpu.yaml", [f"rollout.engines={engines}", f"weight_sync.transport={route}"])
+        cfg = load_config("recipes/tiny_cpu.yaml",
+                          [f"rollout.engines.count={engines}", f"weight_sync.transport={route}"])
         engine, trainer = roofline_costs(cfg, "h100", "llama3.1-70b", 4, 32)
         assert (trainer.push_s, engine.load_weights_s) == weight_push_s(_model_70b(), H100, engines, 4, route)
         assert trainer.route == route

@@ -15,7 +15,7 @@ One push (every trainer rank calls `CollectiveTransport.push`):
 4. `finish_weight_update(version)` (vLLM finalizes the layerwise reload), prefix-cache reset;
    the engines resume (`end_update`, also after a failure).
 
-Failures: every engine call is bounded by rollout.engine_timeout_s and so is every broadcast
+Failures: every engine call is bounded by rollout.engines.timeout_s and so is every broadcast
 (the group's timeout), so nothing hangs. A member that never joins is named and retired. If a
 bucket fails (an engine died mid-broadcast), the group is dropped, which ends the others'
 pending receives at once; engines that are not alive are retired, and the push is redone once
@@ -243,13 +243,13 @@ class CollectiveTransport:
                           if absent is None or absent & set(range(off, off + n))]
                 if not failed:
                     raise EngineError(f"the weight group ({world} members at {host}:{port}) did not form "
-                                      f"within {timeout_s:.0f} s (rollout.engine_timeout_s): {box.get('error')}")
+                                      f"within {timeout_s:.0f} s (rollout.engines.timeout_s): {box.get('error')}")
             for f in joins:
                 f.cancel()
             for e, why in failed:
                 sp.call(pool.retire(e, EngineError(
                     f"engine {e.name} did not join the weight group at {host}:{port} within "
-                    f"{timeout_s:.0f} s (rollout.engine_timeout_s): {why}. Fix: the engine must reach that "
+                    f"{timeout_s:.0f} s (rollout.engines.timeout_s): {why}. Fix: the engine must reach that "
                     f"address (weight_sync.master_addr / weight_sync.master_port, the port open) and run "
                     f"with megarl's weight-transfer config (or set weight_sync.transport=files)")),
                     "retiring an engine")
