@@ -276,6 +276,8 @@ class PartialConfig:
 
 @dataclass
 class RolloutConfig:
+    """`rollout.*`: the mode and the three groups of settings. The flat keys of before
+    (rollout.n, rollout.engine_mode, ...) still load, with a warning (config/loader.py MOVED)."""
     # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
     mode: str = "partial"
     dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
