@@ -160,7 +160,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0             # clip the global gradient norm (0: off)
     critic_warmup_steps: int = 0       # steps that train only the critic (PPO)
-    on_nonfinite: str = "stop"         # NaN/Inf in rewards, logprobs, values, losses or gradients: stop | skip (the step's update)
+    # NaN/Inf in rewards, logprobs, values, losses or gradients: stop | skip (the step's update)
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
@@ -300,9 +301,11 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "artifacts/tiny_countdown/prompts.jsonl"  # .jsonl or .parquet file, one record per row (docs/data.md)
+    # .jsonl or .parquet file, one record per row (docs/data.md)
+    prompts: str = "artifacts/tiny_countdown/prompts.jsonl"
     prompt_key: str = "prompt"         # field of each record holding the prompt text
-    messages_key: str = "messages"     # or: field holding chat messages [{role, content}], rendered with the tokenizer's chat template
+    # or: the field holding chat messages [{role, content}], rendered with the tokenizer's chat template
+    messages_key: str = "messages"
     answer_key: str = "answer"         # field holding the gold answer (reward.fn=math | exact need it)
     shuffle: bool = True               # reshuffle each epoch (seeded by run.seed)
 
@@ -344,7 +347,8 @@ class WeightSyncConfig:
     master_addr: str = ""
     master_port: int = 0               # 0: a free port, new for every group
     bucket_mb: int = 512               # tensors are packed into buffers of about this size per broadcast
-    num_buffers: int = 2               # collective: packed buffers in flight per side (2: gather the next while one is on the wire)
+    # collective: packed buffers in flight per side (2: gather the next while one is on the wire)
+    num_buffers: int = 2
     staging_dir: str = "/dev/shm"      # files: where the safetensors buckets are staged (engines must see it)
     verify: bool = False               # after each push, compare engine and trainer logprobs
 
