@@ -129,6 +129,15 @@ class EnginePool:
         finally:
             self._aborted.discard(req.key)
 
+    async def generate_all(self, requests: list[GenRequest]) -> list[GenResult]:
+        """All requests concurrently, results in request order; the first failure raises."""
+        return await _gather_or_raise([self.generate(r) for r in requests])
+
+    def deadline_for(self, count: int) -> float:
+        """A deadline for `count` requests served at once: each must make progress within
+        rollout.engines.timeout_s, and an engine serves its share of them together."""
+        return self.timeout_s * max(1, -(-count // max(1, len(self.engines))))
+
     async def _serve(self, req: GenRequest, engine: Optional[Engine], done: GenResult,
                      current: GenRequest) -> GenResult:
         while True:
@@ -325,11 +334,8 @@ class SyncPool:
     def generate_many(self, requests: list[GenRequest]) -> list[GenResult]:
         """All requests concurrently; results in request order. The deadline scales with the
         number of requests per engine (each must make progress within rollout.engines.timeout_s)."""
-        async def run():
-            return await _gather_or_raise([self.pool.generate(r) for r in requests])
-        per_engine = -(-len(requests) // len(self.pool.engines))
-        return self.call(run(), f"generating {len(requests)} samples",
-                         self.pool.timeout_s * max(1, per_engine))
+        return self.call(self.pool.generate_all(requests), f"generating {len(requests)} samples",
+                         self.pool.deadline_for(len(requests)))
 
     def reload_weights(self, path: str, version: int) -> None:
         self.call(self.pool.reload_weights(path, version), f"loading weight version {version}")

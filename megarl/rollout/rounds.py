@@ -31,7 +31,7 @@ from megarl.data.sample import Sample
 from megarl.data.seeds import step_prompt_seeds
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.scoring import score_sample
-from megarl.rollout.sync_rollout import generate_groups
+from megarl.rollout.sync_rollout import generate_groups, score_all
 
 
 class RoundStepper:
@@ -103,9 +103,10 @@ class Rollout:
                 # one thread: the verifier runs one call at a time anyway (one worker process),
                 # and FIFO keeps the order in which groups complete
                 scorer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score"))
-        # sync mode's fresh round runs here, on the driver thread (`_fresh`): SyncPool's calls
-        # block until the loop thread has served them
-        self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous)
+        # sync mode: `_fresh` runs on the loop thread like the controller's rounds (and the
+        # simulator's); its samples are scored back on the driver thread
+        self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous,
+                                    fresh=self._fresh)
 
     def _new_group(self) -> tuple[dict, list[int]]:
         record = self.records[self.sampler.take(1)[0]]
@@ -115,7 +116,10 @@ class Rollout:
     def round(self, step: int) -> tuple[list[Sample], dict]:
         if self.controller is None:
             version = self.pool.version
-            samples = self._fresh(step)
+            count = self.cfg.train.groups_per_step * self.cfg.rollout.sampling.n
+            samples = self.pool.call(self.stepper.round(step), f"generating {count} samples",
+                                     self.pool.pool.deadline_for(count))
+            score_all(samples, self.tokenizer, self.reward_fn)
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.sampling.max_new_tokens)
         done = self.pool.call(self.stepper.round(step), f"rollout round {step}", deadline)
@@ -123,15 +127,16 @@ class Rollout:
         # the trainer's weights at step k are version k
         return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
 
-    def _fresh(self, step: int) -> list[Sample]:
-        """Sync mode: every sample of groups_per_step fresh prompts, seeded by (run seed, step)."""
+    async def _fresh(self, step: int) -> list[Sample]:
+        """Sync mode, on the loop: every sample of groups_per_step fresh prompts, seeded by (run
+        seed, step), unscored."""
         r = self.cfg.rollout
         first_uid = self.sampler.drawn
         chosen = [self.records[i] for i in self.sampler.take(self.cfg.train.groups_per_step)]
         prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
-        return generate_groups(self.pool, chosen, prompts, r.sampling.n, r.sampling.max_new_tokens, self.tokenizer,
-                               self.reward_fn, step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
-                               r.sampling.temperature, tag=f"{step}-", first_uid=first_uid)
+        return await generate_groups(self.pool.pool, chosen, prompts, r.sampling.n, r.sampling.max_new_tokens,
+                                     step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
+                                     r.sampling.temperature, tag=f"{step}-", first_uid=first_uid)
 
     def _engine_metrics(self) -> dict:
         """Engines retired and restarted so far (each event is also logged when it happens)."""

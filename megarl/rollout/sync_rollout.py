@@ -23,19 +23,19 @@ def group_requests(prompts: list[list[int]], n: int, max_new_tokens: int, temper
             for i, p in enumerate(prompts) for j in range(n)]
 
 
-def generate_groups(pool, records: list[dict], prompts: list[list[int]], n: int,
-                    max_new_tokens: int, tokenizer, reward_fn: Callable,
-                    seeds: list[int] | None = None, temperature: float = 1.0,
-                    tag: str = "", first_uid: int = 0) -> list[Sample]:
-    """n samples per prompt from the engine pool (a SyncPool), scored, in group order
-    (group g = records[g], uid first_uid + g). Token versions are the ones
-    the engines reported."""
-    results = pool.generate_many(group_requests(prompts, n, max_new_tokens, temperature, seeds, tag))
-    samples = []
-    for k, r in enumerate(results):
-        g = k // n
-        s = Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.stopped, g, records[g],
-                   finish_reason=r.finish_reason, uid=first_uid + g)
+async def generate_groups(pool, records: list[dict], prompts: list[list[int]], n: int,
+                          max_new_tokens: int, seeds: list[int] | None = None, temperature: float = 1.0,
+                          tag: str = "", first_uid: int = 0) -> list[Sample]:
+    """n samples per prompt from the engine pool (an EnginePool, on its loop), unscored, in
+    group order (group g = records[g], uid first_uid + g). Token versions are the ones the
+    engines reported."""
+    results = await pool.generate_all(group_requests(prompts, n, max_new_tokens, temperature, seeds, tag))
+    return [Sample(prompts[k // n], r.token_ids, r.logprobs, r.versions, r.stopped, k // n, records[k // n],
+                   finish_reason=r.finish_reason, uid=first_uid + k // n) for k, r in enumerate(results)]
+
+
+def score_all(samples: list[Sample], tokenizer, reward_fn: Callable) -> list[Sample]:
+    """Each sample's reward from the run's verifier, one after another (off the pool's loop)."""
+    for s in samples:
         s.reward = score_sample(s, tokenizer, reward_fn)
-        samples.append(s)
     return samples
