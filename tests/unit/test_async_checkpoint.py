@@ -27,8 +27,9 @@ class Tok:
 
 def config():
     return SimpleNamespace(
-        rollout=SimpleNamespace(mode="partial", n=4, concurrency=12, max_new_tokens=64, temperature=1.0,
-                                max_staleness=2, stale_policy="finish", asynchronous=True),
+        rollout=SimpleNamespace(
+            mode="partial", sampling=SimpleNamespace(n=4, max_new_tokens=64, temperature=1.0),
+            partial=SimpleNamespace(concurrency=12, max_staleness=2, stale_policy="finish", asynchronous=True)),
         run=SimpleNamespace(seed=0), train=SimpleNamespace(groups_per_step=3),
         data=SimpleNamespace(prompt_key="prompt", messages_key="messages"))
 
