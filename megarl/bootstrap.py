@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 _done = False
+_on_cpu = False   # what the first call found: no GPU, so the shim is on
 
 
 def megatron_loaded() -> bool:
@@ -34,5 +35,3 @@ def bootstrap() -> bool:
     _done = True
     return _on_cpu
 
-
-_on_cpu = False

@@ -131,9 +131,9 @@ async def abort_resolves_with_the_partial(s: Subject) -> None:
         _aligned(res, s.long)
         assert res.finish_reason == "abort" and 0 < len(res.token_ids) < s.long and not res.stopped, res
         assert set(res.versions) == {e.version}
-    t0 = time.monotonic()
-    await e.abort(["c-nobody"])
-    assert time.monotonic() - t0 < 5 and e.running == 0
+    # a key nobody runs: abort returns (the deadline only turns a hang into a failure)
+    await asyncio.wait_for(e.abort(["c-nobody"]), 120)
+    assert e.running == 0
 
 
 async def pause_holds_requests_without_aborting_them(s: Subject) -> None:

@@ -45,7 +45,11 @@ class Registry:
     def _load(self) -> None:
         if not self._loaded:
             self._loaded = True   # first: a home that asks for its own names does not recurse
-            importlib.import_module(self.home)
+            try:
+                importlib.import_module(self.home)
+            except BaseException:
+                self._loaded = False   # a broken home raises again, never "unknown name" later
+                raise
 
     def names(self) -> list[str]:
         self._load()

@@ -71,6 +71,17 @@ def test_the_home_module_is_imported_on_first_use(tmp_path, monkeypatch):
     sys.modules.pop("probe_registry_home")
 
 
+def test_a_home_that_fails_to_import_fails_every_time(tmp_path, monkeypatch):
+    """A broken home (a typo in a verifier module) raises its ImportError on every use, never
+    a later "unknown name" that would hide which import broke."""
+    reg = Registry("probe.kind", "probe_registry_broken_home", "probe kind")
+    (tmp_path / "probe_registry_broken_home.py").write_text("import no_such_module_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match="no_such_module_anywhere"):
+            reg.check("x")
+
+
 # ------------------------------------------------------------------------------------- built-ins
 @pytest.mark.parametrize("reg, names", [
     (KL_KINDS, ["abs", "k1", "k2", "k3"]),
