@@ -282,6 +282,18 @@ class RolloutConfig:
     # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
     mode: str = "partial"
     dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
+    # how partial rollout's requests live through a weight update (docs/partial_rollout.md):
+    # keep (the engines pause with them held, load, and resume them under the new version: no
+    # abort, no resubmission, no re-prefill; each token carries the version that produced it) |
+    # abort (abort them; the controller resubmits each as a continuation after the update)
+    update_mode: str = "keep"
+    # update_mode=keep: true keeps the KV the held requests computed under the old weights (no
+    # recompute; their next tokens attend to old-weight KV, which the IS weight sees); false
+    # drops it and the engine recomputes it under the new weights on resume (exact)
+    keep_kv: bool = False
+    # forward-only passes (old/reference logprobs, values) of the groups a round emits run on
+    # the trainer ranks while the round still generates (intra-step overlap)
+    overlap: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     partial: PartialConfig = field(default_factory=PartialConfig)
@@ -293,6 +305,13 @@ class RolloutConfig:
                  f"the prompt and the response): lower it, or raise rollout.engines.max_model_len")
         _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
         _one_of("rollout.mode", self.mode, {"partial", "sync"})
+        _one_of("rollout.update_mode", self.update_mode, {"keep", "abort"})
+        _require(not self.keep_kv or self.update_mode == "keep", "rollout.keep_kv", self.keep_kv,
+                 "applies only to rollout.update_mode=keep (abort mode drops every request at an update): "
+                 "remove rollout.keep_kv, or set rollout.update_mode=keep")
+        _require(not self.overlap or self.mode == "partial", "rollout.overlap", self.overlap,
+                 "needs rollout.mode=partial (a sync round hands every group over at its end, so "
+                 "nothing could overlap): set rollout.mode=partial, or remove rollout.overlap")
         _require(not p.asynchronous or self.mode == "partial", "rollout.partial.async", p.asynchronous,
                  "needs rollout.mode=partial")
         _require(not p.asynchronous or p.max_staleness >= 1, "rollout.partial.max_staleness", p.max_staleness,

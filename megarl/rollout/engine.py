@@ -13,11 +13,13 @@ Contract (what PPO and the pool rely on):
   engines run with logprobs_mode=processed_logprobs; raw logprobs would make every
   importance ratio wrong at temperature != 1). PPO's ratios and the weight-sync check
   (`weight_sync.verify`) compare them with the trainer's own log_softmax(logits / T).
-- Versions: the engine, not the trainer, stamps each token with the weight version that
-  produced it (`versions`, aligned with `token_ids`). One request never spans two weight
-  versions: weights arrive only while the engine is paused with no request running (abort
-  first, else the update raises EngineError), so every token's version is exact. A sample the
-  pool continues after an update (partial rollout) keeps each token's own version.
+- Versions: every token carries the version that produced it: the engine, not the trainer,
+  stamps each token with the weight version it was sampled under (`versions`, aligned with
+  `token_ids`; vLLM reports the spans itself, and they win over the client's stamps). Weights
+  arrive only while the engine is paused; a request held over an update
+  (rollout.update_mode=keep) goes on under the new version after `resume()`, so its tokens
+  span both. With update_mode=abort the pool aborts everything first, and a sample it
+  continues after the update keeps each token's own version.
 - `generate(req)` resolves exactly once, with every token the engine produced for it; the
   lists `token_ids`, `logprobs` and `versions` have one entry per generated token, at most
   `max_tokens` of them. `finish_reason` is "stop" (EOS or a stop token), "length" (the token
@@ -29,7 +31,14 @@ Contract (what PPO and the pool rely on):
   for an abort. `abort(keys)` / `abort()` (all) returns only after every aborted `generate`
   has resolved; keys not running are ignored. `running` is then 0 for them.
 - Pause: `pause()` stops scheduling; running requests are held, not aborted, and go on after
-  `resume()`.
+  `resume()`. Once pause() returned, `partial(key)` of a held request is every token it has
+  produced (nothing more arrives before resume()).
+- Progress: `partial(key)` is a copy of what the in-flight request `key` has streamed so far
+  (tokens, logprobs, versions: a prefix of its final result), None when it is not in flight.
+- KV over an update: after new weights loaded into a paused engine holding requests,
+  `clear_kv()` drops their KV (and the prefix cache) so they recompute it under the new
+  weights when they resume (rollout.keep_kv=false); without it they keep the KV computed
+  under the old weights.
 - Weights: two routes (megarl/rollout/transfer/): `collective`, vLLM's weight-transfer
   session (`init_weight_transfer` once per group, then per push `start_weight_update`, one
   `update_weights(update_info)` per bucket, received while the trainer broadcasts, and
@@ -142,6 +151,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def resume(self) -> None:
         ...
+
+    def partial(self, key: str) -> Optional[GenResult]:
+        """What the in-flight request `key` has streamed so far (a copy), None if not in flight."""
+        raise NotImplementedError(f"engine {self.name} ({type(self).__name__}) cannot report a "
+                                  f"running request's progress: set rollout.update_mode=abort")
+
+    async def clear_kv(self) -> None:
+        """Drop the held requests' KV and the prefix cache: they recompute it on resume."""
+        raise EngineError(f"engine {self.name} ({type(self).__name__}) cannot drop held requests' KV: "
+                          f"set rollout.keep_kv=true or rollout.update_mode=abort")
 
     @abc.abstractmethod
     async def reload_weights(self, path: str, version: int) -> None:
