@@ -28,11 +28,15 @@ class Subject:
     reference: Callable[[list[int], list[int], float], list[float]]
     weights: str                            # a reload_weights path holding the engine's current weights
     long: int                               # a budget no request reaches while a check waits to abort it
+    span: int = 200                         # a budget a request is paused in the middle of, and then finishes
     tol: float = 1e-4
     tempered: bool = True                   # its distribution depends on the temperature (fakes: not)
     progress: Optional[Callable[[str], int]] = None   # tokens streamed so far by key (None: wait settle_s)
     settle_s: float = 0.05
     timeout_s: float = 120.0
+    # other weights and their reference: (a reload_weights path, reference under them); None:
+    # the engine's model has no weights (fakes)
+    changed: Optional[tuple[str, Callable[[list[int], list[int], float], list[float]]]] = None
 
 
 async def _until(cond, timeout_s: float, what: str) -> None:
@@ -60,6 +64,26 @@ def hf_model(path):
     """The transformers model of a model folder, fp32: the reference for real engines."""
     from transformers import AutoModelForCausalLM  # heavy: only where a real engine is checked
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def changed_weights(src, dst) -> str:
+    """A copy of the model folder `src` in `dst` whose every tensor moved by 5% of its spread
+    (seeded): other weights for `Subject.changed`, the same architecture and files."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if name.endswith(".safetensors"):
+            tensors = load_file(path)
+            save_file({k: v + 0.05 * v.float().std() * torch.randn(v.shape, generator=g).to(v.dtype)
+                       for k, v in tensors.items()}, os.path.join(dst, name), metadata={"format": "pt"})
+        elif os.path.isfile(path):
+            shutil.copy(path, dst)
+    return str(dst)
 
 
 @torch.no_grad()
@@ -182,31 +206,26 @@ async def _paused_while_running(s: Subject, key: str):
     return task, held
 
 
-async def weights_arrive_only_when_paused_and_quiet(s: Subject) -> None:
-    """reload_weights refuses (EngineError) on a running engine and on a paused one with a
-    request in flight (a request must not span two versions); once that request is aborted it
-    loads, the engine reports the version and stamps every later token with it. The check ends
-    back at the engine's own version."""
+async def weights_arrive_while_paused_and_held_requests_go_on(s: Subject) -> None:
+    """reload_weights refuses (EngineError) on a running engine; paused with a request held
+    (rollout.update_mode=keep) it loads, the engine reports the version, and the held request
+    goes on after resume(): `partial()` at the pause is a prefix of its result, its tokens
+    from there on carry the new version, those before the old one. Over an update to the same
+    weights a greedy request continues with exactly the tokens of an uninterrupted one, with
+    its KV kept and dropped (`clear_kv`) alike. Later requests carry the new version. The
+    check ends back at the engine's own version."""
     e = s.engine
-    before, new = e.version, e.version + 7
+    before = e.version
     with pytest.raises(EngineError, match="paused"):
-        await e.reload_weights(s.weights, new)
-    held = asyncio.ensure_future(e.generate(_gen(s, "c-span", 40, s.long)))
+        await e.reload_weights(s.weights, before + 7)
+    plain = await e.generate(_gen(s, "c-greedy", 50, s.span, temperature=0.0, seed=5))
+    new = before
     try:
-        await _streaming(s, ["c-span"], [held])
-        await e.pause()
-        with pytest.raises(EngineError, match="running"):
-            await e.reload_weights(s.weights, new)
-        await e.abort(["c-span"])
-        part = held.result()
-        assert part.finish_reason == "abort" and set(part.versions) <= {before}
-        await e.reload_weights(s.weights, new)
-        health = await e.health()
-        assert health.version == new == e.version and health.paused and health.running == 0
-    finally:
-        await e.abort()
-        await e.resume()
-    try:
+        for clear in (False, True):
+            new += 7
+            res, k = await _held_over_update(s, f"c-span{int(clear)}", s.weights, new, clear)
+            assert res.token_ids == plain.token_ids, (clear, k, "held greedy request diverged")
+            assert res.versions == [new - 7] * k + [new] * (len(res.token_ids) - k), (k, res.versions)
         res = await e.generate(_gen(s, "c-after", 41, 6))
         assert res.versions == [new] * 6, res.versions
     finally:
@@ -216,8 +235,70 @@ async def weights_arrive_only_when_paused_and_quiet(s: Subject) -> None:
     assert e.version == before and (await e.health()).version == before
 
 
+async def held_tokens_after_an_update_come_from_the_new_weights(s: Subject) -> None:
+    """Held over an update to other weights (`Subject.changed`): with the KV dropped, the
+    tokens after the update carry the new version and their logprobs are those of the new
+    weights given the whole context (within tol); the tokens before, the old weights'. With
+    the KV kept they are not (the next tokens attend to KV of the old weights). Skipped for
+    engines whose model has no weights."""
+    if s.changed is None:
+        pytest.skip("the engine's model has no weights to change")
+    e, (path, reference) = s.engine, s.changed
+    before, prompt = e.version, s.prompt(50)
+    gaps = {}
+    try:
+        for clear in (True, False):
+            res, k = await _held_over_update(s, f"c-new{int(clear)}", path, before + 1, clear, temperature=1.0)
+            assert res.versions == [before] * k + [before + 1] * (len(res.token_ids) - k)
+            old = s.reference(prompt, res.token_ids[:k], 1.0)
+            assert max(abs(a - b) for a, b in zip(old, res.logprobs[:k])) < s.tol
+            ref = reference(prompt, res.token_ids, 1.0)[k:]
+            gaps[clear] = max(abs(a - b) for a, b in zip(ref, res.logprobs[k:]))
+            await e.pause()
+            await e.reload_weights(s.weights, before)
+            await e.resume()
+    finally:
+        if e.version != before:
+            await e.pause()
+            await e.reload_weights(s.weights, before)
+            await e.resume()
+    assert gaps[True] < s.tol, gaps
+    assert gaps[False] > s.tol, gaps
+
+
+async def _held_over_update(s: Subject, key: str, weights: str, version: int, clear: bool,
+                            temperature: float = 0.0) -> tuple[GenResult, int]:
+    """Start `key` (prompt 50, seeded), pause while it streams, load `weights` as `version`
+    (then clear_kv() when `clear`), resume, and return its result and the tokens it had at
+    the pause. Tried again (new key) when a request ran to its budget before the pause held."""
+    e = s.engine
+    for attempt in range(3):
+        task = asyncio.ensure_future(e.generate(_gen(s, f"{key}.{attempt}", 50, s.span, temperature, seed=5)))
+        try:
+            await _streaming(s, [f"{key}.{attempt}"], [task])
+            await e.pause()
+            part = e.partial(f"{key}.{attempt}")
+            if part is None:               # it ended before the pause took hold
+                assert task.done()
+                continue
+            await e.reload_weights(weights, version)
+            assert e.version == version and (await e.health()).version == version
+            if clear:
+                await e.clear_kv()
+        finally:
+            await e.resume()
+        res = await task
+        _aligned(res, s.span)
+        k = len(part.token_ids)
+        assert res.token_ids[:k] == part.token_ids and res.versions[:k] == part.versions
+        assert 0 < k < len(res.token_ids), (k, len(res.token_ids))
+        return res, k
+    raise AssertionError(f"every request reached its budget ({s.span}) before pause() did: raise Subject.span")
+
+
 CHECKS = [budget_ends_with_length, logprobs_are_of_the_sampled_distribution, abort_resolves_with_the_partial,
-          pause_holds_requests_without_aborting_them, weights_arrive_only_when_paused_and_quiet]
+          pause_holds_requests_without_aborting_them, weights_arrive_while_paused_and_held_requests_go_on,
+          held_tokens_after_an_update_come_from_the_new_weights]
 
 
 async def run_all(s: Subject) -> list[str]:

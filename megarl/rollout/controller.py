@@ -11,10 +11,14 @@ One round (docs/design.md "One training step"; docs/partial_rollout.md), on the 
 - a group whose n samples are all done (stopped, or at the token budget) is scored (off
   the loop when a `scorer` executor is given) and queued for the trainer.
 - the round ends when `train.groups_per_step` groups are complete AND every group due this
-  step (below) is complete: every in-flight request of this controller is aborted and its
-  tokens, behaviour logprobs and versions so far stay in its slot (the carry). The round's
-  groups stay in `ready` until the driver takes them (`take_ready`), so a snapshot taken at
-  any moment holds every untrained group exactly once.
+  step (below) is complete. What is still in flight is carried (`pool.update_mode`,
+  rollout.update_mode): keep (default) pauses the engines with the requests held; their tokens,
+  behaviour logprobs and versions so far are copied into their slots (`pool.partial`), and
+  after the weight update the same requests go on under the new version (no resubmission, no
+  re-prefill). abort aborts them; their partials stay in their slots and each is sent again
+  as a continuation (prompt + tokens so far) in a later round. The round's groups stay in
+  `ready` until the driver takes them (`take_ready`), so a snapshot taken at any moment holds
+  every untrained group exactly once.
 - any exception (engine, scoring, the data stream, building a request) ends the round at once
   and is raised by `run_round`.
 
@@ -118,7 +122,11 @@ class RoundStats:
     last_busy: int = 0
     timer_samples: int = 0               # occupancy samples taken by the timer (not on events)
     loop_lag_max: float = 0.0            # longest the timer woke late: the event loop was blocked
-    requests: int = 0
+    requests: int = 0                    # results absorbed
+    sent: int = 0                        # requests admitted (a held one counts once, where it was sent)
+    reprefill_tokens: int = 0            # continuation tokens sent again (abort mode) + KV recomputed
+    spanning_requests: int = 0           # results whose tokens came from more than one version
+    spanning_tokens: int = 0             # tokens of those results
     tokens: int = 0
     carried: int = 0
     restarted: int = 0
@@ -134,6 +142,14 @@ def group_state(g: Group) -> dict:
             "rewards": list(g.rewards), "reward_done": g.reward_done, "deadline": g.deadline,
             "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
                       for s in g.slots]}
+
+
+def _set_tokens(slot: Slot, base: int, r: GenResult) -> None:
+    """The slot's first `base` tokens, then what its request produced (a held request's
+    partial, or its final result, of which every earlier partial is a prefix)."""
+    slot.response_ids = slot.response_ids[:base] + list(r.token_ids)
+    slot.logprobs = slot.logprobs[:base] + list(r.logprobs)
+    slot.versions = slot.versions[:base] + list(r.versions)
 
 
 def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
@@ -169,6 +185,9 @@ class PartialRolloutController:
         self.ready: list[Group] = []               # the last round's result, until the driver takes it
         self.next_gid = 0
         self._inflight: dict[str, Slot] = {}
+        self._recomputed_mark = 0
+        self._sent_total = self._trained_total = 0   # requests sent / samples handed over, whole run
+        self._base: dict[str, int] = {}              # request key -> its slot's tokens when it was sent
         self._busy: set[tuple[int, int]] = set()     # (gid, index) of the slots in flight
         # requests this controller has on each engine, counted when admitted (an engine's own
         # `running` only moves once the request's task starts, after a whole burst is admitted)
@@ -256,6 +275,9 @@ class PartialRolloutController:
             engine = self._least_loaded()
             req = self._request(slot)   # may raise: nothing is booked yet
             self._inflight[req.key] = slot
+            self._base[req.key] = len(slot.response_ids)
+            self.stats.sent += 1
+            self.stats.reprefill_tokens += len(slot.response_ids)   # a continuation's tokens are prefilled again
             self._busy.add((slot.gid, slot.index))
             self._load[engine.name] = self._load.get(engine.name, 0) + 1
             self._track(self._tasks, self._serve(req, slot, engine))
@@ -285,9 +307,10 @@ class PartialRolloutController:
             if isinstance(err, asyncio.CancelledError):
                 raise
             return
+        base = self._base.get(req.key, 0)
         self._unbook(req.key, slot, engine)
         try:
-            self._absorb(slot, result)
+            self._absorb(slot, result, base)
             group = self.groups[slot.gid]
             if slot.done and group.complete and not group.reward_done:
                 self._emit(group)
@@ -301,6 +324,7 @@ class PartialRolloutController:
     def _unbook(self, key: str, slot: Slot, engine) -> None:
         self._load[engine.name] = self._load.get(engine.name, 1) - 1
         self._inflight.pop(key, None)
+        self._base.pop(key, None)
         self._busy.discard((slot.gid, slot.index))
 
     def _fail(self, err: BaseException) -> None:
@@ -314,13 +338,16 @@ class PartialRolloutController:
     def _budget(self, slot: Slot) -> int:
         return self.budget_of(slot.gid, slot.index) if self.budget_of else self.max_new_tokens
 
-    def _absorb(self, slot: Slot, r: GenResult) -> None:
+    def _absorb(self, slot: Slot, r: GenResult, base: int) -> None:
+        """The request's result after the `base` tokens its slot had when it was sent (what a
+        held request's slot got from `_sync_live` since is a prefix of it)."""
         faults.point("rollout_result")
-        slot.response_ids += r.token_ids
-        slot.logprobs += r.logprobs
-        slot.versions += r.versions
+        _set_tokens(slot, base, r)
         self.stats.requests += 1
         self.stats.tokens += len(r.token_ids)
+        if len(set(r.versions)) > 1:   # held over a weight update (update_mode=keep)
+            self.stats.spanning_requests += 1
+            self.stats.spanning_tokens += len(r.token_ids)
         if r.finish_reason in ("stop", "length"):
             slot.finish_reason = r.finish_reason
         elif len(slot.response_ids) >= self._budget(slot):
@@ -397,7 +424,7 @@ class PartialRolloutController:
         smaller rollout.sampling.max_new_tokens)."""
         for g in self.groups.values():
             for s in g.slots:
-                if not s.done and len(s.response_ids) >= self._budget(s):
+                if not s.done and (s.gid, s.index) not in self._busy and len(s.response_ids) >= self._budget(s):
                     s.clip(self._budget(s))
         if self.stale_policy == "finish":
             self.completed, lost = staleness.check_deadlines(self.groups, self.completed, version, self.pool.version,
@@ -409,13 +436,28 @@ class PartialRolloutController:
         self.stats.dropped_groups += lost.dropped
         self.stats.discarded_tokens += lost.tokens
 
+    @property
+    def keeps(self) -> bool:
+        """rollout.update_mode=keep: requests live through weight updates and round ends."""
+        return getattr(self.pool, "update_mode", "abort") == "keep"
+
+    def _sync_live(self) -> None:
+        """Copy what each request in flight has produced so far into its slot (keep mode): the
+        trainer's l_old, a checkpoint and the staleness rules see every token generated."""
+        for key, slot in self._inflight.items():
+            now = self.pool.partial(key)
+            if now is not None:
+                _set_tokens(slot, self._base.get(key, 0), now)
+
     async def hold(self, scoring: bool = False) -> None:
-        """Stop admitting and abort what this controller has in flight (tokens stay in their
-        slots), so the engines can take new weights in the middle of a round (async mode);
-        `release()` continues the round. The pool calls both around every weight update.
+        """Stop admitting, so the engines can take new weights in the middle of a round (async
+        mode); `release()` continues the round. The pool calls both around every weight update.
+        abort mode: also abort what this controller has in flight (tokens stay in their slots);
+        keep mode: it stays, held by the pause the update makes.
         `scoring`: also wait for the groups being scored (a snapshot needs them settled)."""
         self._holding = True
-        await self._abort_own()
+        if not self.keeps:
+            await self._abort_own()
         if scoring and self._scoring:
             await asyncio.gather(*list(self._scoring), return_exceptions=True)
         self._sample_occupancy()
@@ -448,6 +490,8 @@ class PartialRolloutController:
                              f"tokens of weight version {self.pool.version}; rollout.partial.async needs "
                              f"max_staleness >= 1")
         self.ready = []              # a result nobody took was consumed through the return value
+        if self.keeps:               # still ending the last round: nothing is admitted meanwhile
+            await self._before_keep_round(train_version)
         self.stats = RoundStats()
         self.stats.started = self.clock()
         self._target, self._train_version = target, train_version
@@ -471,7 +515,7 @@ class PartialRolloutController:
             self._ending = True
             self._sample_occupancy()
             self.stats.carried = len(self._inflight)
-            await self._abort_own()   # in-flight requests resolve with their partials
+            await self._carry_inflight()
             if self._scoring:
                 await asyncio.gather(*list(self._scoring), return_exceptions=True)
             if timer is not None:
@@ -482,7 +526,40 @@ class PartialRolloutController:
             raise self._error
         self.completed.sort(key=lambda g: staleness.training_order(g, train_version))
         self.ready, self.completed = self.completed[:target], self.completed[target:]
+        self._sent_total += self.stats.sent
+        self._trained_total += sum(len(g.slots) for g in self.ready)
         return self.ready
+
+    async def _carry_inflight(self) -> None:
+        """The round's end: keep mode pauses the engines with this controller's requests held
+        and copies their tokens so far into their slots (the pause holds every request on the
+        engines: one scheduler per pool); abort mode aborts them (they resolve into their slots)."""
+        if self.keeps and self._inflight and self._error is None:
+            try:
+                await self.pool.pause_all()
+                self._sync_live()
+                return
+            except Exception as err:   # noqa: BLE001 - an engine failed pausing: abort as below
+                self._fail(err)
+        await self._abort_own()   # in-flight requests resolve with their partials
+
+    async def _before_keep_round(self, version: int) -> None:
+        """Keep mode, before a round: the engines resume the requests held since the last round
+        (unless a weight update holds them now; its end resumes them), and a held request whose
+        slot the staleness rule will restart or drop is aborted first (it cannot be rewound)."""
+        if not self.pool.updating:
+            await self.pool.resume_all()
+        self._sync_live()
+        stale = [k for k, s in self._inflight.items()
+                 if staleness.stale_slots(self.groups[s.gid], version, self.max_staleness)]
+        if stale:
+            await self.pool.abort(stale)
+            # abort() returns once the engines resolved them; their _serve continuations (which
+            # put the tokens into the slots and unbook them) run in the next loop iterations
+            for _ in range(1000):
+                if not any(k in self._inflight for k in stale):
+                    break
+                await asyncio.sleep(0)
 
     def take_ready(self) -> list[Group]:
         """The driver takes the last round's groups: from now on they are the trainer's."""
@@ -531,6 +608,9 @@ class PartialRolloutController:
         out = {"rollout_inflight_mean": st.inflight_area / wall, "rollout_concurrency": self.concurrency,
                "engine_busy_frac": st.busy_area / wall / max(1, len(self.pool.engines)),
                "rollout_requests": st.requests, "rollout_tokens": st.tokens,
+               "rollout_requests_sent": st.sent, "reprefill_tokens": st.reprefill_tokens + self._recomputed(),
+               "requests_per_trained_sample": self._sent_total / max(1, self._trained_total),
+               "requests_spanning_versions": st.spanning_requests, "tokens_of_spanning_requests": st.spanning_tokens,
                "carried_samples": len(open_tokens), "aborted_inflight": st.carried,
                "restarted_samples": st.restarted, "dropped_groups": st.dropped_groups,
                "stale_tokens_discarded": st.discarded_tokens, "admission_throttled": st.throttled,
@@ -541,14 +621,25 @@ class PartialRolloutController:
             out["rollout_inflight_min"] = st.inflight_min
         return out
 
+    def _recomputed(self) -> int:
+        """Held requests' context whose KV the weight updates since the last call dropped
+        (keep mode, rollout.keep_kv=false): prefilled again, as a continuation's is."""
+        total = getattr(self.pool, "recomputed_tokens", 0)
+        out, self._recomputed_mark = total - self._recomputed_mark, total
+        return out
+
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain lists and numbers: the carry, open and completed groups (the untaken result of
-        the last round first: the resumed run's first round takes them), the group counter."""
-        if self._inflight or self._scoring:
+        the last round first: the resumed run's first round takes them), the group counter.
+        Keep mode: a request in flight is saved as its tokens so far (a resumed run sends it
+        again as a continuation); a group still being scored is saved unscored (scored again)."""
+        if (self._inflight and not self.keeps) or self._scoring:
             raise RuntimeError("controller state saved while requests are in flight or groups are "
                                "being scored: hold(scoring=True) first, or save between rounds")
-        return {"next_gid": self.next_gid, "open": [group_state(g) for g in self.groups.values()],
+        self._sync_live()
+        open_groups = [{**group_state(g), "reward_done": False, "rewards": []} for g in self.groups.values()]
+        return {"next_gid": self.next_gid, "open": open_groups,
                 "completed": [group_state(g) for g in [*self.ready, *self.completed]]}
 
     def load_state_dict(self, state: dict) -> None:

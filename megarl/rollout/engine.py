@@ -52,6 +52,7 @@ Contract (what PPO and the pool rely on):
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -112,6 +113,27 @@ class GenResult:
     def stopped(self) -> bool:
         """Stopped on EOS / a stop token (not on the token budget, not aborted)."""
         return self.finish_reason == "stop"
+
+
+def copy_result(r: GenResult) -> GenResult:
+    """A copy of what a request has so far (`Engine.partial`): later tokens do not change it."""
+    return GenResult(r.key, list(r.token_ids), list(r.logprobs), list(r.versions), r.finish_reason, r.engine)
+
+
+async def settle_streams(streamed, quiet_s: float = 0.03, limit_s: float = 2.0) -> None:
+    """After a pause took hold: wait until `streamed()` (tokens received by the held requests)
+    stops changing for `quiet_s`, at most `limit_s`. The engine stopped producing, but what
+    it produced last may still be on its way to the client; `partial()` must include it."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    last, since = streamed(), loop.time()
+    while loop.time() < end:
+        await asyncio.sleep(quiet_s / 3)
+        now = streamed()
+        if now != last:
+            last, since = now, loop.time()
+        elif loop.time() - since >= quiet_s:
+            return
 
 
 @dataclass

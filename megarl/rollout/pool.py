@@ -6,8 +6,11 @@ driver calls them through `pool.call(...)`, which blocks with a deadline so a st
 on an engine. The partial-rollout controller runs its own coroutines on the same loop.
 
 Weight updates go to every engine at once, as one session (`begin_update` -> the transport's
-calls -> `end_update`): abort what runs, pause, load (megarl/rollout/transfer/), reset the
-prefix cache, set the version, resume. If any engine fails, the error names it.
+calls -> `end_update`): pause (rollout.update_mode=abort: abort what runs first; keep: the
+running requests are held), load (megarl/rollout/transfer/), reset the prefix cache, set the
+version, (keep, rollout.keep_kv=false: drop the held requests' KV, recomputed under the new
+weights), resume: held requests go on under the new version. If any engine fails, the error
+names it.
 
 Engine faults: an engine whose request fails (it died, hung past rollout.engines.timeout_s,
 or answered garbage) is retired: it leaves the pool, the event is logged and counted
@@ -72,9 +75,16 @@ class EnginePool:
     """Engines of one policy. Requests go to the least-loaded engine; versions move together."""
 
     def __init__(self, engines: Sequence[Engine], timeout_s: float, failures_max: int = 0,
-                 replace: Optional[Callable[[int], Engine]] = None):
+                 replace: Optional[Callable[[int], Engine]] = None, update_mode: str = "abort",
+                 keep_kv: bool = False):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
+        if update_mode not in ("keep", "abort"):
+            raise ValueError(f"rollout.update_mode={update_mode!r}: choose keep or abort")
+        self.update_mode, self.keep_kv = update_mode, keep_kv   # rollout.update_mode / rollout.keep_kv
+        self.recomputed_tokens = 0               # context of held requests whose KV an update dropped
+        self._requests: dict[str, GenRequest] = {}   # key -> the request as sent to its engine now
+        self._served: dict[str, GenResult] = {}      # key -> tokens a failed engine served before
         self.engines = list(engines)             # the live ones: requests and weights go here
         self.retired: list[Engine] = []
         self.failures: list[dict] = []           # {"t", "engine", "error"} per retirement
@@ -123,11 +133,29 @@ class EnginePool:
             raise ValueError(f"request key {req.key!r} is already in flight")
         engine = engine if engine in self.engines else (self.least_loaded() if self.engines else None)
         done = GenResult(req.key)                # tokens served before a failure
-        current = req
+        self._served[req.key] = done
         try:
-            return await self._serve(req, engine, done, current)
+            return await self._serve(req, engine, done, req)
         finally:
             self._aborted.discard(req.key)
+            self._served.pop(req.key, None)
+            self._requests.pop(req.key, None)
+
+    def partial(self, key: str) -> Optional[GenResult]:
+        """What the in-flight request `key` has so far (tokens a failed engine served, then what
+        its engine streamed): a copy, None when it is not in flight."""
+        done = self._served.get(key)
+        if done is None:
+            return None
+        engine = self._where.get(key)
+        now = engine.partial(key) if engine is not None else None
+        out = GenResult(key, list(done.token_ids), list(done.logprobs), list(done.versions), "abort",
+                        engine.name if engine is not None else "")
+        if now is not None:
+            out.token_ids += now.token_ids
+            out.logprobs += now.logprobs
+            out.versions += now.versions
+        return out
 
     async def generate_all(self, requests: list[GenRequest]) -> list[GenResult]:
         """All requests concurrently, results in request order; the first failure raises."""
@@ -147,6 +175,7 @@ class EnginePool:
             if engine is None:
                 raise EngineError(f"no rollout engine left for request {req.key}")
             self._where[req.key] = engine
+            self._requests[req.key] = current
             try:
                 if faults.hit("engine_fail"):   # reliability tests: MEGARL_FAULT=engine_fail@N
                     raise EngineError(f"engine {engine.name}: failed on purpose (MEGARL_FAULT)")
@@ -262,7 +291,8 @@ class EnginePool:
             self._in_update = list(self.engines)
 
             async def stop(e: Engine):
-                await e.abort(None)
+                if self.update_mode == "abort":
+                    await e.abort(None)
                 await e.pause()
             await self._on_each(stop)
         except BaseException:
@@ -272,6 +302,11 @@ class EnginePool:
 
     async def end_update(self) -> None:
         try:
+            if self.update_mode == "keep" and not self.keep_kv and self._where:
+                # held requests recompute their KV under the new weights when they resume
+                self.recomputed_tokens += sum(len(r.prompt_ids) + len((self.partial(k) or GenResult(k)).token_ids)
+                                              for k, r in self._requests.items() if k in self._where)
+                await self._on_each(lambda e: e.clear_kv(), [e for e in self.engines if e.running])
             # an engine retired during the update is resumed too (best effort): never left paused
             gone = [e for e in self._in_update if e not in self.engines]
             await asyncio.gather(*(e.resume() for e in gone), return_exceptions=True)
@@ -280,6 +315,13 @@ class EnginePool:
             self._in_update = []
             for h in self.holders:
                 h.release()
+
+    async def pause_all(self) -> None:
+        """Pause every engine, holding what runs (the partial-rollout round's end in keep mode)."""
+        await self._on_each(lambda e: e.pause())
+
+    async def resume_all(self) -> None:
+        await self._on_each(lambda e: e.resume())
 
     async def on_each(self, fn, engines: Optional[list[Engine]] = None) -> None:
         """fn(engine) on `engines` (default: every live one) concurrently; an engine that
@@ -293,6 +335,11 @@ class EnginePool:
             await self._on_each(lambda e: e.reload_weights(path, version))
         finally:
             await self.end_update()
+
+    @property
+    def updating(self) -> bool:
+        """A weight update is in progress (between begin_update and end_update)."""
+        return bool(self._in_update)
 
     @property
     def version(self) -> int:
@@ -319,6 +366,11 @@ class SyncPool:
         self.pool, self.loop = pool, loop
         self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines",
                       "rollout.engines.start_timeout_s")
+
+    @property
+    def updating(self) -> bool:
+        """A weight update is in progress (between begin_update and end_update)."""
+        return bool(self._in_update)
 
     @property
     def version(self) -> int:
@@ -363,7 +415,8 @@ def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str
         def replace(slot):     # a fresh engine<slot>: same settings, seed and log file
             return build_engine(cfg, model_path, seed, log_dir, slot, weight_backend)
         pool = EnginePool(build_engines(cfg, model_path, seed, log_dir, weight_backend), cfg.engines.timeout_s,
-                          cfg.engines.failures_max, replace if cfg.engines.restart else None)
+                          cfg.engines.failures_max, replace if cfg.engines.restart else None,
+                          cfg.update_mode, cfg.keep_kv)
         return SyncPool(pool, loop, cfg.engines.start_timeout_s)
     except BaseException:
         loop.stop()

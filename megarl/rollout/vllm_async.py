@@ -17,7 +17,16 @@ from typing import Optional
 import torch
 
 from megarl.rollout import reaper
-from megarl.rollout.engine import STALE_SESSION, Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engine import (
+    STALE_SESSION,
+    Engine,
+    EngineError,
+    EngineHealth,
+    GenRequest,
+    GenResult,
+    copy_result,
+    settle_streams,
+)
 from megarl.rollout.transfer import plugin
 from megarl.rollout.vllm_settings import engine_settings
 
@@ -39,6 +48,19 @@ def sampled_logprobs(token_ids, logprobs) -> list[float]:
     if logprobs is None:
         raise EngineError("vLLM returned no logprobs: the request must ask for logprobs=0")
     return [float(d[t].logprob) for t, d in zip(token_ids, logprobs)]
+
+
+def span_versions(spans, stamped: list[int]) -> list[int]:
+    """Each token's version from vLLM's weight-version spans (labels are the versions megarl
+    passed to finish_weight_update); tokens under a label that is not a number (vLLM's
+    "default" before the first labelled update, or a files push, which sets no label) keep
+    the version the client stamped when it received them."""
+    out = list(stamped)
+    for span in spans or []:
+        label = str(span.version)
+        if label.lstrip("-").isdigit():
+            out[span.start:span.end] = [int(label)] * (min(span.end, len(out)) - span.start)
+    return out
 
 
 ABORT_POLL_S = 0.05
@@ -91,17 +113,20 @@ class AsyncVLLMEngine(Engine):
                 result.extend(ids, sampled_logprobs(ids, c.logprobs), self.version)
                 if out.finished:
                     result.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                    # a request held over a weight update spans versions: vLLM knows which token
+                    # came from which (its spans cover this request's tokens from 0)
+                    result.versions = span_versions(getattr(c, "weight_versions", None), result.versions)
 
         task = asyncio.ensure_future(drain())
         self._inflight[rid] = task
         self._results[rid] = result
         try:
-            await asyncio.wait_for(asyncio.shield(task), self._deadline(req))
+            await self._watch(task, result)
         except asyncio.TimeoutError:
             await self.llm.abort(rid)
             task.cancel()
-            raise EngineError(f"engine {self.name} (in-process vLLM): request {req.key} did not "
-                              f"finish within {self._deadline(req):.0f} s (rollout.engines.timeout_s)") from None
+            raise EngineError(f"engine {self.name} (in-process vLLM): request {req.key} produced no token "
+                              f"for {self.timeout_s:.0f} s while the engine ran (rollout.engines.timeout_s)") from None
         except asyncio.CancelledError:
             # the request was aborted (or the caller gave up): resolve with what was streamed
             if not task.done():
@@ -120,10 +145,24 @@ class AsyncVLLMEngine(Engine):
         """Tokens streamed so far by the in-flight request `key` (0 if none): for monitoring."""
         return sum(len(r.token_ids) for r in self._results.values() if r.key == key)
 
-    def _deadline(self, req: GenRequest) -> float:
-        # a whole request may legitimately take long when many share the engine: allow the
-        # configured timeout per 64 tokens of budget, never less than the timeout itself
-        return self.timeout_s * max(1.0, req.max_tokens / 64)
+    def partial(self, key: str) -> Optional[GenResult]:
+        for r in self._results.values():
+            if r.key == key:
+                return copy_result(r)
+        return None
+
+    async def _watch(self, task: asyncio.Task, result: GenResult) -> None:
+        """Until the stream task ends; asyncio.TimeoutError when a whole rollout.engines.timeout_s
+        passed without a new token while the engine was not paused. Silence, not the request's
+        age: a request held paused over a trainer step (rollout.update_mode=keep) lives long."""
+        seen = -1
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+            if done:
+                return task.result()
+            if not self._paused and len(result.token_ids) == seen:
+                raise asyncio.TimeoutError
+            seen = -1 if self._paused else len(result.token_ids)
 
     async def abort(self, keys: Optional[list[str]] = None) -> None:
         """Abort, and return once every aborted request has resolved with its partials.
@@ -165,17 +204,24 @@ class AsyncVLLMEngine(Engine):
     async def pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         self._paused = True
+        # the last outputs the core sent before it stopped may still be in the client's queues
+        await settle_streams(lambda: sum(len(r.token_ids) for r in self._results.values()))
+
+    async def clear_kv(self) -> None:
+        """Preempt the held requests (their KV freed, recomputed on resume) and reset the prefix cache."""
+        if not await self._rpc("dropping the held requests' KV",
+                               self.llm.reset_prefix_cache(reset_running_requests=True)):
+            raise EngineError(f"engine {self.name} (in-process vLLM): the KV cache could not be reset "
+                              f"with requests held (rollout.keep_kv=false); set rollout.keep_kv=true")
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
         self._paused = False
 
     def _check_quiet(self, what: str) -> None:
+        # held requests may stay (rollout.update_mode=keep): they resume under the new version
         if not self._paused:
             raise EngineError(f"engine {self.name}: {what} needs the engine paused")
-        if self._inflight:
-            raise EngineError(f"engine {self.name}: {len(self._inflight)} requests still running; "
-                              f"abort them before a weight update (a request must not span versions)")
 
     async def _rpc(self, what: str, coro, timeout_s: Optional[float] = None):
         """One control call on the engine core, bounded, with errors that name the engine."""

@@ -29,7 +29,16 @@ from typing import Optional
 
 import aiohttp
 
-from megarl.rollout.engine import STALE_SESSION, Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engine import (
+    STALE_SESSION,
+    Engine,
+    EngineError,
+    EngineHealth,
+    GenRequest,
+    GenResult,
+    copy_result,
+    settle_streams,
+)
 
 # an aborted stream ends within milliseconds on a healthy server; past this grace we close
 # the connection ourselves (vLLM aborts a request whose client disconnected), so abort never hangs
@@ -218,20 +227,29 @@ class HTTPVLLMEngine(Engine):
         return status, body
 
     async def pause(self) -> None:
-        # keep: running requests are frozen in the scheduler and continue after /resume
-        await self._call("POST", "/pause?mode=keep")
+        # keep: running requests are frozen in the scheduler and continue after /resume.
+        # clear_cache=false: the server's default (true) also drops their KV (a recompute of
+        # every held request on resume); rollout.keep_kv decides that, through clear_kv()
+        await self._call("POST", "/pause?mode=keep&clear_cache=false")
         self._paused = True
+        # what the server streamed before it stopped may still be on its way to us
+        await settle_streams(lambda: sum(len(f.result.token_ids) for f in self._inflight.values()))
+
+    async def clear_kv(self) -> None:
+        """Preempt the held requests (their KV recomputed on resume) and reset the prefix cache."""
+        _, body = await self._call("POST", "/reset_prefix_cache?reset_running_requests=true")
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"{self._where()}: the KV cache could not be reset with requests held "
+                              f"(rollout.keep_kv=false); set rollout.keep_kv=true")
 
     async def resume(self) -> None:
         await self._call("POST", "/resume")
         self._paused = False
 
     def _check_quiet(self, what: str) -> None:
+        # held requests may stay (rollout.update_mode=keep): they resume under the new version
         if not self._paused:
             raise EngineError(f"{self._where()}: {what} needs the engine paused (call pause() first)")
-        if self._inflight:
-            raise EngineError(f"{self._where()}: {len(self._inflight)} requests still running; abort them "
-                              f"before a weight update (a request must not span two weight versions)")
 
     async def reload_weights(self, path: str, version: int) -> None:
         self._check_quiet("reload_weights")
@@ -303,6 +321,12 @@ class HTTPVLLMEngine(Engine):
     def progress(self, key: str) -> int:
         """Tokens received so far by the in-flight request `key` (0 if none): for monitoring."""
         return sum(len(f.result.token_ids) for f in self._inflight.values() if f.key == key)
+
+    def partial(self, key: str) -> Optional[GenResult]:
+        for f in self._inflight.values():
+            if f.key == key:
+                return copy_result(f.result)
+        return None
 
     def _payload(self, req: GenRequest) -> dict:
         return {"model": self.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,

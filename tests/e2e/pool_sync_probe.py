@@ -30,11 +30,14 @@ bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/boo
 TEMPERATURE = 0.7
 
 
-def contract(pool, model_dir: str) -> list[str]:
-    """The engine contract on the pool's in-process engine: the checks that passed, in order."""
+def contract(pool, model_dir: str, scratch: str) -> list[str]:
+    """The engine contract on the pool's in-process engine: the checks that passed, in order
+    (other weights for the held-request checks written under `scratch`)."""
     import engine_contract
 
     hf = engine_contract.hf_model(model_dir)
+    changed = engine_contract.changed_weights(model_dir, f"{scratch}/changed_weights")
+    hf_changed = engine_contract.hf_model(changed)
     engine = pool.engines[0]
 
     def prompt(i):
@@ -42,8 +45,53 @@ def contract(pool, model_dir: str) -> list[str]:
         return [1] + [rng.randrange(4, 128) for _ in range(15)]
     subject = engine_contract.Subject(
         engine, prompt=prompt, weights=model_dir, long=200, progress=engine.progress, settle_s=0.3,
-        reference=lambda p, toks, t: engine_contract.hf_logprobs(hf, p, toks, t))
+        reference=lambda p, toks, t: engine_contract.hf_logprobs(hf, p, toks, t),
+        changed=(changed, lambda p, toks, t: engine_contract.hf_logprobs(hf_changed, p, toks, t)))
     return pool.call(engine_contract.run_all(subject), "the engine contract", 600)
+
+
+def start_held(mode: str, pool):
+    """Rank 0: a long request on the pool's engine, streaming when this returns (the push that
+    follows holds it: rollout.update_mode=keep, the default): (request, its future)."""
+    import time
+
+    from megarl.rollout.engine import GenRequest
+    req = GenRequest(f"held-{mode}", [1, 7, 9, 11, 13], 200, TEMPERATURE, seed=3, ignore_eos=True)
+    fut = pool.loop.submit(pool.pool.generate(req, pool.engines[0]))
+    deadline = time.monotonic() + 60
+    while True:
+        part = pool.pool.partial(req.key)
+        if part is not None and len(part.token_ids) >= 3:
+            return req, fut
+        assert time.monotonic() < deadline and not fut.done(), f"{mode}: the held request never streamed"
+        time.sleep(0.002)
+
+
+def held_gaps(actor, info, held: dict | None, version: int) -> dict:
+    """Collective: per engine, the held request's versions (old then `version`, both present)
+    and the largest |engine - trainer| logprob over its tokens of `version`, the trainer's
+    forward over the whole sequence under the pushed weights."""
+    from megarl.data.sample import Sample
+    from megarl.distributed.env import from_rank0
+    from megarl.ppo import actor as actor_ops
+    from megarl.ppo.batch import build_batch
+    samples = None
+    if held is not None:
+        samples = {}
+        for mode, (req, fut) in held.items():
+            r = fut.result(120)
+            samples[mode] = Sample(req.prompt_ids, r.token_ids, r.logprobs, r.versions, r.stopped, 0)
+    samples = from_rank0(samples)
+    out = {}
+    for mode, smp in samples.items():
+        batch = build_batch([smp], pad_id=0)
+        trainer = actor_ops.logprobs(actor.model, batch, 1, info.vocab_size, TEMPERATURE)[0]
+        new = [i for i, v in enumerate(smp.versions) if v == version]
+        out[mode] = {"versions": sorted(set(smp.versions)), "new_tokens": len(new),
+                     "old_tokens": len(smp.versions) - len(new),
+                     "new_are_the_last": bool(new) and new == list(range(new[0], len(smp.versions))),
+                     "gap": max((abs(float(trainer[i]) - smp.logprobs[i]) for i in new), default=float("nan"))}
+    return out
 
 
 def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> None:
@@ -103,7 +151,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     result = {"layouts": {}, "versions_ok": True}
     try:
         if pools.get("inprocess") is not None:
-            result["contract/inprocess"] = contract(pools["inprocess"], model_dir)
+            result["contract/inprocess"] = contract(pools["inprocess"], model_dir, logs)
         version = 0
         for tp, pp in [(2, 1), (1, 2), (2, 2)]:
             parallel.initialize(tp, pp, 0)
@@ -128,7 +176,12 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                 if kind == "collective" and env.rank == 0:
                     os.chmod(staging, 0o500)      # the collective route must never stage a file
                 before, seen = writes["n"], weight_files()
+                # the last layout's collective push runs with a request in flight on each engine
+                keep_check = (tp, pp, kind) == (2, 2, "collective")
+                held = {} if keep_check and env.rank == 0 else None
                 for mode, pool in pools.items():
+                    if held is not None:
+                        held[mode] = start_held(mode, pool)
                     sync = transports[mode, kind].push(actor.model, info, version)
                     gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
                     entry["gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
@@ -136,6 +189,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                         result["versions_ok"] &= pool.version == version
                 if env.rank == 0:
                     os.chmod(staging, 0o700)
+                if keep_check:
+                    result["held_over_push"] = held_gaps(actor, info, held, version)
                 entry["files_written"] = writes["n"] - before
                 entry["new_weight_files"] = sorted(weight_files() - seen)
                 entry["sync_bytes"] = sync["sync_bytes"]

@@ -79,6 +79,14 @@ def hf(long_model):
     return hf_model(long_model)
 
 
+@pytest.fixture(scope="module")
+def changed(long_model, tmp_path_factory):
+    """Other weights for the held-request checks, and their transformers reference."""
+    path = engine_contract.changed_weights(long_model, tmp_path_factory.mktemp("changed_weights"))
+    model = hf_model(path)
+    return path, lambda p, toks, t: hf_logprobs(model, p, toks, t)
+
+
 def run_with_engine(server, body, timeout_s=60.0):
     """Run `body(engine)` with a fresh client of the module's server."""
     async def main():
@@ -263,14 +271,14 @@ def test_a_weight_session_left_open_by_a_dead_trainer_is_closed_by_the_next(serv
 
 
 @pytest.mark.parametrize("check", engine_contract.CHECKS, ids=lambda c: c.__name__)
-def test_http_engine_keeps_the_engine_contract(server, hf, long_model, check):
+def test_http_engine_keeps_the_engine_contract(server, hf, long_model, changed, check):
     """tests/engine_contract.py on an HTTP engine of the module's megarl-started server; the
     logprobs' reference is a transformers forward of the same weights."""
     def body(engine):
         return check(engine_contract.Subject(
             engine, prompt=lambda i: prompt(500 + i), weights=str(long_model), long=LONG,
             reference=lambda p, toks, t: hf_logprobs(hf, p, toks, t), progress=engine.progress,
-            settle_s=0.3, timeout_s=120))
+            settle_s=0.3, timeout_s=120, changed=changed))
     run_with_engine(server, body)
 
 

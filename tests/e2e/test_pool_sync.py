@@ -38,6 +38,14 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
         else:
             assert entry["files_written"] > 0, (layout, entry)
     assert r["versions_ok"]
+    # rollout.update_mode=keep (the default): a request in flight during the collective push
+    # went on under the new version; its tokens after the update match the trainer's forward
+    # under the pushed weights (the KV was dropped: rollout.keep_kv=false, the default)
+    for mode, held in r["held_over_push"].items():
+        assert held["versions"] == [r["layouts"]["tp2pp2/collective"]["version"] - 1,
+                                    r["layouts"]["tp2pp2/collective"]["version"]], (mode, held)
+        assert held["old_tokens"] > 0 and held["new_tokens"] > 0 and held["new_are_the_last"], (mode, held)
+        assert held["gap"] < 1e-4, (mode, held)
     assert len(r["skipped_bucket_gaps"]) == 4
     for engine, gap in r["skipped_bucket_gaps"].items():
         assert gap > 1e-2, (engine, gap)

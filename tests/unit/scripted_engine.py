@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, copy_result
 
 TOKEN0 = 1000
 
@@ -59,7 +59,9 @@ class ScriptedEngine(Engine):
         self.version, self.paused = 0, False
         self._running: dict[str, asyncio.Future] = {}
         self._abort: set[str] = set()
+        self._results: dict[str, GenResult] = {}
         self.served = 0
+        self.kv_cleared = 0              # held requests whose KV clear_kv() dropped
         clock.engines.append(self)
 
     async def start(self):
@@ -74,6 +76,7 @@ class ScriptedEngine(Engine):
         res = GenResult(req.key, engine=self.name)
         fut = asyncio.get_running_loop().create_future()
         self._running[req.key] = fut
+        self._results[req.key] = res
         self.served += 1
         try:
             for _ in range(req.max_tokens):
@@ -92,6 +95,7 @@ class ScriptedEngine(Engine):
             return res
         finally:
             del self._running[req.key]
+            del self._results[req.key]
             self._abort.discard(req.key)
             fut.set_result(None)
 
@@ -108,10 +112,16 @@ class ScriptedEngine(Engine):
     async def resume(self):
         self.paused = False
 
+    def partial(self, key):
+        res = self._results.get(key)
+        return None if res is None else copy_result(res)
+
+    async def clear_kv(self):
+        self.kv_cleared += len(self._running)
+
     async def reload_weights(self, path, version):
-        if not self.paused or self._running:   # the protocol's rule (megarl/rollout/engine.py)
-            raise EngineError(f"engine {self.name}: a weight update needs the engine paused with "
-                              f"nothing running ({len(self._running)} running)")
+        if not self.paused:   # the protocol's rule (megarl/rollout/engine.py); held requests may stay
+            raise EngineError(f"engine {self.name}: a weight update needs the engine paused")
         self.version = version
 
     async def health(self):

@@ -384,6 +384,7 @@ def _scripted_subject():
     e = ClockedEngine("scripted", clock)
     return clock.stop, engine_contract.Subject(
         e, prompt=lambda i: [i, 0, 10 ** 9], weights="/unused", long=10 ** 6, tempered=False,
+        progress=lambda key: len((e.partial(key) or GenResult(key)).token_ids),
         reference=lambda p, toks, t: [scripted_engine.behaviour_logprob(len(p) - 3 + j) for j in range(len(toks))])
 
 
