@@ -33,7 +33,8 @@ from megarl.metrics.step import rollout_metrics, trainer_idle_frac
 from megarl.models.loading import check_megatron_dir
 from megarl.models.setup import build_all, check_model_dir
 from megarl.ppo.batch import build_batch
-from megarl.ppo.step import ppo_step, trainer_logprobs
+from megarl.ppo.overlap import Overlap
+from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs
 from megarl.rewards import build_verifier, needs_answer
 from megarl.rewards import model as reward_model
 from megarl.rollout import reaper, weight_sync
@@ -63,7 +64,7 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
-        self.pool = self.logger = self.rollout = self.lock = self.transport = None
+        self.pool = self.logger = self.rollout = self.lock = self.transport = self.overlap = None
         self.state = StateRegistry()        # what a checkpoint keeps besides the models
         self.start, self.last = 0, {}
 
@@ -146,6 +147,8 @@ class Trainer:
         if os.environ.get("MEGARL_DEVICE_GUARD") == "1":   # debugging: fail on any host/device mix-up
             DeviceGuard().__enter__()
         self.stop = StopSignal(self.cfg.checkpoint.time_budget_min)
+        if self.cfg.rollout.overlap:   # the step's forward-only passes, run during the round too
+            self.overlap = _overlap(self.cfg, self.models, self.tokenizer.pad_token_id)
 
     def _open_driver(self, resume_from) -> None:
         """Rank 0: the engines, the rollout on them (its carry is checkpointed) and the logger."""
@@ -192,7 +195,7 @@ class Trainer:
             self.last = {**rollout_metrics(samples, batch), **round_metrics, **self.reward_fn.take_counts(),
                          **metrics, **sync,
                          "rollout_time_s": rollout_s, "train_time_s": train_s, "step_time_s": step_s,
-                         "trainer_idle_frac": trainer_idle_frac(train_s, step_s),
+                         "trainer_idle_frac": trainer_idle_frac(train_s, step_s, metrics.get("overlap_forward_s", 0.0)),
                          "weight_version": self.pool.version}
             self.logger.log(step, self.last)
         faults.point("step_end")
@@ -202,10 +205,14 @@ class Trainer:
     def generate(self, step: int):
         """Rank 0: the round's samples and metrics, and the carried partial samples whose new
         tokens need l_old; the next round starts now in async mode. Elsewhere: nothing."""
+        serve = None if self.overlap is None else self.overlap.serve
         if not self.is_driver:
+            if serve is not None:   # the driver's round: its groups' forward-only passes, as they come
+                serve(step)
             return None, None, {}
         cfg = self.cfg
-        samples, round_metrics = self.rollout.round(step)
+        during = None if serve is None else (lambda finished, emitted: serve(step, finished, emitted))
+        samples, round_metrics = self.rollout.round(step, during)
         partials = self.rollout.pending()
         if step + 1 < cfg.train.steps:
             self.rollout.prefetch(step + 1)   # rollout.partial.async: the next round runs while we train
@@ -223,11 +230,16 @@ class Trainer:
             self.rollout.store(old)
         batch = build_batch(samples, pad, cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
         extra = {}
+        # rollout.overlap: the passes computed during the round, the rest now (group by group)
+        forward = None if self.overlap is None else self.overlap.forward(samples, batch, step)
         if models.reward_model is not None:  # scored on the trainer ranks, all of them together
-            rm = reward_model.sequence_scores(models.reward_model, batch, cfg.train.micro_batch_size)
+            rm = reward_model.sequence_scores(models.reward_model, batch, cfg.train.micro_batch_size, forward)
             batch.scores = batch.scores + cfg.reward.model_coef * rm
             extra["rm_score_mean"] = float(rm.mean())
-        return batch, {**extra, **ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)}
+        metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step, forward)
+        if self.overlap is not None:   # the weights changed: the cache keeps only frozen models' values
+            extra.update(self.overlap.after_update(samples))
+        return batch, {**extra, **metrics}
 
     def push(self, version: int, samples=None) -> dict:
         """The actor's weights to the engines as `version`; after a step (`samples` given)
@@ -258,6 +270,15 @@ class Trainer:
         parallel.destroy()
         if self.lock is not None:
             self.lock.release()
+
+
+def _overlap(cfg: RootConfig, models, pad_id: int) -> Overlap:
+    """rollout.overlap: the passes of `ppo_step` (and the reward model's) on every rank."""
+    passes = list(forward_passes(cfg, models.actor, models.reference, models.critic).values())
+    if models.reward_model is not None:
+        passes.append(reward_model.score_pass(models.reward_model))
+    multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    return Overlap(passes, pad_id, multiple, cfg.train.micro_batch_size)
 
 
 def _lock_run_dir(run_dir: str, is_rank0: bool):

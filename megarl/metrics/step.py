@@ -5,11 +5,13 @@ from __future__ import annotations
 from megarl.distributed import device
 
 
-def trainer_idle_frac(train_s: float, step_s: float) -> float:
+def trainer_idle_frac(train_s: float, step_s: float, overlap_s: float = 0.0) -> float:
     """Share of a step (or of a run: the sums) in which the trainer does not train: it waits
     for the rollout (all of it in sync mode, what the overlap did not hide in async mode) and
-    for the weight push to the engines. `train_s`: stitched logprobs, reward model and update."""
-    return 1.0 - train_s / step_s
+    for the weight push to the engines. `train_s`: stitched logprobs, reward model and update;
+    `overlap_s`: the forward-only passes it ran during the round (rollout.overlap), work that
+    the rollout time holds but that is not waiting."""
+    return 1.0 - (train_s + overlap_s) / step_s
 
 
 def rollout_metrics(samples, batch) -> dict:

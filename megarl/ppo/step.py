@@ -7,6 +7,9 @@ values -> rewards (score + KL penalty) -> advantages -> behaviour IS weights -> 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -32,21 +35,56 @@ def _forward_all(fn, model, batch: Batch, mbs: int) -> torch.Tensor:
     return gather_dp(fn(model, batch.select(dp_rows(batch.size)), mbs))
 
 
-def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int) -> dict:
-    algo, mbs = cfg.algo, cfg.train.micro_batch_size
+@dataclass(frozen=True)
+class Pass:
+    """One forward-only pass of a step: `fn(model, batch, micro_batch_size) -> [b, R]` on this
+    rank's rows, with `resident` brought back from offload around it. `versioned`: its values
+    change with the trained weights (actor, critic), not those of frozen models (reference,
+    reward model). The same object serves the step and the intra-step overlap (ppo/overlap.py),
+    so both compute a row the same way."""
+    name: str
+    model: object
+    fn: Callable
+    resident: object = None
+    versioned: bool = True
+
+    def run(self, batch: Batch, mbs: int) -> torch.Tensor:
+        """[B, R] over the whole batch: this DP rank's rows, gathered over DP."""
+        with resident(self.resident):
+            return _forward_all(self.fn, self.model, batch, mbs)
+
+
+def forward_passes(cfg: RootConfig, actor, reference, critic) -> dict[str, Pass]:
+    """The step's forward-only passes by name: `logp` (old logprobs, current weights), `ref`
+    and, when algo.name needs a critic, `values`."""
     vocab = actor.info.vocab_size
     temp = cfg.rollout.sampling.temperature   # the engine sampled from softmax(z / T): so must every logprob here
-    mask = batch.resp_mask
 
-    old_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab, temp), actor.model, batch, mbs)
-    with resident(reference):
-        ref_logp = _forward_all(lambda m, b, s: actor_ops.logprobs(m, b, s, vocab, temp), reference, batch, mbs)
+    def logprobs(m, b, s):
+        return actor_ops.logprobs(m, b, s, vocab, temp)
+    out = {"logp": Pass("logp", actor.model, logprobs),
+           "ref": Pass("ref", reference, logprobs, resident=reference, versioned=False)}
+    if ADVANTAGES.get(cfg.algo.name).needs_critic:
+        out["values"] = Pass("values", critic.model, critic_ops.values, resident=critic.model)
+    return out
+
+
+def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
+             forward: Callable[[Pass], torch.Tensor] | None = None) -> dict:
+    """`forward(pass) -> [B, R]`: how the forward-only passes are computed (default: over the
+    whole batch, split over DP; with rollout.overlap, `overlap.StepForward`: the rows computed
+    during the round, the rest group by group)."""
+    algo, mbs = cfg.algo, cfg.train.micro_batch_size
+    temp = cfg.rollout.sampling.temperature
+    mask = batch.resp_mask
+    forward = forward or (lambda p: p.run(batch, mbs))
+    passes = forward_passes(cfg, actor, reference, critic)
+
+    old_logp = forward(passes["logp"])
+    ref_logp = forward(passes["ref"])
     kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask
     estimator = ADVANTAGES.get(algo.name)
-    old_values = None
-    if estimator.needs_critic:
-        with resident(critic.model):
-            old_values = _forward_all(critic_ops.values, critic.model, batch, mbs)
+    old_values = forward(passes["values"]) if "values" in passes else None
     advantages, returns = estimator.fn(batch.scores, kl, mask, old_values, algo, cfg.rollout.sampling.n)
     # partial rollout: tokens of earlier versions keep the l_old stored when they were generated
     # (stitching); the KL above used the current weights' logprobs, as it should

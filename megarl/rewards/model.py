@@ -4,12 +4,13 @@ token (what transformers' sequence classifiers pool). The model is built by
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from megarl.distributed.parallel import dp_rows
-from megarl.models.offload import resident
 from megarl.ppo.batch import Batch
-from megarl.ppo.schedule import forward_per_token, gather_dp
+from megarl.ppo.schedule import forward_per_token
+from megarl.ppo.step import Pass
 
 
 def _last_token_scores(batch: Batch, out: torch.Tensor) -> torch.Tensor:
@@ -23,10 +24,20 @@ def _last_token_scores(batch: Batch, out: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def sequence_scores(model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+def _scores(model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    return forward_per_token(model, batch, micro_batch_size, lambda mb, o: _last_token_scores(mb["batch"], o))
+
+
+def score_pass(model) -> Pass:
+    """The reward model's pass ([b, R], the score in column 0); frozen: its values do not
+    change with the trained weights (the intra-step overlap keeps them across updates)."""
+    return Pass("rm", model, _scores, resident=model, versioned=False)
+
+
+def sequence_scores(model, batch: Batch, micro_batch_size: int,
+                    forward: Callable[[Pass], torch.Tensor] | None = None) -> torch.Tensor:
     """[B] reward-model score of each sequence (prompt + response). Collective over all ranks;
-    each DP rank scores its rows, and every rank gets all of them."""
-    local = batch.select(dp_rows(batch.size))
-    with resident(model):
-        out = forward_per_token(model, local, micro_batch_size, lambda mb, o: _last_token_scores(mb["batch"], o))
-    return gather_dp(out)[:, 0]
+    each DP rank scores its rows, and every rank gets all of them. `forward`: as in
+    `ppo.step.ppo_step` (rollout.overlap: rows scored during the round are taken as they are)."""
+    p = score_pass(model)
+    return (forward or (lambda q: q.run(batch, micro_batch_size)))(p)[:, 0]

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Awaitable, Callable
 
 from megarl.data.prompts import encode_prompts
@@ -113,7 +114,13 @@ class Rollout:
         return record, encode_prompts(self.tokenizer, [record], self.cfg.data.prompt_key,
                                       self.cfg.data.messages_key)[0]
 
-    def round(self, step: int) -> tuple[list[Sample], dict]:
+    def round(self, step: int, during: Callable | None = None) -> tuple[list[Sample], dict]:
+        """The round's samples and metrics. `during(finished, emitted)` (partial mode; the
+        intra-step overlap, ppo/overlap.py `Overlap.serve`) runs on this thread while the round
+        runs: `finished(timeout)` waits up to `timeout` s and says whether it ended,
+        `emitted(seen)` is (the uids of every complete, scored group not taken by a step, the
+        samples of those whose uid is not in `seen`), read on the loop thread; once the round
+        ended its groups are taken: the uids are then those waiting for a later step."""
         if self.controller is None:
             version = self.pool.version
             count = self.cfg.train.groups_per_step * self.cfg.rollout.sampling.n
@@ -122,10 +129,30 @@ class Rollout:
             score_all(samples, self.tokenizer, self.reward_fn)
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.sampling.max_new_tokens)
-        done = self.pool.call(self.stepper.round(step), f"rollout round {step}", deadline)
+        if during is None:
+            done = self.pool.call(self.stepper.round(step), f"rollout round {step}", deadline)
+        else:
+            done = self._round_during(step, deadline, during)
         samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
         # the trainer's weights at step k are version k
         return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
+
+    def _round_during(self, step: int, deadline: float, during: Callable) -> list:
+        future = self.pool.loop.submit(self.stepper.round(step))
+        end = time.monotonic() + deadline
+        what = f"rollout round {step}"
+
+        def finished(timeout: float) -> bool:
+            if time.monotonic() > end:   # past the round's deadline: the same error as without overlap
+                self.pool.loop.wait(future, 0, what)
+            wait([future], timeout)
+            return future.done()
+        during(finished, lambda seen: self.pool.call(self._emitted(seen), f"reading the groups of {what}"))
+        return self.pool.loop.wait(future, max(1.0, end - time.monotonic()), what)
+
+    async def _emitted(self, seen: set) -> tuple[list[int], list[list[Sample]]]:
+        groups = [*self.controller.ready, *self.controller.completed]
+        return [g.gid for g in groups], [self.controller.samples_of(g) for g in groups if g.gid not in seen]
 
     async def _fresh(self, step: int) -> list[Sample]:
         """Sync mode, on the loop: every sample of groups_per_step fresh prompts, seeded by (run
