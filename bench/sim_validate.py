@@ -50,8 +50,12 @@ def predict(result: dict, bench_json: Path, lengths: list[int]) -> dict:
                  prompt_len=lambda gid: lengths[gid % len(lengths)])
     out = {}
     for mode in ("sync", "partial"):
+        # the benchmark's update mode: its results before issue 20 name none and aborted (its
+        # EnginePool's default); keep_kv only applies to keep
+        update_mode = result.get("update_mode", "abort")
         s = SimSettings(mode=mode, steps=result["steps"], groups_per_step=result["groups_per_step"],
-                        concurrency=result["concurrency"], engines=result["engines"], seed=result["seed"])
+                        concurrency=result["concurrency"], engines=result["engines"], seed=result["seed"],
+                        update_mode=update_mode, keep_kv=update_mode == "keep" and result.get("keep_kv", False))
         out[mode] = simulate(s, w, engine, trainer)
     return out
 

@@ -18,6 +18,14 @@ sized for), on a roofline cost model (megarl/sim/costs.py):
 --anchors also runs published settings (AReaL's async-vs-sync speedup; a NeMo-Aligner PPO
 step) for comparison with their reported figures.
 Prints markdown tables (pasted into bench/RESULTS.md) and writes JSON and a PNG.
+
+    .venv/bin/python bench/simulate.py --keep-overlap [--steps 5] [--staleness 2,4]
+        [--out bench/out/simulate_keep.json]
+
+runs only issue 20's comparison (`project_keep`): per preset and staleness bound, sync against
+partial and async under rollout.update_mode=abort and keep (rollout.keep_kv false / true), with
+and without rollout.overlap: step time, the trainer's time after the round and during it,
+requests per trained sample, re-prefilled tokens, tokens of requests that span versions.
 """
 from __future__ import annotations
 
@@ -74,6 +82,9 @@ PRESETS = {
 }
 
 
+DEFAULT_OUT = str(ROOT / "bench/out/simulate.json")
+
+
 def costs(p: Preset, gpu_name: str, engines: int | None = None):
     model, gpu = published_models()[p.model], GPUS[gpu_name]
     e = engines or p.engines
@@ -97,8 +108,10 @@ def run(p: Preset, gpu: str, mode: str, steps: int, **over) -> dict:
 def with_steady_state(r: dict) -> dict:
     """Figures without the first step (async has nothing to overlap with there)."""
     after_first = r["per_step"][1:] or r["per_step"]
+    # the trainer works train_s after each round and overlap_s during it
     r["trainer_idle_after_first"] = trainer_idle_frac(sum(x["train_s"] for x in after_first),
-                                                      sum(x["step_s"] for x in after_first))
+                                                      sum(x["step_s"] for x in after_first),
+                                                      sum(x["overlap_s"] for x in after_first))
     r["step_s_after_first"] = sum(x["step_s"] for x in after_first) / len(after_first)
     # the trainer waiting for generation (not for the push, which no engine count hides)
     r["rollout_wait_frac"] = sum(x["rollout_s"] for x in after_first) / sum(x["train_s"] for x in after_first)
@@ -107,9 +120,11 @@ def with_steady_state(r: dict) -> dict:
 
 def summary(r: dict) -> dict:
     keys = ("step_s_mean", "step_s_after_first", "engine_busy_frac", "trainer_idle_frac",
-            "trainer_idle_after_first", "trained_tokens_per_s", "staleness_max")
+            "trainer_idle_after_first", "trained_tokens_per_s", "staleness_max",
+            "requests_per_trained_sample", "reprefill_tokens", "kv_recomputed_tokens", "multi_version_tokens")
     return {k: r[k] for k in keys} | {"rollout_s_mean": r["rollout_s"] / r["steps"],
                                       "train_s_mean": r["train_s"] / r["steps"],
+                                      "overlap_s_mean": r["overlap_s"] / r["steps"],
                                       "push_s_mean": r["push_s"] / r["steps"]}
 
 
@@ -150,6 +165,64 @@ def project(name: str, p: Preset, gpu: str, steps: int) -> dict:
                            "concurrency_per_engine": per_engine_conc, "sweep": sweep}
     print(f"[{name}] provisioning: formula {formula} engines (TP{p.engine_tp}), simulator {sim_answer}", flush=True)
     return out
+
+
+# -- issue 20: keep-mode weight updates and intra-step overlap ------------------------------
+KEEP_CASES = [   # (label, mode, update_mode, keep_kv, overlap)
+    ("sync", "sync", "abort", False, False),
+    ("partial abort", "partial", "abort", False, False),
+    ("partial keep, keep_kv=false", "partial", "keep", False, False),
+    ("partial keep, keep_kv=true", "partial", "keep", True, False),
+    ("partial abort + overlap", "partial", "abort", False, True),
+    ("partial keep + overlap", "partial", "keep", False, True),
+    ("async abort", "async", "abort", False, False),
+    ("async keep + overlap", "async", "keep", False, True),
+]
+
+
+def project_keep(name: str, p: Preset, gpu: str, steps: int, staleness: list[int]) -> dict:
+    """Every KEEP_CASES case of preset `p` at each staleness bound (sync: unbounded); the
+    forward-only share the overlap hides is the roofline's (RooflineTrainer.forward_frac)."""
+    out = {"preset": vars(p), "gpu": gpu, "forward_frac": costs(p, gpu)[1].forward_frac, "cases": {}}
+    for bound in staleness:
+        for label, mode, update_mode, keep_kv, overlap in KEEP_CASES:
+            if mode == "sync" and bound != staleness[0]:
+                continue   # no bound applies to sync: once
+            over = {} if mode == "sync" else {"max_staleness": bound}
+            t = time.perf_counter()
+            r = summary(run(p, gpu, mode, steps, update_mode=update_mode, keep_kv=keep_kv, overlap=overlap, **over))
+            key = label if mode == "sync" else f"S={bound} {label}"
+            out["cases"][key] = r | {"mode": mode, "update_mode": update_mode, "keep_kv": keep_kv,
+                                     "overlap": overlap, "max_staleness": None if mode == "sync" else bound}
+            print(f"[{name}] {key}: step {r['step_s_after_first']:.1f} s, overlap {r['overlap_s_mean']:.1f} s, "
+                  f"requests/sample {r['requests_per_trained_sample']:.2f} ({time.perf_counter() - t:.0f} s)",
+                  flush=True)
+    return out
+
+
+def print_keep_table(results: dict, steps: int) -> None:
+    print("\n| preset | case | step s | rollout s | train s after round | overlap s | trainer idle | "
+          "requests / trained sample | re-prefilled tok / step | of which KV recomputed | "
+          "tok of requests over >1 version / step | trained tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        for key, m in r["cases"].items():
+            print(f"| {name} | {key} | {m['step_s_after_first']:.1f} | {m['rollout_s_mean']:.1f} | "
+                  f"{m['train_s_mean']:.1f} | {m['overlap_s_mean']:.1f} | {m['trainer_idle_after_first']:.2f} | "
+                  f"{m['requests_per_trained_sample']:.2f} | {m['reprefill_tokens'] / steps:.0f} | "
+                  f"{m['kv_recomputed_tokens'] / steps:.0f} | {m['multi_version_tokens'] / steps:.0f} | "
+                  f"{m['trained_tokens_per_s']:.0f} |")
+
+
+def main_keep(a, presets: dict) -> None:
+    t0 = time.perf_counter()
+    bounds = [int(x) for x in a.staleness.split(",")]
+    results = {name: project_keep(name, p, a.gpu, a.steps, bounds) for name, p in presets.items()}
+    out = a.out if a.out != DEFAULT_OUT else str(ROOT / "bench/out/simulate_keep.json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"gpu": a.gpu, "steps": a.steps, "presets": results}, indent=1))
+    print_keep_table(results, a.steps)
+    print(f"\nwrote {out} in {time.perf_counter() - t0:.0f} s")
 
 
 # -- anchors -------------------------------------------------------------------------------
@@ -246,16 +319,22 @@ def main() -> None:
     p.add_argument("--anchors", action="store_true")
     p.add_argument("--transport", default="collective", choices=("collective", "files"),
                    help="weight_sync.transport of the presets (default: collective, megarl's default)")
-    p.add_argument("--out", default=str(ROOT / "bench/out/simulate.json"))
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--keep-overlap", action="store_true",
+                   help="only issue 20's comparison: update_mode keep / abort, keep_kv, overlap (project_keep)")
+    p.add_argument("--staleness", default="2,4", help="--keep-overlap: the max_staleness bounds to compare")
     p.add_argument("--png", default=str(ROOT / "bench/simulate.png"))
     a = p.parse_args()
+    presets = {name: replace(PRESETS[name], transport=a.transport) for name in a.presets.split(",") if name}
+    if a.keep_overlap:
+        main_keep(a, presets)
+        return
     t0 = time.perf_counter()
     out = {"gpu": a.gpu, "steps": a.steps}
     if a.anchors:
         out["anchors"] = {"areal": anchor_areal(a.steps), "nemo_aligner_70b": anchor_nemo_aligner(a.steps)}
         print("anchors:", json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)}
                                       for k, v in out["anchors"].items()}), flush=True)
-    presets = {name: replace(PRESETS[name], transport=a.transport) for name in a.presets.split(",") if name}
     results = {name: project(name, p, a.gpu, a.steps) for name, p in presets.items()}
     for name, p in presets.items():
         results[name]["push_by_route"] = push_by_route(p, a.gpu)

@@ -10,7 +10,8 @@ Two calibrations:
   of bytes / bandwidth and FLOPs / peak, over the engine's TP GPUs, plus a fixed per-step
   launch/scheduling cost. Training costs 6 x params FLOPs per trained token (forward +
   backward) for each trained model and 2 x params for each forward-only pass, at an achieved
-  fraction (MFU) of peak.
+  fraction (MFU) of peak. `forward_s` is the forward-only share of that (old and reference
+  logprobs, values): what rollout.overlap runs while the round still generates.
 - `WeightSyncCosts`: a weight sync by the route the recipe's weight_sync.transport takes (one
   broadcast over the trainer's link, or files written once and read by every engine).
 All pure functions of their inputs: the simulator's clock only ever advances by them.
@@ -140,15 +141,28 @@ class RooflineEngine:
 @dataclass
 class MeasuredTrainer:
     """train seconds = fixed + per_token * trained tokens (+ stitch_per_token * carried tokens
-    whose l_old the trainer computes at the round's end); push seconds on the trainer side."""
+    whose l_old the trainer computes at the round's end); push seconds on the trainer side.
+    forward_frac: the share of per_token that is forward-only passes (old / reference logprobs,
+    values). A measured train time does not split itself, so it is 0 (nothing to overlap)
+    unless a measurement of the passes sets it."""
     fixed_s: float
     per_token_s: float
     stitch_per_token_s: float = 0.0
     push_s: float = 0.0
     route: str = "measured"      # how the weight sync was measured, for the printed result
+    forward_frac: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.forward_frac <= 1.0:
+            raise ValueError(f"MeasuredTrainer forward_frac={self.forward_frac}: a share of the per-token "
+                             f"train time, between 0 and 1")
 
     def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
         return self.fixed_s + self.per_token_s * trained_tokens + self.stitch_per_token_s * stitch_tokens
+
+    def forward_s(self, trained_tokens: int, samples: int = 0) -> float:
+        """The forward-only passes of these samples (a part of train_s of them)."""
+        return self.forward_frac * self.per_token_s * trained_tokens
 
 
 @dataclass
@@ -164,15 +178,33 @@ class RooflineTrainer:
     prompt_tokens: int = 256    # per sample: the trainer processes prompt + response
     route: str = "collective"   # the weight_sync.transport push_s was modelled for
 
+    def _passes(self) -> tuple[int, int]:
+        """(models trained, forward-only passes): PPO trains actor and critic and runs old
+        logprobs, reference logprobs and values; GRPO trains the actor, runs old and reference."""
+        return (2, 3) if self.critic else (1, 2)
+
     def flops_per_token(self) -> float:
-        trained = 2 if self.critic else 1
-        forward_only = 3 if self.critic else 2
+        trained, forward_only = self._passes()
         return (6 * trained + 2 * forward_only) * self.model.params
 
+    @property
+    def forward_frac(self) -> float:
+        """Forward-only share of a trained token's FLOPs: 6 / 18 = 1/3 for PPO, 4 / 10 for GRPO."""
+        trained, forward_only = self._passes()
+        return 2 * forward_only / (6 * trained + 2 * forward_only)
+
+    def _rate(self) -> float:
+        return self.gpu.bf16_flops * self.mfu * self.gpus
+
     def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
-        rate = self.gpu.bf16_flops * self.mfu * self.gpus
         tokens = trained_tokens + samples * self.prompt_tokens
-        return (self.flops_per_token() * tokens + 2 * self.model.params * stitch_tokens) / rate
+        return (self.flops_per_token() * tokens + 2 * self.model.params * stitch_tokens) / self._rate()
+
+    def forward_s(self, trained_tokens: int, samples: int = 0) -> float:
+        """The forward-only passes of these samples over prompt + response (a part of their
+        train_s; the stitched l_old of carried tokens is not: it runs when the round ends)."""
+        tokens = trained_tokens + samples * self.prompt_tokens
+        return self.forward_frac * self.flops_per_token() * tokens / self._rate()
 
 
 # -- weight sync ----------------------------------------------------------------------------

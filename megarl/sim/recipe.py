@@ -6,7 +6,8 @@ response-length distribution and the hardware, either measured on this machine
 (`--calibration`, a `bench/rollout_speedup.py` result) or a GPU roofline (`--gpu`, `--model`,
 `--engine-tp`, `--trainer-gpus`). The weight sync takes the recipe's route
 (weight_sync.transport: one broadcast, or files every engine reads). Prints step time, engine
-busy and trainer idle fractions and trained tokens/s for sync, partial and async mode, the recipe's own mode marked.
+busy and trainer idle fractions and trained tokens/s for sync, partial and async mode, the recipe's own mode marked,
+each under the recipe's rollout.update_mode, rollout.keep_kv and rollout.overlap (sync: no overlap).
 """
 from __future__ import annotations
 
@@ -104,11 +105,15 @@ def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
         s = SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
                         concurrency=r.partial.concurrency, engines=r.engines.count,
                         max_staleness=max(r.partial.max_staleness, 1) if mode == "async" else r.partial.max_staleness,
-                        stale_policy=r.partial.stale_policy, seed=seed)
+                        stale_policy=r.partial.stale_policy, seed=seed, update_mode=r.update_mode,
+                        keep_kv=r.keep_kv, overlap=r.overlap and mode != "sync")
         res = simulate(s, w, *costs)
         out["modes"][mode] = {k: res[k] for k in ("step_s_mean", "engine_busy_frac", "trainer_idle_frac",
-                                                  "trained_tokens_per_s", "staleness_max")} | {
-            "rollout_s_mean": res["rollout_s"] / steps, "train_s_mean": res["train_s"] / steps}
+                                                  "trained_tokens_per_s", "staleness_max",
+                                                  "requests_per_trained_sample", "reprefill_tokens",
+                                                  "multi_version_tokens")} | {
+            "rollout_s_mean": res["rollout_s"] / steps, "train_s_mean": res["train_s"] / steps,
+            "overlap_s_mean": res["overlap_s"] / steps}
     return out
 
 
@@ -120,6 +125,10 @@ def format_table(result: dict) -> str:
                      f"{m['engine_busy_frac']:11.2f}  {m['trainer_idle_frac']:12.2f}  "
                      f"{m['trained_tokens_per_s']:13.0f}  {m['staleness_max']:9d}")
     lines.append("(* the recipe's rollout mode)")
+    lines.append("mode      requests/sample  re-prefilled tokens  tokens of requests over >1 version  overlap s")
+    for mode, m in result["modes"].items():
+        lines.append(f"{mode:8s}  {m['requests_per_trained_sample']:15.2f}  {m['reprefill_tokens']:19d}  "
+                     f"{m['multi_version_tokens']:34d}  {m['overlap_s_mean']:9.2f}")
     ws = result["weight_sync"]
     lines.append(f"weight sync ({ws['route']}): {ws['trainer_s']:.2f} s trainer side + {ws['engine_s']:.2f} s "
                  f"engines paused, per step")

@@ -13,11 +13,18 @@ simulated. A step follows `megarl/train.py`:
   it, aborts what runs (kept as partials) and releases it under the new version.
 then: stitched l_old of the carried tokens (partial/async), train, push weights (trainer side,
 then `pool.update_weights` on every engine).
+
+`update_mode` / `keep_kv` are rollout.update_mode / rollout.keep_kv, given to the pool: keep
+holds the requests over round ends and updates (one request per sample), abort aborts and
+resubmits them. `overlap` (rollout.overlap): the forward-only passes of a trained group
+(`trainer.forward_s`) run on the trainer as soon as the round emits it and the trainer is
+free, one after another; what is not done when the round ends runs after it with the rest
+of the step's train time (`_overlap_s`).
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megarl.metrics.step import trainer_idle_frac
 from megarl.rollout.controller import PartialRolloutController
@@ -29,6 +36,7 @@ from megarl.sim.engine import SimEngine
 from megarl.sim.workload import Workload
 
 MODES = ("sync", "partial", "async")
+UPDATE_MODES = ("keep", "abort")
 
 
 @dataclass
@@ -41,10 +49,21 @@ class SimSettings:
     max_staleness: int = 10**9
     stale_policy: str = "finish"               # as rollout.partial.stale_policy (the schema's default)
     seed: int = 0
+    update_mode: str = "keep"                  # rollout.update_mode (the schema's default)
+    keep_kv: bool = False                      # rollout.keep_kv
+    overlap: bool = False                      # rollout.overlap
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"simulation mode {self.mode!r}: choose one of {MODES}")
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"simulation update_mode={self.update_mode!r}: choose one of {UPDATE_MODES}")
+        if self.keep_kv and self.update_mode != "keep":   # the schema's rules of rollout.keep_kv / overlap
+            raise ValueError("simulation keep_kv=True: applies only to update_mode=keep; set update_mode=keep "
+                             "or keep_kv=False")
+        if self.overlap and self.mode == "sync":
+            raise ValueError("simulation overlap=True: needs mode partial or async (a sync round hands every "
+                             "group over at its end); set overlap=False or another mode")
         for name in ("steps", "groups_per_step", "concurrency", "engines"):
             if getattr(self, name) < 1:
                 raise ValueError(f"simulation {name}={getattr(self, name)}: must be >= 1")
@@ -57,27 +76,67 @@ def simulate(settings: SimSettings, workload: Workload, engine_costs, trainer,
              record_timeline: bool = False) -> dict:
     """Run `settings.steps` training steps; returns totals and per-step figures (seconds of
     virtual time). `engine_costs`: a cost model per engine (`megarl.sim.costs`); `trainer`:
-    has train_s(trained_tokens, stitch_tokens) and push_s."""
+    has train_s(trained_tokens, stitch_tokens, samples) and push_s, and with overlap
+    forward_s(trained_tokens, samples)."""
+    if settings.overlap and not hasattr(trainer, "forward_s"):
+        raise ValueError(f"simulation overlap=True: the trainer model {type(trainer).__name__} has no "
+                         f"forward_s (its forward-only passes); use megarl.sim.costs' trainers")
     return vclock.run(_simulate(settings, workload, engine_costs, trainer, record_timeline))
+
+
+@dataclass
+class _Trace:
+    """What the steps need across steps: when each group was emitted (the controller scores
+    every sample of a group at once, on the loop: `score` sees them), the trainer's free time,
+    the previous round's end, and the samples sent (each sample's first request: its prompt
+    tokens prefilled once)."""
+    clock: object
+    emitted: dict = field(default_factory=dict)   # gid -> [time, response tokens, samples]
+    trainer_free: float = 0.0
+    last_round_end: float = float("-inf")
+    first_prefill: int = 0
+    samples_started: int = 0
+
+    def started(self, groups) -> None:
+        """Count the samples of `groups` that were sent at least once."""
+        for g in groups:
+            sent = sum(1 for sl in g.slots if sl.attempts)
+            self.samples_started += sent
+            self.first_prefill += len(g.prompt_ids) * sent
+
+    def score(self, sample) -> float:
+        rec = self.emitted.setdefault(sample.uid, [self.clock(), 0, 0])
+        rec[1] += len(sample.response_ids)
+        rec[2] += 1
+        return 0.0
 
 
 async def _simulate(s: SimSettings, w: Workload, engine_costs, trainer, record_timeline: bool) -> dict:
     loop = asyncio.get_running_loop()
     engines = [SimEngine(f"sim{i}", engine_costs, record_timeline) for i in range(s.engines)]
-    pool = EnginePool(engines, timeout_s=float("inf"))
+    pool = EnginePool(engines, timeout_s=float("inf"), update_mode=s.update_mode, keep_kv=s.keep_kv)
     await pool.start()
-    stepper = _stepper(s, w, pool, loop)
+    trace = _Trace(loop.time)
+    stepper = _stepper(s, w, pool, loop, trace)
     steps = []
     t_begin = loop.time()
+    trace.trainer_free = t_begin
     for k in range(s.steps):
-        steps.append(await _step(s, k, stepper, pool, trainer, loop))
+        steps.append(await _step(s, k, stepper, pool, trainer, loop, trace))
     wall = loop.time() - t_begin
     stepper.cancel()
+    # requests still held (keep mode) or carried resolve now, so no task outlives the loop
+    await pool.abort()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    if stepper.controller is not None:   # samples started but never trained: their first prefill too
+        c = stepper.controller
+        trace.started([*c.groups.values(), *c.completed, *c.ready])
     await pool.close()
-    return _summary(s, steps, wall, engines, record_timeline)
+    return _summary(s, steps, wall, engines, record_timeline, trace)
 
 
-def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop) -> RoundStepper:
+def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace) -> RoundStepper:
     """train.py's rounds (rollout/rounds.py) on simulated engines: sync rounds of fresh
     prompts at forced lengths, or the controller with the workload's per-sample budgets."""
     G, n = s.groups_per_step, w.n
@@ -85,6 +144,8 @@ def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop) -> RoundSteppe
         async def fresh(k: int) -> list:
             reqs = [GenRequest(f"s{k}g{g}s{j}", [1] * w.prompt_len(g), w.length_of(g, j), 1.0,
                                ignore_eos=True) for g in range(k * G, (k + 1) * G) for j in range(n)]
+            trace.first_prefill += sum(len(r.prompt_ids) for r in reqs)
+            trace.samples_started += len(reqs)
             return await asyncio.gather(*(pool.generate(r) for r in reqs))
         return RoundStepper(None, G, asynchronous=False, fresh=fresh)
     counter = iter(range(10**12))
@@ -95,54 +156,101 @@ def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop) -> RoundSteppe
     controller = PartialRolloutController(
         pool, n=n, concurrency=s.concurrency, max_new_tokens=w.max_len, temperature=1.0,
         max_staleness=s.max_staleness, stale_policy=s.stale_policy, new_group=new_group,
-        score=lambda sample: 0.0, seed=s.seed, budget_of=w.length_of, ignore_eos=True,
+        score=trace.score, seed=s.seed, budget_of=w.length_of, ignore_eos=True,
         clock=loop.time)
     return RoundStepper(controller, G, asynchronous=s.mode == "async")
 
 
-async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool, trainer, loop) -> dict:
+def _overlap_s(passes: list[tuple[float, float]], free_at: float, round_end: float) -> float:
+    """Seconds of forward-only passes done before `round_end`: `passes` are (emitted at,
+    seconds) per group; the trainer (one resource) takes them in emission order, one after
+    another, from `free_at` on (the end of its previous step)."""
+    t, done = free_at, 0.0
+    for ready, secs in sorted(passes):
+        start = max(t, ready)
+        if start >= round_end:
+            break
+        t = start + secs
+        done += min(t, round_end) - start
+    return done
+
+
+async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool, trainer, loop,
+                trace: _Trace) -> dict:
     """One training step, in train.py's order: round, l_old of the round's new tokens (before
-    the weights move), the next round started (async), train, push."""
+    the weights move), the next round started (async), train (less what overlapped the round),
+    push."""
     t0 = loop.time()
     done = await stepper.round(k)
+    t_end = loop.time()
     if stepper.controller is None:
         tokens, info = [r.versions for r in done], {}
+        requests = len(done)
     else:
         tokens, info = [sl.versions for g in done for sl in g.slots], stepper.controller.metrics()
-    t_rollout = loop.time() - t0
+        trace.started(done)
+        requests = sum(sl.attempts for g in done for sl in g.slots)
+    t_rollout = t_end - t0
     pending = stepper.pending()
     stitch = sum(length - len(slot.old_logprobs) for slot, _, length, _ in pending)
     if k + 1 < s.steps:
         stepper.prefetch(k + 1)
     stepper.store([[0.0] * length for _, _, length, _ in pending])
     trained = sum(len(v) for v in tokens)
+    hidden = 0.0
+    if s.overlap:   # groups this step trains that the round emitted (after the previous round ended)
+        passes = [(at, trainer.forward_s(toks, count)) for g in done
+                  for at, toks, count in [trace.emitted.get(g.gid, (t_end, 0, 0))] if at > trace.last_round_end]
+        hidden = _overlap_s(passes, trace.trainer_free, t_end)
+    trace.last_round_end = t_end
+    for g in done if stepper.controller is not None else ():
+        trace.emitted.pop(g.gid, None)
     t1 = loop.time()
-    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)))
+    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)) - hidden)
     t2 = loop.time()
     await asyncio.sleep(trainer.push_s)
     await pool.reload_weights("simulated", k + 1)
     t3 = loop.time()
+    trace.trainer_free = t3
     staleness = [k - v for vs in tokens for v in vs]
-    return {"rollout_s": t_rollout, "train_s": t2 - t1, "push_s": t3 - t2, "step_s": t3 - t0,
-            "trained_tokens": trained, "stitch_tokens": stitch,
-            "staleness_max": max(staleness, default=0),
+    return {"rollout_s": t_rollout, "train_s": t2 - t1, "overlap_s": hidden, "push_s": t3 - t2,
+            "step_s": t3 - t0, "trained_tokens": trained, "trained_samples": len(tokens),
+            "trained_sample_requests": requests,   # requests sent for the samples trained
+            "stitch_tokens": stitch, "staleness_max": max(staleness, default=0),
             "staleness_mean": sum(staleness) / max(1, len(staleness)),
+            "multi_version_sample_tokens": sum(len(v) for v in tokens if len(set(v)) > 1),
             **{key: info[key] for key in ("rollout_inflight_mean", "carried_samples",
                                           "restarted_samples", "rollout_requests") if key in info}}
 
 
 def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEngine],
-             record_timeline: bool) -> dict:
-    total = {key: sum(x[key] for x in steps) for key in ("rollout_s", "train_s", "push_s", "trained_tokens")}
-    generated = sum(e.log.tokens for e in engines)
-    out = {"mode": s.mode, "steps": s.steps, "wall_s": wall, **total,
+             record_timeline: bool, trace: _Trace) -> dict:
+    keys = ("rollout_s", "train_s", "overlap_s", "push_s", "trained_tokens", "trained_samples",
+            "trained_sample_requests", "multi_version_sample_tokens")
+    total = {key: sum(x[key] for x in steps) for key in keys}
+    logs = [e.log for e in engines]
+    requests = sum(x.requests for x in logs)
+    prefill = sum(x.prefill_tokens for x in logs)
+    out = {"mode": s.mode, "update_mode": s.update_mode, "keep_kv": s.keep_kv, "overlap": s.overlap,
+           "steps": s.steps, "wall_s": wall, **total,
            "step_s_mean": wall / s.steps,
-           "generated_tokens": generated,
-           "engine_busy_frac": sum(e.log.busy_s for e in engines) / (wall * len(engines)),
-           "trainer_idle_frac": trainer_idle_frac(total["train_s"], wall),
+           "generated_tokens": sum(x.tokens for x in logs),
+           "engine_busy_frac": sum(x.busy_s for x in logs) / (wall * len(engines)),
+           # the trainer works train_s after the rounds and overlap_s during them
+           "trainer_idle_frac": trainer_idle_frac(total["train_s"], wall, total["overlap_s"]),
            "trained_tokens_per_s": total["trained_tokens"] / wall,
-           "requests": sum(e.log.requests for e in engines),
-           "prefill_tokens": sum(e.log.prefill_tokens for e in engines),
+           "requests": requests,
+           "samples_started": trace.samples_started,   # trained, or still open when the run ended
+           # keep mode: 1 (each sample's one request lives through the updates); abort: more
+           "requests_per_trained_sample": total["trained_sample_requests"] / max(1, total["trained_samples"]),
+           "prefill_tokens": prefill,
+           # prefilled beyond each sample's first prompt: continuations (abort mode: prompt +
+           # tokens so far, sent again), restarts, and held context whose KV clear_kv() dropped
+           "reprefill_tokens": prefill - trace.first_prefill,
+           "kv_recomputed_tokens": sum(x.reprefill_tokens for x in logs),
+           # requests whose own tokens span weight versions (held over an update), and their tokens
+           "multi_version_requests": sum(x.multi_version_requests for x in logs),
+           "multi_version_tokens": sum(x.multi_version_tokens for x in logs),
            "staleness_max": max(x["staleness_max"] for x in steps),
            "per_step": steps}
     if record_timeline:

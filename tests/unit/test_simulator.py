@@ -126,9 +126,10 @@ def test_partial_round_at_concurrency_two_by_hand():
     same engine step, but the controller learns of them one at a time: after the first it
     admits a sample of group 2 (the round's target is not reached yet), which starts an engine
     step that is still running when the round's abort and the weight update come: round 1
-    waits for that step (21 steps). No token of it is kept (abort before the step ended)."""
-    out = simulate(SimSettings(mode="partial", steps=2, groups_per_step=2, concurrency=2), _fixed(),
-                   Linear(a=0.01), MeasuredTrainer(0.0, 0.0))
+    waits for that step (21 steps). No token of it is kept (abort before the step ended).
+    update_mode=abort: tests/unit/test_sim_keep.py has the same run in keep mode."""
+    out = simulate(SimSettings(mode="partial", steps=2, groups_per_step=2, concurrency=2, update_mode="abort"),
+                   _fixed(), Linear(a=0.01), MeasuredTrainer(0.0, 0.0))
     assert [s["rollout_s"] for s in out["per_step"]] == pytest.approx([0.20, 0.21])
     assert out["generated_tokens"] == out["trained_tokens"] == 80
     assert out["per_step"][0]["rollout_requests"] == 5
@@ -147,8 +148,10 @@ def test_partial_carries_long_samples_and_counts_their_staleness():
 def test_async_hides_rollout_behind_training():
     """Training (2 s) is far longer than a round (0.1 s): from step 1 on, the next round is
     ready when the trainer asks (only the in-round weight update waits), tokens are 1 version
-    old, and the trainer is idle only during the first rollout and the pushes."""
-    out = simulate(SimSettings(mode="async", steps=5, groups_per_step=2, concurrency=4), _fixed(),
+    old, and the trainer is idle only during the first rollout and the pushes. (abort mode: in
+    keep mode the first round also waits for the engine step in flight at its end.)"""
+    out = simulate(SimSettings(mode="async", steps=5, groups_per_step=2, concurrency=4, update_mode="abort"),
+                   _fixed(),
                    Linear(a=0.01), MeasuredTrainer(2.0, 0.0))
     assert out["per_step"][0]["rollout_s"] == pytest.approx(0.1)
     assert all(s["rollout_s"] == pytest.approx(0.0) for s in out["per_step"][1:])
