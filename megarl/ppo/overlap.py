@@ -37,6 +37,9 @@ from megarl.ppo.schedule import gather_dp
 from megarl.ppo.step import Pass, carry_layout
 
 POLL_S = 0.05   # how often the driver looks for new groups while the round runs
+# groups per broadcast: the driver looks at the round again after each batch of passes, so
+# the round's end waits for at most these (groups it does not select are wasted work)
+GROUPS_PER_MESSAGE = 4
 
 Key = tuple[int, int]   # (Sample.uid, the sample's index in its group)
 
@@ -155,15 +158,9 @@ class Overlap:
         while True:
             message = None
             if finished is not None:
-                if finished(POLL_S):
-                    message = ("done", emitted(seen)[0])
-                else:
-                    _, fresh = emitted(seen)
-                    seen.update(s[0].uid for s in fresh)
-                    need = [g for g in fresh if not self.cache.has_group(self.passes, step, g)]
-                    if not need:
-                        continue
-                    message = ("groups", need)
+                message = self._next_message(step, finished, emitted, seen)
+                if message is None:
+                    continue
             kind, payload = from_rank0(message)
             if kind == "done":
                 self._live = set(payload)
@@ -171,6 +168,22 @@ class Overlap:
             t0 = time.perf_counter()
             self._compute(payload, step)
             self.seconds += time.perf_counter() - t0
+
+    def _next_message(self, step: int, finished, emitted, seen: set) -> tuple | None:
+        """The driver's next broadcast: ("done", uids left waiting), ("groups", samples of up
+        to GROUPS_PER_MESSAGE groups the cache lacks), or None (nothing new yet). `seen`:
+        uids sent or found cached this round."""
+        if finished(POLL_S):
+            return "done", emitted(seen)[0]
+        _, fresh = emitted(seen)
+        need = []
+        for g in fresh:
+            if self.cache.has_group(self.passes, step, g):
+                seen.add(g[0].uid)
+            elif len(need) < GROUPS_PER_MESSAGE:
+                need.append(g)
+                seen.add(g[0].uid)
+        return ("groups", need) if need else None
 
     def forward(self, samples: list[Sample], batch: Batch, step: int) -> Callable[[Pass], torch.Tensor]:
         """The step's `forward(pass) -> [B, R]`: cached rows as they are, every other group

@@ -120,6 +120,24 @@ def test_serve_broadcasts_each_new_group_once_and_ends_on_done():
     assert len(o.cache) == 0
 
 
+def test_serve_sends_at_most_a_few_groups_between_looks_at_the_round(monkeypatch):
+    sent = []
+    monkeypatch.setattr(ov, "from_rank0", lambda m: sent.append(m) or m)
+    o = ov.Overlap([Counting().p], pad_id=0, multiple=1, micro_batch_size=4)
+    groups = [group(u, [2, 3]) for u in range(6)]
+    looks = {"n": 0}
+
+    def finished(timeout):
+        looks["n"] += 1
+        return looks["n"] > 3
+
+    def emitted(seen):
+        return [g[0].uid for g in groups], [g for g in groups if g[0].uid not in seen]
+    o.serve(0, finished, emitted)
+    assert [m[0] for m in sent] == ["groups", "groups", "done"]
+    assert [len(m[1]) for m in sent[:2]] == [ov.GROUPS_PER_MESSAGE, 6 - ov.GROUPS_PER_MESSAGE]
+
+
 def test_trainer_idle_frac_counts_overlapped_passes_as_work():
     assert trainer_idle_frac(2.0, 10.0) == pytest.approx(0.8)
     assert trainer_idle_frac(2.0, 10.0, overlap_s=3.0) == pytest.approx(0.5)
