@@ -24,6 +24,7 @@ of the step's train time (`_overlap_s`).
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import dataclass, field
 
 from megarl.metrics.step import trainer_idle_frac
@@ -96,6 +97,11 @@ class _Trace:
     last_round_end: float = float("-inf")
     first_prefill: int = 0
     samples_started: int = 0
+    engines: list = field(default_factory=list)
+    # the engines' logs before the run's last weight update: what that update causes (abort
+    # mode's continuations, keep_kv=false's recompute) happens after the run, so neither mode
+    # counts it (the other figures read the logs at the end)
+    logs_before_last_update: list = field(default_factory=list)
 
     def started(self, groups) -> None:
         """Count the samples of `groups` that were sent at least once."""
@@ -116,7 +122,7 @@ async def _simulate(s: SimSettings, w: Workload, engine_costs, trainer, record_t
     engines = [SimEngine(f"sim{i}", engine_costs, record_timeline) for i in range(s.engines)]
     pool = EnginePool(engines, timeout_s=float("inf"), update_mode=s.update_mode, keep_kv=s.keep_kv)
     await pool.start()
-    trace = _Trace(loop.time)
+    trace = _Trace(loop.time, engines=engines)
     stepper = _stepper(s, w, pool, loop, trace)
     steps = []
     t_begin = loop.time()
@@ -209,6 +215,8 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
     await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)) - hidden)
     t2 = loop.time()
     await asyncio.sleep(trainer.push_s)
+    if k + 1 == s.steps:
+        trace.logs_before_last_update = [copy.copy(e.log) for e in trace.engines]
     await pool.reload_weights("simulated", k + 1)
     t3 = loop.time()
     trace.trainer_free = t3
@@ -229,8 +237,9 @@ def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEn
             "trained_sample_requests", "multi_version_sample_tokens")
     total = {key: sum(x[key] for x in steps) for key in keys}
     logs = [e.log for e in engines]
-    requests = sum(x.requests for x in logs)
-    prefill = sum(x.prefill_tokens for x in logs)
+    before = trace.logs_before_last_update or logs
+    requests = sum(x.requests for x in before)
+    prefill = sum(x.prefill_tokens for x in before)
     out = {"mode": s.mode, "update_mode": s.update_mode, "keep_kv": s.keep_kv, "overlap": s.overlap,
            "steps": s.steps, "wall_s": wall, **total,
            "step_s_mean": wall / s.steps,
@@ -247,10 +256,10 @@ def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEn
            # prefilled beyond each sample's first prompt: continuations (abort mode: prompt +
            # tokens so far, sent again), restarts, and held context whose KV clear_kv() dropped
            "reprefill_tokens": prefill - trace.first_prefill,
-           "kv_recomputed_tokens": sum(x.reprefill_tokens for x in logs),
+           "kv_recomputed_tokens": sum(x.reprefill_tokens for x in before),
            # requests whose own tokens span weight versions (held over an update), and their tokens
-           "multi_version_requests": sum(x.multi_version_requests for x in logs),
-           "multi_version_tokens": sum(x.multi_version_tokens for x in logs),
+           "multi_version_requests": sum(x.multi_version_requests for x in before),
+           "multi_version_tokens": sum(x.multi_version_tokens for x in before),
            "staleness_max": max(x["staleness_max"] for x in steps),
            "per_step": steps}
     if record_timeline:

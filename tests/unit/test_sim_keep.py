@@ -173,8 +173,9 @@ def test_keep_mode_sends_one_request_per_sample_abort_mode_resubmits():
 
 def test_keep_kv_false_recomputes_the_held_context_at_every_update(monkeypatch):
     """What the engines re-prefill is, summed over the updates, prompt + tokens so far of each
-    request held over it; keep_kv=true recomputes nothing. With a free prefill both runs take
-    the same path, so their prefills differ by exactly that."""
+    request held over it (the run's last update excepted: its recompute comes after the run);
+    keep_kv=true recomputes nothing. With a free prefill both runs take the same path, so
+    their prefills differ by exactly that."""
     held = []
     orig = SimEngine.clear_kv
 
@@ -186,9 +187,10 @@ def test_keep_kv_false_recomputes_the_held_context_at_every_update(monkeypatch):
     dropped = _run(update_mode="keep", keep_kv=False)
     monkeypatch.setattr(SimEngine, "clear_kv", orig)
     kept = _run(update_mode="keep", keep_kv=True)
-    assert dropped["kv_recomputed_tokens"] == sum(held) > 0
+    assert len(held) == 8 and held[-1] > 0          # one engine, one update per step
+    assert dropped["kv_recomputed_tokens"] == sum(held[:-1]) > 0
     assert kept["kv_recomputed_tokens"] == kept["reprefill_tokens"] == 0
-    assert dropped["prefill_tokens"] - kept["prefill_tokens"] == sum(held)
+    assert dropped["prefill_tokens"] - kept["prefill_tokens"] == sum(held[:-1])
     assert dropped["wall_s"] == pytest.approx(kept["wall_s"])
 
 
