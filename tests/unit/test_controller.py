@@ -239,15 +239,17 @@ def test_state_saved_between_rounds_continues_identically():
     assert state["open"], "the saved state must hold a carry"
 
 
-def test_async_rounds_overlap_training_and_keep_the_bound():
+@pytest.mark.parametrize("update_mode", ["abort", "keep"])
+def test_async_rounds_overlap_training_and_keep_the_bound(update_mode):
     """rollout.partial.async: round k+1 starts when round k ends and keeps generating while the
-    'trainer' trains; the weight update holds it mid-round (abort, load, continue). Tokens
-    generated during training carry the old version, none is lost or duplicated, at most
-    `concurrency` requests run, and nothing trained at step k is more than 1 version old."""
+    'trainer' trains; the weight update holds it mid-round (abort mode: abort, load, continue;
+    keep mode: pause with the requests held, load, resume them). Tokens generated during
+    training carry the old version, none is lost or duplicated, at most `concurrency`
+    requests run, and nothing trained at step k is more than 1 version old."""
     async def main():
         clock = Clock()
         clock.start()
-        pool = EnginePool([KeyedEngine(f"e{i}", clock) for i in range(2)], 30)
+        pool = EnginePool([KeyedEngine(f"e{i}", clock) for i in range(2)], 30, update_mode=update_mode)
         ctl = PartialRolloutController(
             pool, n=4, concurrency=8, max_new_tokens=64, temperature=1.0, max_staleness=1,
             stale_policy="restart", new_group=lambda: ({}, [7, 7]),
@@ -272,6 +274,8 @@ def test_async_rounds_overlap_training_and_keep_the_bound():
         return trained, overlapped, clock
     trained, overlapped, clock = run(main())
     assert overlapped == 6
+    if update_mode == "keep":   # requests held over the mid-round update: their tokens span versions
+        assert _check_scripts(trained) > 0
     assert max(clock.running_total) <= 8
     stale_tokens = 0
     for k, groups in trained:
