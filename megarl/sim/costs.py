@@ -144,18 +144,20 @@ class MeasuredTrainer:
     whose l_old the trainer computes at the round's end); push seconds on the trainer side.
     forward_frac: the share of per_token that is forward-only passes (old / reference logprobs,
     values). A measured train time does not split itself, so it is 0 (nothing to overlap)
-    unless a measurement of the passes sets it."""
+    unless a measurement of the passes sets it. frozen_frac: the share of those that is frozen
+    models' (the reference: kept over weight updates); 1/3 assumes PPO's three equal passes."""
     fixed_s: float
     per_token_s: float
     stitch_per_token_s: float = 0.0
     push_s: float = 0.0
     route: str = "measured"      # how the weight sync was measured, for the printed result
     forward_frac: float = 0.0
+    frozen_frac: float = 1 / 3
 
     def __post_init__(self):
-        if not 0.0 <= self.forward_frac <= 1.0:
-            raise ValueError(f"MeasuredTrainer forward_frac={self.forward_frac}: a share of the per-token "
-                             f"train time, between 0 and 1")
+        for name in ("forward_frac", "frozen_frac"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"MeasuredTrainer {name}={getattr(self, name)}: a share, between 0 and 1")
 
     def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
         return self.fixed_s + self.per_token_s * trained_tokens + self.stitch_per_token_s * stitch_tokens
@@ -192,6 +194,11 @@ class RooflineTrainer:
         """Forward-only share of a trained token's FLOPs: 6 / 18 = 1/3 for PPO, 4 / 10 for GRPO."""
         trained, forward_only = self._passes()
         return 2 * forward_only / (6 * trained + 2 * forward_only)
+
+    @property
+    def frozen_frac(self) -> float:
+        """Share of the forward-only passes that is the frozen reference's (kept over updates)."""
+        return 1 / self._passes()[1]
 
     def _rate(self) -> float:
         return self.gpu.bf16_flops * self.mfu * self.gpus

@@ -16,10 +16,11 @@ then `pool.update_weights` on every engine).
 
 `update_mode` / `keep_kv` are rollout.update_mode / rollout.keep_kv, given to the pool: keep
 holds the requests over round ends and updates (one request per sample), abort aborts and
-resubmits them. `overlap` (rollout.overlap): the forward-only passes of a trained group
-(`trainer.forward_s`) run on the trainer as soon as the round emits it and the trainer is
-free, one after another; what is not done when the round ends runs after it with the rest
-of the step's train time (`_overlap_s`).
+resubmits them. `overlap` (rollout.overlap, megarl/ppo/overlap.py): while a round runs, the
+trainer (free from the end of its previous step) runs the forward-only passes
+(`trainer.forward_s`, its frozen share `trainer.frozen_frac`) of every complete group not yet
+trained, one after another in emission order; what the trained groups still lack when the
+round ends runs after it with the rest of the step's train time (`_overlap`).
 """
 from __future__ import annotations
 
@@ -88,13 +89,13 @@ def simulate(settings: SimSettings, workload: Workload, engine_costs, trainer,
 @dataclass
 class _Trace:
     """What the steps need across steps: when each group was emitted (the controller scores
-    every sample of a group at once, on the loop: `score` sees them), the trainer's free time,
-    the previous round's end, and the samples sent (each sample's first request: its prompt
-    tokens prefilled once)."""
+    every sample of a group at once, on the loop: `score` sees them; a group leaves when it is
+    trained), the trainer's free time, its passes of those groups, and the samples sent (each
+    sample's first request: its prompt tokens prefilled once)."""
     clock: object
     emitted: dict = field(default_factory=dict)   # gid -> [time, response tokens, samples]
     trainer_free: float = 0.0
-    last_round_end: float = float("-inf")
+    cache: dict = field(default_factory=dict)     # gid -> _Cached (rollout.overlap)
     first_prefill: int = 0
     samples_started: int = 0
     engines: list = field(default_factory=list)
@@ -167,18 +168,55 @@ def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace)
     return RoundStepper(controller, G, asynchronous=s.mode == "async")
 
 
-def _overlap_s(passes: list[tuple[float, float]], free_at: float, round_end: float) -> float:
-    """Seconds of forward-only passes done before `round_end`: `passes` are (emitted at,
-    seconds) per group; the trainer (one resource) takes them in emission order, one after
-    another, from `free_at` on (the end of its previous step)."""
-    t, done = free_at, 0.0
-    for ready, secs in sorted(passes):
+@dataclass
+class _Cached:
+    """The passes the trainer has of one complete group (ppo/overlap.py's PassCache)."""
+    frozen: bool = False       # the frozen models' (reference): kept over weight updates
+    version: int = -1          # the weight version of its trained models' passes (old logprobs, values)
+
+
+def _overlap(groups: list[tuple[float, int]], free_at: float, round_end: float, version: int,
+             cache: dict, cost) -> tuple[float, float]:
+    """The trainer's passes while a round runs, as `Overlap.serve` does them: from `free_at`
+    (the end of its previous step) on, one resource, it takes every complete group not yet
+    trained (`groups`: (emitted at, gid); the ones this step trains and the ones left for later
+    steps alike) in emission order and runs the passes it lacks at `version`: the trained
+    models' unless cached at this version, the frozen models' unless cached at all. A group
+    started before `round_end` is finished. `cost(gid)` -> (trained models' s, frozen models'
+    s). Marks `cache`; returns the trainer's seconds (before round_end, after it)."""
+    t, busy = free_at, 0.0
+    for ready, gid in sorted(groups):
         start = max(t, ready)
         if start >= round_end:
             break
-        t = start + secs
-        done += min(t, round_end) - start
-    return done
+        c = cache.setdefault(gid, _Cached())
+        versioned, frozen = cost(gid)
+        need = (versioned if c.version != version else 0.0) + (frozen if not c.frozen else 0.0)
+        c.version, c.frozen = version, True
+        t = start + need
+        busy += need
+    tail = max(0.0, t - round_end) if busy else 0.0
+    return busy - tail, tail
+
+
+def _overlap_step(k: int, done: list, t_end: float, trainer, trace: "_Trace") -> tuple[float, float, float]:
+    """rollout.overlap in step k: (trainer seconds during the round, seconds of a pass it
+    finishes after the round, seconds of the trained groups' passes it need not run after the
+    round). The trained groups leave the cache; the others keep only their frozen passes' value
+    (a version check: the next step's weights are k + 1)."""
+    def cost(gid: int) -> tuple[float, float]:
+        _, tokens, samples = trace.emitted[gid]
+        f = trainer.forward_s(tokens, samples)
+        return f * (1 - trainer.frozen_frac), f * trainer.frozen_frac
+    during, tail = _overlap([(at, gid) for gid, (at, _, _) in trace.emitted.items()], trace.trainer_free,
+                            t_end, k, trace.cache, cost)
+    hidden = 0.0
+    for g in done:
+        c = trace.cache.pop(g.gid, None)
+        if c is not None:
+            versioned, frozen = cost(g.gid)
+            hidden += (versioned if c.version == k else 0.0) + (frozen if c.frozen else 0.0)
+    return during, tail, hidden
 
 
 async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool, trainer, loop,
@@ -203,16 +241,13 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
         stepper.prefetch(k + 1)
     stepper.store([[0.0] * length for _, _, length, _ in pending])
     trained = sum(len(v) for v in tokens)
-    hidden = 0.0
-    if s.overlap:   # groups this step trains that the round emitted (after the previous round ended)
-        passes = [(at, trainer.forward_s(toks, count)) for g in done
-                  for at, toks, count in [trace.emitted.get(g.gid, (t_end, 0, 0))] if at > trace.last_round_end]
-        hidden = _overlap_s(passes, trace.trainer_free, t_end)
-    trace.last_round_end = t_end
+    during = tail = hidden = 0.0
+    if s.overlap:
+        during, tail, hidden = _overlap_step(k, done, t_end, trainer, trace)
     for g in done if stepper.controller is not None else ():
         trace.emitted.pop(g.gid, None)
     t1 = loop.time()
-    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)) - hidden)
+    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)) - hidden + tail)
     t2 = loop.time()
     await asyncio.sleep(trainer.push_s)
     if k + 1 == s.steps:
@@ -221,7 +256,11 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
     t3 = loop.time()
     trace.trainer_free = t3
     staleness = [k - v for vs in tokens for v in vs]
-    return {"rollout_s": t_rollout, "train_s": t2 - t1, "overlap_s": hidden, "push_s": t3 - t2,
+    # overlap_s: the trainer's work during the round (also passes of groups trained later);
+    # overlap_hidden_s: the trained groups' passes it had done (train_s is that much shorter,
+    # plus overlap_after_s, a pass it finished after the round)
+    return {"rollout_s": t_rollout, "train_s": t2 - t1, "overlap_s": during, "overlap_hidden_s": hidden,
+            "overlap_after_s": tail, "push_s": t3 - t2,
             "step_s": t3 - t0, "trained_tokens": trained, "trained_samples": len(tokens),
             "trained_sample_requests": requests,   # requests sent for the samples trained
             "stitch_tokens": stitch, "staleness_max": max(staleness, default=0),
@@ -233,7 +272,7 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
 
 def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEngine],
              record_timeline: bool, trace: _Trace) -> dict:
-    keys = ("rollout_s", "train_s", "overlap_s", "push_s", "trained_tokens", "trained_samples",
+    keys = ("rollout_s", "train_s", "overlap_s", "overlap_hidden_s", "push_s", "trained_tokens", "trained_samples",
             "trained_sample_requests", "multi_version_sample_tokens")
     total = {key: sum(x[key] for x in steps) for key in keys}
     logs = [e.log for e in engines]

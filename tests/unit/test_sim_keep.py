@@ -9,7 +9,7 @@ from megarl.rollout.engine import EngineError, GenRequest
 from megarl.sim import clock as vclock
 from megarl.sim.costs import H100, MeasuredTrainer, RooflineTrainer, published_models
 from megarl.sim.engine import SimEngine
-from megarl.sim.run import SimSettings, _overlap_s, simulate
+from megarl.sim.run import SimSettings, _overlap, simulate
 from megarl.sim.workload import Workload, parse_dist
 
 
@@ -204,32 +204,57 @@ def test_keep_kv_costs_the_prefill_time():
 
 # -- overlap --------------------------------------------------------------------------------------
 def test_overlap_schedule_by_hand():
-    """Passes of 2 s (ready at 1 s) and 1 s (ready at 1.5 s), one after another: 1-3 s, 3-4 s;
-    the round ends at 3.5 s: 2.5 s done during it, the rest after. A pass ready after the end,
-    or a trainer busy until then, hides nothing."""
-    assert _overlap_s([(1.5, 1.0), (1.0, 2.0)], 0.0, 3.5) == pytest.approx(2.5)
-    assert _overlap_s([(1.0, 2.0), (10.0, 5.0)], 0.0, 4.0) == pytest.approx(2.0)
-    assert _overlap_s([(1.0, 2.0)], 5.0, 4.0) == 0.0
-    assert _overlap_s([(1.0, 2.0)], 2.5, 4.0) == pytest.approx(1.5)
+    """Group a (1.5 s of trained models' passes + 0.5 s frozen) ready at 1 s, b (1 s) at
+    1.5 s, one after another: 1-3 s, 3-4 s; the round ends at 3.5 s: 2.5 s during it, b
+    finished after it (0.5 s). At the next version only a's trained models' passes run again
+    (its frozen one is kept); at the same version nothing. A trainer busy until the round
+    ends, or a group ready after it, runs nothing."""
+    cost = {"a": (1.5, 0.5), "b": (1.0, 0.0)}.get
+    cache = {}
+    assert _overlap([(1.5, "b"), (1.0, "a")], 0.0, 3.5, 0, cache, cost) == pytest.approx((2.5, 0.5))
+    assert cache["a"].version == 0 and cache["a"].frozen
+    assert _overlap([(1.0, "a")], 0.0, 9.0, 1, cache, cost) == pytest.approx((1.5, 0.0))
+    assert _overlap([(1.0, "a"), (1.5, "b")], 0.0, 9.0, 1, cache, cost) == pytest.approx((1.0, 0.0))
+    assert _overlap([(1.0, "c")], 5.0, 4.0, 0, {}, lambda g: (2.0, 0.0)) == (0.0, 0.0)
+    assert _overlap([(6.0, "c")], 0.0, 4.0, 0, {}, lambda g: (2.0, 0.0)) == (0.0, 0.0)
 
 
 def test_overlap_hides_forward_passes_behind_the_round():
     """Forward passes 90% of a costly train time: with overlap the rounds are the same (the
     trainer does not slow the engines), each step's train time after its round is shorter by
-    exactly what overlapped, the run is faster, and the trainer's idle share counts the
-    overlapped seconds as work. Without forward passes to run, nothing overlaps."""
+    the trained groups' passes done during it (plus a pass finished after the round), the run
+    is that much faster, and the trainer's idle share counts the seconds during the round as
+    work. Without forward passes to run, nothing overlaps."""
     trainer = MeasuredTrainer(0.05, 2e-3, forward_frac=0.9)
     base = _run(trainer=trainer)
     over = _run(trainer=trainer, overlap=True)
     for b, o in zip(base["per_step"], over["per_step"]):
         assert o["rollout_s"] == pytest.approx(b["rollout_s"])
-        assert o["train_s"] + o["overlap_s"] == pytest.approx(b["train_s"])
-        assert 0.0 < o["overlap_s"] <= 0.9 * 2e-3 * o["trained_tokens"]
-    assert over["wall_s"] == pytest.approx(base["wall_s"] - over["overlap_s"])
+        assert o["train_s"] == pytest.approx(b["train_s"] - o["overlap_hidden_s"] + o["overlap_after_s"])
+        assert o["overlap_hidden_s"] <= 0.9 * 2e-3 * o["trained_tokens"] + 1e-9
+    after = sum(x["overlap_after_s"] for x in over["per_step"])
+    assert 0.0 < over["overlap_hidden_s"] <= over["overlap_s"] + after + 1e-9   # spared only what it ran
+    assert over["wall_s"] == pytest.approx(base["wall_s"] - over["overlap_hidden_s"] + after)
+    assert over["wall_s"] < base["wall_s"]
     assert over["trainer_idle_frac"] == pytest.approx(1 - (over["train_s"] + over["overlap_s"]) / over["wall_s"])
     assert over["trainer_idle_frac"] < base["trainer_idle_frac"]
     none = _run(trainer=MeasuredTrainer(0.05, 2e-3), overlap=True)
     assert none["overlap_s"] == 0.0 and none["wall_s"] == pytest.approx(base["wall_s"])
+
+
+def test_overlap_runs_groups_left_for_later_steps_and_keeps_their_frozen_passes():
+    """Rounds that complete groups for later steps (staleness bound 2: round 0 completes the
+    next steps' groups too): the trainer also spends round time on those, and a later step
+    runs again their trained models' passes (only the frozen share is kept over the update),
+    so the run's pass work during and right after rounds exceeds what it spared the steps;
+    it can never spare more than it did."""
+    trainer = MeasuredTrainer(0.0, 2e-3, forward_frac=0.9, frozen_frac=0.5)
+    w = Workload(parse_dist("lognormal:mu=3,sigma=1.2"), n=4, max_len=200, seed=1)
+    out = simulate(SimSettings(mode="partial", steps=6, groups_per_step=2, concurrency=16, overlap=True,
+                               max_staleness=2), w, Linear(a=0.01), trainer)
+    assert sum(x["rollout_s"] == 0.0 for x in out["per_step"]) >= 1   # a step whose groups were ready
+    worked = out["overlap_s"] + sum(x["overlap_after_s"] for x in out["per_step"])
+    assert worked > out["overlap_hidden_s"] > 0.0
 
 
 def test_async_rounds_ready_before_the_trainer_leave_nothing_to_overlap():
@@ -244,10 +269,12 @@ def test_async_rounds_ready_before_the_trainer_leave_nothing_to_overlap():
 
 def test_roofline_forward_share_is_the_forward_only_passes():
     """PPO: actor + critic trained (6 + 6), old, reference and values forward (2 + 2 + 2):
-    1/3 of the FLOPs; GRPO: actor (6), old and reference (2 + 2): 0.4."""
+    1/3 of the FLOPs; GRPO: actor (6), old and reference (2 + 2): 0.4. The frozen one (the
+    reference) is a third of PPO's passes, half of GRPO's."""
     m = published_models()["qwen2.5-7b"]
     ppo, grpo = RooflineTrainer(m, H100, 8), RooflineTrainer(m, H100, 8, critic=False)
     assert ppo.forward_frac == pytest.approx(1 / 3) and grpo.forward_frac == pytest.approx(0.4)
+    assert ppo.frozen_frac == pytest.approx(1 / 3) and grpo.frozen_frac == pytest.approx(1 / 2)   # the reference
     for t in (ppo, grpo):
         assert t.forward_s(1000, 4) == pytest.approx(t.forward_frac * t.train_s(1000, 0, 4))
         assert t.forward_s(1000, 4) < t.train_s(1000, 500, 4)
