@@ -98,6 +98,7 @@ class _Trace:
     cache: dict = field(default_factory=dict)     # gid -> _Cached (rollout.overlap)
     first_prefill: int = 0
     samples_started: int = 0
+    resent_prompt: int = 0       # prompt tokens of requests sent again for a sample (continuations, restarts)
     engines: list = field(default_factory=list)
     # the engines' logs before the run's last weight update: what that update causes (abort
     # mode's continuations, keep_kv=false's recompute) happens after the run, so neither mode
@@ -110,6 +111,7 @@ class _Trace:
             sent = sum(1 for sl in g.slots if sl.attempts)
             self.samples_started += sent
             self.first_prefill += len(g.prompt_ids) * sent
+            self.resent_prompt += len(g.prompt_ids) * sum(max(0, sl.attempts - 1) for sl in g.slots)
 
     def score(self, sample) -> float:
         rec = self.emitted.setdefault(sample.uid, [self.clock(), 0, 0])
@@ -296,6 +298,10 @@ def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEn
            # tokens so far, sent again), restarts, and held context whose KV clear_kv() dropped
            "reprefill_tokens": prefill - trace.first_prefill,
            "kv_recomputed_tokens": sum(x.reprefill_tokens for x in before),
+           # of those: generated tokens sent again in continuations' prompts (what the controller's
+           # reprefill_tokens counts in abort mode; it adds the pool's recomputed KV in keep mode)
+           "resent_tokens": prefill - trace.first_prefill - trace.resent_prompt
+           - sum(x.reprefill_tokens for x in before),
            # requests whose own tokens span weight versions (held over an update), and their tokens
            "multi_version_requests": sum(x.multi_version_requests for x in before),
            "multi_version_tokens": sum(x.multi_version_tokens for x in before),

@@ -165,6 +165,10 @@ def test_keep_mode_sends_one_request_per_sample_abort_mode_resubmits():
     assert abort["trained_sample_requests"] <= abort["requests"]
     assert keep["reprefill_tokens"] == keep["kv_recomputed_tokens"] > 0
     assert abort["kv_recomputed_tokens"] == 0 and abort["reprefill_tokens"] > 0
+    # abort: a continuation prefills its prompt (16 tokens here) and its tokens so far again
+    resent = abort["requests"] - abort["samples_started"]
+    assert abort["reprefill_tokens"] == abort["resent_tokens"] + 16 * resent and abort["resent_tokens"] > 0
+    assert keep["resent_tokens"] == 0
     assert keep["multi_version_requests"] > 0 and keep["multi_version_tokens"] > 0
     assert abort["multi_version_requests"] == abort["multi_version_tokens"] == 0
     # either way a carried sample's tokens keep the versions that produced them
