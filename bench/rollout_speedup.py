@@ -4,7 +4,7 @@
     .venv/bin/python bench/rollout_speedup.py --length-dist lognormal:mu=3,sigma=1.2 --max-len 384 \
         [--groups-per-step 16] [--n 4] [--concurrency 64] [--steps 12] [--engines 1] \
         [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] [--bounded-staleness K|off] \
-        [--with-fix] \
+        [--keep-modes keep,keep_kv] [--with-fix] \
         [--out bench/out/rollout_speedup.json] [--png bench/out/rollout_timeline.png]
     .venv/bin/python bench/rollout_speedup.py --replot RESULT.json --png FILE.png   # redraw only
 
@@ -31,6 +31,11 @@ What it does
     skipped): the stock controller again, with the bound users run by default and
     rollout.partial.stale_policy's default (finish: nothing restarted, admission throttled while the
     staleness window is full). `partial` itself runs --max-staleness (default none: no bound);
+  * partial_keep / partial_keep_kv (--keep-modes, default both): the stock controller with
+    rollout.update_mode=keep (requests held over every weight update instead of aborted and
+    resent), keep_kv=false (their KV recomputed under the new weights) / true (kept), each
+    on an engine pool of its own, paused outside its own phases (held requests must not run
+    in other modes' time). `partial` runs update_mode=abort;
   * partial_fix (--with-fix): a second partial mode with EndOnTarget (no admission once the
     target is reached). megarl's controller does that itself since 2fff5a0 and its engine
     re-issues aborts until every request resolved since 61f1096, so partial_fix runs the same
@@ -560,6 +565,11 @@ def main() -> None:
 
         median_train = {m: float(np.median([x["train_s"] for x in steps[m]])) for m in modes}
 
+        def started_open(ctl) -> int:
+            """Samples sent at least once and not trained when the run ended."""
+            return sum(1 for g in [*ctl.groups.values(), *ctl.completed, *ctl.ready] for sl in g.slots
+                       if sl.response_ids or sl.attempts)
+
         def partial_figures(m: str) -> dict:
             ideal_p = ideal_partial(trained_tokens[m], curve, C, E)
             rs = roll["sync"] / roll[m]
@@ -609,6 +619,8 @@ def main() -> None:
                 "carried_samples_at_end": last.get("carried_samples", 0),
                 "requests": rec.requests[m], "continuation_prefill_tokens": rec.reprefill_tokens[m],
                 "requests_per_trained_sample": rec.requests[m] / samples_n[m],
+                # resends only: the samples still open when the run ended were sent once too
+                "requests_per_started_sample": rec.requests[m] / (samples_n[m] + started_open(controllers[m])),
                 # continuations sent again (abort) + held context whose KV an update dropped (keep)
                 "reprefill_tokens": total(m, "reprefill_tokens"),
                 "requests_spanning_versions": total(m, "requests_spanning_versions"),
@@ -708,14 +720,19 @@ def main() -> None:
                   f"({f['stale_policy']}): restarted {f['restarted_samples']}, discarded tokens "
                   f"{f['stale_tokens_discarded']}, throttled fills {f['admission_throttled']}, trained length mean "
                   f"{f['trained_response_len_mean']:.1f} (sync {result['sync_trained_response_len_mean']:.1f}); "
-                  f"requests/sample {f['requests_per_trained_sample']:.2f}, re-prefilled {f['reprefill_tokens']}; "
+                  f"requests per trained / started sample {f['requests_per_trained_sample']:.2f} / "
+                  f"{f['requests_per_started_sample']:.2f}, re-prefilled {f['reprefill_tokens']}; "
                   f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
         print(f"wrote {args.out} and {args.png} in {result['total_runtime_s']:.0f} s")
     finally:
-        for kp in keep_pools.values():
-            kp.close()
-        spool.close()
+        # the pools share one loop thread: close every pool's engines on it, then stop it once
+        for sp in [*keep_pools.values(), spool]:
+            try:
+                loop.run(sp.pool.close(), 120, "stopping the rollout engines")
+            except Exception as err:  # noqa: BLE001 - the others still get closed
+                print(f"closing engines: {err}", flush=True)
+        loop.stop()
         if parallel is not None:
             parallel.destroy()
 
