@@ -202,10 +202,12 @@ class AsyncVLLMEngine(Engine):
             await asyncio.sleep(0)
 
     async def pause(self) -> None:
+        if self._paused:   # a weight update right after a keep-mode round end: paused already
+            return
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         self._paused = True
-        # the last outputs the core sent before it stopped may still be in the client's queues
-        await settle_streams(lambda: sum(len(r.token_ids) for r in self._results.values()))
+        if self._results:  # the last outputs the core sent before it stopped may still be in the client's queues
+            await settle_streams(lambda: sum(len(r.token_ids) for r in self._results.values()))
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV freed, recomputed on resume) and reset the prefix cache."""

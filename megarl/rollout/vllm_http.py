@@ -232,8 +232,8 @@ class HTTPVLLMEngine(Engine):
         # every held request on resume); rollout.keep_kv decides that, through clear_kv()
         await self._call("POST", "/pause?mode=keep&clear_cache=false")
         self._paused = True
-        # what the server streamed before it stopped may still be on its way to us
-        await settle_streams(lambda: sum(len(f.result.token_ids) for f in self._inflight.values()))
+        if self._inflight:   # what the server streamed before it stopped may still be on its way to us
+            await settle_streams(lambda: sum(len(f.result.token_ids) for f in self._inflight.values()))
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV recomputed on resume) and reset the prefix cache."""
