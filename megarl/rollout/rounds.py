@@ -30,6 +30,7 @@ from typing import Awaitable, Callable
 from megarl.data.prompts import encode_prompts
 from megarl.data.sample import Sample
 from megarl.data.seeds import step_prompt_seeds
+from megarl.rollout import staleness
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups, score_all
@@ -119,7 +120,8 @@ class Rollout:
         intra-step overlap, ppo/overlap.py `Overlap.serve`) runs on this thread while the round
         runs: `finished(timeout)` waits up to `timeout` s and says whether it ended,
         `emitted(seen)` is (the uids of every complete, scored group not taken by a step, the
-        samples of those whose uid is not in `seen`), read on the loop thread; once the round
+        samples of those whose uid is not in `seen`), in the order the step takes groups (due
+        ones, then the oldest), read on the loop thread; once the round
         ended its groups are taken: the uids are then those waiting for a later step."""
         if self.controller is None:
             version = self.pool.version
@@ -147,11 +149,14 @@ class Rollout:
                 self.pool.loop.wait(future, 0, what)
             wait([future], timeout)
             return future.done()
-        during(finished, lambda seen: self.pool.call(self._emitted(seen), f"reading the groups of {what}"))
+        during(finished, lambda seen: self.pool.call(self._emitted(seen, step), f"reading the groups of {what}"))
         return self.pool.loop.wait(future, max(1.0, end - time.monotonic()), what)
 
-    async def _emitted(self, seen: set) -> tuple[list[int], list[list[Sample]]]:
-        groups = [*self.controller.ready, *self.controller.completed]
+    async def _emitted(self, seen: set, step: int) -> tuple[list[int], list[list[Sample]]]:
+        # in the order step `step` takes them (due ones, then the oldest): the overlap computes
+        # first what the step is most likely to train
+        groups = sorted([*self.controller.ready, *self.controller.completed],
+                        key=lambda g: staleness.training_order(g, step))
         return [g.gid for g in groups], [self.controller.samples_of(g) for g in groups if g.gid not in seen]
 
     async def _fresh(self, step: int) -> list[Sample]:
