@@ -119,10 +119,10 @@ class Rollout:
         """The round's samples and metrics. `during(finished, emitted)` (partial mode; the
         intra-step overlap, ppo/overlap.py `Overlap.serve`) runs on this thread while the round
         runs: `finished(timeout)` waits up to `timeout` s and says whether it ended,
-        `emitted(seen)` is (the uids of every complete, scored group not taken by a step, the
-        samples of those whose uid is not in `seen`), in the order the step takes groups (due
-        ones, then the oldest), read on the loop thread; once the round
-        ended its groups are taken: the uids are then those waiting for a later step."""
+        `emitted(seen)` is (the uids of every complete, scored group not taken by a step; the
+        samples of those among the first train.groups_per_step in the order the step takes
+        groups, due ones then the oldest, whose uid is not in `seen`), read on the loop thread.
+        Once the round ended its groups are taken: the uids are then those left waiting."""
         if self.controller is None:
             version = self.pool.version
             count = self.cfg.train.groups_per_step * self.cfg.rollout.sampling.n
@@ -153,11 +153,13 @@ class Rollout:
         return self.pool.loop.wait(future, max(1.0, end - time.monotonic()), what)
 
     async def _emitted(self, seen: set, step: int) -> tuple[list[int], list[list[Sample]]]:
-        # in the order step `step` takes them (due ones, then the oldest): the overlap computes
-        # first what the step is most likely to train
+        # in the order step `step` takes them (due ones, then the oldest), the first
+        # groups_per_step only: a group that completes later can only go before them in that
+        # order, so one past them now is never trained by this step (its passes would be wasted)
         groups = sorted([*self.controller.ready, *self.controller.completed],
                         key=lambda g: staleness.training_order(g, step))
-        return [g.gid for g in groups], [self.controller.samples_of(g) for g in groups if g.gid not in seen]
+        first = groups[:self.cfg.train.groups_per_step]
+        return [g.gid for g in groups], [self.controller.samples_of(g) for g in first if g.gid not in seen]
 
     async def _fresh(self, step: int) -> list[Sample]:
         """Sync mode, on the loop: every sample of groups_per_step fresh prompts, seeded by (run
