@@ -10,7 +10,8 @@ simulated. A step follows `megarl/train.py`:
 - partial: `controller.run_round(groups_per_step, k)`; the rest is carried.
 - async: partial, and the round of step k+1 starts as soon as round k ended (the driver's
   `prefetch`), so it generates while the trainer trains; the weight update in between holds
-  it, aborts what runs (kept as partials) and releases it under the new version.
+  it (update_mode=abort: aborts what runs, kept as partials; keep: pauses it, held) and
+  releases it under the new version.
 then: stitched l_old of the carried tokens (partial/async), train, push weights (trainer side,
 then `pool.update_weights` on every engine).
 
