@@ -21,6 +21,7 @@ loop, so a checkpoint taken at any moment holds each untrained group exactly onc
 from __future__ import annotations
 
 import asyncio
+import bisect
 import copy
 import time
 from collections import Counter
@@ -153,13 +154,20 @@ class Rollout:
         return self.pool.loop.wait(future, max(1.0, end - time.monotonic()), what)
 
     async def _emitted(self, seen: set, step: int) -> tuple[list[int], list[list[Sample]]]:
-        # in the order step `step` takes them (due ones, then the oldest), the first
-        # groups_per_step only: a group that completes later can only go before them in that
-        # order, so one past them now is never trained by this step (its passes would be wasted)
-        groups = sorted([*self.controller.ready, *self.controller.completed],
-                        key=lambda g: staleness.training_order(g, step))
-        first = groups[:self.cfg.train.groups_per_step]
-        return [g.gid for g in groups], [self.controller.samples_of(g) for g in first if g.gid not in seen]
+        """On the loop: the uids of the complete, untaken groups, and the samples of those that
+        step `step` may still train, in the order it takes them (due ones, then the oldest).
+        The step takes the first groups_per_step complete groups in that order when the round
+        ends, and the round waits for every due group: a complete group with groups_per_step
+        or more ahead of it (complete ones, and open ones already due) is never trained by
+        this step, so its passes would be wasted."""
+        def key(g):
+            return staleness.training_order(g, step)
+        groups = sorted([*self.controller.ready, *self.controller.completed], key=key)
+        due_open = sorted(key(g) for g in self.controller.groups.values() if not key(g)[0])
+        target = self.cfg.train.groups_per_step
+        fresh = [self.controller.samples_of(g) for i, g in enumerate(groups)
+                 if i + bisect.bisect_left(due_open, key(g)) < target and g.gid not in seen]
+        return [g.gid for g in groups], fresh
 
     async def _fresh(self, step: int) -> list[Sample]:
         """Sync mode, on the loop: every sample of groups_per_step fresh prompts, seeded by (run

@@ -53,7 +53,8 @@ def test_during_sees_scored_groups_with_the_tokens_they_are_trained_with():
 def test_emitted_offers_only_what_the_step_can_still_take_in_its_order():
     """Complete groups 5, 2, 9, 1 and 7 (due at step 4): the step takes 7, then 1 and 2
     (groups_per_step=3); 5 and 9 come after them, and any group completing later can only go
-    before them, so only 7, 1, 2 are offered, in that order. Every uid is listed."""
+    before them, so only 7, 1, 2 are offered, in that order. Every uid is listed. With group 0
+    open and due, the round waits for it and the step takes it before 2: 2 is not offered."""
     rollout, clock = open_rollout()
     try:
         def group(gid, deadline=None):
@@ -68,5 +69,11 @@ def test_emitted_offers_only_what_the_step_can_still_take_in_its_order():
         assert [g[0].uid for g in fresh] == [7, 1, 2]
         _, fresh = rollout.pool.call(rollout._emitted({7, 1}, 4), "reading")
         assert [g[0].uid for g in fresh] == [2]
+
+        async def open_groups():   # still generating: 0 is due at step 4 (the round waits for it), 3 is not
+            rollout.controller.groups = {0: group(0, deadline=4), 3: group(3)}
+        rollout.pool.call(open_groups(), "opening groups")
+        uids, fresh = rollout.pool.call(rollout._emitted(set(), 4), "reading")
+        assert sorted(uids) == [1, 2, 5, 7, 9] and [g[0].uid for g in fresh] == [7, 1]   # 0 goes before 2
     finally:
         close(rollout, clock)
