@@ -185,7 +185,7 @@ class PartialRolloutController:
         self.ready: list[Group] = []               # the last round's result, until the driver takes it
         self.next_gid = 0
         self._inflight: dict[str, Slot] = {}
-        self._recomputed_mark = 0
+        self._recomputed_mark = self._recomputed_total = 0
         self._sent_total = self._trained_total = 0   # requests sent / samples handed over, whole run
         self._base: dict[str, int] = {}              # request key -> its slot's tokens when it was sent
         self._busy: set[tuple[int, int]] = set()     # (gid, index) of the slots in flight
@@ -621,11 +621,16 @@ class PartialRolloutController:
             out["rollout_inflight_min"] = st.inflight_min
         return out
 
+    def kv_dropped(self) -> None:
+        """The pool's weight update is dropping the held requests' KV (keep mode,
+        rollout.keep_kv=false): their response tokens so far are computed again, as a
+        continuation's are in abort mode (counted alike: tokens beyond the group's prompt)."""
+        self._sync_live()
+        self._recomputed_total += sum(len(s.response_ids) for s in self._inflight.values())
+
     def _recomputed(self) -> int:
-        """Held requests' context whose KV the weight updates since the last call dropped
-        (keep mode, rollout.keep_kv=false): prefilled again, as a continuation's is."""
-        total = getattr(self.pool, "recomputed_tokens", 0)
-        out, self._recomputed_mark = total - self._recomputed_mark, total
+        """Response tokens whose KV the weight updates since the last call dropped."""
+        out, self._recomputed_mark = self._recomputed_total - self._recomputed_mark, self._recomputed_total
         return out
 
     # -- state -----------------------------------------------------------------------------

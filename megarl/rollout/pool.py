@@ -82,7 +82,6 @@ class EnginePool:
         if update_mode not in ("keep", "abort"):
             raise ValueError(f"rollout.update_mode={update_mode!r}: choose keep or abort")
         self.update_mode, self.keep_kv = update_mode, keep_kv   # rollout.update_mode / rollout.keep_kv
-        self.recomputed_tokens = 0               # context of held requests whose KV an update dropped
         self._requests: dict[str, GenRequest] = {}   # key -> the request as sent to its engine now
         self._served: dict[str, GenResult] = {}      # key -> tokens a failed engine served before
         self.engines = list(engines)             # the live ones: requests and weights go here
@@ -304,8 +303,9 @@ class EnginePool:
         try:
             if self.update_mode == "keep" and not self.keep_kv and self._where:
                 # held requests recompute their KV under the new weights when they resume
-                self.recomputed_tokens += sum(len(r.prompt_ids) + len((self.partial(k) or GenResult(k)).token_ids)
-                                              for k, r in self._requests.items() if k in self._where)
+                for h in self.holders:
+                    if hasattr(h, "kv_dropped"):
+                        h.kv_dropped()
                 await self._on_each(lambda e: e.clear_kv(), [e for e in self.engines if e.running])
             # an engine retired during the update is resumed too (best effort): never left paused
             gone = [e for e in self._in_update if e not in self.engines]
