@@ -11,8 +11,8 @@ trains [1, 4, 6, 7] (1 and 4 keep their reference logprobs and reward-model scor
 - overlap: as above;
 - after: rollout.overlap on, but `during` finds the round over at once: every pass after it;
 - plain: rollout.overlap off (today's whole-batch passes).
-Writes (rank 0) OUT_JSON: {case: {"steps": [{metrics, "weights": sha256 of actor + critic
-parameters, "actor_rows": rows the actor's forward ran on during update}], "initial": sha}}.
+Writes (rank 0) OUT_JSON: {case: {"steps": [{metrics, "weights": sha256 of each rank's actor +
+critic shards, "actor_rows": rows rank 0's actor forward ran on during update}], "initial": ...}}.
 usage: overlap_probe.py MODEL_DIR RM_DIR OUT_JSON --case NAME MODE key=value... [--case ...]
 """
 import hashlib
@@ -90,12 +90,18 @@ def _copy(s):
     return replace(s, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids))
 
 
-def weights_sha(*models) -> str:
+def weights_sha(*models) -> list[str]:
+    """sha256 of this rank's shard of every parameter, of each rank (in rank order)."""
+    import torch.distributed as dist
     h = hashlib.sha256()
     for m in models:
         for p in m.parameters():
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [h.hexdigest()]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, h.hexdigest())
+    return out
 
 
 def run_case(model_dir: str, rm_dir: str, mode: str, overrides: list[str], rank: int) -> dict:
