@@ -192,9 +192,9 @@ class Overlap:
 
         def run(p: Pass) -> torch.Tensor:
             rows: list[torch.Tensor | None] = [self.cache.get(p, step, k, s) for k, s in zip(keys, samples)]
-            self._lookups += len(rows)
-            self._hits += sum(r is not None for r in rows)
             todo = [where for where in groups if any(rows[i] is None for i in where)]
+            self._lookups += len(rows)
+            self._hits += len(rows) - sum(len(where) for where in todo)
             if todo:
                 with resident(p.resident):
                     for where in todo:   # a group is computed whole, never in part

@@ -2,6 +2,8 @@
 
 The pass here is a stand-in for a model's forward (values computed from the tokens, calls
 counted); the real passes at real layouts are tests/dist/test_overlap.py."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -91,9 +93,15 @@ def test_forward_uses_matching_rows_and_computes_the_rest_group_by_group():
         want = torch.tensor(s.response_ids, dtype=torch.float) + 1000.0 * L
         assert torch.equal(got[i, :n], want) and not got[i, n:].any(), i
     assert o.after_update(step)["overlap_rows"] == 0.5
+    # one row of a with other tokens (its group restarted): the whole group is computed again
+    changed = [*b, a[0], replace(a[1], response_ids=a[1].response_ids[:-1] + [99])]
+    o.forward(changed, build_batch(changed, 0), 4)(c.p)
+    assert c.calls[-2:] == [2, 2] and o.after_update(changed)["overlap_rows"] == 0.0
+    o._compute([a], version=4)
     # new weights: a's values are stale, the whole step is computed again
-    got = o.forward(step, batch, 5)(c.p)
-    assert c.calls == [2, 2, 2] and o.after_update(step)["overlap_rows"] == 0.0
+    calls = len(c.calls)
+    o.forward(step, batch, 5)(c.p)
+    assert len(c.calls) == calls + 2 and o.after_update(step)["overlap_rows"] == 0.0
 
 
 def test_serve_broadcasts_each_new_group_once_and_ends_on_done():
