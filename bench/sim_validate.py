@@ -94,7 +94,7 @@ def compare_modes(result: dict, sim: dict) -> list[dict]:
                      "requests_per_trained_sample": [meas.get("requests_per_trained_sample"),
                                                      pred["requests"] / max(1, pred["trained_samples"])],
                      "reprefill_tokens": [meas.get("reprefill_tokens"),
-                                          pred["resent_tokens"] + pred["kv_recomputed_tokens"]],
+                                          pred["resent_tokens"] + pred["kv_recomputed_response_tokens"]],
                      "tokens_of_spanning_requests": [meas.get("tokens_of_spanning_requests"),
                                                      pred["multi_version_tokens"]]})
     return rows

@@ -54,6 +54,7 @@ class EngineLog:
     tokens: int = 0
     prefill_tokens: int = 0            # every prefilled token, the re-prefilled ones included
     reprefill_tokens: int = 0          # of those: held requests' context recomputed after clear_kv()
+    reprefill_response_tokens: int = 0  # of those: the generated part (what the controller's reprefill_tokens counts)
     requests: int = 0
     # results (resolved requests) whose tokens came from more than one weight version (a
     # request held over an update), and their tokens
@@ -152,6 +153,7 @@ class SimEngine(Engine):
                 prefill += tokens
                 self.log.prefill_tokens += tokens
                 self.log.reprefill_tokens += tokens
+                self.log.reprefill_response_tokens += self._step - r.joined
         return prefill, len(new)
 
     async def _loop(self) -> None:

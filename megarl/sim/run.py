@@ -299,6 +299,8 @@ def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEn
            # tokens so far, sent again), restarts, and held context whose KV clear_kv() dropped
            "reprefill_tokens": prefill - trace.first_prefill,
            "kv_recomputed_tokens": sum(x.reprefill_tokens for x in before),
+           # of those the generated tokens only (the controller's reprefill_tokens counts these)
+           "kv_recomputed_response_tokens": sum(x.reprefill_response_tokens for x in before),
            # of those: generated tokens sent again in continuations' prompts (what the controller's
            # reprefill_tokens counts in abort mode; it adds the pool's recomputed KV in keep mode)
            "resent_tokens": prefill - trace.first_prefill - trace.resent_prompt
