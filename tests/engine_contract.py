@@ -39,6 +39,10 @@ class Subject:
     changed: Optional[tuple[str, Callable[[list[int], list[int], float], list[float]]]] = None
 
 
+# figures a check measured, by engine and name (a probe may write them out; nothing asserts on them here)
+MEASURED: dict = {}
+
+
 async def _until(cond, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -262,6 +266,7 @@ async def held_tokens_after_an_update_come_from_the_new_weights(s: Subject) -> N
             await e.pause()
             await e.reload_weights(s.weights, before)
             await e.resume()
+    MEASURED[f"{e.name}/held_gap"] = {"kv_dropped": gaps[True], "kv_kept": gaps[False]}
     assert gaps[True] < s.tol, gaps
     assert gaps[False] > s.tol, gaps
 

@@ -309,6 +309,9 @@ class RolloutConfig:
         _require(not self.keep_kv or self.update_mode == "keep", "rollout.keep_kv", self.keep_kv,
                  "applies only to rollout.update_mode=keep (abort mode drops every request at an update): "
                  "remove rollout.keep_kv, or set rollout.update_mode=keep")
+        _require(not self.keep_kv or self.mode == "partial", "rollout.keep_kv", self.keep_kv,
+                 "applies only to rollout.mode=partial (a sync round has no request running at a weight "
+                 "update): remove rollout.keep_kv, or set rollout.mode=partial")
         _require(not self.overlap or self.mode == "partial", "rollout.overlap", self.overlap,
                  "needs rollout.mode=partial (a sync round hands every group over at its end, so "
                  "nothing could overlap): set rollout.mode=partial, or remove rollout.overlap")

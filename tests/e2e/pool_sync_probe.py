@@ -47,7 +47,9 @@ def contract(pool, model_dir: str, scratch: str) -> list[str]:
         engine, prompt=prompt, weights=model_dir, long=200, progress=engine.progress, settle_s=0.3,
         reference=lambda p, toks, t: engine_contract.hf_logprobs(hf, p, toks, t),
         changed=(changed, lambda p, toks, t: engine_contract.hf_logprobs(hf_changed, p, toks, t)))
-    return pool.call(engine_contract.run_all(subject), "the engine contract", 600)
+    done = pool.call(engine_contract.run_all(subject), "the engine contract", 600)
+    print(f"engine contract measured: {engine_contract.MEASURED}", flush=True)
+    return done
 
 
 def start_held(mode: str, pool):

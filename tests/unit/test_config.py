@@ -114,6 +114,8 @@ def test_rollout_async_spelling_and_the_settings_it_needs(tmp_path):
     ("rollout.dump_every=-1", "rollout.dump_every"),
     ("rollout.engines.gpu_memory_utilization=1.5", "rollout.engines.gpu_memory_utilization"),
     ("rollout.engines.urls=[http://node1:8000/v1]", "rollout.engines.urls"),
+    ("rollout.update_mode=pause", "rollout.update_mode"),
+    ("rollout.update_mode=[keep]", "rollout.update_mode"),
 ])
 def test_bad_rollout_settings_name_the_setting(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -166,6 +168,11 @@ def test_override_values_that_are_not_yaml_or_not_a_list():
     (["rollout.engines.api_key=secret"], r"rollout\.engines\.api_key='<set>': is used only by engine servers"),
     (["algo.name=grpo", "train.critic_warmup_steps=3"], r"train\.critic_warmup_steps=3: algo\.name=grpo has no critic"),
     (["reward.model_coef=0.5"], r"reward\.model_coef=0\.5: .*reward\.model_path is empty"),
+    # issue 20's settings: each one only where it acts
+    (["rollout.update_mode=abort", "rollout.keep_kv=true"],
+     r"rollout\.keep_kv=True: applies only to rollout\.update_mode=keep"),
+    (["rollout.mode=sync", "rollout.keep_kv=true"], r"rollout\.keep_kv=True: applies only to rollout\.mode=partial"),
+    (["rollout.mode=sync", "rollout.overlap=true"], r"rollout\.overlap=True: needs rollout\.mode=partial"),
     # the engine's context holds the prompt and the response
     (["rollout.sampling.max_new_tokens=256"],
      r"rollout\.sampling\.max_new_tokens=256: must be below rollout\.engines\.max_model_len=256"),
