@@ -2,20 +2,48 @@
 
 A real in-process vLLM engine, the partial-rollout controller with concurrency 2 and one
 group per round: a short prompt completes first and ends the round, so the long prompt's
-sample is aborted mid-way and carried. The engine then reloads the unchanged weights (a sync
-that changes nothing, version 1) and the next rounds continue the sample from its prompt +
-partial tokens. Writes the carried sample and an uninterrupted greedy run of the same prompt.
+sample is carried mid-way. The engine then reloads the unchanged weights (a sync that
+changes nothing) and the next rounds finish the sample: with rollout.update_mode=abort it
+was aborted and continues as a new request from its prompt + partial tokens; with keep the
+same request was held over the update and goes on. Writes the carried sample of each mode
+and an uninterrupted greedy run of the same prompt.
 usage: carry_probe.py MODEL_DIR OUT_JSON
 """
 import json
 import sys
 
 
+def carried(pool, model_dir, long_prompt, short_prompt) -> dict:
+    """A round at the engines' version ends with the long greedy sample unfinished; the
+    unchanged weights are loaded as the next version; later rounds finish it. Its tokens,
+    versions and requests sent."""
+    version = pool.version
+    from megarl.rollout.controller import PartialRolloutController
+    prompts = iter([long_prompt] + [short_prompt] * 300)
+    ctl = PartialRolloutController(
+        pool.pool, n=1, concurrency=2, max_new_tokens=56, temperature=0.0, max_staleness=5,
+        stale_policy="restart", new_group=lambda: ({}, next(prompts)), score=lambda s: 0.0, seed=0)
+    first = pool.call(ctl.run_round(1, version), f"round {version}")
+    partial = list(ctl.groups[0].slots[0].response_ids) if 0 in ctl.groups else None
+    pool.reload_weights(model_dir, version + 1)      # the HF files themselves: nothing changes
+    long_done, rounds = None, 0
+    # each round ends as soon as a short sample completes, so the long one gains a few
+    # tokens per round, fewer on a loaded machine: allow rounds enough for its whole budget
+    while long_done is None and rounds < 300:
+        rounds += 1
+        for g in pool.call(ctl.run_round(1, version + 1), f"round {rounds}"):
+            if g.gid == 0:
+                long_done = g.slots[0]
+    return {"first_round_gid": first[0].gid, "partial_len": len(partial or []),
+            "carried": long_done.response_ids, "carried_logprobs": long_done.logprobs,
+            "versions": long_done.versions, "finish_reason": long_done.finish_reason,
+            "requests": long_done.attempts, "start_version": version}
+
+
 def main(model_dir: str, out_path: str) -> None:
     from transformers import AutoTokenizer
 
     from megarl.config import load_config
-    from megarl.rollout.controller import PartialRolloutController
     from megarl.rollout.engine import GenRequest
     from megarl.rollout.pool import open_pool
 
@@ -35,26 +63,11 @@ def main(model_dir: str, out_path: str) -> None:
             await pool.pool.abort()
             return [(len(t.result().token_ids), t.result().finish_reason) for t in tasks]
         early = pool.call(abort_at_once(), "early abort")
-        prompts = iter([long_prompt] + [short_prompt] * 100)
-        ctl = PartialRolloutController(
-            pool.pool, n=1, concurrency=2, max_new_tokens=56, temperature=0.0, max_staleness=5,
-            stale_policy="restart", new_group=lambda: ({}, next(prompts)), score=lambda s: 0.0, seed=0)
-        first = pool.call(ctl.run_round(1, 0), "round 0")
-        partial = list(ctl.groups[0].slots[0].response_ids) if 0 in ctl.groups else None
-        pool.reload_weights(model_dir, 1)      # the HF files themselves: nothing changes
-        long_done, rounds = None, 0
-        # each round ends as soon as a short sample completes, so the long one gains a few
-        # tokens per round, fewer on a loaded machine: allow rounds enough for its whole budget
-        while long_done is None and rounds < 300:
-            rounds += 1
-            for g in pool.call(ctl.run_round(1, 1), f"round {rounds}"):
-                if g.gid == 0:
-                    long_done = g.slots[0]
-        out = {"first_round_gid": first[0].gid, "partial_len": len(partial or []),
-               "reference": ref.token_ids, "reference_logprobs": ref.logprobs,
-               "carried": long_done.response_ids, "carried_logprobs": long_done.logprobs,
-               "versions": long_done.versions, "finish_reason": long_done.finish_reason,
-               "engine_version": pool.version, "early_abort": early}
+        out = {"reference": ref.token_ids, "reference_logprobs": ref.logprobs, "early_abort": early}
+        for mode in ("abort", "keep"):
+            pool.pool.update_mode = mode       # rollout.update_mode (keep_kv=false, the default)
+            out[mode] = carried(pool, model_dir, long_prompt, short_prompt)
+        out["engine_version"] = pool.version
     finally:
         pool.close()
     with open(out_path, "w") as f:
