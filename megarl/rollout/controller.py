@@ -639,7 +639,9 @@ class PartialRolloutController:
         the last round first: the resumed run's first round takes them), the group counter.
         Keep mode: a request in flight is saved as its tokens so far (a resumed run sends it
         again as a continuation); a group still being scored is saved unscored (scored again)."""
-        if (self._inflight and not self.keeps) or self._scoring:
+        # keep mode: held requests run on (a checkpoint after the push), so a group may complete
+        # and start scoring after hold() waited for the scoring: it is saved unscored, below
+        if not self.keeps and (self._inflight or self._scoring):
             raise RuntimeError("controller state saved while requests are in flight or groups are "
                                "being scored: hold(scoring=True) first, or save between rounds")
         self._sync_live()

@@ -52,9 +52,9 @@ def sampled_logprobs(token_ids, logprobs) -> list[float]:
 
 def span_versions(spans, stamped: list[int]) -> list[int]:
     """Each token's version from vLLM's weight-version spans (labels are the versions megarl
-    passed to finish_weight_update); tokens under a label that is not a number (vLLM's
-    "default" before the first labelled update, or a files push, which sets no label) keep
-    the version the client stamped when it received them."""
+    set: finish_weight_update, or update_weight_version after a files push); tokens under a
+    label that is not a number (vLLM's "default" before the first push) keep the version the
+    client stamped when it received them."""
     out = list(stamped)
     for span in spans or []:
         label = str(span.version)
@@ -244,6 +244,10 @@ class AsyncVLLMEngine(Engine):
         await self._rpc(f"loading weights from {path}",
                         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path}))
         await self._rpc("resetting the prefix cache", self.llm.reset_prefix_cache())
+        # vLLM labels each output token's weights (the spans `span_versions` reads): a files
+        # push must move the label too, or a held request's later tokens would keep the last
+        # collective push's label
+        await self._rpc("labelling the weight version", self.llm.update_weight_version(str(version)))
         self.version = version
 
     # -- collective transport: vLLM's weight-transfer session on the AsyncLLM -----------------

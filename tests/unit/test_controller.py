@@ -413,3 +413,41 @@ def test_keep_mode_state_saved_with_requests_in_flight_resumes_without_loss():
     gids = [g.gid for _, groups in part1 + part2 for g in groups]
     assert len(gids) == len(set(gids)) == 18
     _check_scripts(part2)
+
+
+def test_keep_mode_state_saved_while_a_group_is_being_scored_scores_it_again():
+    """Keep mode: held requests keep running while a checkpoint is taken, so a group may
+    complete and be scoring (off the loop) at that moment. The snapshot still succeeds and
+    saves that group open and unscored: the restored controller scores it again and trains
+    it, with its tokens intact (before, such a group was saved scored without rewards)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate = threading.Event()
+
+    async def main():
+        clock = Clock()
+        clock.start()
+        pool = EnginePool([KeyedEngine("e0", clock)], 30, update_mode="keep")
+
+        def score(sample):
+            gate.wait(10)               # scoring in progress until the test lets it go
+            return 1.0
+        ctl = PartialRolloutController(
+            pool, n=1, concurrency=4, max_new_tokens=64, temperature=1.0, max_staleness=8,
+            stale_policy="restart", new_group=lambda: ({}, [7, 7]), score=score, seed=0,
+            scorer=ThreadPoolExecutor(max_workers=1))
+        try:
+            task = asyncio.ensure_future(ctl.run_round(1, 0))
+            while not ctl._scoring:     # a group completed and its scoring blocks
+                await asyncio.sleep(0)
+            state = ctl.state_dict()
+            gate.set()
+            await task
+        finally:
+            gate.set()
+            clock.stop()
+        return state
+    state = run(main())
+    scoring = [g for g in state["open"] if all(s["finish_reason"] for s in g["slots"])]
+    assert scoring and all(not g["reward_done"] and g["rewards"] == [] for g in scoring)
