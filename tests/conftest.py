@@ -40,6 +40,23 @@ def pytest_collection_modifyitems(config, items):
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 
 
+def tiny_reward_model(path: Path, vocab: int) -> Path:
+    """A tiny random Qwen2 sequence classifier (one label) saved in `path`: the reward model of
+    the tests that score on the trainer ranks."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    model = Qwen2ForSequenceClassification(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
 def is_vllm_server(argv: list[str], parent_argv: list[str]) -> bool:
     """A vLLM API server process, not one of its own forks (caught between fork and exec, a
     fork still shows the server's argv)."""

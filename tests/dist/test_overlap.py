@@ -4,10 +4,7 @@ one rank, and DP=2 / PP=2 / TP=2 on two (tests/dist/overlap_probe.py)."""
 import json
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-from conftest import run_py
+from conftest import run_py, tiny_reward_model
 
 MODES = ("overlap", "after", "plain")
 LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "pp2": (2, ["parallel.pp=2"]), "tp2": (2, ["parallel.tp=2"])}
@@ -16,18 +13,8 @@ LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "pp2": (2, ["parallel.pp=2"]), "tp2":
 @pytest.fixture(scope="module")
 def reward_model_dir(tiny_model, tmp_path_factory):
     """A tiny sequence classifier on the tiny model's vocabulary (random weights)."""
-    torch.manual_seed(0)
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    model = Qwen2ForSequenceClassification(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp("overlap_rm") / "rm"
-    model.save_pretrained(path)
-    return path
+    return tiny_reward_model(tmp_path_factory.mktemp("overlap_rm") / "rm", vocab)
 
 
 @pytest.fixture(scope="module")

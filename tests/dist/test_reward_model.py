@@ -2,25 +2,12 @@
 import json
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-from conftest import run_py
+from conftest import run_py, tiny_reward_model
 
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    model = Qwen2ForSequenceClassification(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp("rm") / "qwen2-rm"
-    model.save_pretrained(path)
-    return path
+    return tiny_reward_model(tmp_path_factory.mktemp("rm") / "qwen2-rm", vocab=100)
 
 
 @pytest.mark.parametrize("nproc,overrides", [(1, []), (2, ["parallel.tp=2"])])
@@ -39,6 +26,7 @@ def test_reward_model_scores_match_transformers(reward_model_dir, tmp_path, npro
 def test_causal_lm_is_refused_as_reward_model(tiny_model):
     """Pointing reward.model_path at a causal LM fails with what a reward model must be."""
     from transformers import AutoConfig
+
     from megarl.models.reward import _as_causal_lm
     with pytest.raises(ValueError, match="ForSequenceClassification"):
         _as_causal_lm(AutoConfig.from_pretrained(tiny_model))
