@@ -281,7 +281,7 @@ def test_http_engine_keeps_the_engine_contract(server, hf, long_model, changed, 
         return check(engine_contract.Subject(
             engine, prompt=lambda i: prompt(500 + i), weights=str(long_model), long=LONG,
             reference=lambda p, toks, t: hf_logprobs(hf, p, toks, t), progress=engine.progress,
-            settle_s=0.3, timeout_s=120, changed=changed))
+            settle_s=0.3, timeout_s=120, changed=changed, span=1000))
     run_with_engine(server, body)
 
 
