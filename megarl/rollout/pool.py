@@ -33,7 +33,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 from megarl.distributed import faults
 from megarl.rollout.build import build_engine, build_engines
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult, copy_result
 
 log = logging.getLogger("megarl.engines")
 
@@ -82,7 +82,6 @@ class EnginePool:
         if update_mode not in ("keep", "abort"):
             raise ValueError(f"rollout.update_mode={update_mode!r}: choose keep or abort")
         self.update_mode, self.keep_kv = update_mode, keep_kv   # rollout.update_mode / rollout.keep_kv
-        self._requests: dict[str, GenRequest] = {}   # key -> the request as sent to its engine now
         self._served: dict[str, GenResult] = {}      # key -> tokens a failed engine served before
         self.engines = list(engines)             # the live ones: requests and weights go here
         self.retired: list[Engine] = []
@@ -138,7 +137,6 @@ class EnginePool:
         finally:
             self._aborted.discard(req.key)
             self._served.pop(req.key, None)
-            self._requests.pop(req.key, None)
 
     def partial(self, key: str) -> Optional[GenResult]:
         """What the in-flight request `key` has so far (tokens a failed engine served, then what
@@ -147,10 +145,10 @@ class EnginePool:
         if done is None:
             return None
         engine = self._where.get(key)
+        out = copy_result(done)
         now = engine.partial(key) if engine is not None else None
-        out = GenResult(key, list(done.token_ids), list(done.logprobs), list(done.versions), "abort",
-                        engine.name if engine is not None else "")
         if now is not None:
+            out.engine = engine.name
             out.token_ids += now.token_ids
             out.logprobs += now.logprobs
             out.versions += now.versions
@@ -174,7 +172,6 @@ class EnginePool:
             if engine is None:
                 raise EngineError(f"no rollout engine left for request {req.key}")
             self._where[req.key] = engine
-            self._requests[req.key] = current
             try:
                 if faults.hit("engine_fail"):   # reliability tests: MEGARL_FAULT=engine_fail@N
                     raise EngineError(f"engine {engine.name}: failed on purpose (MEGARL_FAULT)")
@@ -366,11 +363,6 @@ class SyncPool:
         self.pool, self.loop = pool, loop
         self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines",
                       "rollout.engines.start_timeout_s")
-
-    @property
-    def updating(self) -> bool:
-        """A weight update is in progress (between begin_update and end_update)."""
-        return bool(self._in_update)
 
     @property
     def version(self) -> int:
