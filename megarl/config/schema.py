@@ -8,7 +8,7 @@ fix, and are raised before anything expensive starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from megarl.config.errors import ConfigError
 from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS, VERIFIERS
@@ -125,6 +125,23 @@ class AlgoConfig:
     is_cap: float = 2.0                # TIS truncation C for w = exp(l_old - l_mu)
     is_low: float = 0.5                # mask mode: keep tokens with is_low <= w <= is_high
     is_high: float = 2.0
+    # Stale-data stabilizers (docs/stabilizers.md), each off by default.
+    # M2PO (Zheng et al. 2025): per mini-batch, mask the tokens with the largest squared log
+    # ratio log(pi / pi_behaviour) until the rest's mean is <= this; replaces the ratio clip
+    m2po_tau: Optional[float] = None
+    # BAPO (Xi et al. 2025): per mini-batch clip bounds [c_low, c_high] (ratio bounds, not
+    # 1 +- eps), moved from their start toward their limit until the positive-advantage tokens
+    # carry at least bapo_rho of the gradient-carrying contribution; replaces clip_low/high
+    bapo: bool = False
+    bapo_rho: float = 0.4
+    bapo_low: List[float] = field(default_factory=lambda: [0.6, 0.9])    # c_low: start, limit
+    bapo_high: List[float] = field(default_factory=lambda: [1.2, 3.0])   # c_high: start, limit
+    bapo_steps: List[float] = field(default_factory=lambda: [0.02, 0.05])  # c_low, c_high increments
+    # gradient-alignment control (GAC, Xu et al. 2026): off | log (the cosine of consecutive
+    # actor gradients as grad_cosine) | project (also shrink the component along the previous
+    # gradient so the cosine is at most grad_align_threshold)
+    grad_align: str = "off"
+    grad_align_threshold: float = 0.3
 
     def __post_init__(self):
         ADVANTAGES.check(self.name)
@@ -141,6 +158,31 @@ class AlgoConfig:
                  "must be > 1 (or null to disable)")
         _require(self.is_low <= 1 <= self.is_high, "algo.is_low/is_high",
                  (self.is_low, self.is_high), "need is_low <= 1 <= is_high")
+        self._check_stabilizers()
+
+    def _check_stabilizers(self) -> None:
+        _require(self.m2po_tau is None or self.m2po_tau > 0, "algo.m2po_tau", self.m2po_tau,
+                 "must be > 0 (the paper uses 0.04), or null to disable M2PO")
+        _require(self.m2po_tau is None or not self.bapo, "algo.m2po_tau/bapo", (self.m2po_tau, self.bapo),
+                 "M2PO trains without a ratio clip and BAPO adapts that clip: choose one")
+        _require(self.m2po_tau is None or self.dual_clip is None, "algo.dual_clip", self.dual_clip,
+                 "M2PO (algo.m2po_tau) replaces ratio clipping, dual clip included: remove one of them")
+        _one_of("algo.grad_align", self.grad_align, {"off", "log", "project"})
+        _require(0 <= self.grad_align_threshold < 1, "algo.grad_align_threshold", self.grad_align_threshold,
+                 "must be in [0, 1) (a cosine; 0 removes the whole aligned component)")
+        if not self.bapo:
+            return
+        for key in ("bapo_low", "bapo_high", "bapo_steps"):
+            value = list(getattr(self, key))
+            _require(len(value) == 2, f"algo.{key}", value, "must be a list of two numbers")
+        (a_lo, b_lo), (a_hi, b_hi), (d_lo, d_hi) = self.bapo_low, self.bapo_high, self.bapo_steps
+        _require(0 < self.bapo_rho < 1, "algo.bapo_rho", self.bapo_rho, "must be in (0, 1) (the paper uses 0.4)")
+        _require(0 < a_lo <= b_lo < 1, "algo.bapo_low", list(self.bapo_low),
+                 "needs 0 < start <= limit < 1 (ratio bounds below 1, e.g. [0.6, 0.9])")
+        _require(1 < a_hi <= b_hi, "algo.bapo_high", list(self.bapo_high),
+                 "needs 1 < start <= limit (ratio bounds above 1, e.g. [1.2, 3.0])")
+        _require(d_lo > 0 and d_hi > 0, "algo.bapo_steps", list(self.bapo_steps),
+                 "both increments must be > 0 (e.g. [0.02, 0.05])")
 
 
 @dataclass
@@ -294,6 +336,9 @@ class RolloutConfig:
     # forward-only passes (old/reference logprobs, values) of the groups a round emits run on
     # the trainer ranks while the round still generates (intra-step overlap)
     overlap: bool = False
+    # train each step on the round generated this many versions earlier (a queue of rounds,
+    # filled at the start; rollout.mode=sync): staleness held fixed, for studies (bench/staleness_study.py)
+    lag: int = 0
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     partial: PartialConfig = field(default_factory=PartialConfig)
@@ -315,6 +360,10 @@ class RolloutConfig:
         _require(not self.overlap or self.mode == "partial", "rollout.overlap", self.overlap,
                  "needs rollout.mode=partial (a sync round hands every group over at its end, so "
                  "nothing could overlap): set rollout.mode=partial, or remove rollout.overlap")
+        _require(self.lag >= 0, "rollout.lag", self.lag, "must be >= 0 (0: train each round at once)")
+        _require(not self.lag or self.mode == "sync", "rollout.lag", self.lag,
+                 "needs rollout.mode=sync (partial rollout bounds staleness itself, "
+                 "rollout.partial.max_staleness): set rollout.mode=sync, or rollout.lag=0")
         _require(not p.asynchronous or self.mode == "partial", "rollout.partial.async", p.asynchronous,
                  "needs rollout.mode=partial")
         _require(not p.asynchronous or p.max_staleness >= 1, "rollout.partial.max_staleness", p.max_staleness,

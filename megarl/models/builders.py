@@ -121,6 +121,7 @@ class Trainable:
     optimizer: object
     scheduler: OptimizerParamScheduler
     info: ModelInfo
+    align: object = None    # the actor's gradient-alignment control (ppo/grad_align.py), made on first use
 
 
 def make_trainable(model: GPTModel, info: ModelInfo, lr: float, weight_decay: float,

@@ -30,10 +30,14 @@ def logprobs(model, batch: Batch, micro_batch_size: int, true_vocab: int,
 
 
 def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_weights,
-           algo: AlgoConfig, micro_batch_size: int, normalizer: float, temperature: float = 1.0) -> dict:
+           algo: AlgoConfig, micro_batch_size: int, normalizer: float, temperature: float = 1.0,
+           keep=None, clip: tuple[float, float] | None = None, align=None) -> dict:
     """One optimizer step of the actor on this rank's rows of a mini-batch.
 
     temperature: the rollout's sampling temperature (logits are divided by it, as the engine did).
+    keep: [b, R] tokens the policy loss trains (M2PO's mask; None: all); the entropy and KL
+    terms still see every token. clip: (clip_low, clip_high) for this update (BAPO's bounds,
+    M2PO's none; default algo's). align: the gradient-alignment control (ppo/grad_align.py).
     normalizer: the loss aggregation's global normaliser for the whole mini-batch (all DP
     ranks), so the update does not depend on how rows are split.
     Returns this rank's summed statistics (policy loss contribution, token sums of every
@@ -41,6 +45,11 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     reduce over DP (megarl.ppo.reports says how each key reduces).
     """
     extras = {"old_logp": old_logp, "ref_logp": ref_logp, "adv": advantages, "is_w": is_weights}
+    if keep is not None:
+        extras["keep"] = keep
+    clip_low, clip_high = clip or (algo.clip_low, algo.clip_high)
+    # M2PO trains without any ratio clip (its mask bounds the update instead)
+    dual_clip = None if clip_low == float("inf") else algo.dual_clip
     n_micro = batch.size // micro_batch_size
     scale = loss_scale(n_micro)
     true_vocab = actor.info.vocab_size
@@ -49,8 +58,10 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
         b = mb["batch"]
         mask = b.resp_mask
         logp, entropy = _response_logprobs(b, logits, true_vocab, True, temperature)
-        per_token, stats = policy_loss(logp, mb["old_logp"], mb["adv"], mask, algo.clip_low,
-                                       algo.clip_high, algo.dual_clip, mb["is_w"])
+        pg_mask = mask * mb["keep"] if "keep" in mb else mask
+        per_token, stats = policy_loss(logp, mb["old_logp"], mb["adv"], pg_mask, clip_low,
+                                       clip_high, dual_clip, mb["is_w"])
+        # the normaliser counts every response token: a masked token adds 0 (M2PO's M * r * A)
         pg = aggregate(per_token, mask, algo.loss_agg, normalizer)
         total = pg - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, normalizer)
         kl = kl_penalty(logp, mb["ref_logp"], algo.kl_kind)
@@ -67,5 +78,5 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     actor.optimizer.zero_grad()
     reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras=extras)
-    grad_norm = optimizer_step(actor, "actor")
+    grad_norm, _ = optimizer_step(actor, "actor", align)   # align keeps its own record (take())
     return {**sum_reports(reports), "grad_norm": grad_norm}

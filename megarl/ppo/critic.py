@@ -41,5 +41,5 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
     critic.optimizer.zero_grad()
     reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
                                extras={"old_values": old_values, "returns": returns})
-    grad_norm = optimizer_step(critic, "critic")
+    grad_norm, _ = optimizer_step(critic, "critic")
     return {**sum_reports(reports), "critic_grad_norm": grad_norm}

@@ -5,10 +5,12 @@ from megarl.distributed import faults
 from megarl.ppo.nonfinite import NonFiniteError, grads_nonfinite
 
 
-def optimizer_step(trainable, name: str) -> float:
+def optimizer_step(trainable, name: str, align=None) -> tuple[float, dict]:
     """The optimizer and LR-schedule step of `trainable` (actor or critic), refused when its
     gradients hold a NaN/Inf (collective: every rank stops or skips together). Returns the
-    global gradient norm (0 when megatron reports none).
+    global gradient norm (0 when megatron reports none) and the gradient-alignment statistics
+    (`align`, a ppo/grad_align.py GradAlign: it sees the reduced gradient before clipping;
+    {} without it).
 
     megatron's own "update successful" flag is False only when fp16 loss scaling found an
     overflow; megarl trains in float32 or bfloat16 (model.dtype), where it is always True, and
@@ -16,6 +18,10 @@ def optimizer_step(trainable, name: str) -> float:
     faults.point("update")
     if grads_nonfinite(trainable.model):
         raise NonFiniteError(f"{name} gradients")
-    _, grad_norm, _ = trainable.optimizer.step()
+    if align is None:
+        _, grad_norm, _ = trainable.optimizer.step()
+        stats = {}
+    else:
+        grad_norm, stats = align.step(trainable.optimizer)
     trainable.scheduler.step(increment=1)
-    return float(grad_norm or 0.0)
+    return float(grad_norm or 0.0), stats

@@ -26,9 +26,11 @@ from megarl.ppo import nonfinite, reports
 from megarl.ppo.aggregate import global_normalizer
 from megarl.ppo.batch import Batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatch_stats
+from megarl.ppo.grad_align import GradAlign
 from megarl.ppo.losses import kl_penalty, masked_mean
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
 from megarl.ppo.schedule import gather_dp
+from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
 
 
 def _forward_all(fn, model, batch: Batch, mbs: int) -> torch.Tensor:
@@ -101,6 +103,10 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
         return nonfinite.report(bad, step, cfg.train.on_nonfinite)
 
     sums: dict[str, float] = {}
+    stabilized: dict[str, list] = {}    # per mini-batch statistics of algo.m2po_tau / algo.bapo
+    if algo.grad_align != "off" and actor.align is None:   # kept across steps: it holds the last gradient
+        actor.align = GradAlign(algo.grad_align_threshold, project=algo.grad_align == "project")
+    align = actor.align if algo.grad_align != "off" else None
     n_mini = cfg.train.mini_batches
     train_actor = not estimator.needs_critic or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
@@ -113,8 +119,12 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                 mini, local = batch.select(chunk), batch.select(rows)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
+                    keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp,
+                                                  advantages, is_w, mask)
+                    for k, v in stats.items():
+                        stabilized.setdefault(k, []).append(v)
                     report = actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
-                                              is_w[rows], algo, mbs, norm, temp)
+                                              is_w[rows], algo, mbs, norm, temp, keep=keep, clip=clip, align=align)
                     reports.add(sums, report, "actor")
                 if critic is not None:
                     with resident(critic.model):
@@ -135,9 +145,40 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     }
     if old_values is not None:
         on_device["value_mean"] = masked_mean(old_values, mask)
+    on_device.update({k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean()
+                      for k, v in stabilized.items()})
     updates = cfg.train.ppo_epochs * n_mini
-    return {**reports.to_metrics(totals, updates, parallel.dp_size()),
+    return {**reports.to_metrics(totals, updates, parallel.dp_size()), **(align.take() if align else {}),
             **dev.host_values(on_device)}   # one device-to-host copy for all of them
+
+
+def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mask):
+    """The stale-data stabilizers of one mini-batch (docs/stabilizers.md): (the token keep mask
+    of this DP rank's rows of it or None, the (clip_low, clip_high) the loss uses, statistics).
+
+    Computed from the whole mini-batch (`chunk`, every rank holds every row), so every rank
+    and every layout derives the same mask and bounds, and from the logprobs of the weights
+    the step started with (`cur_logp`: no extra forward pass per mini-batch; the paper's
+    pi_theta for the step's first update, the step's own updates apart for later ones).
+    - algo.m2po_tau: tokens masked by the squared log ratio of the current policy to the
+      behaviour policy (staleness and train/inference mismatch, as the paper's r); the ratio
+      clip is off (the paper trains M * r * A without one), so clip = (inf, inf).
+    - algo.bapo: bounds on the loss's own ratio pi / l_old (l_old is the version that
+      generated each token: staleness shows there), weighted by the IS weights the loss uses.
+    """
+    clip = (algo.clip_low, algo.clip_high)
+    if algo.m2po_tau is not None:
+        log_r = torch.where(mask.bool(), cur_logp - behav_logp, 0.0)
+        keep, stats = m2po_keep(log_r[chunk], mask[chunk], algo.m2po_tau)
+        # keep is laid out as the chunk's rows; this rank's are chunk[dp_rows(len(chunk))]
+        return keep[dp_rows(len(chunk))], (float("inf"), float("inf")), stats
+    if algo.bapo:
+        ratio = torch.exp(torch.clamp(torch.where(mask.bool(), cur_logp - old_logp, 0.0), -20.0, 20.0))
+        c_low, c_high, stats = bapo_bounds(ratio[chunk], advantages[chunk], mask[chunk], is_w[chunk],
+                                           algo.bapo_rho, tuple(algo.bapo_low), tuple(algo.bapo_high),
+                                           tuple(algo.bapo_steps))
+        return None, (1.0 - c_low, c_high - 1.0), stats
+    return None, clip, {}
 
 
 def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) -> list[list[float]]:
