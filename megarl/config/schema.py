@@ -23,6 +23,11 @@ def _one_of(key: str, value, allowed) -> None:
     _require(value in allowed, key, value, f"must be one of {sorted(allowed)}")
 
 
+def _plain(value):
+    """An omegaconf list as a python list (other values unchanged), for comparing with a default."""
+    return list(value) if not isinstance(value, (str, bytes)) and hasattr(value, "__iter__") else value
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/default"          # run directory: metrics.jsonl, tensorboard/, config.yaml
@@ -170,7 +175,18 @@ class AlgoConfig:
         _one_of("algo.grad_align", self.grad_align, {"off", "log", "project"})
         _require(0 <= self.grad_align_threshold < 1, "algo.grad_align_threshold", self.grad_align_threshold,
                  "must be in [0, 1) (a cosine; 0 removes the whole aligned component)")
+        # a setting the chosen options leave unused is refused, not silently ignored
+        _require(self.grad_align != "off" or self.grad_align_threshold == 0.3, "algo.grad_align_threshold",
+                 self.grad_align_threshold, "is used only with algo.grad_align=project: set it, or remove the threshold")
+        replaced = "M2PO (algo.m2po_tau)" if self.m2po_tau is not None else "BAPO (algo.bapo)" if self.bapo else None
+        _require(replaced is None or (self.clip_low, self.clip_high) == (0.2, 0.2), "algo.clip_low/clip_high",
+                 (self.clip_low, self.clip_high), f"{replaced} replaces the fixed ratio clip, so these would be "
+                 f"ignored: remove them (BAPO's bounds are algo.bapo_low / algo.bapo_high)")
         if not self.bapo:
+            moved = [k for k, d in (("bapo_rho", 0.4), ("bapo_low", [0.6, 0.9]), ("bapo_high", [1.2, 3.0]),
+                                    ("bapo_steps", [0.02, 0.05])) if _plain(getattr(self, k)) != d]
+            _require(not moved, f"algo.{moved[0] if moved else ''}", _plain(getattr(self, moved[0])) if moved else None,
+                     "is used only with algo.bapo=true: set algo.bapo=true, or remove it")
             return
         for key in ("bapo_low", "bapo_high", "bapo_steps"):
             value = list(getattr(self, key))

@@ -111,3 +111,33 @@ def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_pat
             assert d["versions"][-1] <= step
             assert d["finish_reason"] in ("stop", "length") and 0.0 <= d["reward"] <= 1.0
             assert d["prompt"].startswith("<bos>") and isinstance(d["response"], str)
+
+
+def test_lag_trains_rounds_k_versions_late_and_resumes_its_queue(tiny_model, remote_engine, tmp_path):
+    """rollout.lag=2 on 2 ranks (DP=2: the l_old of each queued round is a collective at
+    generation time), GRPO with M2PO and the gradient cosine logged: step k trains tokens
+    min(k, 2) versions old; a resume (at 1 rank) continues the checkpointed queue, so every
+    prompt drawn is trained once or is still queued, none twice, and staleness stays 2."""
+    import torch
+    run_dir = tmp_path / "lagged"
+    common = ["rollout.mode=sync", "rollout.lag=2", "algo.name=grpo", "algo.m2po_tau=0.04",
+              "algo.grad_align=log", "checkpoint.every=2", "rollout.dump_every=1", *remote_engine.overrides]
+    _, rows = train(tiny_model, run_dir, "train.steps=4", *common, nproc=2, env=remote_engine.env)
+    assert [r["staleness_mean"] for r in rows] == [0, 1, 2, 2]
+    assert all(r["lag_rounds_queued"] == 2 and 0 <= r["m2po_masked_frac"] <= 1 for r in rows)
+    assert all(-1 <= r["grad_cosine"] <= 1 for r in rows)    # every step has 2 updates: one with a predecessor
+    queue = torch.load(run_dir / "checkpoints" / "step_3" / "driver.pt", weights_only=True)["lag"]["rounds"]
+    assert len(queue) == 2 and all(len(s["old_logprobs"]) == len(s["response_ids"]) for r in queue for s in r["samples"])
+
+    _, rows = train(tiny_model, run_dir, "train.steps=6", *common, env=remote_engine.env)
+    assert [r["step"] for r in rows] == list(range(6)) and [r["staleness_mean"] for r in rows[4:]] == [2, 2]
+    trained = {}
+    for step in range(6):
+        for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines():
+            s = json.loads(line)
+            assert set(s["versions"]) == {max(0, step - 2)}, (step, s["versions"])
+            trained.setdefault(s["uid"], set()).add(step)
+    assert all(len(steps) == 1 for steps in trained.values()), "a prompt was trained at two steps"
+    queued = {s["uid"] for r in torch.load(run_dir / "checkpoints" / "step_5" / "driver.pt",
+                                             weights_only=True)["lag"]["rounds"] for s in r["samples"]}
+    assert not queued & set(trained) and set(trained) | queued == set(range(len(trained) + len(queued)))
