@@ -4,8 +4,11 @@ Builds actor, reference and critic from the tiny model at the launched layout, r
 `steps` PPO steps on one fixed synthetic batch (no engine: the batch is generated from a
 seed, so every layout sees identical data), and writes per-step losses, gradient norms and
 the actor's post-step logprobs to argv[2] (rank 0).
-usage: layout_probe.py MODEL_DIR OUT_JSON key=value... [save=DIR] [resume=DIR]
+usage: layout_probe.py MODEL_DIR OUT_JSON key=value... [save=DIR] [resume=DIR] [stale=1]
        layout_probe.py MODEL_DIR OUT_JSON --case NAME key=value... [--case NAME key=value...]
+`stale=1` makes the batch off-policy, as rollout.lag or the partial carry make it: every token
+gets a stored l_old (and behaviour logprob) of the starting weights' logprob plus seeded noise
+(sd 0.3), so the ratio starts away from 1 and the stale-data stabilizers act.
 `save=DIR` writes a checkpoint after the last step; `resume=DIR` loads the newest one first
 and continues from the step after it (at whatever layout this run was launched with).
 With `--case`, the cases run one after the other in the same ranks (the models are built
@@ -38,11 +41,32 @@ def synthetic_samples(seed: int, groups: int, n: int, vocab: int):
     return samples
 
 
+#: what the stale-data stabilizers report (megarl/ppo/step.py `stabilize`, ppo/grad_align.py)
+STABILIZER_METRICS = ("m2po_masked_frac", "m2po_m2", "bapo_low", "bapo_high", "bapo_share",
+                      "grad_cosine", "grad_align_corrected_frac")
+
+
+def stale(samples, batch, models, cfg):
+    """The samples with l_old = behaviour logprob = the starting weights' logprob + N(0, 0.3)
+    per token (seeded: the same on every layout)."""
+    from megarl.ppo import actor as actor_ops
+    from megarl.ppo.step import _forward_all
+    logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
+                        models.actor.model, batch, cfg.train.micro_batch_size)
+    gen = torch.Generator().manual_seed(99)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        values = (logp[i, :n].double() + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).tolist()
+        s.old_logprobs, s.logprobs = values, list(values)
+    return samples
+
+
 def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     from megarl.config import load_config, validate_world
     from megarl.distributed import parallel
-    extra = dict(a.split("=", 1) for a in args if a.startswith(("save=", "resume=")))
-    overrides = [a for a in args if not a.startswith(("save=", "resume="))]
+    probe_args = ("save=", "resume=", "stale=")
+    extra = dict(a.split("=", 1) for a in args if a.startswith(probe_args))
+    overrides = [a for a in args if not a.startswith(probe_args)]
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "train.groups_per_step=8", "rollout.sampling.n=4", "train.mini_batches=2",
         "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=2e-4", "train.critic_lr=2e-4",
@@ -56,7 +80,10 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
 
     models = build_all(cfg)
     steps = int(dict(o.split("=") for o in overrides).get("train.steps", 3))
-    batch = build_batch(synthetic_samples(1234, 8, 4, models.actor.info.vocab_size), 0)
+    samples = synthetic_samples(1234, 8, 4, models.actor.info.vocab_size)
+    batch = build_batch(samples, 0)
+    if extra.get("stale") == "1":
+        batch = build_batch(stale(samples, batch, models, cfg), 0)
     from megarl.checkpoint import manager as ckpt
     history, start = [], 0
     if "resume" in extra:
@@ -66,6 +93,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
         logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
                             models.actor.model, batch, cfg.train.micro_batch_size)
         history.append({k: m[k] for k in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")}
+                       | {k: m[k] for k in STABILIZER_METRICS if k in m}
                        | {"logp": logp[batch.resp_mask > 0].tolist()})
     if "save" in extra:
         ckpt.save(extra["save"], steps - 1, models.actor, models.critic, {"step": steps - 1}, "", keep=1)
