@@ -176,8 +176,9 @@ class AlgoConfig:
         _require(0 <= self.grad_align_threshold < 1, "algo.grad_align_threshold", self.grad_align_threshold,
                  "must be in [0, 1) (a cosine; 0 removes the whole aligned component)")
         # a setting the chosen options leave unused is refused, not silently ignored
-        _require(self.grad_align != "off" or self.grad_align_threshold == 0.3, "algo.grad_align_threshold",
-                 self.grad_align_threshold, "is used only with algo.grad_align=project: set it, or remove the threshold")
+        _require(self.grad_align == "project" or self.grad_align_threshold == 0.3, "algo.grad_align_threshold",
+                 self.grad_align_threshold,
+                 "is used only with algo.grad_align=project: set algo.grad_align=project, or remove the threshold")
         replaced = "M2PO (algo.m2po_tau)" if self.m2po_tau is not None else "BAPO (algo.bapo)" if self.bapo else None
         _require(replaced is None or (self.clip_low, self.clip_high) == (0.2, 0.2), "algo.clip_low/clip_high",
                  (self.clip_low, self.clip_high), f"{replaced} replaces the fixed ratio clip, so these would be "

@@ -27,7 +27,7 @@ from megarl.ppo.aggregate import global_normalizer
 from megarl.ppo.batch import Batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatch_stats
 from megarl.ppo.grad_align import GradAlign
-from megarl.ppo.losses import kl_penalty, masked_mean
+from megarl.ppo.losses import LOG_RATIO_CLAMP, kl_penalty, masked_mean
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
 from megarl.ppo.schedule import gather_dp
 from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
@@ -173,7 +173,8 @@ def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mas
         # keep is laid out as the chunk's rows; this rank's are chunk[dp_rows(len(chunk))]
         return keep[dp_rows(len(chunk))], (float("inf"), float("inf")), stats
     if algo.bapo:
-        ratio = torch.exp(torch.clamp(torch.where(mask.bool(), cur_logp - old_logp, 0.0), -20.0, 20.0))
+        log_r = torch.where(mask.bool(), cur_logp - old_logp, 0.0)
+        ratio = torch.exp(torch.clamp(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         c_low, c_high, stats = bapo_bounds(ratio[chunk], advantages[chunk], mask[chunk], is_w[chunk],
                                            algo.bapo_rho, tuple(algo.bapo_low), tuple(algo.bapo_high),
                                            tuple(algo.bapo_steps))

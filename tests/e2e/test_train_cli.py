@@ -127,7 +127,8 @@ def test_lag_trains_rounds_k_versions_late_and_resumes_its_queue(tiny_model, rem
     assert all(r["lag_rounds_queued"] == 2 and 0 <= r["m2po_masked_frac"] <= 1 for r in rows)
     assert all(-1 <= r["grad_cosine"] <= 1 for r in rows)    # every step has 2 updates: one with a predecessor
     queue = torch.load(run_dir / "checkpoints" / "step_3" / "driver.pt", weights_only=True)["lag"]["rounds"]
-    assert len(queue) == 2 and all(len(s["old_logprobs"]) == len(s["response_ids"]) for r in queue for s in r["samples"])
+    assert len(queue) == 2
+    assert all(len(s["old_logprobs"]) == len(s["response_ids"]) for r in queue for s in r["samples"])
 
     _, rows = train(tiny_model, run_dir, "train.steps=6", *common, env=remote_engine.env)
     assert [r["step"] for r in rows] == list(range(6)) and [r["staleness_mean"] for r in rows[4:]] == [2, 2]
