@@ -652,12 +652,14 @@ def main(argv=None) -> None:
         write_json(json_path, result)
     if result["skipped_for_time"]:
         print(f"skipped for the time budget ({args.time_budget_min} min): {', '.join(result['skipped_for_time'])}")
+    wrote = [json_path]
     if any(r["status"] == "ok" for r in result["runs"].values()):
         plot(result, png_path, args.smooth)
+        wrote.append(png_path)
         print(table(result))
         print("\n".join(envelope(result, args.tolerance)))
     failed = [k for k, r in result["runs"].items() if r["status"] != "ok"]
-    print(f"wrote {json_path} and {png_path} in {result['study_wall_s'] / 60:.1f} min"
+    print(f"wrote {' and '.join(map(str, wrote))} in {result['study_wall_s'] / 60:.1f} min"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
 
 
