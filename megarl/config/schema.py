@@ -7,7 +7,7 @@ fix, and are raised before anything expensive starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import List, Optional
 
 from megarl.config.errors import ConfigError
@@ -26,6 +26,18 @@ def _one_of(key: str, value, allowed) -> None:
 def _plain(value):
     """An omegaconf list as a python list (other values unchanged), for comparing with a default."""
     return list(value) if not isinstance(value, (str, bytes)) and hasattr(value, "__iter__") else value
+
+
+def _changed(obj, names) -> list[str]:
+    """The fields among `names` whose value is not the field's default (from the dataclass
+    itself, so a default changed in one place is not left stale in a check)."""
+    out = []
+    for f in fields(obj):
+        if f.name in names:
+            default = f.default if f.default is not MISSING else f.default_factory()
+            if _plain(getattr(obj, f.name)) != default:
+                out.append(f.name)
+    return out
 
 
 @dataclass
@@ -176,16 +188,16 @@ class AlgoConfig:
         _require(0 <= self.grad_align_threshold < 1, "algo.grad_align_threshold", self.grad_align_threshold,
                  "must be in [0, 1) (a cosine; 0 removes the whole aligned component)")
         # a setting the chosen options leave unused is refused, not silently ignored
-        _require(self.grad_align == "project" or self.grad_align_threshold == 0.3, "algo.grad_align_threshold",
+        _require(self.grad_align == "project" or not _changed(self, {"grad_align_threshold"}),
+                 "algo.grad_align_threshold",
                  self.grad_align_threshold,
                  "is used only with algo.grad_align=project: set algo.grad_align=project, or remove the threshold")
         replaced = "M2PO (algo.m2po_tau)" if self.m2po_tau is not None else "BAPO (algo.bapo)" if self.bapo else None
-        _require(replaced is None or (self.clip_low, self.clip_high) == (0.2, 0.2), "algo.clip_low/clip_high",
+        _require(replaced is None or not _changed(self, {"clip_low", "clip_high"}), "algo.clip_low/clip_high",
                  (self.clip_low, self.clip_high), f"{replaced} replaces the fixed ratio clip, so these would be "
                  f"ignored: remove them (BAPO's bounds are algo.bapo_low / algo.bapo_high)")
         if not self.bapo:
-            moved = [k for k, d in (("bapo_rho", 0.4), ("bapo_low", [0.6, 0.9]), ("bapo_high", [1.2, 3.0]),
-                                    ("bapo_steps", [0.02, 0.05])) if _plain(getattr(self, k)) != d]
+            moved = _changed(self, {"bapo_rho", "bapo_low", "bapo_high", "bapo_steps"})
             _require(not moved, f"algo.{moved[0] if moved else ''}", _plain(getattr(self, moved[0])) if moved else None,
                      "is used only with algo.bapo=true: set algo.bapo=true, or remove it")
             return

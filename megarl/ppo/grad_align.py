@@ -47,11 +47,12 @@ class GradAlign:
             return 0.0, {}
         params = [(sub, p) for sub in subs for p in sub.get_parameters() if p.grad is not None]
         grads = [p.grad for _, p in params]
+        raw = [g.detach().clone() for g in grads]   # the next update's g_prev, before any correction
         stats = {}
-        if self.prev is not None and len(self.prev) == len(grads):
+        if self.prev is not None:
             device = grads[0].device if grads else torch.device("cpu")
             sums = torch.zeros(3, dtype=torch.float64, device=device)
-            for (sub, p), g, q in zip(params, grads, self.prev):
+            for (sub, p), g, q in zip(params, grads, self.prev, strict=True):
                 if _counted(sub, p):
                     g64, q64 = g.double(), q.double()
                     sums += torch.stack([(g64 * q64).sum(), (g64 * g64).sum(), (q64 * q64).sum()])
@@ -61,14 +62,11 @@ class GradAlign:
             cos, coef = alignment(dot, g_sq, p_sq, self.threshold)
             stats = {"grad_cosine": cos, "grad_align_coef": coef if self.project else 0.0}
             self._cosines.append(cos)
-            raw = [g.detach().clone() for g in grads]
             if self.project and coef:
                 self._corrected += 1
-                for g, q in zip(grads, self.prev):
+                for g, q in zip(grads, self.prev, strict=True):
                     g.sub_(q.to(g.dtype), alpha=coef)
-            self.prev = raw
-        else:
-            self.prev = [g.detach().clone() for g in grads]
+        self.prev = raw
         grad_norm = optimizer.get_grad_norm()
         _clip(subs, grad_norm)
         optimizer.step_with_ready_grads()

@@ -166,20 +166,20 @@ def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mas
     - algo.bapo: bounds on the loss's own ratio pi / l_old (l_old is the version that
       generated each token: staleness shows there), weighted by the IS weights the loss uses.
     """
-    clip = (algo.clip_low, algo.clip_high)
+    mask = mask[chunk]    # only the mini-batch's rows are computed on (this runs per mini-batch)
     if algo.m2po_tau is not None:
-        log_r = torch.where(mask.bool(), cur_logp - behav_logp, 0.0)
-        keep, stats = m2po_keep(log_r[chunk], mask[chunk], algo.m2po_tau)
+        log_r = torch.where(mask.bool(), cur_logp[chunk] - behav_logp[chunk], 0.0)
+        keep, stats = m2po_keep(log_r, mask, algo.m2po_tau)
         # keep is laid out as the chunk's rows; this rank's are chunk[dp_rows(len(chunk))]
         return keep[dp_rows(len(chunk))], (float("inf"), float("inf")), stats
     if algo.bapo:
-        log_r = torch.where(mask.bool(), cur_logp - old_logp, 0.0)
+        log_r = torch.where(mask.bool(), cur_logp[chunk] - old_logp[chunk], 0.0)
         ratio = torch.exp(torch.clamp(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        c_low, c_high, stats = bapo_bounds(ratio[chunk], advantages[chunk], mask[chunk], is_w[chunk],
+        c_low, c_high, stats = bapo_bounds(ratio, advantages[chunk], mask, is_w[chunk],
                                            algo.bapo_rho, tuple(algo.bapo_low), tuple(algo.bapo_high),
                                            tuple(algo.bapo_steps))
         return None, (1.0 - c_low, c_high - 1.0), stats
-    return None, clip, {}
+    return None, (algo.clip_low, algo.clip_high), {}
 
 
 def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) -> list[list[float]]:

@@ -130,8 +130,9 @@ def test_stabilizers_act_on_the_stale_batch(runs):
     assert all(0.05 < s["m2po_masked_frac"] < 0.95 for s in m2po), [s["m2po_masked_frac"] for s in m2po]
     assert any(s["bapo_high"] > 1.2 or s["bapo_low"] > 0.6 for s in bapo)
     for case in (m2po, bapo):
-        assert "grad_cosine" not in case[0] or case[0]["grad_align_corrected_frac"] <= 1
-        assert any(s.get("grad_align_corrected_frac", 0) > 0 for s in case)
+        # every step has 2 updates, so each one logs the cosine of its second with its first
+        assert all(-1 <= s["grad_cosine"] <= 1 and 0 <= s["grad_align_corrected_frac"] <= 1 for s in case)
+        assert any(s["grad_align_corrected_frac"] > 0 for s in case)
         assert case[0]["grad_norm"] != pytest.approx(plain[0]["grad_norm"], rel=1e-3)
 
 
