@@ -81,3 +81,4 @@ LOSS_AGGS = Registry("algo.loss_agg", "megarl.ppo.aggregate", "loss aggregation"
 ADVANTAGES = Registry("algo.name", "megarl.ppo.advantages", "algorithm (advantage estimator)")
 IS_MODES = Registry("algo.is_mode", "megarl.ppo.correction", "importance-sampling correction")
 IS_LEVELS = Registry("algo.is_level", "megarl.ppo.correction", "importance-sampling level")
+ENVIRONMENTS = Registry("env.name", "megarl.envs.builtin", "environment", doc="docs/agents.md")

@@ -25,6 +25,16 @@ class Sample:
     # the prompt's number in the run's data stream (the n-th prompt drawn, from 0): the same
     # prompt in an interrupted and an uninterrupted run of one seed; -1 when not known
     uid: int = -1
+    # multi-turn episodes (megarl/envs): 1 on model tokens, 0 on observation tokens (context the
+    # environment appended: never trained, behaviour logprob 0, the version of the turn before).
+    # Empty: every response token is the model's (single-turn samples).
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0                 # model turns of an episode (0: a single-turn sample)
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 per trained response token: the mask, or all ones for a single-turn sample."""
+        return list(self.mask) if self.mask else [1] * len(self.response_ids)
 
     @property
     def staleness(self) -> int:
