@@ -294,6 +294,8 @@ class Trainer:
         if self.is_driver:
             self.transport.close()
             self.logger.close()
+            if self.rollout is not None:
+                self.rollout.close()
             self.pool.close()
         parallel.destroy()
         if self.lock is not None:

@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import List, Optional
 
 from megarl.config.errors import ConfigError
-from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS, VERIFIERS
+from megarl.config.registry import ADVANTAGES, ENVIRONMENTS, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS, VERIFIERS
 
 
 def _require(ok: bool, key: str, value, fix: str) -> None:
@@ -24,7 +24,9 @@ def _one_of(key: str, value, allowed) -> None:
 
 
 def _plain(value):
-    """An omegaconf list as a python list (other values unchanged), for comparing with a default."""
+    """An omegaconf list / dict as a python one (other values unchanged), for comparing with a default."""
+    if hasattr(value, "items"):
+        return dict(value.items())
     return list(value) if not isinstance(value, (str, bytes)) and hasattr(value, "__iter__") else value
 
 
@@ -378,7 +380,7 @@ class RolloutConfig:
                  f"must be below rollout.engines.max_model_len={e.max_model_len} (the engine's context holds "
                  f"the prompt and the response): lower it, or raise rollout.engines.max_model_len")
         _require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
-        _one_of("rollout.mode", self.mode, {"partial", "sync"})
+        _one_of("rollout.mode", self.mode, {"partial", "sync", "service"})
         _one_of("rollout.update_mode", self.update_mode, {"keep", "abort"})
         _require(not self.keep_kv or self.update_mode == "keep", "rollout.keep_kv", self.keep_kv,
                  "applies only to rollout.update_mode=keep (abort mode drops every request at an update): "
@@ -397,6 +399,48 @@ class RolloutConfig:
                  "needs rollout.mode=partial")
         _require(not p.asynchronous or p.max_staleness >= 1, "rollout.partial.max_staleness", p.max_staleness,
                  "rollout.partial.async=true trains tokens one version old: set rollout.partial.max_staleness >= 1")
+
+
+@dataclass
+class EnvConfig:
+    """`env.*`: multi-turn episodes (docs/agents.md). Empty name: single-turn samples."""
+    name: str = ""                     # a registered environment (megarl/envs): guess | python_tool | ...
+    max_turns: int = 4                 # model turns per episode at most (then it ends, cut)
+    timeout_s: float = 10.0            # one reset / step call longer than this ends the episode, reward 0
+    # how observations become tokens: auto (the chat template if the tokenizer has one, else
+    # text) | chat (the template's delta for one user message) | text (encoded as is)
+    template: str = "auto"
+    options: dict = field(default_factory=dict)   # keyword arguments of the environment's constructor
+
+    def __post_init__(self):
+        if self.name:
+            ENVIRONMENTS.check(self.name)
+        _require(self.max_turns >= 1, "env.max_turns", self.max_turns, "must be >= 1")
+        _require(self.timeout_s > 0, "env.timeout_s", self.timeout_s, "must be > 0 (seconds per environment call)")
+        _one_of("env.template", self.template, {"auto", "chat", "text"})
+        _require(self.name or not _changed(self, {"max_turns", "timeout_s", "template", "options"}),
+                 "env.name", self.name, "is empty, so the other env.* settings are unused: name an "
+                 "environment, or remove them")
+
+
+@dataclass
+class ServiceConfig:
+    """`service.*`: rollout.mode=service, the policy as an OpenAI-compatible endpoint for outside
+    agents (docs/agents.md, "Rollout as a service")."""
+    host: str = "127.0.0.1"            # bind address: the node's cluster address only when asked, never 0.0.0.0
+    port: int = 0                      # 0: a free port (written to <run.dir>/service.json)
+    api_key: str = ""                  # empty: $MEGARL_SERVICE_API_KEY, else a new one in <run.dir>/service.json (0600)
+    max_episodes: int = 64             # open episodes at once; more are refused (HTTP 429)
+    episode_timeout_s: float = 600.0   # an episode with no call for this long is cancelled (counted)
+    wait_s: float = 3600.0             # a step waits this long for its groups, then fails naming the service
+
+    def __post_init__(self):
+        _require(self.host not in ("0.0.0.0", "::", ""), "service.host", self.host,
+                 "bind to 127.0.0.1 or the node's cluster-internal address, not every interface")
+        _require(0 <= self.port < 65536, "service.port", self.port, "must be a TCP port (0: a free one)")
+        _require(self.max_episodes >= 1, "service.max_episodes", self.max_episodes, "must be >= 1")
+        _require(self.episode_timeout_s > 0, "service.episode_timeout_s", self.episode_timeout_s, "must be > 0")
+        _require(self.wait_s > 0, "service.wait_s", self.wait_s, "must be > 0")
 
 
 @dataclass
@@ -526,18 +570,38 @@ class RootConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self):
+        self._check_episodes()
         if self.algo.name == "grpo":
             _require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
                      "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
             _require(self.train.critic_warmup_steps == 0, "train.critic_warmup_steps",
                      self.train.critic_warmup_steps, "algo.name=grpo has no critic to warm up: "
                      "remove it, or use algo.name=ppo")
+
+    def _check_episodes(self) -> None:
+        mode = self.rollout.mode
+        if self.env.name:
+            _require(mode == "partial", "rollout.mode", mode,
+                     f"env.name={self.env.name} runs episodes in the partial-rollout controller: set "
+                     f"rollout.mode=partial (rollout.mode=service: outside agents bring their own environments)")
+        if self.env.name or mode == "service":
+            what = f"env.name={self.env.name}" if self.env.name else "rollout.mode=service"
+            _require(not _changed(self.reward, {"fn", "timeout_s"}), "reward.fn", self.reward.fn,
+                     f"is unused with {what}: the episode's reward comes from the "
+                     f"{'environment' if self.env.name else 'outside agent'}; remove reward.fn / reward.timeout_s")
+        _require(mode == "service" or not _changed(self.service, {f.name for f in fields(self.service)}),
+                 "service", "set", "the service.* settings apply only to rollout.mode=service: set it, or remove them")
+        if mode == "service":
+            _require(not self.rollout.overlap and not self.rollout.partial.asynchronous, "rollout.mode", mode,
+                     "outside agents generate continuously already: remove rollout.overlap / rollout.partial.async")
 
     @property
     def checkpoint_dir(self) -> str:

@@ -24,4 +24,18 @@ def rollout_metrics(samples, batch) -> dict:
             # sample: what partial rollout wins back
             "rollout_slot_utilization": mean / max(lengths),
             "finished_frac": sum(s.stopped for s in samples) / len(samples),
+            **episode_metrics(samples),
             **device.host_values({"reward_mean": batch.scores.mean()})}
+
+
+def episode_metrics(samples) -> dict:
+    """Multi-turn episodes among the samples: turns per episode, observation tokens (context
+    the environments appended, mask 0) per episode; nothing for single-turn samples."""
+    episodes = [s for s in samples if s.turns or s.mask]
+    if not episodes:
+        return {}
+    obs = [len(s.mask) - sum(s.mask) for s in episodes]
+    return {"episode_turns_mean": sum(s.turns for s in episodes) / len(episodes),
+            "episode_turns_max": max(s.turns for s in episodes),
+            "observation_tokens_mean": sum(obs) / len(episodes),
+            "model_tokens_mean": sum(sum(s.mask) for s in episodes) / len(episodes)}

@@ -24,11 +24,17 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         rewards: [B, T] per-token rewards (sequence score on the last valid token, per-token
             KL penalties elsewhere).
         values: [B, T] critic values V(s_t).
-        mask: [B, T] 1 on response tokens, contiguous from position 0, 0 on padding after.
+        mask: [B, T] 1 on trained tokens, 0 elsewhere: padding after the response and, in
+            multi-turn episodes, the observation tokens between model turns.
         gamma: discount; lam: GAE lambda.
 
     Returns:
         (advantages, returns), both [B, T] and 0 where mask is 0; returns = advantages + values.
+
+    Masked positions are skipped, not zero-valued steps: the next state of a model token is the
+    next *model* token (observation tokens are the environment's move, not the policy's), so
+    the discount and the bootstrap value jump over them and the reward-to-go is not reset at
+    an observation. With a contiguous mask this is the usual recursion.
     """
     # Critic outputs at padding are garbage; zeroing them makes V = 0 after the last valid
     # token (the episode ends there), so rows of different lengths need no special case.
@@ -39,9 +45,11 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     next_adv = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = delta + gamma * lam * next_adv
-        advantages[:, t] = next_adv
-        next_value = values[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = adv
+        on = mask[:, t] > 0
+        next_adv = torch.where(on, adv, next_adv)
+        next_value = torch.where(on, values[:, t], next_value)
     advantages = advantages * mask
     return advantages, advantages + values
 
@@ -118,11 +126,18 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
+def last_index(mask: Tensor) -> Tensor:
+    """[B] column of each row's last nonzero mask entry (0 for an empty row): the last trained
+    token, also when observation tokens leave holes in the mask."""
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return ((mask > 0) * cols).amax(dim=1).sub(1).clamp(min=0)
+
+
 def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
     """[B, R]: the verifier score [B] on each sequence's last token, minus kl_coef * KL per
     token (kl [B, R], None for no penalty)."""
     rewards = torch.zeros_like(mask)
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    last = last_index(mask)
     rewards[torch.arange(mask.shape[0], device=mask.device), last] = scores
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask

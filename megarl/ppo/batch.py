@@ -21,7 +21,8 @@ from megarl.distributed import device as dev
 class Batch:
     tokens: torch.Tensor        # [B, L] long
     resp_index: torch.Tensor    # [B, R] long
-    resp_mask: torch.Tensor     # [B, R] float, 1 on response tokens
+    resp_mask: torch.Tensor     # [B, R] float, 1 on trained response tokens (model tokens; 0 on padding
+                                # and on an episode's observation tokens: Sample.mask)
     behav_logp: torch.Tensor    # [B, R] float, engine logprobs
     versions: torch.Tensor      # [B, R] long, policy version of each token
     scores: torch.Tensor        # [B] float, verifier reward
@@ -64,9 +65,11 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
     stored_mask = torch.zeros((B, R), dtype=torch.bool)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
+        if s.mask and len(s.mask) != r:
+            raise ValueError(f"sample {i}: {len(s.mask)} mask entries for {r} response tokens")
         tokens[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         resp_index[i] = (p - 1 + torch.arange(R)).clamp(max=L - 1)
-        mask[i, :r] = 1.0
+        mask[i, :r] = torch.tensor(s.loss_mask, dtype=mask.dtype)
         behav[i, :r] = torch.tensor(s.logprobs)
         versions[i, :r] = torch.tensor(s.versions)
         m = min(len(s.old_logprobs), r)

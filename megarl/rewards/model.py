@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from megarl.ppo.advantages import last_index
 from megarl.ppo.batch import Batch
 from megarl.ppo.schedule import forward_per_token
 from megarl.ppo.step import Pass
@@ -15,9 +16,8 @@ from megarl.ppo.step import Pass
 
 def _last_token_scores(batch: Batch, out: torch.Tensor) -> torch.Tensor:
     """out [b, L, 1] -> [b, R] holding each row's score in column 0 (shape of forward_per_token)."""
-    lengths = batch.resp_mask.sum(dim=1).long()
     rows = torch.arange(batch.size, device=batch.device)
-    last_pos = batch.resp_index[rows, (lengths - 1).clamp(min=0)] + 1
+    last_pos = batch.resp_index[rows, last_index(batch.resp_mask)] + 1
     scores = out[rows, last_pos.clamp(max=out.shape[1] - 1), 0].float()
     result = torch.zeros_like(batch.resp_mask)
     result[:, 0] = scores

@@ -40,6 +40,7 @@ round's untaken result first) and the group counter, as lists and numbers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -66,6 +67,13 @@ class Slot:
     finish_reason: str = ""                                 # "" until stop | length (then done)
     restarts: int = 0
     attempts: int = 0                                       # requests sent (unique request keys)
+    # multi-turn episodes (megarl/envs/episodes.py); unused by single-turn samples
+    mask: list[int] = field(default_factory=list)           # 1 model token, 0 observation token
+    turns: int = 0                                          # model turns the environment answered
+    turn_spans: list[list[int]] = field(default_factory=list)  # [start, end) of each such turn
+    turn_base: int = 0                                      # where the current model turn began
+    env_reward: float = 0.0                                 # the environment's rewards so far
+    env_status: str = ""                                    # "" | error | timeout (reward 0)
 
     @property
     def done(self) -> bool:
@@ -76,6 +84,8 @@ class Slot:
         """Forget everything generated; returns how many tokens were thrown away."""
         lost = len(self.response_ids)
         self.response_ids, self.logprobs, self.versions, self.old_logprobs = [], [], [], []
+        self.mask, self.turn_spans, self.turns, self.turn_base = [], [], 0, 0
+        self.env_reward, self.env_status = 0.0, ""
         self.finish_reason = ""
         self.restarts += 1
         return lost
@@ -83,7 +93,7 @@ class Slot:
     def clip(self, budget: int) -> None:
         """Keep at most `budget` tokens, done on length (a carry restored under a smaller
         rollout.sampling.max_new_tokens: nothing is left to generate)."""
-        for name in ("response_ids", "logprobs", "versions", "old_logprobs"):
+        for name in ("response_ids", "logprobs", "versions", "old_logprobs", "mask"):
             setattr(self, name, getattr(self, name)[:budget])
         self.finish_reason = "length"
 
@@ -144,12 +154,15 @@ def group_state(g: Group) -> dict:
                       for s in g.slots]}
 
 
-def _set_tokens(slot: Slot, base: int, r: GenResult) -> None:
+def _set_tokens(slot: Slot, base: int, r: GenResult, episode: bool = False) -> None:
     """The slot's first `base` tokens, then what its request produced (a held request's
-    partial, or its final result, of which every earlier partial is a prefix)."""
+    partial, or its final result, of which every earlier partial is a prefix). An episode's
+    slot also marks the new tokens as the model's (mask 1)."""
     slot.response_ids = slot.response_ids[:base] + list(r.token_ids)
     slot.logprobs = slot.logprobs[:base] + list(r.logprobs)
     slot.versions = slot.versions[:base] + list(r.versions)
+    if episode:
+        slot.mask = slot.mask[:base] + [1] * len(r.token_ids)
 
 
 def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
@@ -167,7 +180,7 @@ class PartialRolloutController:
                  score: Callable[[Sample], float], seed: int, stale_policy: str = "finish",
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
-                 sample_every_s: Optional[float] = 0.05):
+                 sample_every_s: Optional[float] = 0.05, episodes=None):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.partial.stale_policy={stale_policy!r}: choose one of "
                              f"{', '.join(STALE_POLICIES)}")
@@ -176,6 +189,10 @@ class PartialRolloutController:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         self.new_group, self.score, self.seed, self.scorer = new_group, score, seed, scorer
+        # multi-turn episodes: an envs.episodes.EpisodeDriver (None: single-turn samples)
+        self.episodes = episodes
+        self._stepping: set[tuple[int, int]] = set()    # (gid, index) of slots whose environment is answering
+        self._env_tasks: set[asyncio.Task] = set()
         # benchmarks force lengths: budget_of(gid, index) tokens per sample, EOS ignored
         self.budget_of, self.ignore_eos = budget_of, ignore_eos
         self.clock = clock             # the round's statistics' time source (virtual in the simulator)
@@ -263,7 +280,7 @@ class PartialRolloutController:
         if not self.pool.engines:   # every engine retired: the request that saw it ends the round
             return
         order: list[Slot] = []
-        while not self._ending and not self._holding and len(self._inflight) < self.concurrency:
+        while not self._ending and not self._holding and len(self._inflight) + len(self._stepping) < self.concurrency:
             if not order:
                 order = self._admission_order()
                 if not order:
@@ -299,19 +316,25 @@ class PartialRolloutController:
 
     # -- serving ---------------------------------------------------------------------------
     async def _serve(self, req: GenRequest, slot: Slot, engine) -> None:
+        key = req.key
         try:
-            result = await self.pool.generate(req, engine)
+            if self.episodes is not None:
+                req = await self._episode_request(req, slot)
+            result = None if req is None else await self.pool.generate(req, engine)
         except BaseException as err:   # an engine failure ends the round with the error
-            self._unbook(req.key, slot, engine)
+            self._unbook(key, slot, engine)
             self._fail(err)
             if isinstance(err, asyncio.CancelledError):
                 raise
             return
-        base = self._base.get(req.key, 0)
-        self._unbook(req.key, slot, engine)
+        base = self._base.get(key, 0)
+        self._unbook(key, slot, engine)
         try:
-            self._absorb(slot, result, base)
-            group = self.groups[slot.gid]
+            group = self.groups[slot.gid]   # before any await: a slot finishing meanwhile may emit it
+            if result is not None:
+                self._absorb(slot, result, base)
+                if self.episodes is not None and slot.finish_reason == "stop":
+                    await self._env_turn(slot)   # the environment's turn: done, or the next model turn waits
             if slot.done and group.complete and not group.reward_done:
                 self._emit(group)
             if self._ending or self._holding:
@@ -320,6 +343,46 @@ class PartialRolloutController:
                 self._fill()   # samples occupancy once refilled: a finished request is replaced at once
         except Exception as err:   # noqa: BLE001 - scoring, the data stream, the next request: end the round
             self._fail(err)
+
+    async def _episode_request(self, req: GenRequest, slot: Slot) -> Optional[GenRequest]:
+        """An episode's request once its environment is live: None if the episode ended
+        (reset failed); rebuilt if reset appended a first observation."""
+        before = len(slot.response_ids)
+        task = asyncio.ensure_future(self.episodes.ensure(slot, self.groups[slot.gid]))
+        self._env_tasks.add(task)   # a round's end and a snapshot wait for it (_settle_env)
+        try:
+            await task
+        finally:
+            self._env_tasks.discard(task)
+        if slot.done:
+            return None
+        if len(slot.response_ids) == before:
+            return req
+        self._base[req.key] = len(slot.response_ids)
+        return dataclasses.replace(req, prompt_ids=self.groups[slot.gid].prompt_ids + slot.response_ids,
+                                   max_tokens=self._budget(slot) - len(slot.response_ids))
+
+    async def _env_turn(self, slot: Slot) -> None:
+        """A model turn ended on EOS: the slot counts against the concurrency and stays busy
+        while its environment answers (off this loop), then it is done or waits for its next
+        model turn (admitted like any carried sample)."""
+        slot.finish_reason = ""
+        where = (slot.gid, slot.index)
+        self._busy.add(where)
+        self._stepping.add(where)
+        task = asyncio.ensure_future(self.episodes.after_turn(slot, self.groups[slot.gid], self._budget(slot)))
+        self._env_tasks.add(task)
+        try:
+            await task
+        finally:
+            self._env_tasks.discard(task)
+            self._stepping.discard(where)
+            self._busy.discard(where)
+
+    async def _settle_env(self) -> None:
+        """Wait for the environments answering now (each bounded by env.timeout_s)."""
+        if self._env_tasks:
+            await asyncio.gather(*list(self._env_tasks), return_exceptions=True)
 
     def _unbook(self, key: str, slot: Slot, engine) -> None:
         self._load[engine.name] = self._load.get(engine.name, 1) - 1
@@ -342,7 +405,7 @@ class PartialRolloutController:
         """The request's result after the `base` tokens its slot had when it was sent (what a
         held request's slot got from `_sync_live` since is a prefix of it)."""
         faults.point("rollout_result")
-        _set_tokens(slot, base, r)
+        _set_tokens(slot, base, r, self.episodes is not None)
         self.stats.requests += 1
         self.stats.tokens += len(r.token_ids)
         if len(set(r.versions)) > 1:   # held over a weight update (update_mode=keep)
@@ -432,6 +495,8 @@ class PartialRolloutController:
         else:
             self.completed, lost = staleness.discard_stale(self.groups, self.completed, version, self.max_staleness,
                                                            drop=self.stale_policy == "drop")
+        if self.episodes is not None:
+            self.episodes.prune(self.groups)
         self.stats.restarted += lost.restarted
         self.stats.dropped_groups += lost.dropped
         self.stats.discarded_tokens += lost.tokens
@@ -447,7 +512,7 @@ class PartialRolloutController:
         for key, slot in self._inflight.items():
             now = self.pool.partial(key)
             if now is not None:
-                _set_tokens(slot, self._base.get(key, 0), now)
+                _set_tokens(slot, self._base.get(key, 0), now, self.episodes is not None)
 
     async def hold(self, scoring: bool = False) -> None:
         """Stop admitting, so the engines can take new weights in the middle of a round (async
@@ -458,6 +523,7 @@ class PartialRolloutController:
         self._holding = True
         if not self.keeps:
             await self._abort_own()
+        await self._settle_env()
         if scoring and self._scoring:
             await asyncio.gather(*list(self._scoring), return_exceptions=True)
         self._sample_occupancy()
@@ -538,6 +604,7 @@ class PartialRolloutController:
             try:
                 await self.pool.pause_all()
                 self._sync_live()
+                await self._settle_env()   # an episode between turns is carried as such
                 return
             except Exception as err:   # noqa: BLE001 - an engine failed pausing: abort as below
                 self._fail(err)
@@ -571,9 +638,9 @@ class PartialRolloutController:
         out = []
         for s in group.slots:
             smp = Sample(group.prompt_ids, list(s.response_ids), list(s.logprobs), list(s.versions),
-                         s.finish_reason == "stop", local_index, group.record,
+                         s.finish_reason == "stop", local_index, group.record, reward=s.env_reward,
                          finish_reason=s.finish_reason or "abort", old_logprobs=list(s.old_logprobs),
-                         uid=group.gid)
+                         uid=group.gid, mask=list(s.mask), turns=s.turns)
             out.append(smp)
         for smp, r in zip(out, group.rewards):
             smp.reward = r
@@ -617,9 +684,20 @@ class PartialRolloutController:
                "rollout_loop_lag_max_s": st.loop_lag_max,
                "groups_emitted": st.groups_emitted, "open_groups": len(self.groups),
                "completed_waiting": len(self.completed)}
+        if self.episodes is not None:
+            out.update(self._episode_metrics())
         if st.inflight_min is not None:   # absent when the round had its groups without generating
             out["rollout_inflight_min"] = st.inflight_min
         return out
+
+    def _episode_metrics(self) -> dict:
+        """Episodes carried into the next round: between turns (the environment answered, the
+        next model turn not started) and mid-turn (a model turn begun); the environments' counts."""
+        open_slots = [s for g in self.groups.values() for s in g.slots if not s.done and s.response_ids]
+        mid_turn = sum(len(s.response_ids) > s.turn_base for s in open_slots)
+        return {"episodes_carried_mid_turn": mid_turn,
+                "episodes_carried_between_turns": len(open_slots) - mid_turn,
+                **self.episodes.take_metrics()}
 
     def kv_dropped(self) -> None:
         """The pool's weight update is dropping the held requests' KV (keep mode,
@@ -641,7 +719,7 @@ class PartialRolloutController:
         again as a continuation); a group still being scored is saved unscored (scored again)."""
         # keep mode: held requests run on (a checkpoint after the push), so a group may complete
         # and start scoring after hold() waited for the scoring: it is saved unscored, below
-        if not self.keeps and (self._inflight or self._scoring):
+        if self._stepping or (not self.keeps and (self._inflight or self._scoring)):
             raise RuntimeError("controller state saved while requests are in flight or groups are "
                                "being scored: hold(scoring=True) first, or save between rounds")
         self._sync_live()

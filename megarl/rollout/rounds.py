@@ -37,6 +37,14 @@ from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups, score_all
 
 
+def episode_driver(env, tokenizer):
+    """The controller's environments for env.* (imported here: single-turn runs never load them)."""
+    from megarl.envs.base import env_spec
+    from megarl.envs.episodes import EpisodeDriver
+    return EpisodeDriver(env_spec(env.name), tokenizer, max_turns=env.max_turns, timeout_s=env.timeout_s,
+                         options=dict(env.options), template=env.template)
+
+
 class RoundStepper:
     """One round per training step, on the engine pool's event loop (its methods run there).
 
@@ -95,17 +103,21 @@ class Rollout:
         self.cfg, self.pool, self.records, self.sampler = cfg, pool, records, sampler
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         r = cfg.rollout
-        self.controller = None
+        self.controller = self.episodes = None
         if r.mode == "partial":
+            score, scorer = (lambda s: score_sample(s, tokenizer, reward_fn)), \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score")
+            if cfg.env.name:   # episodes: the environment's rewards are the score (nothing to run)
+                self.episodes = episode_driver(cfg.env, tokenizer)
+                score, scorer = (lambda s: s.reward), None
             self.controller = PartialRolloutController(
                 pool.pool, n=r.sampling.n, concurrency=r.partial.concurrency,
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
                 max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
-                new_group=self._new_group, score=lambda s: score_sample(s, tokenizer, reward_fn),
-                seed=cfg.run.seed,
+                new_group=self._new_group, score=score, seed=cfg.run.seed,
                 # one thread: the verifier runs one call at a time anyway (one worker process),
                 # and FIFO keeps the order in which groups complete
-                scorer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score"))
+                scorer=scorer, episodes=self.episodes)
         # sync mode: `_fresh` runs on the loop thread like the controller's rounds (and the
         # simulator's); its samples are scored back on the driver thread
         self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous,
@@ -221,6 +233,10 @@ class Rollout:
         controller, sampler = self.pool.call(self.snapshot(), "saving the rollout state")
         return {"sampler": sampler, "controller": controller}
 
+    def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
+
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         if self.controller is not None and "controller" in state:
@@ -228,8 +244,9 @@ class Rollout:
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict:
-    """Histogram of token staleness (trained version - producing version) over the step's tokens."""
-    counts = Counter(version - v for s in samples for v in s.versions)
+    """Histogram of token staleness (trained version - producing version) over the step's
+    trained tokens (an episode's observation tokens are context, not the policy's)."""
+    counts = Counter(version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m)
     total = max(1, sum(counts.values()))
     out = {f"staleness_frac_{k}": counts[k] / total for k in sorted(counts)}
     out["staleness_max"] = max(counts) if counts else 0

@@ -1,0 +1,201 @@
+"""Multi-turn episodes in the partial-rollout controller: the environment's side of a slot.
+
+A slot of an episode group is one episode. Its token lists hold the model's tokens as the
+engines sampled them and the observation tokens appended between turns (`Slot.mask` 0 there,
+behaviour logprob 0.0, the version of the turn before), so the trainer's sequence is exactly
+what the engine conditioned on. The controller calls:
+- `ensure(slot, group)` before a request: the episode's environment is live (made and
+  `reset`, or, after a resume, replayed: reset, then `step` with each recorded turn);
+- `after_turn(slot, group, budget)` when a model turn ended on EOS / a stop token: the
+  environment answers; the episode ends (done, `env.max_turns`, the token budget) or its
+  observation is appended and the slot waits for its next model turn.
+Everything the controller keeps is plain data on the slot (checkpointed with it); the live
+environment objects stay here, keyed by (group, index, restarts). An environment that raises,
+answers nonsense or runs past `env.timeout_s` ends its episode with reward 0 and is counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from megarl.envs.base import EnvSpec, StepResult
+from megarl.envs.render import ObservationRenderer
+from megarl.envs.runner import EnvFailure, EnvRunner, EnvTimeout
+
+log = logging.getLogger("megarl.envs")
+
+
+class EpisodeDriver:
+    """The environments of one controller's episodes (all methods on the rollout loop)."""
+
+    def __init__(self, spec: EnvSpec, tokenizer, *, max_turns: int, timeout_s: float,
+                 options: dict | None = None, template: str = "auto", runner: EnvRunner | None = None):
+        self.spec, self.tokenizer, self.options = spec, tokenizer, dict(options or {})
+        self.max_turns, self.timeout_s = max_turns, timeout_s
+        self.renderer = ObservationRenderer(tokenizer, template)
+        self.runner = runner or EnvRunner()
+        self._envs: dict[tuple[int, int, int], object] = {}
+        self.counts = {"env_errors": 0, "env_timeouts": 0, "env_calls": 0, "env_replays": 0,
+                       "env_replay_mismatches": 0}
+        self.env_time_s = 0.0
+
+    @staticmethod
+    def _key(slot) -> tuple[int, int, int]:
+        return slot.gid, slot.index, slot.restarts
+
+    def live(self, slot) -> bool:
+        return self._key(slot) in self._envs
+
+    # -- environment calls ------------------------------------------------------------------
+    async def _call(self, coro, what: str):
+        t0 = time.perf_counter()
+        self.counts["env_calls"] += 1
+        try:
+            return await self.runner.call(coro, self.timeout_s, what)
+        finally:
+            self.env_time_s += time.perf_counter() - t0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _fail(self, slot, err: EnvFailure) -> None:
+        """End the episode with reward 0: the environment broke, the run goes on."""
+        timeout = isinstance(err, EnvTimeout)
+        self.counts["env_timeouts" if timeout else "env_errors"] += 1
+        n = self.counts["env_timeouts" if timeout else "env_errors"]
+        if n <= 3:   # the first few with their cause; the rest only counted (metrics)
+            log.warning("episode g%d s%d ends with reward 0: %s", slot.gid, slot.index, err)
+        slot.env_status = "timeout" if timeout else "error"
+        slot.env_reward = 0.0
+        self._finish(slot, "stop")
+
+    def _finish(self, slot, reason: str) -> None:
+        slot.finish_reason = reason
+        self._close(self._envs.pop(self._key(slot), None))
+
+    def _close(self, env) -> None:
+        if env is not None and not self.runner.loop.is_closed():
+            # fire and forget on the environment loop, bounded like every call
+            asyncio.run_coroutine_threadsafe(_quiet_close(env, self.timeout_s), self.runner.loop)
+
+    # -- the episode ------------------------------------------------------------------------
+    async def ensure(self, slot, group) -> None:
+        """Make the slot's environment if it has none: a fresh episode is reset (its first
+        observation, if any, is appended as is); a carried one restored from a checkpoint is
+        replayed turn by turn, keeping the recorded tokens. A failure ends the episode."""
+        if self.live(slot) or slot.done:
+            return
+        what = f"env {self.spec.name} (episode g{slot.gid} s{slot.index})"
+        try:
+            env = self.spec.factory(seed=slot.seed, **self.options)
+        except Exception as err:   # noqa: BLE001 - a broken factory is the environment's error
+            self._fail(slot, EnvFailure(f"{what}: cannot be made: {type(err).__name__}: {err}"))
+            return
+        self._envs[self._key(slot)] = env
+        try:
+            first = await self._call(env.reset(group.record), f"{what} reset")
+            if slot.turn_spans or slot.response_ids:
+                await self._replay(slot, env, what)
+            elif first:
+                self._append(slot, self.renderer._encode(str(first)), version=self._version_now(slot))
+                slot.turn_base = len(slot.response_ids)
+        except EnvFailure as err:
+            self._fail(slot, err)
+
+    async def _replay(self, slot, env, what: str) -> None:
+        self.counts["env_replays"] += 1
+        for i, (a, b) in enumerate(slot.turn_spans):
+            res = _checked(await self._call(env.step(self._decode(slot.response_ids[a:b])), f"{what} replay"), what)
+            nxt = slot.turn_spans[i + 1][0] if i + 1 < len(slot.turn_spans) else slot.turn_base
+            if self.renderer.ids(res.observation, slot.response_ids[b - 1] if b > a else None) != slot.response_ids[b:nxt]:
+                self.counts["env_replay_mismatches"] += 1
+                log.warning("%s: the replayed turn %d gives another observation than the recorded one; the "
+                            "recorded tokens are kept (is the environment deterministic in record, turns, seed?)",
+                            what, i)
+
+    async def after_turn(self, slot, group, budget: int) -> None:
+        """The model turn ending at the slot's last token is over: step the environment."""
+        what = f"env {self.spec.name} (episode g{slot.gid} s{slot.index})"
+        env = self._envs.get(self._key(slot))
+        if env is None:   # made in ensure(); gone only if the episode already ended
+            return
+        a, b = slot.turn_base, len(slot.response_ids)
+        slot.turn_spans.append([a, b])
+        slot.turns += 1
+        try:
+            res = _checked(await self._call(env.step(self._decode(slot.response_ids[a:b])), f"{what} step"), what)
+        except EnvFailure as err:
+            self._fail(slot, err)
+            return
+        slot.env_reward += float(res.reward)
+        if res.done:
+            self._finish(slot, "stop")
+            return
+        if slot.turns >= self.max_turns:
+            self._finish(slot, "length")   # cut by env.max_turns: it did not end on its own
+            return
+        obs = self.renderer.ids(str(res.observation), slot.response_ids[b - 1] if b > a else None)
+        if len(slot.response_ids) + len(obs) >= budget:
+            self._finish(slot, "length")   # no room left for another model token
+            return
+        self._append(slot, obs, version=slot.versions[-1] if slot.versions else 0)
+        slot.turn_base = len(slot.response_ids)
+
+    @staticmethod
+    def _version_now(slot) -> int:
+        return slot.versions[-1] if slot.versions else 0
+
+    @staticmethod
+    def _append(slot, ids: list[int], version: int) -> None:
+        slot.response_ids = slot.response_ids + list(ids)
+        slot.logprobs = slot.logprobs + [0.0] * len(ids)
+        slot.versions = slot.versions + [version] * len(ids)
+        slot.mask = slot.mask + [0] * len(ids)
+
+    # -- housekeeping -----------------------------------------------------------------------
+    def prune(self, groups: dict) -> None:
+        """Close the environments of episodes no longer open: their group was emitted or
+        dropped, or the slot restarted from nothing (staleness) since it was made."""
+        def stale(key) -> bool:
+            gid, index, restarts = key
+            g = groups.get(gid)
+            return g is None or g.slots[index].restarts != restarts
+        for key in [k for k in self._envs if stale(k)]:
+            self._close(self._envs.pop(key))
+
+    def take_metrics(self) -> dict:
+        out = {**self.counts, "env_time_s": self.env_time_s, "env_open": len(self._envs)}
+        for k in self.counts:
+            self.counts[k] = 0
+        self.env_time_s = 0.0
+        return out
+
+    def close(self) -> None:
+        for env in list(self._envs.values()):
+            self._close(env)
+        self._envs.clear()
+        self.runner.close()
+
+
+async def _quiet_close(env, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(env.close(), timeout_s)
+    except Exception as err:   # noqa: BLE001 - a close that fails loses nothing: logged
+        log.warning("closing an environment failed: %s: %s", type(err).__name__, err)
+
+
+def _checked(res, what: str) -> StepResult:
+    """An environment's answer, or EnvFailure saying what is wrong with it."""
+    if not isinstance(res, StepResult):
+        raise EnvFailure(f"{what}: step() returned {type(res).__name__}, not a StepResult")
+    try:
+        reward = float(res.reward)
+    except (TypeError, ValueError):
+        raise EnvFailure(f"{what}: reward {res.reward!r} is not a number") from None
+    if not math.isfinite(reward):
+        raise EnvFailure(f"{what}: reward {reward} is not finite")
+    if not isinstance(res.observation, str):
+        raise EnvFailure(f"{what}: observation is {type(res.observation).__name__}, not text")
+    return res
