@@ -12,7 +12,9 @@ from megarl.ppo.advantages import (
     group_normalized_advantages,
     grpo_advantages,
     kl_penalized_scores,
+    last_index,
     masked_whiten,
+    token_rewards,
 )
 from megarl.ppo.aggregate import aggregate, global_normalizer
 from megarl.ppo.correction import behaviour_weights, mismatch_stats
@@ -49,6 +51,29 @@ def test_gae_two_rows_of_different_length():
     assert close(adv, [[0.21712, 0.246, 0.3, 0.0], [-0.348, -1.4, 0.0, 0.0]])
     # returns = A + V
     assert close(ret, [[0.71712, 0.846, 1.0, 0.0], [-0.148, -1.0, 0.0, 0.0]])
+
+
+def test_gae_skips_observation_tokens_of_an_episode():
+    """An episode row [model, model, obs, obs, model, pad]: the observation positions get no
+    advantage, and the model tokens get exactly what the same row without them gets (the
+    next state of the 2nd model token is the 3rd: no discount step, no zero value, no reset of
+    the reward-to-go at the observation, whatever garbage the critic says there)."""
+    rewards = t([[0.0, 0.0, GARBAGE, GARBAGE, 1.0, GARBAGE]])
+    values = t([[0.5, 0.6, GARBAGE, GARBAGE, 0.7, GARBAGE]])
+    mask = t([[1, 1, 0, 0, 1, 0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # the compacted row is test_gae_two_rows_of_different_length's row 0
+    assert close(adv, [[0.21712, 0.246, 0.0, 0.0, 0.3, 0.0]])
+    assert close(ret, [[0.71712, 0.846, 0.0, 0.0, 1.0, 0.0]])
+
+
+def test_the_score_lands_on_the_last_model_token():
+    """token_rewards puts the score on the last mask-1 column (not at mask.sum() - 1, which an
+    episode's observation holes would move onto an observation token)."""
+    mask = t([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    assert last_index(mask).tolist() == [4, 2, 0]
+    rewards = token_rewards(t([2.0, 3.0, 0.0]), mask, None, 0.0)
+    assert rewards.tolist() == [[0, 0, 0, 0, 2.0, 0], [0, 0, 3.0, 0, 0, 0], [0] * 6]
 
 
 def test_grpo_two_groups_of_three():
