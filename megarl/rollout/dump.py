@@ -1,7 +1,8 @@
 """Samples a user can read: `<run_dir>/samples/step_<N>.jsonl`, one JSON object per sample.
 
 What the engine did, for audit: prompt and response as text and token ids, the behaviour
-logprob and weight version of every response token, the finish reason and the reward.
+logprob and weight version of every response token, the finish reason and the reward; for
+a multi-turn episode also its loss mask (0 on observation tokens) and number of turns.
 Written to a temporary name and renamed, so a crash never leaves half a file.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ def sample_record(s: Sample, tokenizer) -> dict:
             "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
             "logprobs": [float(x) for x in s.logprobs], "versions": [int(v) for v in s.versions],
             "finish_reason": s.finish_reason or ("stop" if s.stopped else "length"),
-            "reward": float(s.reward)}
+            "reward": float(s.reward),
+            # episodes: 1 on model tokens, 0 on the environment's observation tokens
+            **({"mask": [int(m) for m in s.mask], "turns": s.turns} if s.mask else {})}
 
 
 def dump_samples(run_dir: str, step: int, samples: list[Sample], tokenizer) -> str:
@@ -45,7 +48,8 @@ def read_samples(path: str) -> list[Sample]:
                 r = json.loads(line)
                 samples.append(Sample(r["prompt_ids"], r["response_ids"], r["logprobs"], r["versions"],
                                       r["finish_reason"] == "stop", r["group"], reward=r["reward"],
-                                      finish_reason=r["finish_reason"], uid=r.get("uid", -1)))
+                                      finish_reason=r["finish_reason"], uid=r.get("uid", -1),
+                                      mask=list(r.get("mask", [])), turns=int(r.get("turns", 0))))
             except (ValueError, KeyError) as err:
                 raise ValueError(f"{path}, row {row}: not a megarl sample record ({err!r})") from None
     return samples

@@ -23,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import copy
+import json
+import os
+import secrets
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Callable
 
 from megarl.data.prompts import encode_prompts
@@ -35,6 +39,30 @@ from megarl.rollout import staleness
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups, score_all
+
+
+SERVICE_KEY_ENV = "MEGARL_SERVICE_API_KEY"
+
+
+def open_service(cfg, pool, tokenizer, next_task):
+    """rollout.mode=service: the policy's OpenAI-compatible endpoint on the pool's loop. Its
+    URL, model name and API key go to <run.dir>/service.json (owner-only), where the outside
+    agents' launcher reads them; the key is service.api_key, else $MEGARL_SERVICE_API_KEY, else new."""
+    from megarl.service.service import AgentService
+    sv, r = cfg.service, cfg.rollout
+    key = sv.api_key or os.environ.get(SERVICE_KEY_ENV, "") or secrets.token_urlsafe(24)
+    service = AgentService(pool.pool, tokenizer, next_task=next_task, n=r.sampling.n, api_key=key, host=sv.host,
+                           port=sv.port, max_episodes=sv.max_episodes, max_new_tokens=r.sampling.max_new_tokens,
+                           temperature=r.sampling.temperature, seed=cfg.run.seed,
+                           episode_timeout_s=sv.episode_timeout_s)
+    pool.call(service.start(), f"starting the rollout service on {sv.host}:{sv.port}")
+    path = os.path.join(cfg.run.dir, "service.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": service.url, "base_url": service.url + "/v1", "model": service.model_name,
+                   "api_key": key}, f)
+    os.chmod(path, 0o600)
+    return service
 
 
 def episode_driver(env, tokenizer):
@@ -103,7 +131,9 @@ class Rollout:
         self.cfg, self.pool, self.records, self.sampler = cfg, pool, records, sampler
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         r = cfg.rollout
-        self.controller = self.episodes = None
+        self.controller = self.episodes = self.service = None
+        if r.mode == "service":   # outside agents run the episodes against the policy's endpoint
+            self.service = open_service(cfg, pool, tokenizer, self._next_task)
         if r.mode == "partial":
             score, scorer = (lambda s: score_sample(s, tokenizer, reward_fn)), \
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score")
@@ -128,6 +158,24 @@ class Rollout:
         return record, encode_prompts(self.tokenizer, [record], self.cfg.data.prompt_key,
                                       self.cfg.data.messages_key)[0]
 
+    def _next_task(self) -> tuple[dict, int]:
+        """rollout.mode=service: the next record of the data stream and its uid (on the loop)."""
+        uid = self.sampler.drawn
+        return self.records[self.sampler.take(1)[0]], uid
+
+    def _service_round(self, step: int) -> tuple[list[Sample], dict]:
+        k, wait_s = self.cfg.train.groups_per_step, self.cfg.service.wait_s
+        future = self.pool.loop.submit(self.service.take_groups(k))
+        try:
+            groups = future.result(wait_s)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"step {step}: the agents at {self.service.url} brought fewer than {k} complete "
+                               f"groups within service.wait_s={wait_s:g} s ({self.service.metrics()}): are they "
+                               f"running and reporting rewards? Raise service.wait_s for slow episodes") from None
+        samples = [s for g in groups for s in g]
+        return samples, {**self.service.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
+
     def round(self, step: int, during: Callable | None = None) -> tuple[list[Sample], dict]:
         """The round's samples and metrics. `during(finished, emitted)` (partial mode; the
         intra-step overlap, ppo/overlap.py `Overlap.serve`) runs on this thread while the round
@@ -136,6 +184,8 @@ class Rollout:
         samples of those among the first train.groups_per_step in the order the step takes
         groups, due ones then the oldest, whose uid is not in `seen`), read on the loop thread.
         Once the round ended its groups are taken: the uids are then those left waiting."""
+        if self.service is not None:
+            return self._service_round(step)
         if self.controller is None:
             version = self.pool.version
             count = self.cfg.train.groups_per_step * self.cfg.rollout.sampling.n
@@ -228,6 +278,10 @@ class Rollout:
             self.controller.release()
 
     def state_dict(self) -> dict:
+        if self.service is not None:
+            async def read():   # on the loop: the agents' calls change both meanwhile
+                return copy.deepcopy({"sampler": self.sampler.state_dict(), "service": self.service.state_dict()})
+            return self.pool.call(read(), "saving the rollout service's state")
         if self.controller is None:
             return {"sampler": self.sampler.state_dict()}
         controller, sampler = self.pool.call(self.snapshot(), "saving the rollout state")
@@ -236,11 +290,17 @@ class Rollout:
     def close(self) -> None:
         if self.episodes is not None:
             self.episodes.close()
+        if self.service is not None:
+            self.pool.call(self.service.close(), "stopping the rollout service")
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         if self.controller is not None and "controller" in state:
             self.controller.load_state_dict(state["controller"])
+        if self.service is not None and "service" in state:
+            async def put():
+                self.service.load_state_dict(state["service"])
+            self.pool.call(put(), "restoring the rollout service's state")
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict:
