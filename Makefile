@@ -3,9 +3,10 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 MODEL  ?= artifacts/tiny_countdown
+AGENT_MODEL ?= artifacts/tiny_guess
 STAMP  := $(VENV)/.megarl-installed
 
-.PHONY: demo test lint venv model clean-venv gpu-wheels
+.PHONY: demo test lint venv model agent-model clean-venv gpu-wheels
 
 venv: $(STAMP)
 
@@ -21,6 +22,10 @@ $(STAMP): setup.py Makefile
 
 model: $(STAMP)
 	$(PY) tools/make_tiny_model.py --out $(MODEL)
+
+# the tiny "guess the number" agent policy of recipes/tiny_agent_cpu.yaml (a no-op when built)
+agent-model: $(STAMP)
+	$(PY) tools/make_tiny_agent_model.py --out $(AGENT_MODEL)
 
 # a fresh run each time (checkpoint.resume=false); `megarl train` alone resumes by default
 demo: model
