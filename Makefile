@@ -6,7 +6,7 @@ MODEL  ?= artifacts/tiny_countdown
 AGENT_MODEL ?= artifacts/tiny_guess
 STAMP  := $(VENV)/.megarl-installed
 
-.PHONY: demo test lint venv model agent-model clean-venv gpu-wheels
+.PHONY: demo test lint venv model agent-model agent-demo clean-venv gpu-wheels
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ model: $(STAMP)
 agent-model: $(STAMP)
 	$(PY) tools/make_tiny_agent_model.py --out $(AGENT_MODEL)
 
+# multi-turn episodes (docs/agents.md): PPO on guess-the-number with the environment in the loop
+agent-demo: agent-model
+	$(VENV)/bin/megarl train recipes/tiny_agent_cpu.yaml checkpoint.resume=false
+
 # a fresh run each time (checkpoint.resume=false); `megarl train` alone resumes by default
 demo: model
 	$(VENV)/bin/megarl train recipes/tiny_cpu.yaml checkpoint.resume=false
@@ -43,7 +47,7 @@ test: $(STAMP)
 
 # the linter alone (the suite runs it too: tests/unit/test_lint.py); rules in ruff.toml
 lint: $(STAMP)
-	$(VENV)/bin/ruff check megarl tests bench tools setup.py
+	$(VENV)/bin/ruff check megarl tests bench tools examples setup.py
 
 # what tests/gpu/device_check.sh installs on a GPU machine without internet (Python 3.12,
 # CUDA torch and transformers already there): megatron-core, omegaconf and its parser runtime

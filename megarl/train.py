@@ -44,6 +44,7 @@ from megarl.rollout.lag import LagQueue
 from megarl.rollout.pool import open_pool
 from megarl.rollout.rounds import Rollout, staleness_metrics
 from megarl.rollout.transfer.files import check_staging_base
+from megarl.service.launch import open_service
 
 
 def train(cfg: RootConfig) -> dict:
@@ -158,7 +159,8 @@ class Trainer:
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         self.pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
                               weight_backend(cfg.weight_sync))
-        self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn)
+        self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn,
+                               service_factory=lambda tasks: open_service(cfg, self.pool, self.tokenizer, tasks))
         if cfg.rollout.lag:   # the rounds generated but not trained yet are the checkpoint's too
             self.lag = LagQueue(cfg.rollout.lag)
             self.state.register("lag", self.lag, optional=True)

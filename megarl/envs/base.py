@@ -55,7 +55,7 @@ class Environment(abc.ABC):
     async def step(self, turn: str) -> StepResult:
         """The model's turn (decoded without special tokens) -> the environment's answer."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook: most environments hold nothing
         """Release what the episode holds (processes, folders). Called once, also after errors."""
 
 

@@ -109,7 +109,8 @@ class EpisodeDriver:
         for i, (a, b) in enumerate(slot.turn_spans):
             res = _checked(await self._call(env.step(self._decode(slot.response_ids[a:b])), f"{what} replay"), what)
             nxt = slot.turn_spans[i + 1][0] if i + 1 < len(slot.turn_spans) else slot.turn_base
-            if self.renderer.ids(res.observation, slot.response_ids[b - 1] if b > a else None) != slot.response_ids[b:nxt]:
+            again = self.renderer.ids(res.observation, slot.response_ids[b - 1] if b > a else None)
+            if again != slot.response_ids[b:nxt]:
                 self.counts["env_replay_mismatches"] += 1
                 log.warning("%s: the replayed turn %d gives another observation than the recorded one; the "
                             "recorded tokens are kept (is the environment deterministic in record, turns, seed?)",

@@ -23,9 +23,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import copy
-import json
-import os
-import secrets
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -39,30 +36,6 @@ from megarl.rollout import staleness
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups, score_all
-
-
-SERVICE_KEY_ENV = "MEGARL_SERVICE_API_KEY"
-
-
-def open_service(cfg, pool, tokenizer, next_task):
-    """rollout.mode=service: the policy's OpenAI-compatible endpoint on the pool's loop. Its
-    URL, model name and API key go to <run.dir>/service.json (owner-only), where the outside
-    agents' launcher reads them; the key is service.api_key, else $MEGARL_SERVICE_API_KEY, else new."""
-    from megarl.service.service import AgentService
-    sv, r = cfg.service, cfg.rollout
-    key = sv.api_key or os.environ.get(SERVICE_KEY_ENV, "") or secrets.token_urlsafe(24)
-    service = AgentService(pool.pool, tokenizer, next_task=next_task, n=r.sampling.n, api_key=key, host=sv.host,
-                           port=sv.port, max_episodes=sv.max_episodes, max_new_tokens=r.sampling.max_new_tokens,
-                           temperature=r.sampling.temperature, seed=cfg.run.seed,
-                           episode_timeout_s=sv.episode_timeout_s)
-    pool.call(service.start(), f"starting the rollout service on {sv.host}:{sv.port}")
-    path = os.path.join(cfg.run.dir, "service.json")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": service.url, "base_url": service.url + "/v1", "model": service.model_name,
-                   "api_key": key}, f)
-    os.chmod(path, 0o600)
-    return service
 
 
 def episode_driver(env, tokenizer):
@@ -127,13 +100,15 @@ class Rollout:
     """The driver's rollout (trainer rank 0, its own thread): `RoundStepper` run on the pool's
     loop thread, the samples and metrics of each round, the state a checkpoint keeps."""
 
-    def __init__(self, cfg, pool, records: list[dict], sampler, tokenizer, reward_fn: Callable):
+    def __init__(self, cfg, pool, records: list[dict], sampler, tokenizer, reward_fn: Callable,
+                 service_factory: Callable | None = None):
         self.cfg, self.pool, self.records, self.sampler = cfg, pool, records, sampler
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         r = cfg.rollout
         self.controller = self.episodes = self.service = None
         if r.mode == "service":   # outside agents run the episodes against the policy's endpoint
-            self.service = open_service(cfg, pool, tokenizer, self._next_task)
+            # made above rollout (megarl/service/launch.py imports rollout, not the other way)
+            self.service = service_factory(self._next_task)
         if r.mode == "partial":
             score, scorer = (lambda s: score_sample(s, tokenizer, reward_fn)), \
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score")

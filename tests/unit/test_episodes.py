@@ -14,7 +14,7 @@ import re
 import torch
 from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
 
-from megarl.envs.base import EnvSpec, Environment, StepResult
+from megarl.envs.base import Environment, EnvSpec, StepResult
 from megarl.envs.episodes import EpisodeDriver
 from megarl.metrics.step import episode_metrics
 from megarl.ppo.batch import build_batch
@@ -193,7 +193,7 @@ def test_broken_environments_score_zero_and_are_counted():
     fail = {1: "error", 2: "timeout", 3: "nonsense", 4: "nan"}
     _, trained, metrics, _ = asyncio.run(drive(4, fail=fail, target=2))
     seen = set()
-    for version, groups in trained:
+    for _, groups in trained:
         for g in groups:
             seen.add(g.gid)
             if g.gid in fail:

@@ -1,5 +1,5 @@
 """The linter is part of the suite: `ruff check` (rules in ruff.toml) passes on the project's
-Python (megarl/, tests/, bench/, tools/). `make lint` runs the same command, and
+Python (megarl/, tests/, bench/, tools/, examples/). `make lint` runs the same command, and
 `.venv/bin/ruff check --fix <files>` repairs most findings (import order, unused imports)."""
 import shutil
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
-TARGETS = ["megarl", "tests", "bench", "tools", "setup.py"]
+TARGETS = ["megarl", "tests", "bench", "tools", "examples", "setup.py"]
 
 
 def ruff(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

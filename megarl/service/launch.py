@@ -1,0 +1,30 @@
+"""Starting the agent service for `rollout.mode=service` (the driver calls this; rollout
+only receives the started service, so `megarl.rollout` never imports `megarl.service`)."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+
+SERVICE_KEY_ENV = "MEGARL_SERVICE_API_KEY"
+
+
+def open_service(cfg, pool, tokenizer, next_task):
+    """rollout.mode=service: the policy's OpenAI-compatible endpoint on the pool's loop. Its
+    URL, model name and API key go to <run.dir>/service.json (owner-only), where the outside
+    agents' launcher reads them; the key is service.api_key, else $MEGARL_SERVICE_API_KEY, else new."""
+    from megarl.service.service import AgentService
+    sv, r = cfg.service, cfg.rollout
+    key = sv.api_key or os.environ.get(SERVICE_KEY_ENV, "") or secrets.token_urlsafe(24)
+    service = AgentService(pool.pool, tokenizer, next_task=next_task, n=r.sampling.n, api_key=key, host=sv.host,
+                           port=sv.port, max_episodes=sv.max_episodes, max_new_tokens=r.sampling.max_new_tokens,
+                           temperature=r.sampling.temperature, seed=cfg.run.seed,
+                           episode_timeout_s=sv.episode_timeout_s)
+    pool.call(service.start(), f"starting the rollout service on {sv.host}:{sv.port}")
+    path = os.path.join(cfg.run.dir, "service.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": service.url, "base_url": service.url + "/v1", "model": service.model_name,
+                   "api_key": key}, f)
+    os.chmod(path, 0o600)
+    return service
