@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -15,7 +16,7 @@ import pytest
 from megarl.envs import sandbox
 from megarl.envs.sandbox import SandboxLimits, run_python, run_python_sync
 
-FAST = SandboxLimits(cpu_s=2, wall_s=4)
+FAST = SandboxLimits(cpu_s=10, wall_s=20)   # generous: a loaded machine starts interpreters slowly
 
 
 @pytest.fixture(params=["ns", "hook"])
@@ -106,14 +107,15 @@ for t in (lambda: socket.create_connection(('127.0.0.1', {port}), timeout=1),
 
 
 def test_infinite_loop_is_killed_within_its_limits():
+    """A busy loop ends at its CPU limit (SIGXCPU, or SIGKILL at the hard limit a second
+    later), long before a 60 s wall clock; a sleeping loop, which uses no CPU, at the wall
+    clock. No elapsed-time bound but the wall clock itself: the machine may be loaded."""
     t0 = time.monotonic()
-    res = run_python_sync("while True:\n    pass\n", SandboxLimits(cpu_s=1, wall_s=5))
-    took = time.monotonic() - t0
-    assert res.timed_out and res.killed and took < 3.0       # CPU limit: 1 s (+1 s hard), not the 5 s wall
-    t0 = time.monotonic()
+    res = run_python_sync("while True:\n    pass\n", SandboxLimits(cpu_s=1, wall_s=60))
+    assert res.timed_out and res.killed and res.exit_code in (-signal.SIGXCPU, -signal.SIGKILL)
+    assert time.monotonic() - t0 < 60                         # the CPU limit, not the wall clock, ended it
     res = run_python_sync("import time\nwhile True:\n    time.sleep(0.1)\n", SandboxLimits(cpu_s=5, wall_s=1))
-    took = time.monotonic() - t0
-    assert res.timed_out and res.killed and res.exit_code == -9 and took < 2.5   # sleeping: the wall clock
+    assert res.timed_out and res.killed and res.exit_code == -signal.SIGKILL   # sleeping: the wall clock
 
 
 def test_forks_and_spawns_are_refused(layers, tmp_path):
@@ -137,13 +139,11 @@ for t in tries:
         print('STARTED', flush=True)
     except (OSError, ImportError) as err:
         print('refused', flush=True)
-import time
-time.sleep(30)
 """
-    res = run_python_sync(code, SandboxLimits(cpu_s=2, wall_s=1))
-    assert res.timed_out
+    # a wall clock that start-up on a loaded machine cannot reach: every try gets its answer
+    res = run_python_sync(code, SandboxLimits(cpu_s=10, wall_s=30))
     assert res.stdout.split() == ["refused"] * 7, res.stdout + res.stderr
-    time.sleep(1.0)   # 2 s after the start: a survivor would have written its marker by now
+    time.sleep(2.0)   # a survivor would have written its marker 1.5 s after it started
     assert not os.path.exists(marker)
 
 
@@ -154,9 +154,8 @@ def test_the_whole_process_group_dies_at_the_timeout(monkeypatch, tmp_path):
     marker = tmp_path / "survivor"
     script = f"(sleep 1.5; touch {marker}) & echo $!; sleep 30"
     monkeypatch.setattr(sandbox, "child_argv", lambda folder, limits, isolate: ["/bin/sh", "-c", script])
-    t0 = time.monotonic()
     res = run_python_sync("", SandboxLimits(cpu_s=5, wall_s=0.5))
-    assert res.timed_out and time.monotonic() - t0 < 2.0
+    assert res.timed_out
     background = int(res.stdout.split()[0])
     time.sleep(2.0)
     assert not marker.exists()
@@ -174,11 +173,9 @@ def test_memory_limit():
 
 
 def test_output_flood_is_cut_and_killed():
-    t0 = time.monotonic()
-    res = run_python_sync("while True:\n    print('y' * 1000)\n", SandboxLimits(output_bytes=5000, wall_s=5))
-    assert res.truncated and res.killed and not res.timed_out
+    res = run_python_sync("while True:\n    print('y' * 1000)\n", SandboxLimits(output_bytes=5000, wall_s=60))
+    assert res.truncated and res.killed and not res.timed_out   # killed at the flood, not at the wall clock
     assert res.stdout == ("y" * 1000 + "\n") * 4 + "y" * 996   # exactly output_bytes kept
-    assert time.monotonic() - t0 < 3.0                        # killed at the flood, not at the wall clock
 
 
 def test_environment_is_scrubbed(layers, monkeypatch):
@@ -217,9 +214,8 @@ def test_cancelling_a_run_kills_it_and_cleans_up():
             await task
         return started
 
-    t0 = time.monotonic()
     started = asyncio.run(scenario())
-    assert len(started) == 1 and time.monotonic() - t0 < 5
+    assert len(started) == 1
     assert not any(os.path.exists(p) for p in started)
 
 

@@ -69,7 +69,7 @@ def test_wrong_final_answer_scores_zero(runner):
 
 def test_error_and_timeout_turns(runner):
     err, slow = _episode(runner, ["<python>print(1/0)</python>", "```python\nwhile True:\n    pass\n```"],
-                         cpu_s=1, wall_s=2)
+                         cpu_s=1, wall_s=30)   # the loop ends at its CPU second; 1/0 never waits
     assert (err.observation, err.done) == ("ZeroDivisionError: division by zero", False)
     assert err.info["tool_errors"] == 1
     assert (slow.observation, slow.done, slow.reward) == ("timeout", False, 0.0)
