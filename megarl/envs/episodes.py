@@ -16,6 +16,7 @@ answers nonsense or runs past `env.timeout_s` ends its episode with reward 0 and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import time
@@ -40,6 +41,7 @@ class EpisodeDriver:
         self.counts = {"env_errors": 0, "env_timeouts": 0, "env_calls": 0, "env_replays": 0,
                        "env_replay_mismatches": 0}
         self.env_time_s = 0.0
+        self._closing: set = set()    # environments' close() calls still running
 
     @staticmethod
     def _key(slot) -> tuple[int, int, int]:
@@ -77,8 +79,10 @@ class EpisodeDriver:
 
     def _close(self, env) -> None:
         if env is not None and not self.runner.loop.is_closed():
-            # fire and forget on the environment loop, bounded like every call
-            asyncio.run_coroutine_threadsafe(_quiet_close(env, self.timeout_s), self.runner.loop)
+            # not awaited here (the episode goes on being emitted); close() waits for them all
+            fut = asyncio.run_coroutine_threadsafe(_quiet_close(env, self.timeout_s), self.runner.loop)
+            self._closing.add(fut)
+            fut.add_done_callback(self._closing.discard)
 
     # -- the episode ------------------------------------------------------------------------
     async def ensure(self, slot, group) -> None:
@@ -174,9 +178,11 @@ class EpisodeDriver:
         return out
 
     def close(self) -> None:
+        """Close every environment (each bounded by env.timeout_s), then the loop."""
         for env in list(self._envs.values()):
             self._close(env)
         self._envs.clear()
+        concurrent.futures.wait(list(self._closing), timeout=self.timeout_s + 1)
         self.runner.close()
 
 

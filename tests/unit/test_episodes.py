@@ -130,6 +130,7 @@ async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", st
                 await asyncio.sleep(0)
     finally:
         clock.stop()
+        episodes.close()
     return ctl, trained, metrics, log
 
 
