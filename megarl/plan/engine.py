@@ -16,8 +16,9 @@ def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: 
     workspace and KV cache when it starts; the weight transfer's buffers are allocated later,
     at each sync, so they must fit in what vLLM leaves outside its share, less the reserve."""
     r = cfg.rollout
-    # sync mode submits every sample of the step at once; partial keeps `concurrency` in flight
-    in_flight = cfg.samples_per_step if r.mode == "sync" else r.partial.concurrency
+    # sync mode submits every sample of the step at once; partial keeps `concurrency` in flight;
+    # the agent service at most one call per open episode
+    in_flight = {"sync": cfg.samples_per_step, "service": cfg.service.max_episodes}.get(r.mode, r.partial.concurrency)
     per_engine = math.ceil(in_flight / engines)
     kv_tok = mem.kv_bytes_per_token(arch, engine_tp)
     b = {"weights": mem.engine_weight_bytes(arch, engine_tp),
