@@ -259,3 +259,16 @@ def check_megatron_files(path: str, setting: str = "model.megatron_path") -> Non
     if problem:
         raise ConfigError(f"{setting}={path!r}: {problem}: convert it again with tools/convert_hf_to_megatron.py, "
                           f"or copy it again")
+
+
+def check_episodes(cfg, records: list[dict], tokenizer) -> None:
+    """env.name: the environment is made, resets on the first record and renders with this
+    tokenizer (`envs.episodes.check_environment`); rollout.mode=service: the tokenizer has the
+    chat template the agents' messages are rendered with."""
+    if cfg.env.name:
+        from megarl.envs.episodes import check_environment
+        check_environment(cfg.env, records[0], tokenizer)
+    if cfg.rollout.mode == "service" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"rollout.mode=service: the tokenizer of model.path={cfg.model.path} has no chat "
+                          f"template, and agents send chat messages: use a chat model, or set a chat_template "
+                          f"in its tokenizer_config.json")

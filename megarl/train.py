@@ -116,6 +116,8 @@ class Trainer:
         # tokenizes the dataset once; every rank gets the verdict)
         _agree(lambda: preflight.check_prompts(self.records, tokenizer, cfg, hf_config.get("vocab_size")),
                self.is_driver)
+        # episodes: the environment against this data and tokenizer, before any engine starts
+        _agree(lambda: preflight.check_episodes(cfg, self.records, tokenizer), self.is_driver)
         # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
         self.reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
         if cfg.reward.model_path:

@@ -22,7 +22,8 @@ TINY = ROOT / "artifacts" / "tiny_countdown"
 # xdist's default order (most tests first) left a one-test file of 7 minutes for last.
 LONGEST_FIRST = [
     "tests/e2e/test_engine_failure.py", "tests/e2e/test_slurm.py", "tests/dist/test_conversion_tools.py",
-    "tests/e2e/test_train_cli.py", "tests/e2e/test_agents.py", "tests/dist/test_layouts.py", "tests/e2e/test_crash_resume.py",
+    "tests/e2e/test_train_cli.py", "tests/e2e/test_agents.py", "tests/dist/test_layouts.py",
+    "tests/e2e/test_crash_resume.py",
     "tests/dist/test_megatron_load.py", "tests/e2e/test_pool_sync.py", "tests/e2e/test_http_engine.py",
     "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_bad_inputs.py",
     "tests/dist/test_reward_model.py", "tests/e2e/test_disk_full.py", "tests/dist/test_device_placement.py",

@@ -206,3 +206,38 @@ def _checked(res, what: str) -> StepResult:
     if not isinstance(res.observation, str):
         raise EnvFailure(f"{what}: observation is {type(res.observation).__name__}, not text")
     return res
+
+
+def check_environment(env, record: dict, tokenizer) -> None:
+    """Before anything starts (env.* and data.prompts together): the environment can be made
+    with env.options, resets on the first record of the data, and its observations can be
+    rendered with this tokenizer. Later episode failures score 0 and are counted; a failure
+    here would fail every episode, so it is a ConfigError naming the setting."""
+    from megarl.config.errors import ConfigError
+    from megarl.envs.base import env_spec
+    try:
+        ObservationRenderer(tokenizer, env.template)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    options = dict(env.options)
+    try:
+        instance = env_spec(env.name).factory(seed=0, **options)
+    except Exception as err:   # noqa: BLE001 - whatever the constructor raises, named
+        raise ConfigError(f"env.options={options!r}: env.name={env.name} cannot be made with them "
+                          f"({type(err).__name__}: {err})") from None
+    runner = EnvRunner("megarl-env-check")
+    try:
+        runner.run(instance.reset(record), env.timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise ConfigError(f"env.timeout_s={env.timeout_s}: env.name={env.name} did not reset on the first record "
+                          f"of data.prompts within it: raise env.timeout_s") from None
+    except Exception as err:   # noqa: BLE001 - the environment's own error, named
+        raise ConfigError(f"env.name={env.name}: reset(the first record of data.prompts) failed "
+                          f"({type(err).__name__}: {err}): does data.prompts hold this environment's "
+                          f"records?") from None
+    finally:
+        try:
+            runner.run(instance.close(), env.timeout_s)
+        except Exception:   # noqa: BLE001 - a close that fails changes no verdict
+            pass
+        runner.close()

@@ -193,3 +193,60 @@ def test_the_hf_reader_names_a_damaged_weights_file(model_copy):
         f.truncate(100_000)
     with pytest.raises(ConversionError, match=r"model\.safetensors in .* is not a readable safetensors file"):
         HFCheckpoint(model_copy)
+
+
+# -- episodes (env.*, rollout.mode=service): a mistake that would fail every episode stops the run
+@pytest.fixture(scope="module")
+def tokenizers():
+    from megarl.data import countdown, guess
+    return {"guess": guess.build_tokenizer(), "countdown": countdown.build_tokenizer()}
+
+
+def _guess_records():
+    from megarl.data import guess
+    return guess.make_records(4, seed=0)
+
+
+def _episodes(overrides):
+    return load_config("recipes/tiny_agent_cpu.yaml", overrides)
+
+
+def test_the_agent_recipe_passes_the_episode_checks(tokenizers):
+    preflight.check_episodes(_episodes([]), _guess_records(), tokenizers["guess"])
+
+
+@pytest.mark.parametrize("overrides, data, tok, match", [
+    # the environment's records are not in data.prompts (countdown rows have no secret)
+    ([], "countdown", "guess", r"env\.name=guess: reset\(the first record of data\.prompts\) failed "
+                              r"\(ValueError: guess record field 'secret'=None.*does data\.prompts hold"),
+    (["env.options={k: 3}"], "guess", "guess", r"env\.options=\{'k': 3\}: env\.name=guess cannot be made"),
+    (["env.template=chat"], "guess", "countdown", r"env\.template=chat: the model's tokenizer has no chat template"),
+    (["env.name=''", "env.timeout_s=10", "rollout.mode=service"], "guess", "countdown",
+     r"rollout\.mode=service: the tokenizer of model\.path=.* has no chat template"),
+])
+def test_episode_inputs_that_would_fail_every_episode_are_refused(tokenizers, overrides, data, tok, match):
+    from megarl.data import countdown
+    records = _guess_records() if data == "guess" else countdown.make_records(4, seed=0)
+    with pytest.raises(ConfigError, match=match):
+        preflight.check_episodes(_episodes(overrides), records, tokenizers[tok])
+
+
+def test_an_environment_that_hangs_in_reset_is_named_with_env_timeout_s(tokenizers):
+    import asyncio
+
+    from megarl.envs.base import Environment, register_env
+
+    @register_env("test_hangs_in_reset")
+    class Hangs(Environment):
+        async def reset(self, record):
+            await asyncio.sleep(60)
+
+        async def step(self, turn):
+            raise AssertionError("never reached")
+    try:
+        cfg = _episodes(["env.name=test_hangs_in_reset", "env.timeout_s=0.5"])
+        with pytest.raises(ConfigError, match=r"env\.timeout_s=0\.5: env\.name=test_hangs_in_reset did not reset"):
+            preflight.check_episodes(cfg, _guess_records(), tokenizers["guess"])
+    finally:   # registered for this test only
+        from megarl.config.registry import ENVIRONMENTS
+        ENVIRONMENTS._entries.pop("test_hangs_in_reset", None)

@@ -177,3 +177,12 @@ def test_a_new_verifier_is_accepted_and_reached(scratch):
     assert RewardConfig(fn="shout").fn == "shout" and needs_answer("shout")
     v = build_verifier("shout", timeout_s=5.0, answer_key="gold")
     assert v("LOUD", {"gold": "g"}, finished=True) == 1.0 and calls == ["g"]
+
+
+def test_environments_hold_the_built_ins():
+    """env.name validates against these (docs/agents.md); each entry makes an Environment."""
+    from megarl.config.registry import ENVIRONMENTS
+    from megarl.envs.base import Environment, env_spec
+    assert {"guess", "python_tool"} <= set(ENVIRONMENTS.names())
+    for name in ("guess", "python_tool"):
+        assert isinstance(env_spec(name).factory(seed=0), Environment)
