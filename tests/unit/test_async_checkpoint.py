@@ -31,7 +31,7 @@ def config():
             mode="partial", sampling=SimpleNamespace(n=4, max_new_tokens=64, temperature=1.0),
             partial=SimpleNamespace(concurrency=12, max_staleness=2, stale_policy="finish", asynchronous=True)),
         run=SimpleNamespace(seed=0), train=SimpleNamespace(groups_per_step=3),
-        data=SimpleNamespace(prompt_key="prompt", messages_key="messages"))
+        data=SimpleNamespace(prompt_key="prompt", messages_key="messages"), env=SimpleNamespace(name=""))
 
 
 def open_rollout():
