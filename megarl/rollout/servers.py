@@ -35,6 +35,8 @@ from megarl.rollout.vllm_settings import cli_flags, engine_settings
 
 SERVED_MODEL_NAME = "megarl-policy"
 _PR_SET_PDEATHSIG = 1
+# how long a stopped server's leftover processes get once the server itself has exited
+ORPHAN_GRACE_S = 3.0
 _RUNNING: "set[LocalServer]" = set()
 
 
@@ -174,7 +176,12 @@ class LocalServer:
                 self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            # the engine core and workers may outlive the API server briefly
+            # the engine core and workers may outlive the API server briefly; once the server is
+            # gone (it exited, or was killed: a crashed engine being replaced) what is left of its
+            # group has no one to shut it down (multiprocessing's resource tracker ignores
+            # SIGTERM): a short grace, not the whole deadline, before SIGKILL
+            if self.proc.poll() is not None:
+                deadline = min(deadline, time.monotonic() + ORPHAN_GRACE_S)
             while _group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             if _group_alive(pgid):
