@@ -380,9 +380,12 @@ class PartialRolloutController:
             self._busy.discard(where)
 
     async def _settle_env(self) -> None:
-        """Wait for the environments answering now (each bounded by env.timeout_s)."""
-        if self._env_tasks:
-            await asyncio.gather(*list(self._env_tasks), return_exceptions=True)
+        """Wait for the environments answering now (each bounded by env.timeout_s), and for
+        their slots to be released (the serving task's next step, after the answer)."""
+        while self._env_tasks or self._stepping:
+            if self._env_tasks:
+                await asyncio.gather(*list(self._env_tasks), return_exceptions=True)
+            await asyncio.sleep(0)
 
     def _unbook(self, key: str, slot: Slot, engine) -> None:
         self._load[engine.name] = self._load.get(engine.name, 1) - 1
