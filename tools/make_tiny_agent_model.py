@@ -32,7 +32,6 @@ The build is skipped when DIR/build_info.json already records the same arguments
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -308,19 +307,12 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 
 def build_args(seed: int, num_prompts: int, warmup_steps: int) -> dict:
     """The arguments that identify a build (compared by ``is_built``)."""
-    return {"seed": seed, "num_prompts": num_prompts, "warmup_steps": warmup_steps, "recipe_version": RECIPE_VERSION}
+    return base.build_args(seed, num_prompts, warmup_steps, RECIPE_VERSION)
 
 
 def is_built(out_dir: str, args: dict) -> bool:
     """True when out_dir holds a complete build made with exactly these arguments."""
-    path = os.path.join(out_dir, "build_info.json")
-    if not os.path.exists(path) or not all(os.path.exists(os.path.join(out_dir, f)) for f in _REQUIRED_FILES):
-        return False
-    try:
-        with open(path) as f:
-            return json.load(f).get("args") == args
-    except (OSError, ValueError):
-        return False
+    return base.is_built(out_dir, args, _REQUIRED_FILES)
 
 
 def build(out_dir: str, seed: int = 0, num_prompts: int = 4096, warmup_steps: int = WARMUP_STEPS,
@@ -399,21 +391,8 @@ def summary(info: dict, out_dir: str) -> str:
     ])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=4096, help="records in prompts.jsonl")
-    p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
-    p.add_argument("--force", action="store_true", help="rebuild even if build_info.json matches")
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> dict:
-    a = parse_args(argv)
-    info = build(a.out, seed=a.seed, num_prompts=a.num_prompts, warmup_steps=a.warmup_steps, force=a.force)
-    print(summary(info, a.out))
-    return info
+    return base.run_cli(argv, build, summary, __doc__, WARMUP_STEPS)
 
 
 if __name__ == "__main__":

@@ -315,15 +315,16 @@ _REQUIRED_FILES = (
 )
 
 
-def build_args(seed: int, num_prompts: int, warmup_steps: int) -> dict:
+def build_args(seed: int, num_prompts: int, warmup_steps: int, recipe_version: int = RECIPE_VERSION) -> dict:
     """The arguments that identify a build (compared by ``is_built``)."""
-    return {"seed": seed, "num_prompts": num_prompts, "warmup_steps": warmup_steps, "recipe_version": RECIPE_VERSION}
+    return {"seed": seed, "num_prompts": num_prompts, "warmup_steps": warmup_steps, "recipe_version": recipe_version}
 
 
-def is_built(out_dir: str, args: dict) -> bool:
-    """True when out_dir holds a complete build made with exactly these arguments."""
+def is_built(out_dir: str, args: dict, required: tuple = _REQUIRED_FILES) -> bool:
+    """True when out_dir holds a complete build (every file in `required`) made with exactly
+    these arguments."""
     path = os.path.join(out_dir, "build_info.json")
-    if not os.path.exists(path) or not all(os.path.exists(os.path.join(out_dir, f)) for f in _REQUIRED_FILES):
+    if not os.path.exists(path) or not all(os.path.exists(os.path.join(out_dir, f)) for f in required):
         return False
     try:
         with open(path) as f:
@@ -431,21 +432,27 @@ def _fmt(d: dict) -> str:
     return ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in d.items())
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None, doc: str = __doc__, warmup_steps: int = WARMUP_STEPS) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=4096, help="records in prompts.jsonl")
-    p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
+    p.add_argument("--warmup-steps", type=int, default=warmup_steps)
     p.add_argument("--force", action="store_true", help="rebuild even if build_info.json matches")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    a = parse_args(argv)
-    info = build(a.out, seed=a.seed, num_prompts=a.num_prompts, warmup_steps=a.warmup_steps, force=a.force)
-    print(summary(info, a.out))
+def run_cli(argv, build_fn, summary_fn, doc: str, warmup_steps: int) -> dict:
+    """The builders' command line (this one and tools/make_tiny_agent_model.py): parse, build
+    or reuse, print the summary."""
+    a = parse_args(argv, doc, warmup_steps)
+    info = build_fn(a.out, seed=a.seed, num_prompts=a.num_prompts, warmup_steps=a.warmup_steps, force=a.force)
+    print(summary_fn(info, a.out))
     return info
+
+
+def main(argv=None) -> dict:
+    return run_cli(argv, build, summary, __doc__, WARMUP_STEPS)
 
 
 if __name__ == "__main__":
