@@ -298,9 +298,11 @@ class Trainer:
         if self.is_driver:
             self.transport.close()
             self.logger.close()
-            if self.rollout is not None:
-                self.rollout.close()
-            self.pool.close()
+            try:   # the environments' loop, the agent service: closed before the engines they use
+                if self.rollout is not None:
+                    self.rollout.close()
+            finally:
+                self.pool.close()
         parallel.destroy()
         if self.lock is not None:
             self.lock.release()
