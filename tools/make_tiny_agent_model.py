@@ -310,27 +310,16 @@ def build_args(seed: int, num_prompts: int, warmup_steps: int) -> dict:
     return base.build_args(seed, num_prompts, warmup_steps, RECIPE_VERSION)
 
 
-def is_built(out_dir: str, args: dict) -> bool:
-    """True when out_dir holds a complete build made with exactly these arguments."""
-    return base.is_built(out_dir, args, _REQUIRED_FILES)
-
-
 def build(out_dir: str, seed: int = 0, num_prompts: int = 4096, warmup_steps: int = WARMUP_STEPS,
           force: bool = False) -> dict:
     """Build (or reuse) the tiny guess model in out_dir; returns the build_info dict."""
     torch.set_num_threads(base.NUM_THREADS)
     args = build_args(seed, num_prompts, warmup_steps)
-    if not force and is_built(out_dir, args):
-        with open(os.path.join(out_dir, "build_info.json")) as f:
-            info = json.load(f)
-        info["skipped"] = True
-        return info
-
+    done = base.reuse_or_clear(out_dir, args, force, _REQUIRED_FILES)
+    if done is not None:
+        return done
     t0 = time.perf_counter()
-    os.makedirs(out_dir, exist_ok=True)
     info_path = os.path.join(out_dir, "build_info.json")
-    if os.path.exists(info_path):
-        os.remove(info_path)   # a half-rebuilt dir must not look complete
 
     tokenizer = task.build_tokenizer(out_dir)
     model = base.make_model(seed)   # same shape and special ids (guess shares countdown's)

@@ -333,6 +333,22 @@ def is_built(out_dir: str, args: dict, required: tuple = _REQUIRED_FILES) -> boo
         return False
 
 
+def reuse_or_clear(out_dir: str, args: dict, force: bool, required: tuple = _REQUIRED_FILES) -> dict | None:
+    """The build_info of a complete build with these arguments (marked skipped), or None after
+    making out_dir ready for a build: its build_info.json removed, so a half-rebuilt folder
+    never looks complete (both builders)."""
+    info_path = os.path.join(out_dir, "build_info.json")
+    if not force and is_built(out_dir, args, required):
+        with open(info_path) as f:
+            info = json.load(f)
+        info["skipped"] = True
+        return info
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(info_path):
+        os.remove(info_path)
+    return None
+
+
 def build(
     out_dir: str,
     seed: int = 0,
@@ -344,17 +360,11 @@ def build(
     """Build (or reuse) the tiny countdown model in out_dir; returns the build_info dict."""
     torch.set_num_threads(NUM_THREADS)
     args = build_args(seed, num_prompts, warmup_steps)
-    if not force and is_built(out_dir, args):
-        with open(os.path.join(out_dir, "build_info.json")) as f:
-            info = json.load(f)
-        info["skipped"] = True
-        return info
-
+    done = reuse_or_clear(out_dir, args, force)
+    if done is not None:
+        return done
     t0 = time.perf_counter()
-    os.makedirs(out_dir, exist_ok=True)
     info_path = os.path.join(out_dir, "build_info.json")
-    if os.path.exists(info_path):
-        os.remove(info_path)  # a half-rebuilt dir must not look complete
 
     tokenizer = cd.build_tokenizer(out_dir)
     model = make_model(seed)
