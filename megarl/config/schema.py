@@ -597,8 +597,10 @@ class RootConfig:
             _require(not _changed(self.reward, {"fn", "timeout_s"}), "reward.fn", self.reward.fn,
                      f"is unused with {what}: the episode's reward comes from the "
                      f"{'environment' if self.env.name else 'outside agent'}; remove reward.fn / reward.timeout_s")
-        _require(mode == "service" or not _changed(self.service, {f.name for f in fields(self.service)}),
-                 "service", "set", "the service.* settings apply only to rollout.mode=service: set it, or remove them")
+        unused = [] if mode == "service" else _changed(self.service, {f.name for f in fields(self.service)})
+        if unused:
+            _require(False, f"service.{unused[0]}", getattr(self.service, unused[0]),
+                     "the service.* settings apply only to rollout.mode=service: set it, or remove them")
         if mode == "service":
             _require(not self.rollout.overlap and not self.rollout.partial.asynchronous, "rollout.mode", mode,
                      "outside agents generate continuously already: remove rollout.overlap / rollout.partial.async")

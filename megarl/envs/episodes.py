@@ -21,7 +21,8 @@ import logging
 import math
 import time
 
-from megarl.envs.base import EnvSpec, StepResult
+from megarl.config.errors import ConfigError
+from megarl.envs.base import EnvSpec, StepResult, env_spec
 from megarl.envs.render import ObservationRenderer
 from megarl.envs.runner import EnvFailure, EnvRunner, EnvTimeout
 
@@ -103,7 +104,7 @@ class EpisodeDriver:
             if slot.turn_spans or slot.response_ids:
                 await self._replay(slot, env, what)
             elif first:
-                self._append(slot, self.renderer._encode(str(first)), version=self._version_now(slot))
+                self._append(slot, self.renderer.text_ids(str(first)), version=_last_version(slot))
                 slot.turn_base = len(slot.response_ids)
         except EnvFailure as err:
             self._fail(slot, err)
@@ -145,12 +146,8 @@ class EpisodeDriver:
         if len(slot.response_ids) + len(obs) >= budget:
             self._finish(slot, "length")   # no room left for another model token
             return
-        self._append(slot, obs, version=slot.versions[-1] if slot.versions else 0)
+        self._append(slot, obs, version=_last_version(slot))
         slot.turn_base = len(slot.response_ids)
-
-    @staticmethod
-    def _version_now(slot) -> int:
-        return slot.versions[-1] if slot.versions else 0
 
     @staticmethod
     def _append(slot, ids: list[int], version: int) -> None:
@@ -186,6 +183,11 @@ class EpisodeDriver:
         self.runner.close()
 
 
+def _last_version(slot) -> int:
+    """The version observation tokens are stamped with: the turn before's (0 before any)."""
+    return slot.versions[-1] if slot.versions else 0
+
+
 async def _quiet_close(env, timeout_s: float) -> None:
     try:
         await asyncio.wait_for(env.close(), timeout_s)
@@ -213,8 +215,6 @@ def check_environment(env, record: dict, tokenizer) -> None:
     with env.options, resets on the first record of the data, and its observations can be
     rendered with this tokenizer. Later episode failures score 0 and are counted; a failure
     here would fail every episode, so it is a ConfigError naming the setting."""
-    from megarl.config.errors import ConfigError
-    from megarl.envs.base import env_spec
     try:
         ObservationRenderer(tokenizer, env.template)
     except ValueError as err:

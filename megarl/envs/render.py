@@ -41,11 +41,21 @@ class ObservationRenderer:
     def _render(self, messages, gen: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
 
-    def _encode(self, text: str) -> list[int]:
+    def text_ids(self, text: str) -> list[int]:
+        """`text` encoded as is (no special tokens added, no template)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def boundary_ids(self, last_token: Optional[int]) -> list[int]:
+        """chat: what the template writes after an assistant turn's content and the engine did
+        not produce: the text after its end-of-turn token, and the end-of-turn token itself
+        when the turn ended otherwise (a stop string, a cut)."""
+        prefix = self._tail
+        if self._end_text and last_token != self.end_id:
+            prefix = self._end_text + prefix
+        return self.text_ids(prefix)
+
     def _single_id(self, text: str) -> Optional[int]:
-        ids = self._encode(text)
+        ids = self.text_ids(text)
         return ids[0] if len(ids) == 1 else None
 
     def _turn_end(self) -> tuple[str, str]:
@@ -74,11 +84,8 @@ class ObservationRenderer:
     def ids(self, text: str, last_token: Optional[int] = None) -> list[int]:
         """Token ids of observation `text` appended after a model turn ending in `last_token`."""
         if self.template == "text":
-            return self._encode(text)
-        prefix = self._tail
-        if self._end_text and last_token != self.end_id:
-            prefix = self._end_text + prefix   # the turn ended otherwise (a stop string, a cut)
-        return self._encode(prefix) + self._encode(self.delta_text(text))
+            return self.text_ids(text)
+        return self.boundary_ids(last_token) + self.text_ids(self.delta_text(text))
 
 
 def conversation_delta_ids(renderer: ObservationRenderer, before: list[dict], after: list[dict],
@@ -97,8 +104,5 @@ def conversation_delta_ids(renderer: ObservationRenderer, before: list[dict], af
     if not new.startswith(old):
         raise ValueError("the chat template rewrites earlier turns when messages are added, so the "
                          "conversation cannot be extended token-exactly")
-    prefix = renderer._tail
-    if renderer._end_text and last_token != renderer.end_id:
-        prefix = renderer._end_text + prefix
     # `old` ends with the end-of-turn text and its tail, which the engine stopped before
-    return renderer._encode(prefix) + renderer._encode(new[len(old):])
+    return renderer.boundary_ids(last_token) + renderer.text_ids(new[len(old):])

@@ -31,7 +31,7 @@ def rollout_metrics(samples, batch) -> dict:
 def episode_metrics(samples) -> dict:
     """Multi-turn episodes among the samples: turns per episode, observation tokens (context
     the environments appended, mask 0) per episode; nothing for single-turn samples."""
-    episodes = [s for s in samples if getattr(s, "turns", 0) or getattr(s, "mask", None)]
+    episodes = [s for s in samples if s.turns or s.mask]
     if not episodes:
         return {}
     obs = [len(s.mask) - sum(s.mask) for s in episodes]

@@ -318,7 +318,7 @@ class PartialRolloutController:
     async def _serve(self, req: GenRequest, slot: Slot, engine) -> None:
         key = req.key
         try:
-            if self.episodes is not None:
+            if self.episodes is not None and not self.episodes.live(slot):   # its first turn, or resumed
                 req = await self._episode_request(req, slot)
             result = None if req is None else await self.pool.generate(req, engine)
         except BaseException as err:   # an engine failure ends the round with the error

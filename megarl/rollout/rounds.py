@@ -32,16 +32,16 @@ from typing import Awaitable, Callable
 from megarl.data.prompts import encode_prompts
 from megarl.data.sample import Sample
 from megarl.data.seeds import step_prompt_seeds
+from megarl.envs.base import env_spec
+from megarl.envs.episodes import EpisodeDriver
 from megarl.rollout import staleness
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups, score_all
 
 
-def episode_driver(env, tokenizer):
-    """The controller's environments for env.* (imported here: single-turn runs never load them)."""
-    from megarl.envs.base import env_spec
-    from megarl.envs.episodes import EpisodeDriver
+def episode_driver(env, tokenizer) -> EpisodeDriver:
+    """The controller's environments for env.*."""
     return EpisodeDriver(env_spec(env.name), tokenizer, max_turns=env.max_turns, timeout_s=env.timeout_s,
                          options=dict(env.options), template=env.template)
 
@@ -110,19 +110,19 @@ class Rollout:
             # made above rollout (megarl/service/launch.py imports rollout, not the other way)
             self.service = service_factory(self._next_task)
         if r.mode == "partial":
-            score, scorer = (lambda s: score_sample(s, tokenizer, reward_fn)), \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score")
             if cfg.env.name:   # episodes: the environment's rewards are the score (nothing to run)
                 self.episodes = episode_driver(cfg.env, tokenizer)
                 score, scorer = (lambda s: s.reward), None
+            else:   # one thread: the verifier runs one call at a time anyway (one worker process),
+                # and FIFO keeps the order in which groups complete
+                score = lambda s: score_sample(s, tokenizer, reward_fn)   # noqa: E731
+                scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score")
             self.controller = PartialRolloutController(
                 pool.pool, n=r.sampling.n, concurrency=r.partial.concurrency,
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
                 max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
-                new_group=self._new_group, score=score, seed=cfg.run.seed,
-                # one thread: the verifier runs one call at a time anyway (one worker process),
-                # and FIFO keeps the order in which groups complete
-                scorer=scorer, episodes=self.episodes)
+                new_group=self._new_group, score=score, seed=cfg.run.seed, scorer=scorer,
+                episodes=self.episodes)
         # sync mode: `_fresh` runs on the loop thread like the controller's rounds (and the
         # simulator's); its samples are scored back on the driver thread
         self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous,

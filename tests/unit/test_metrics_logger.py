@@ -41,7 +41,7 @@ def test_rollout_metrics_of_a_step():
     import torch
 
     from megarl.metrics.step import rollout_metrics
-    samples = [SimpleNamespace(response_ids=[1] * n, stopped=n < 4) for n in (2, 4)]
+    samples = [SimpleNamespace(response_ids=[1] * n, stopped=n < 4, mask=[], turns=0) for n in (2, 4)]
     out = rollout_metrics(samples, SimpleNamespace(scores=torch.tensor([0.0, 1.0])))
     assert out == {"samples": 2, "response_len_mean": 3.0, "response_len_max": 4,
                    "rollout_slot_utilization": 0.75, "finished_frac": 0.5, "reward_mean": 0.5}
