@@ -345,17 +345,18 @@ def baselines(probes: dict) -> str:
 def bounds_table(probes: dict) -> str:
     """Per-byte steps of both routes, measured alone (`--bounds`): GB/s."""
     lines = ["| size | bytes | bucket MB | memcpy | pack, fresh buffer per bucket | pack, reused buffer | "
-             "gloo bcast 1 receiver, fresh | 1 receiver, reused | 2 receivers, fresh | 2 receivers, reused | "
+             "gloo chain 1 receiver, fresh | 1 receiver, reused | 2 receivers, fresh | 2 receivers, reused | "
+             "gloo's tree, 2 receivers, fresh | tree, 2 receivers, reused | "
              "file write (new files, staging folder) | file read into fresh buffers |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, p in probes.items():
         g = p.get("gloo_baseline") or {}
         if "pack_fresh_s" not in g:
             continue
         nb = g["bytes"]
-        cells = [nb / g[k] / 1e9 for k in ("memcpy_s", "pack_fresh_s", "pack_reused_s", "recv1_fresh_s",
-                                           "recv1_reused_s", "recv2_fresh_s", "recv2_reused_s", "file_write_s",
-                                           "file_read_fresh_s")]
+        keys = ("memcpy_s", "pack_fresh_s", "pack_reused_s", "recv1_fresh_s", "recv1_reused_s", "recv2_fresh_s",
+                "recv2_reused_s", "recv2_fresh_tree_s", "recv2_reused_tree_s", "file_write_s", "file_read_fresh_s")
+        cells = [nb / g[k] / 1e9 if g.get(k) else float("nan") for k in keys]
         lines.append(f"| {size} | {human(nb)} | {g['bucket_mb']} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)
 

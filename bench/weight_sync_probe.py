@@ -302,9 +302,11 @@ class DiskWatch:
 
 
 # -- gloo over loopback ----------------------------------------------------------------------
-def gloo_baseline(rank: int, total: int, bucket: int, receivers: int, fresh: bool) -> float | None:
+def gloo_baseline(rank: int, total: int, bucket: int, receivers: int, fresh: bool,
+                  chain: bool = True) -> float | None:
     """Both trainer ranks: seconds for rank 0 to broadcast `total` bytes (buckets of `bucket`)
-    to `receivers` members (threads of rank 1) of a stateless gloo group; rank 0 returns it."""
+    to `receivers` members (threads of rank 1) of a stateless gloo group; rank 0 returns it.
+    `chain`: megarl's chain broadcast (what the transport uses), else gloo's own tree."""
     import torch
     import torch.distributed as dist
 
@@ -314,7 +316,10 @@ def gloo_baseline(rank: int, total: int, bucket: int, receivers: int, fresh: boo
     box = [(free_port(), group.new_token())] if rank == 0 else [None]
     dist.broadcast_object_list(box, src=0)
     port, token = box[0]
-    bcast = BROADCAST or group.broadcast
+    real = BROADCAST or group.broadcast
+
+    def bcast(g, t):
+        real(g, t, chain)
     if rank == 0:
         store = group.store("127.0.0.1", port, world, 120, sender=True)
         dist.barrier()
@@ -434,10 +439,12 @@ def main(spec_path: str) -> None:
     if spec.get("baseline"):
         bucket = max(spec["bucket_mb"]) << 20
         base, reps = {}, int(spec.get("baseline_repeats", 1))
-        for receivers, fresh in ((1, True), (1, False), (2, True), (2, False)):
-            secs = [gloo_baseline(env.rank, model_bytes, bucket, receivers, fresh) for _ in range(reps)]
+        for receivers, fresh, chain in ((1, True, True), (1, False, True), (2, True, True), (2, False, True),
+                                        (2, True, False), (2, False, False)):
+            secs = [gloo_baseline(env.rank, model_bytes, bucket, receivers, fresh, chain) for _ in range(reps)]
             if rank0:
-                base[f"recv{receivers}_{'fresh' if fresh else 'reused'}_s"] = statistics.median(secs)
+                tree = "" if chain else "_tree"
+                base[f"recv{receivers}_{'fresh' if fresh else 'reused'}{tree}_s"] = statistics.median(secs)
         if rank0:
             base.update(bytes=model_bytes, bucket_mb=max(spec["bucket_mb"]), memcpy_s=memcpy_seconds(model_bytes),
                         repeats=reps)

@@ -49,6 +49,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
         self.rank = -1
         self.pending = None              # the bucket received last, loaded with the next one
+        self.buffers = packing.ReceiveBuffers()   # reused once vLLM holds no view of them
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -77,14 +78,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def receive_weights(self, info: GlooUpdateInfo) -> None:
         """Receive this bucket while the previous one loads: the wire and the engine's own
-        load overlap (the last bucket loads in finish_weight_update). Each bucket gets a fresh
-        buffer: vLLM's layerwise reload keeps views of loaded tensors until their layer is
-        complete, which may be a later bucket."""
+        load overlap (the last bucket loads in finish_weight_update). The receive is this
+        worker's part of the chain broadcast (group.start_broadcast): it forwards each chunk to
+        the next member as it arrives. The buffer is a kept one that no view of an earlier
+        bucket still uses (packing.ReceiveBuffers), else a new one."""
         if self.group is None:
             raise RuntimeError("megarl gloo weight transfer: init_weight_transfer_engine was not called")
         meta = packing.BucketMeta(list(info.names), list(info.dtype_names), [list(s) for s in info.shapes],
                                   list(info.offsets), int(info.nbytes))
-        buf = torch.empty(meta.nbytes, dtype=torch.uint8)
+        buf = self.buffers.take(meta.nbytes)
         work = group.start_broadcast(self.group, buf)
         try:
             self._load_pending()
@@ -99,3 +101,4 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def shutdown(self) -> None:
         self.group = None                # gloo closes its pairs when the group is collected
+        self.buffers.clear()

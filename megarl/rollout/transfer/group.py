@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import threading
 
+import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 PREFIX = "megarl-weights"
@@ -49,14 +51,78 @@ def missing_ranks(tcp_store, token: str, world_size: int) -> list[int]:
     return [r for r in range(world_size) if not space.check([f"joined/{r}"])]
 
 
-def broadcast(group, tensor) -> None:
+# the unit of the chain: small enough that every member forwards while it still receives, large
+# enough that per-message costs vanish (bench/weight_sync.py --bounds measures chain vs tree)
+CHUNK_BYTES = 8 << 20
+
+
+def broadcast(group, tensor, chain: bool = True) -> None:
     """Broadcast `tensor` (CPU) from the group's rank 0 to every member; blocks until done."""
-    start_broadcast(group, tensor).wait()
+    start_broadcast(group, tensor, chain).wait()
 
 
-def start_broadcast(group, tensor):
-    """The same, asynchronous: returns the work; `.wait()` blocks until `tensor` is complete."""
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    return group.broadcast([tensor], opts)
+def start_broadcast(group, tensor, chain: bool = True):
+    """The same, asynchronous: returns the work; `.wait()` blocks until `tensor` is complete on
+    this member (and, on a member that forwards, until it has passed every chunk on).
+
+    `chain` (the default): a pipelined chain 0 -> 1 -> ... -> world-1. Each member receives
+    chunk c from the rank before it and forwards it to the next while chunk c+1 arrives, so
+    the sender's bytes leave it once whatever the number of engines, and the last member is
+    done one chunk after the first. gloo's own broadcast (`chain=False`) is a binomial tree of
+    whole messages: the root sends the whole tensor ceil(log2(world)) times and each level
+    waits for the level above to have everything."""
+    if not chain:
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return group.broadcast([tensor], opts)
+    return _ChainWork(group, tensor)
+
+
+def chunk_spans(nbytes: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of the chunks a buffer of `nbytes` travels in."""
+    return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)]
+
+
+class _ChainWork:
+    """One member's part of a chain broadcast, on a thread of its own (an engine loads the
+    previous bucket meanwhile); `wait()` joins it and raises what it raised."""
+
+    def __init__(self, group, tensor):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(group, tensor), daemon=True,
+                                        name="megarl-weight-chain")
+        self._thread.start()
+
+    def _run(self, group, tensor) -> None:
+        try:
+            chain_pass(group, tensor)
+        except BaseException as err:  # noqa: BLE001 - raised again by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def chain_pass(group, tensor, chunk: int = 0) -> None:
+    """This member's part of the chain: rank 0 sends every chunk to rank 1; rank r receives
+    each chunk from r-1 (every receive posted at once) and forwards it to r+1 as soon as it is
+    in. Each send and receive is bounded by the group's timeout; a dropped group ends them."""
+    rank, world = group.rank(), group.size()
+    flat = tensor.view(-1).view(torch.uint8)
+    spans = chunk_spans(flat.numel(), chunk or CHUNK_BYTES)
+    after = rank + 1 if rank + 1 < world else None
+    sends = []
+    if rank == 0:
+        if after is not None:
+            sends = [group.send([flat[a:b]], after, tag) for tag, (a, b) in enumerate(spans)]
+    else:
+        recvs = [group.recv([flat[a:b]], rank - 1, tag) for tag, (a, b) in enumerate(spans)]
+        for tag, (work, (a, b)) in enumerate(zip(recvs, spans)):
+            work.wait()
+            if after is not None:
+                sends.append(group.send([flat[a:b]], after, tag))
+    for work in sends:
+        work.wait()
