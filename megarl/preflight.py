@@ -233,18 +233,22 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
 
 def check_backends(cfg) -> None:
     """The launch against this machine, before the ranks' process group is built (torch's own
-    errors are tracebacks from inside it): more trainer ranks on this node than GPUs; NCCL or
-    sequence parallelism asked for on a machine without a GPU."""
+    errors are tracebacks from inside it): more trainer ranks on this node than GPUs; the weight
+    transfer's backend against the engines (weight_sync.backend=auto is ipc with a GPU and engines
+    megarl starts, which needs rollout.engines.tp=1); NCCL, CUDA IPC or sequence parallelism asked
+    for on a machine without a GPU."""
     if torch.cuda.is_available():
         gpus, local_rank = torch.cuda.device_count(), read_env().local_rank
         if local_rank >= gpus:
             raise ConfigError(f"trainer rank with local rank {local_rank} has no GPU: this node shows {gpus}; "
                               f"launch at most {gpus} ranks per node (torchrun --nproc_per_node, srun "
                               f"--ntasks-per-node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        if cfg.weight_sync.transport == "collective":
+            cfg.weight_sync.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp)
         return
     for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
-        if value == "nccl":
-            raise ConfigError(f"{key}='nccl' needs GPUs and this machine shows none: use {key}=auto "
+        if value in ("nccl", "ipc"):
+            raise ConfigError(f"{key}={value!r} needs GPUs and this machine shows none: use {key}=auto "
                               f"(gloo without a GPU) or gloo")
     # models/transformer_config.py refuses it too, after the run dir is locked
     if cfg.parallel.sequence_parallel:

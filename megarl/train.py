@@ -91,7 +91,7 @@ class Trainer:
             self._open_driver(resume_from)
         if driver is not None:
             ckpt.restore(driver, self.state)
-        self.transport = weight_sync.open_transport(cfg.weight_sync, self.pool)
+        self.transport = weight_sync.open_transport(cfg.weight_sync, self.pool, cfg.rollout.engines.mode)
 
     def _start_process(self) -> None:
         cfg = self.cfg
@@ -160,7 +160,7 @@ class Trainer:
         cfg, start = self.cfg, self.start
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         self.pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
-                              weight_backend(cfg.weight_sync))
+                              weight_backend(cfg.weight_sync, cfg.rollout.engines.mode))
         self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn,
                                service_factory=lambda tasks: open_service(cfg, self.pool, self.tokenizer, tasks))
         if cfg.rollout.lag:   # the rounds generated but not trained yet are the checkpoint's too

@@ -269,6 +269,11 @@ class SamplingConfig:
                  "sampled from (wrong PPO ratios); lower rollout.sampling.temperature instead")
 
 
+# rollout.engines.mode values whose engines megarl starts itself, on the trainer's node
+# (inheriting CUDA_VISIBLE_DEVICES): the ones weight_sync.backend=ipc can serve
+LOCAL_ENGINE_MODES = ("inprocess", "local_servers")
+
+
 @dataclass
 class EnginesConfig:
     """The vLLM engines that generate (`rollout.engines.*`, docs/engines.md): where they run,
@@ -484,7 +489,11 @@ class WeightSyncConfig:
     # weight-transfer API, nothing on disk | files: safetensors staged in staging_dir, each
     # engine reloads them (for servers started without megarl's weight-transfer config)
     transport: str = "collective"
-    # collective: auto (nccl where CUDA is, else gloo) | gloo (megarl's backend, CPU) | nccl (vLLM's)
+    # collective: auto | gloo (megarl's backend, CPU) | nccl (vLLM's: engines on GPUs of their own,
+    # remote engines) | ipc (vLLM's CUDA IPC: engines megarl starts on the trainer's node read rank 0's
+    # GPU memory in place; rollout.engines.tp=1 only). auto: gloo without CUDA; with CUDA ipc for
+    # rollout.engines.mode=inprocess | local_servers (their TP=1 engine shares global rank 0's GPU,
+    # where NCCL refuses two ranks of one communicator), nccl for remote (`resolved_backend`)
     backend: str = "auto"
     # rendezvous of the weight group, reached by every engine worker: "" = this host's address as
     # the engines see it (127.0.0.1 for engines on this machine, else $MASTER_ADDR or the hostname)
@@ -498,16 +507,37 @@ class WeightSyncConfig:
 
     def __post_init__(self):
         _one_of("weight_sync.transport", self.transport, {"collective", "files"})
-        _one_of("weight_sync.backend", self.backend, {"auto", "gloo", "nccl"})
+        _one_of("weight_sync.backend", self.backend, {"auto", "gloo", "nccl", "ipc"})
         _require(self.bucket_mb >= 1, "weight_sync.bucket_mb", self.bucket_mb, "must be >= 1")
         _require(self.num_buffers >= 1, "weight_sync.num_buffers", self.num_buffers,
                  "must be >= 1 (2: the next bucket is gathered while one is sent)")
         _require(0 <= self.master_port < 65536, "weight_sync.master_port", self.master_port,
                  "must be a TCP port (0: pick a free one)")
 
-    def resolved_backend(self, cuda: bool) -> str:
-        """The collective backend actually used: `auto` is nccl with CUDA, gloo without."""
-        return ("nccl" if cuda else "gloo") if self.backend == "auto" else self.backend
+    def resolved_backend(self, cuda: bool, engine_mode: str) -> str:
+        """The collective backend actually used with engines of rollout.engines.mode `engine_mode`:
+        `auto` is gloo without CUDA; with CUDA ipc for engines megarl starts (LOCAL_ENGINE_MODES:
+        on the trainer's node, a TP=1 engine on global rank 0's GPU), nccl for remote ones.
+        ipc with remote engines raises ConfigError (they cannot map this process's GPU memory)."""
+        if self.backend == "auto":
+            return "gloo" if not cuda else "ipc" if engine_mode in LOCAL_ENGINE_MODES else "nccl"
+        _require(self.backend != "ipc" or engine_mode in LOCAL_ENGINE_MODES, "weight_sync.backend",
+                 self.backend, f"needs engines megarl starts on the trainer's node (rollout.engines.mode="
+                 f"inprocess or local_servers), not rollout.engines.mode={engine_mode}: another machine's engines "
+                 f"cannot map this process's GPU memory; use weight_sync.backend=nccl (or auto) for them")
+        return self.backend
+
+    def check_engines(self, cuda: bool, engine_mode: str, engine_tp: int) -> str:
+        """`resolved_backend`, refused (ConfigError) where it cannot serve engines of TP
+        `engine_tp`: ipc needs TP=1 (global rank 0 exports handles of its own GPU only)."""
+        backend = self.resolved_backend(cuda, engine_mode)
+        why = "resolves to ipc here (CUDA, engines megarl starts), which " if self.backend == "auto" else ""
+        _require(backend != "ipc" or engine_tp == 1, "weight_sync.backend", self.backend,
+                 f"{why}cannot serve engines of rollout.engines.tp={engine_tp}: global rank 0 exports CUDA IPC "
+                 f"handles of its own GPU only, and a TP={engine_tp} engine's other workers run on other GPUs: use "
+                 f"rollout.engines.tp=1 (more engines: rollout.engines.count), engines on GPUs of their own "
+                 f"(rollout.engines.mode=remote, weight_sync.backend=nccl), or weight_sync.transport=files")
+        return backend
 
 
 @dataclass
@@ -579,6 +609,7 @@ class RootConfig:
 
     def __post_init__(self):
         self._check_episodes()
+        self._check_weight_sync()
         if self.algo.name == "grpo":
             _require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
                      "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
@@ -604,6 +635,13 @@ class RootConfig:
         if mode == "service":
             _require(not self.rollout.overlap and not self.rollout.partial.asynchronous, "rollout.mode", mode,
                      "outside agents generate continuously already: remove rollout.overlap / rollout.partial.async")
+
+    def _check_weight_sync(self) -> None:
+        """weight_sync.backend=ipc against the engines (auto's choice of ipc depends on CUDA:
+        preflight.check_backends checks it once CUDA is known)."""
+        ws, e = self.weight_sync, self.rollout.engines
+        if ws.transport == "collective" and ws.backend == "ipc":
+            ws.check_engines(True, e.mode, e.tp)
 
     @property
     def checkpoint_dir(self) -> str:

@@ -8,7 +8,7 @@ from megarl.config.schema import ClusterConfig, RootConfig
 from megarl.models.arch import Arch
 from megarl.plan import memory as mem
 from megarl.plan.memory import GiB
-from megarl.plan.transfer import transfer_buffers
+from megarl.plan.transfer import engine_transfer_buffers
 
 
 def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: int, engine_tp: int) -> dict:
@@ -26,7 +26,7 @@ def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: 
          "workspace": mem.engine_workspace_bytes(arch, engine_tp, per_engine)}
     total = cluster.gpu_mem_gb * GiB
     budget = min(r.engines.gpu_memory_utilization * total, total - cluster.reserve_gb * GiB)
-    transfer = transfer_buffers(cfg, arch)
+    transfer = engine_transfer_buffers(cfg, arch)   # none with ipc: the engine reads the trainer's
     room = total - r.engines.gpu_memory_utilization * total - cluster.reserve_gb * GiB
     transfer_fits = not transfer or transfer <= room
     return {"per_gpu_bytes": b, "need_bytes": sum(b.values()), "budget_bytes": budget,

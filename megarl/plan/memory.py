@@ -15,7 +15,8 @@ offload.py), not a generic rule:
 - engine: the bf16 weights over engine TP and the KV cache 2 x layers x kv_heads x head_dim x
   bytes per token (Kwon et al. 2023, vLLM).
 - weight transfer (weight_sync.transport=collective over NCCL): the packed buffers in flight
-  on the sending trainer GPU and on every engine GPU (vLLM's packed broadcast).
+  on the sending trainer GPU and on every engine GPU (vLLM's packed broadcast); over CUDA IPC
+  (backend ipc) the whole model once more on the sending GPU, none on the engine's.
 Bytes everywhere; GiB only when printed.
 """
 from __future__ import annotations
@@ -222,3 +223,12 @@ def transfer_buffer_bytes(a: Arch, bucket_mb: int, num_buffers: int, w_bytes: in
     are packed on the default stream, where the next phase may reuse the freed blocks if
     fragmentation allows."""
     return num_buffers * (bucket_mb * MiB + largest_hf_tensor(a) * w_bytes)
+
+
+def ipc_sender_bytes(a: Arch, bucket_mb: int, num_buffers: int, w_bytes: int) -> float:
+    """GPU bytes on the sending trainer GPU with weight_sync.backend=ipc: the engines read each
+    packed bucket in place (CUDA IPC) and vLLM's layerwise reload keeps views of them until the
+    update's finish, so every bucket of a push stays alive until then: the whole model once
+    more (as vLLM's own ipc trainer holds it), plus the reused buffers of `transfer_buffer_bytes`
+    (a bucket packed into one may not fill it). The engine side holds nothing of its own."""
+    return total_params(a) * w_bytes + transfer_buffer_bytes(a, bucket_mb, num_buffers, w_bytes)

@@ -27,7 +27,8 @@ ASSUMPTIONS = [
     "reserve per GPU (cluster.reserve_gb): CUDA context, NCCL buffers, allocator fragmentation",
     "weight_sync.transport=collective (nccl): weight_sync.num_buffers packed buffers of up to weight_sync.bucket_mb "
     "+ the largest tensor on global rank 0's GPU (in every phase: a safe bound) and on every engine GPU "
-    "(outside vLLM's gpu_memory_utilization share, less the reserve)",
+    "(outside vLLM's gpu_memory_utilization share, less the reserve); (ipc, engines on global rank 0's node) "
+    "the whole model once more + those buffers on global rank 0's GPU, none on the engine GPUs",
 ]
 
 

@@ -1,31 +1,62 @@
 """The weight transfer's share of a plan: its packed GPU buffers (weight_sync.transport=
-collective over NCCL) on the sending trainer GPU and every engine GPU, or what a sync over
-files stages on disk instead."""
+collective over NCCL) on the sending trainer GPU and every engine GPU, over CUDA IPC (backend
+ipc) the whole model held on the sending GPU, or what a sync over files stages on disk instead."""
 from __future__ import annotations
 
-from megarl.config.schema import RootConfig
+from megarl.config.schema import ConfigError, RootConfig
 from megarl.models.arch import Arch
 from megarl.plan import memory as mem
 from megarl.plan.memory import gib
 
 
-def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
-    """GPU bytes of the weight transfer's packed buffers on one side: the sending trainer GPU
-    (global rank 0) and every engine GPU each hold this much (`memory.transfer_buffer_bytes`).
-    0 for weight_sync.transport=files (the weights are staged as files instead: see
-    `staging_note`) and for backend=gloo (its buffers are host memory)."""
+def plan_backend(cfg: RootConfig) -> str:
+    """The collective backend of a GPU run of `cfg` on the plan's cluster. Engines on nodes of
+    their own (cluster.engine_nodes) are remote to the trainer (the cluster scripts pass
+    rollout.engines.mode=remote): auto is nccl there, and ipc cannot reach them; without engine
+    nodes the recipe's rollout.engines.mode decides (WeightSyncConfig.resolved_backend)."""
     ws = cfg.weight_sync
-    if ws.transport != "collective" or ws.resolved_backend(cuda=True) != "nccl":
+    if not cfg.cluster.engine_nodes:
+        return ws.resolved_backend(True, cfg.rollout.engines.mode)
+    if ws.backend == "ipc":
+        raise ConfigError(f"weight_sync.backend='ipc' shares global rank 0's GPU memory with engines on its node, and "
+                          f"cluster.engine_nodes={cfg.cluster.engine_nodes} puts the engines on nodes of their own: "
+                          f"use weight_sync.backend=auto (nccl for them), or cluster.engine_nodes=0")
+    return ws.resolved_backend(True, "remote")
+
+
+def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
+    """GPU bytes of the weight transfer on the sending trainer GPU (global rank 0): nccl's
+    packed buffers (`memory.transfer_buffer_bytes`), which every engine GPU holds too
+    (`engine_transfer_buffers`); ipc's whole model held until the finish
+    (`memory.ipc_sender_bytes`). 0 for weight_sync.transport=files (the weights are staged as
+    files instead: see `staging_note`) and for backend=gloo (its buffers are host memory)."""
+    ws = cfg.weight_sync
+    backend = plan_backend(cfg) if ws.transport == "collective" else ""
+    if backend not in ("nccl", "ipc"):
         return 0
-    return mem.transfer_buffer_bytes(arch, ws.bucket_mb, ws.num_buffers, mem.DTYPE_BYTES[cfg.model.dtype])
+    size = mem.ipc_sender_bytes if backend == "ipc" else mem.transfer_buffer_bytes
+    return size(arch, ws.bucket_mb, ws.num_buffers, mem.DTYPE_BYTES[cfg.model.dtype])
+
+
+def engine_transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
+    """GPU bytes of the weight transfer on every engine GPU: nccl's receive buffers (as many as
+    the sender's); none with ipc (the engine reads the sender's buffers in place), gloo (host
+    memory) or files."""
+    if cfg.weight_sync.transport != "collective" or plan_backend(cfg) != "nccl":
+        return 0
+    return transfer_buffers(cfg, arch)
 
 
 def transfer_formula(cfg: RootConfig, arch: Arch) -> str:
     """How `transfer_buffers` came about, with the settings that set it, for the printed plan."""
     ws = cfg.weight_sync
     big = mem.largest_hf_tensor(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
-    return (f"weight_sync.num_buffers={ws.num_buffers} x (weight_sync.bucket_mb={ws.bucket_mb} MiB "
-            f"+ largest tensor {gib(big)} GiB)")
+    buffers = (f"weight_sync.num_buffers={ws.num_buffers} x (weight_sync.bucket_mb={ws.bucket_mb} MiB "
+               f"+ largest tensor {gib(big)} GiB)")
+    if ws.transport == "collective" and plan_backend(cfg) == "ipc":
+        model = mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+        return f"the whole model {gib(model)} GiB (weight_sync.backend=ipc: held until the engines finish) + {buffers}"
+    return buffers
 
 
 def staging_note(cfg: RootConfig, arch: Arch) -> str:
@@ -37,7 +68,11 @@ def staging_note(cfg: RootConfig, arch: Arch) -> str:
         return (f"weight_sync.transport=files: every sync stages the whole model, {gib(size)} GiB, as files under "
                 f"weight_sync.staging_dir={ws.staging_dir} (host memory for /dev/shm, else disk), which every engine "
                 f"must reach (a shared file system on a cluster) and reads in full; no GPU transfer buffers")
-    if ws.resolved_backend(cuda=True) == "gloo":
+    if plan_backend(cfg) == "gloo":
         return (f"weight_sync.backend=gloo: the transfer's buffers ({transfer_formula(cfg, arch)}) are host memory "
                 f"on global rank 0 and on every engine worker, not counted on the GPUs")
+    if plan_backend(cfg) == "ipc":
+        return (f"weight_sync.backend=ipc: the engines (on global rank 0's node, TP=1) read global rank 0's packed "
+                f"buffers in place over CUDA IPC, so during a sync its GPU holds {transfer_formula(cfg, arch)}; "
+                f"the engine GPUs hold no transfer buffers")
     return ""

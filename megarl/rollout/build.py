@@ -19,6 +19,7 @@ from megarl.rollout import vllm_async
 from megarl.rollout.engine import Engine
 from megarl.rollout.servers import LocalServer, LocalServerEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.vllm_settings import BIND_ENV, cpu_binds
 
 
 def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> list[Engine]:
@@ -28,9 +29,19 @@ def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend:
     return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend) for i in range(cfg.engines.pool_size)]
 
 
-def weight_backend(ws) -> str:
-    """The weight-transfer backend engines are started with, from a WeightSyncConfig."""
-    return ws.resolved_backend(torch.cuda.is_available()) if ws.transport == "collective" else ""
+def weight_backend(ws, engine_mode: str) -> str:
+    """The weight-transfer backend engines of rollout.engines.mode `engine_mode` are started
+    with, from a WeightSyncConfig ("" for weight_sync.transport=files)."""
+    return ws.resolved_backend(torch.cuda.is_available(), engine_mode) if ws.transport == "collective" else ""
+
+
+def transfer_env(weight_backend: str) -> dict:
+    """Environment an engine megarl starts needs for its weight-transfer backend. ipc: vLLM
+    unpickles the CUDA IPC handles of each bucket (`ipc_handles_pickled`, transfer/wires.py)
+    only with VLLM_ALLOW_INSECURE_SERIALIZATION=1. They come from the trainer over the engine's
+    control API only: in this process for in-process engines; a local server listens on
+    127.0.0.1 and every route but /health needs its API key (auth.RequireKey)."""
+    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_backend == "ipc" else {}
 
 
 def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str = "") -> Engine:
@@ -44,7 +55,7 @@ def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_b
 @ENGINE_KINDS.register("inprocess")
 def _inprocess(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str) -> Engine:
     return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i, weight_backend),
-                                      cfg.engines.timeout_s)
+                                      cfg.engines.timeout_s, env={**engine_env(cfg, i), **transfer_env(weight_backend)})
 
 
 @ENGINE_KINDS.register("local_servers")
@@ -56,8 +67,18 @@ def _local_server(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_
                          max_model_len=cfg.engines.max_model_len, tp=cfg.engines.tp,
                          enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
                          gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
-                         weight_backend=weight_backend)
+                         weight_backend=weight_backend, env={**engine_env(cfg, i), **transfer_env(weight_backend)})
     return LocalServerEngine(f"engine{i}", server, cfg.engines.timeout_s, cfg.engines.start_timeout_s)
+
+
+def engine_env(cfg, i: int) -> dict:
+    """Environment for engine i's processes on this machine: on CPU, cores of its own for its
+    workers (vllm_settings.cpu_binds), unless the user binds them with VLLM_CPU_OMP_THREADS_BIND.
+    A replacement engine i gets the same cores."""
+    if torch.cuda.is_available() or os.environ.get(BIND_ENV, "auto") not in ("", "auto"):
+        return {}
+    binds = cpu_binds(cfg.engines.count, cfg.engines.tp, sorted(os.sched_getaffinity(0)))
+    return {BIND_ENV: binds[i]} if binds else {}
 
 
 @ENGINE_KINDS.register("remote")

@@ -50,12 +50,17 @@ def _serve(args) -> int:
         print(f"megarl: serve: --host {args.host!r}: bind to the node's cluster-internal address, "
               f"not every interface", file=sys.stderr)
         return 2
+    try:   # the trainer reaches these servers as rollout.engines.mode=remote: never ipc
+        backend = weight_backend(cfg.weight_sync, "remote")
+    except ConfigError as err:
+        print(f"megarl: config error: {err}", file=sys.stderr)
+        return 2
     ro = cfg.rollout
     server = LocalServer(cfg.model.path, log_path=os.devnull, api_key="", seed=cfg.run.seed + args.index,
                          max_model_len=ro.engines.max_model_len, tp=ro.engines.tp,
                          enforce_eager=ro.engines.enforce_eager,
                          kv_cache_mb=ro.engines.kv_cache_mb, gpu_memory_utilization=ro.engines.gpu_memory_utilization,
-                         port=args.port, host=args.host, weight_backend=weight_backend(cfg.weight_sync))
+                         port=args.port, host=args.host, weight_backend=backend)
     # env() names a socket folder after this pid, which the server keeps (exec): once it is
     # gone, the next megarl process on the node removes the folder (reaper.remove_stale)
     cmd, env = server.command(), server.env()

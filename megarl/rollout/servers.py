@@ -65,7 +65,7 @@ class LocalServer:
                  max_model_len: int = 256, tp: int = 1, enforce_eager: bool = True,
                  kv_cache_mb: int = 64, gpu_memory_utilization: float = 0.5,
                  port: Optional[int] = None, host: str = "127.0.0.1", extra_args: tuple = (),
-                 weight_backend: str = ""):
+                 weight_backend: str = "", env: Optional[dict] = None):
         self.model_path = str(model_path)
         self.log_path = str(log_path)
         self.api_key = api_key
@@ -79,6 +79,7 @@ class LocalServer:
         self.port = port or free_port()
         self.extra_args = tuple(extra_args)
         self.weight_backend = weight_backend     # weight-transfer backend ("": files only)
+        self.extra_env = dict(env or {})         # e.g. the CPU cores of its workers (build.engine_env)
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
 
@@ -102,7 +103,7 @@ class LocalServer:
         return cmd + cli_flags(self.settings()) + list(self.extra_args)
 
     def env(self) -> dict:
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **self.extra_env)
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key   # vLLM's --api-key fallback: the key stays out of argv
         # its socket files in this process's own folder, not loose in /tmp (reaper.private_rpc_dir)

@@ -11,6 +11,7 @@ kwargs would be pickled as lists across the process boundary).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Optional
 
@@ -69,8 +70,10 @@ ABORT_POLL_S = 0.05
 class AsyncVLLMEngine(Engine):
     """One vLLM AsyncLLM engine. `engine_args` are vLLM AsyncEngineArgs keyword arguments."""
 
-    def __init__(self, name: str, model_path: str, engine_args: dict, timeout_s: float):
+    def __init__(self, name: str, model_path: str, engine_args: dict, timeout_s: float,
+                 env: Optional[dict] = None):
         self.name = name
+        self.env = dict(env or {})      # set while vLLM spawns the engine core (its workers inherit it)
         self.model_path = model_path
         self.engine_args = engine_args
         self.timeout_s = timeout_s
@@ -88,7 +91,10 @@ class AsyncVLLMEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         try:
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self.engine_args))
+            # from_engine_args spawns the engine core and waits for it, without yielding to the
+            # loop: no other engine's start can see this environment
+            with _environ(self.env):
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self.engine_args))
         except Exception as err:  # vLLM raises many kinds; the user needs to know which engine
             raise EngineError(f"engine {self.name} (in-process vLLM, model {self.model_path}) failed "
                               f"to start: {type(err).__name__}: {err}") from err
@@ -296,6 +302,21 @@ class AsyncVLLMEngine(Engine):
         for t in list(self._inflight.values()):
             t.cancel()
         llm.shutdown()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict):
+    """os.environ with `extra` set, restored afterwards."""
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def engine_args(cfg, seed: int, index: int, weight_backend: str = "") -> dict:

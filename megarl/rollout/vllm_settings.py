@@ -48,3 +48,40 @@ def cli_flags(settings: dict) -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binds(engines: int, tp: int, cpus: list[int]) -> list[str] | None:
+    """Per engine, the `VLLM_CPU_OMP_THREADS_BIND` value that gives its TP workers cores of their
+    own (workers separated by "|", as vLLM reads it), or None to leave vLLM's own choice.
+
+    Why: with vLLM's `auto` binding every CPU engine is local rank 0 of its own world, so every
+    engine on a machine pins its workers (and the threads they start: gloo's, the weight
+    receive) to the same first core; two engines then generate and load weights one after the
+    other on one core. Here the machine's `cpus` are split in contiguous slices, one per worker
+    of every engine; with more workers than cores, workers share cores round-robin.
+    One worker in all: None (vLLM's `auto` also reserves a core for its scheduler)."""
+    workers = engines * tp
+    if workers <= 1 or not cpus:
+        return None
+    n = len(cpus)
+    if workers <= n:
+        slices = [cpus[w * n // workers:(w + 1) * n // workers] for w in range(workers)]
+    else:
+        slices = [[cpus[w % n]] for w in range(workers)]
+    text = [_id_list(s) for s in slices]
+    return ["|".join(text[e * tp:(e + 1) * tp]) for e in range(engines)]
+
+
+def _id_list(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (vLLM's cpu id list syntax)."""
+    parts, start = [], None
+    for i, c in enumerate(ids):
+        if start is None:
+            start = c
+        if i + 1 == len(ids) or ids[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)

@@ -2,11 +2,12 @@
 
 How the actor's weights reach the engines is `weight_sync.transport` (megarl/rollout/transfer/):
 `collective` (rank 0 sends each bucket once to every engine worker through vLLM's
-weight-transfer session, nothing on disk; the wire is weight_sync.backend, gloo on CPU, nccl
-on GPU, see transfer/wires.py) or `files` (safetensors staged in a folder the engines reload
-from). `open_transport` picks one; its `push(model, info, version)` is collective over all
-trainer ranks. `verify` (the trainer calls it after a push when weight_sync.verify is set)
-checks that every engine samples with the trainer's logprobs.
+weight-transfer session, nothing on disk; the wire is weight_sync.backend, gloo on CPU, on GPU
+ipc for engines megarl starts and nccl for remote ones, see transfer/wires.py) or `files`
+(safetensors staged in a folder the engines reload from). `open_transport` picks one; its
+`push(model, info, version)` is collective over all trainer ranks. `verify` (the trainer
+calls it after a push when weight_sync.verify is set) checks that every engine samples with
+the trainer's logprobs.
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from megarl.rollout.transfer.collective import CollectiveTransport
 from megarl.rollout.transfer.files import FilesTransport
 
 
-def open_transport(ws, pool):
+def open_transport(ws, pool, engine_mode: str = "remote"):
     """The transport of `ws` (a WeightSyncConfig), on every trainer rank; `pool` is the
-    SyncPool on global rank 0, None elsewhere."""
+    SyncPool on global rank 0, None elsewhere; `engine_mode`: rollout.engines.mode, which
+    weight_sync.backend=auto resolves with (WeightSyncConfig.resolved_backend)."""
     if ws.transport == "files":
         return FilesTransport(ws, pool)
-    return CollectiveTransport(ws, pool)
+    return CollectiveTransport(ws, pool, engine_mode)
 
 
 class WeightSyncError(RuntimeError):

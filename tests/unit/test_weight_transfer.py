@@ -17,7 +17,7 @@ from megarl.distributed.env import free_port
 from megarl.rollout import auth
 from megarl.rollout.engine import EngineError, EngineHealth
 from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.transfer import collective, group, packing, source
+from megarl.rollout.transfer import collective, group, packing, source, wires
 
 
 # -- packing ---------------------------------------------------------------------------------
@@ -318,6 +318,80 @@ def test_a_replacement_engine_joins_a_new_group_at_the_next_push(fake_source):
         assert [e.name for e in sp.pool.engines] == ["e0", "e1-new"]
         assert engines[0].joins == 2 and fresh.joins == 1
         assert all(same_weights(e) and e.version == 2 for e in sp.pool.engines)
+    finally:
+        t.close()
+        loop.stop()
+
+
+# -- a wire that holds its buffers until the finish (ipc: the engine reads them in place) ------
+class HoldingGlooWire(wires.GlooWire):
+    """gloo's wire with ipc's buffer rule (`holds_buffers`), so the rule runs over real groups."""
+    holds_buffers = True
+
+
+class FinishLogged(WireEngine):
+    def __init__(self, name, clock, events, **kw):
+        super().__init__(name, clock, **kw)
+        self.events = events
+
+    async def finish_weight_update(self, version):
+        self.events.append(("finish", self.name, version))
+        await super().finish_weight_update(version)
+
+
+def logged_transport(sp, events, wire, num_buffers=1):
+    t = transport(sp, num_buffers)
+    t.wire = wire
+    give = t.buffers.give
+
+    def logged_give(buf):
+        events.append(("give", buf.data_ptr()))
+        give(buf)
+    t.buffers.give = logged_give
+    return t
+
+
+@pytest.mark.parametrize("wire", [HoldingGlooWire, wires.GlooWire])
+def test_a_holding_wire_gets_its_buffers_back_only_after_every_finish(fake_source, wire):
+    """Contract (ipc): no packed buffer goes back to the pool (to be overwritten by the next
+    bucket) before every engine's finish_weight_update returned, so each bucket of a push has
+    a buffer of its own; then all come back, and the next push reuses them. A wire that does
+    not hold (gloo, nccl) gives each back as soon as its bucket is sent."""
+    clock, events = Clock(), []
+    engines = [FinishLogged("e0", clock, events), FinishLogged("e1", clock, events)]
+    sp, loop = open_sync_pool(engines)
+    t = logged_transport(sp, events, wire)
+    try:
+        for version in (1, 2):
+            del events[:]
+            t.push(None, None, version)
+            assert all(same_weights(e) and e.version == version for e in engines)
+            kinds = [k for k, *_ in events]
+            gives = [ptr for k, ptr, *_ in events if k == "give"]
+            assert len(gives) == 3 and t._held == []
+            if wire.holds_buffers:
+                assert kinds == ["finish", "finish", "give", "give", "give"]
+                assert len(set(gives)) == 3            # three buffers alive at once, none reused mid-push
+            else:
+                assert kinds.index("give") < kinds.index("finish")
+        assert len(t.buffers._free) <= 1
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_a_holding_wire_drops_the_buffers_of_a_failed_attempt_instead_of_reusing_them(fake_source):
+    """An engine dies at the second bucket: the first attempt's buffers may still be mapped by
+    the survivors, so they never go back to the pool; the redo's come back after its finish."""
+    clock, events = Clock(), []
+    engines = [FinishLogged("e0", clock, events), FinishLogged("dies", clock, events, die_at=1)]
+    sp, loop = open_sync_pool(engines, timeout_s=4.0)
+    t = logged_transport(sp, events, HoldingGlooWire)
+    try:
+        t.push(None, None, 1)
+        assert [e.name for e in sp.pool.engines] == ["e0"] and same_weights(engines[0])
+        kinds = [k for k, *_ in events]
+        assert kinds == ["finish", "give", "give", "give"] and t._held == []
     finally:
         t.close()
         loop.stop()

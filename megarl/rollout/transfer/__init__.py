@@ -2,7 +2,8 @@
 
 - `collective`: the trainer's global rank 0 broadcasts packed buckets to every engine worker
   at once through vLLM's weight-transfer API (`gloo`: megarl's backend, `gloo_backend.py`,
-  loaded into every vLLM process by the `vllm.general_plugins` entry point; `nccl`: vLLM's).
+  loaded into every vLLM process by the `vllm.general_plugins` entry point; `nccl` and `ipc`:
+  vLLM's, see wires.py).
   Nothing touches a disk.
 - `files`: safetensors staged in a folder every engine reads (`reload_weights`), for servers
   started without megarl's weight-transfer config.

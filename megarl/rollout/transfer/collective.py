@@ -53,11 +53,13 @@ class WeightGroupError(EngineError):
 class CollectiveTransport:
     """One per run, on every trainer rank; `pool` (a SyncPool) only on global rank 0."""
 
-    def __init__(self, ws, pool):
+    def __init__(self, ws, pool, engine_mode: str = "remote"):
         self.ws = ws
         self.pool = pool
-        self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available())]
+        # engine_mode: rollout.engines.mode, which weight_sync.backend=auto resolves with
+        self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available(), engine_mode)]
         self.buffers = packing.BufferPool(ws.num_buffers)   # packed buckets' buffers, reused push after push
+        self._held: list = []   # wire.holds_buffers: this session's sent buffers, until its finish
         self.group = None
         self._store = None                       # the group's TCPStore (hosted here while the group lives)
         self.members: tuple = ()                 # ids of the engines in self.group, in rank order
@@ -65,7 +67,9 @@ class CollectiveTransport:
     # -- the push --------------------------------------------------------------------------
     def push(self, model, info, version: int) -> dict:
         """Collective over every trainer rank. If an engine dies mid-push, the push is redone
-        once for the survivors; rank 0 decides, and every rank iterates the source again."""
+        once for the survivors; rank 0 decides, and every rank iterates the source again.
+        If the source fails on some stage (a mapping error: the same on its TP ranks), every
+        rank raises the same EngineError naming it (source.StageError, via rank 0)."""
         t0 = time.perf_counter()
         timers: dict[str, float] = {}
         stats = {"sync_wire_s": 0.0, "sync_bytes": 0, "sync_buckets": 0}
@@ -74,17 +78,27 @@ class CollectiveTransport:
         try:
             for attempt in (0, 1):
                 buckets = source.sender_buckets(model, info, self.ws.bucket_mb << 20, timers, self.buffers)
-                outcome = None
-                if sp is None:
-                    for _ in buckets:            # gathers and PP relays only; rank 0 sends
-                        pass
-                else:
-                    outcome = self._attempt(engines, buckets, version, stats, may_redo=attempt == 0)
+                outcome = local = None
+                try:
+                    if sp is None:
+                        for _ in buckets:        # gathers and PP relays only; rank 0 sends
+                            pass
+                    else:
+                        outcome = self._attempt(engines, buckets, version, stats, may_redo=attempt == 0)
+                except Exception as err:  # noqa: BLE001 - this rank still joins the broadcast below
+                    # its stage failed (rank 0 hears it through the relay and names it): leaving
+                    # now would keep rank 0 and the other ranks waiting in from_rank0
+                    local = err
+                    log.error("megarl: weight push failed on this trainer rank:\n%s", traceback.format_exc())
+                    outcome = ("error", f"{type(err).__name__}: {err}") if sp is not None else None
                 outcome = from_rank0(outcome)    # every rank learns rank 0's outcome
+                if outcome is not None and outcome[0] == "error":
+                    raise EngineError(outcome[1]) from local
+                if local is not None:            # rank 0 saw no error: this rank failed alone
+                    raise EngineError(f"weight push failed on trainer rank {torch.distributed.get_rank()} "
+                                      f"alone: {type(local).__name__}: {local}") from local
                 if outcome is None:
                     break
-                if outcome[0] == "error":
-                    raise EngineError(outcome[1])
                 engines = [e for e in engines if e in sp.pool.engines] if sp else None
         finally:
             if sp is not None:
@@ -100,12 +114,16 @@ class CollectiveTransport:
         try:
             self._session(engines, buckets, version, stats)
             return None
-        except Exception as err:  # noqa: BLE001 - turned into one outcome every rank shares
-            for _ in buckets:
-                pass
+        except Exception as first:  # noqa: BLE001 - turned into one outcome every rank shares
+            err = first
+            try:
+                for _ in buckets:
+                    pass
+            except Exception as late:  # noqa: BLE001 - a stage failed too (StageError): a redo would as well
+                err = late
             self._drop_group()
             if not isinstance(err, WeightGroupError):
-                log.error("megarl: weight push failed on the sender:\n%s", traceback.format_exc())
+                log.error("megarl: weight push failed on the sender:\n%s", "".join(traceback.format_exception(err)))
                 return ("error", f"{type(err).__name__}: {err}")
             try:
                 gone = [e for e in engines if e not in self.pool.pool.engines]   # retired meanwhile
@@ -153,6 +171,7 @@ class CollectiveTransport:
             raise errors[0]
         sp.call(pool.on_each(lambda e: e.finish_weight_update(version), engines),
                 f"finishing weight version {version}")
+        self._give_held(reuse=True)           # the engines are done reading them (ipc)
 
     def _sender(self, engines, wire: queue.Queue, slots, errors: list, stats: dict) -> None:
         """Thread: for each bucket, every engine's receive call, then the one broadcast."""
@@ -166,14 +185,17 @@ class CollectiveTransport:
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 errors.append(err if isinstance(err, EngineError) else WeightGroupError(str(err)))
             finally:
-                self.buffers.give(bucket[1])
+                if self.wire.holds_buffers:   # the engines read it until the finish (ipc)
+                    self._held.append(bucket[1])
+                else:
+                    self.buffers.give(bucket[1])
                 del bucket
                 slots.release()
 
     def _send(self, engines, meta, buf, stats: dict) -> None:
         sp = self.pool
         faults.point("sync_bucket")
-        receive = sp.loop.submit(_settled([e.update_weights(self.wire.update_info(meta)) for e in engines]))
+        receive = sp.loop.submit(_settled([e.update_weights(self.wire.update_info(meta, buf)) for e in engines]))
         t = time.perf_counter()
         try:
             self.wire.send(self.group, meta, buf)
@@ -277,6 +299,19 @@ class CollectiveTransport:
         if group is not None:
             self.wire.drop(group)
         self._store = None
+        self._give_held(reuse=False)
+
+    def _give_held(self, reuse: bool) -> None:
+        """The buffers a holding wire kept through the session: back to the pool once the
+        engines finished (`reuse`); after a failure dropped instead, never reused (an engine may
+        still map them: CUDA keeps a block alive until every process that mapped it lets go)."""
+        held, self._held = self._held, []
+        if reuse:
+            for buf in held:
+                self.buffers.give(buf)
+        held.clear()
+        if self.wire.holds_buffers and torch.cuda.is_available():
+            torch.cuda.ipc_collect()            # frees the shared blocks the engines let go of
 
     def close(self) -> None:
         self._drop_group()

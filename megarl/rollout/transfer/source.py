@@ -5,7 +5,9 @@ ranks all-gather each parameter on its partition dimension; the mapping table (s
 HF <-> Megatron tools) turns megatron's layouts into HF's: fused QKV split by GQA group, fc1
 split into gate and up per TP rank, vocab padding removed. `hf_tensors` yields a stage's HF
 tensors, `buckets` groups them, `sender_buckets` packs them and brings every stage's buckets
-to global rank 0, the one sender of the collective transport.
+to global rank 0, the one sender of the collective transport. A stage whose own part fails
+(a mapping error, say) still ends its relay, with an error marker: rank 0 raises `StageError`
+naming it only once every stage has been read to its end, so no rank is left blocked.
 """
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ from megarl.distributed import device, parallel
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import ModelInfo, use_te
 from megarl.rollout.transfer import packing
+
+
+class StageError(RuntimeError):
+    """Global rank 0: a PP stage's own part of a weight push (gather, conversion, packing)
+    failed; names each failed stage and its first rank, with the error."""
 
 
 def unwrap(model):
@@ -68,7 +75,9 @@ def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | Non
     (DP replicas > 0 hold the same weights and sit out); a stage > 0 relays its buckets to
     rank 0 over the trainer's world group (a header object, then the bytes, then None).
     `buffers`: where rank 0's buckets are packed and received (the consumer gives each back
-    when it is done with it); `timers` accumulates "gather", "convert" and "pack" seconds."""
+    when it is done with it); `timers` accumulates "gather", "convert" and "pack" seconds.
+    If a stage's own part raises, its ranks raise that error once their relay has ended; rank 0
+    reads every stage to its end marker, then raises `StageError` naming each failed stage."""
     timers = timers if timers is not None else {}
     if parallel.dp_rank() != 0:
         return
@@ -78,38 +87,67 @@ def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | Non
     # (torch.distributed's send and recv take no view of a larger buffer)
     pool = buffers if me == 0 else None
     own = buckets(hf_tensors(model, info, timers), bucket_bytes)
+    failed: list[Exception] = []         # this stage's own error (the same on its TP ranks)
 
     def packed():
-        for b in own:
-            t = time.perf_counter()
-            out = None
-            if lead:
-                named = list(b.items())
-                reuse = pool.take(packing.layout(named).nbytes, named[0][1].device) if pool else None
-                out = packing.pack(named, out=reuse)
-            timers["pack"] = timers.get("pack", 0.0) + time.perf_counter() - t
-            yield out
+        # an error of this stage's own part ends its buckets, but not the relay: rank 0 must
+        # still read every other stage to its end, or they stay blocked in their sends
+        try:
+            for b in own:
+                t = time.perf_counter()
+                out = None
+                if lead:
+                    named = list(b.items())
+                    reuse = pool.take(packing.layout(named).nbytes, named[0][1].device) if pool else None
+                    out = packing.pack(named, out=reuse)
+                timers["pack"] = timers.get("pack", 0.0) + time.perf_counter() - t
+                yield out
+        except Exception as err:  # noqa: BLE001 - raised again below, once the relay has ended
+            failed.append(err)
     stages = dist.get_process_group_ranks(parallel.pp_group()) if parallel.pp_size() > 1 else [0]
     if me == 0:
         yield from packed()
-        for src in stages[1:]:            # the other stages, one after another
-            while True:
-                header = [None]
-                dist.recv_object_list(header, src=src)
-                if header[0] is None:
-                    break
-                meta = packing.BucketMeta(**header[0])
-                buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=_device())
-                dist.recv(buf, src=src)
-                yield meta, buf
+        errors = [f"stage 0 on rank 0: {_named(failed[0])}"] if failed else []
+        yield from _relayed(stages, errors)
+        if errors:
+            raise StageError("preparing the weights failed: " + "; ".join(errors)) from (failed[0] if failed else None)
     elif lead:
         for meta, buf in packed():
             dist.send_object_list([meta.to_dict()], dst=0)
             dist.send(buf, dst=0)
-        dist.send_object_list([None], dst=0)
+        # the end marker, or this stage's error in its place: rank 0 stops reading this stage
+        # either way (not waiting for buckets that never come) and names the error to all ranks
+        dist.send_object_list([{"error": _named(failed[0])} if failed else None], dst=0)
     else:
         for _ in packed():               # TP peers: only the gathers
             pass
+    if failed:                           # not rank 0: the push catches it and joins rank 0's outcome
+        raise failed[0]
+
+
+def _relayed(stages: list[int], errors: list[str]):
+    """Rank 0: the buckets the other stages' leaders relay, one stage after another, each read
+    to its end marker (None) or its error marker ({"error": ...}, added to `errors`). Once there
+    is an error, buckets are still received (so their stage gets to its marker) but dropped:
+    the push fails, sending more of it is wasted."""
+    for stage, src in enumerate(stages[1:], start=1):
+        while True:
+            header = [None]
+            dist.recv_object_list(header, src=src)
+            if header[0] is None:
+                break
+            if "error" in header[0]:
+                errors.append(f"stage {stage} on rank {src}: {header[0]['error']}")
+                break
+            meta = packing.BucketMeta(**header[0])
+            buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=_device())
+            dist.recv(buf, src=src)
+            if not errors:
+                yield meta, buf
+
+
+def _named(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _device() -> torch.device:

@@ -7,10 +7,26 @@ it tells them per bucket, and how it puts a packed bucket on the wire.
   trainer-side helper opens the communicator (StatelessProcessGroup rendezvous, no token:
   vLLM's protocol), and each tensor of the bucket goes out as its own NCCL broadcast from the
   packed device buffer's views (no host copy). Needs CUDA; checked by tests/gpu only.
+- `ipc` (GPU engines megarl starts on global rank 0's GPU, where NCCL refuses two ranks of one
+  communicator): vLLM's own `ipc` backend, unpacked mode. Nothing travels but the update info:
+  per tensor a CUDA IPC handle of its view of the packed buffer, which the engine maps and loads
+  in place. No group, no rendezvous. vLLM's layerwise reload keeps views of what it loaded until
+  each layer is complete, so the engine may read a buffer until `finish_weight_update`: the
+  wire `holds_buffers`, and collective.py gives the buffers back to its pool only after the
+  finish (the whole model once more on rank 0's GPU during a push, as vLLM's own ipc trainer).
+
+Every wire: `Rendezvous(host, port, world, timeout_s)` (`engine_info(rank_offset)`, `join()`
+-> the group, `missing()`), `update_info(meta, buf)` (what each engine's `update_weights`
+gets), `send(group, meta, buf)`, `drop(group)`, `holds_buffers`.
 """
 from __future__ import annotations
 
+import base64
+import functools
+import pickle
+
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from megarl.rollout.transfer import group as wgroup
 from megarl.rollout.transfer import packing
@@ -42,9 +58,10 @@ class GlooRendezvous:
 class GlooWire:
     name = "gloo"
     Rendezvous = GlooRendezvous
+    holds_buffers = False          # a buffer is free again once its broadcast is done
 
     @staticmethod
-    def update_info(meta: packing.BucketMeta) -> dict:
+    def update_info(meta: packing.BucketMeta, buf) -> dict:
         return meta.to_dict()
 
     @staticmethod
@@ -82,9 +99,10 @@ class NcclRendezvous:
 class NcclWire:
     name = "nccl"
     Rendezvous = NcclRendezvous
+    holds_buffers = False
 
     @staticmethod
-    def update_info(meta: packing.BucketMeta) -> dict:
+    def update_info(meta: packing.BucketMeta, buf) -> dict:
         return {"names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes}
 
     @staticmethod
@@ -102,4 +120,68 @@ class NcclWire:
             pass
 
 
-WIRES = {"gloo": GlooWire, "nccl": NcclWire}
+class IpcGroup:
+    """The ipc wire's "group": nothing to open or close (the handles travel in the update info)."""
+
+
+class IpcRendezvous:
+    """No rendezvous: each engine only learns the wire's mode (vLLM's IPCWeightTransferInitInfo)."""
+
+    def __init__(self, host: str, port: int, world: int, timeout_s: float):
+        if not torch.cuda.is_available():
+            raise RuntimeError("weight_sync.backend=ipc shares CUDA memory and this process sees no GPU: "
+                               "use weight_sync.backend=auto (gloo without a GPU)")
+        self.world = world
+
+    def engine_info(self, rank_offset: int) -> dict:
+        # unpacked: a handle per tensor (a view of our packed buffer), not vLLM's packed chunks
+        return {"packed": False}
+
+    def join(self):
+        return IpcGroup()
+
+    def missing(self):
+        return None
+
+
+class IpcWire:
+    name = "ipc"
+    Rendezvous = IpcRendezvous
+    holds_buffers = True           # the engine reads the buffer in place until finish_weight_update
+
+    @staticmethod
+    def update_info(meta: packing.BucketMeta, buf) -> dict:
+        """vLLM's IPCWeightTransferUpdateInfo, unpacked: per tensor {GPU UUID: the args of
+        torch's rebuild_cuda_tensor} for its view of `buf`, pickled and base64-encoded
+        (`ipc_handles_pickled`: JSON-safe, for the in-process client and the HTTP routes alike;
+        raw handles hold torch types neither carries). vLLM unpickles it only with
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1, which megarl sets on the engines it starts
+        (rollout/build.py transfer_env); the handles reach them over their control API only,
+        behind the API key for servers (rollout/auth.py). The handles keep nothing alive: the
+        caller keeps `buf` until the finish (`holds_buffers`)."""
+        uuid = gpu_uuid(buf.device)
+        handles = [{uuid: reduce_tensor(view)[1]} for _, view in packing.unpack(meta, buf)]
+        return {"names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes,
+                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii")}
+
+    @staticmethod
+    def send(group, meta: packing.BucketMeta, buf) -> None:
+        """Nothing: the engines read the bytes through the handles of `update_info`."""
+
+    @staticmethod
+    def drop(group) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def _uuid_of(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU's UUID (what vLLM's ipc receiver looks its handle up by: device indices
+    differ between processes with different CUDA_VISIBLE_DEVICES)."""
+    return _uuid_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+WIRES = {"gloo": GlooWire, "nccl": NcclWire, "ipc": IpcWire}
