@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import struct
 from pathlib import Path
 
@@ -245,7 +246,9 @@ def check_backends(cfg) -> None:
                               f"--ntasks-per-node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
         if cfg.weight_sync.transport == "collective":
             cfg.weight_sync.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp)
+        check_weight_rendezvous(cfg)
         return
+    check_weight_rendezvous(cfg)
     for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
         if value in ("nccl", "ipc"):
             raise ConfigError(f"{key}={value!r} needs GPUs and this machine shows none: use {key}=auto "
@@ -254,6 +257,26 @@ def check_backends(cfg) -> None:
     if cfg.parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=True needs GPUs with Transformer Engine and this machine "
                           "shows none: set parallel.sequence_parallel=false")
+
+
+def check_weight_rendezvous(cfg) -> None:
+    """Global rank 0 hosts the weight group's rendezvous at weight_sync.master_addr /
+    master_port when they are set: an address that is not this machine's, or a port something
+    else holds, would otherwise fail only at the first push, after the engines started."""
+    ws = cfg.weight_sync
+    if ws.transport != "collective" or not (ws.master_addr or ws.master_port) or read_env().rank != 0:
+        return
+    host = ws.master_addr or "0.0.0.0"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, ws.master_port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as err:
+        raise ConfigError(f"weight_sync.master_addr={ws.master_addr!r} / weight_sync.master_port={ws.master_port}: "
+                          f"global rank 0 cannot listen there for the weight group ({err.strerror or err}): "
+                          f"set weight_sync.master_addr to an address of this machine (or empty) and "
+                          f"weight_sync.master_port to a free port (or 0: one is picked)") from None
 
 
 def check_megatron_files(path: str, setting: str = "model.megatron_path") -> None:

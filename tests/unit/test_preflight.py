@@ -250,3 +250,31 @@ def test_an_environment_that_hangs_in_reset_is_named_with_env_timeout_s(tokenize
     finally:   # registered for this test only
         from megarl.config.registry import ENVIRONMENTS
         ENVIRONMENTS._entries.pop("test_hangs_in_reset", None)
+
+
+def test_a_weight_rendezvous_rank_0_cannot_host_is_refused_before_anything_starts(monkeypatch):
+    """weight_sync.master_addr not of this machine, or weight_sync.master_port held by another
+    process: refused at launch with both settings named, not at the first push after the
+    engines started; a free port and this machine's address pass; other ranks do not check."""
+    import socket
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        for override in (f"weight_sync.master_port={port}", "weight_sync.master_addr=192.0.2.1"):
+            with pytest.raises(ConfigError, match=r"weight_sync\.master_addr=.* / weight_sync\.master_port=.*cannot "
+                                                  r"listen there.*set weight_sync\.master_addr"):
+                preflight.check_backends(load_config("recipes/tiny_cpu.yaml", [override]))
+        monkeypatch.setenv("RANK", "1")                  # only global rank 0 hosts it
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        preflight.check_backends(load_config("recipes/tiny_cpu.yaml", [f"weight_sync.master_port={port}"]))
+    finally:
+        holder.close()
+    monkeypatch.setenv("RANK", "0")
+    preflight.check_backends(load_config("recipes/tiny_cpu.yaml", ["weight_sync.master_addr=127.0.0.1"]))
+    files = load_config("recipes/tiny_cpu.yaml", ["weight_sync.transport=files", "weight_sync.master_addr=192.0.2.1"])
+    preflight.check_backends(files)                      # the files route has no rendezvous

@@ -395,3 +395,29 @@ def test_a_holding_wire_drops_the_buffers_of_a_failed_attempt_instead_of_reusing
     finally:
         t.close()
         loop.stop()
+
+
+@pytest.mark.parametrize("what", ["port", "addr"])
+def test_a_rendezvous_that_cannot_listen_is_a_named_error_and_the_engines_keep_theirs(fake_source, what):
+    """weight_sync.master_port held by another process, or weight_sync.master_addr not an
+    address of this machine: one EngineError naming the setting and the fix; no engine is
+    retired (it is the trainer's setting, not the engines' fault) and all are resumed."""
+    import socket
+    clock = Clock()
+    engines = [WireEngine("e0", clock)]
+    sp, loop = open_sync_pool(engines)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    ws = (WeightSyncConfig(bucket_mb=1, backend="gloo", master_port=holder.getsockname()[1]) if what == "port"
+          else WeightSyncConfig(bucket_mb=1, backend="gloo", master_addr="192.0.2.1"))   # TEST-NET-1
+    t = collective.CollectiveTransport(ws, sp)
+    try:
+        with pytest.raises(EngineError, match=f"weight_sync.master_{what}.*Fix"):
+            t.push(None, None, 1)
+        assert [e.name for e in sp.pool.engines] == ["e0"] and not engines[0].paused
+        assert engines[0].version == 0
+    finally:
+        holder.close()
+        t.close()
+        loop.stop()

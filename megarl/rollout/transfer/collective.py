@@ -235,7 +235,7 @@ class CollectiveTransport:
             world, host = 1 + sum(sizes), self._address(engines)
             port = self.ws.master_port or free_port()
             meet = box = None                    # a failed round's store frees its port first
-            meet = self.wire.Rendezvous(host, port, world, timeout_s)
+            meet = self._rendezvous(host, port, world, timeout_s)
             first = [1 + sum(sizes[:i]) for i in range(len(engines))]
             joins = [sp.loop.submit(e.init_weight_transfer(meet.engine_info(off)))
                      for e, off in zip(engines, first)]
@@ -276,6 +276,20 @@ class CollectiveTransport:
                     f"with megarl's weight-transfer config (or set weight_sync.transport=files)")),
                     "retiring an engine")
             engines[:] = [e for e in engines if e in pool.engines]
+
+    def _rendezvous(self, host: str, port: int, world: int, timeout_s: float):
+        """The wire's rendezvous, hosted here; a port in use or an address that is not this
+        machine's is a named error (the engines keep their weights), not torch's traceback."""
+        try:
+            _can_bind(host)     # torch's store would retry an address not of this machine until its timeout
+            return self.wire.Rendezvous(host, port, world, timeout_s)
+        except (OSError, RuntimeError) as err:      # torch's DistNetworkError is a RuntimeError
+            raise EngineError(
+                f"the weight group cannot listen at {host}:{port} (weight_sync.master_addr="
+                f"{self.ws.master_addr!r}, weight_sync.master_port={self.ws.master_port}): "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Fix: "
+                f"weight_sync.master_port=0 (a free port) or a port nothing else holds, and "
+                f"weight_sync.master_addr an address of this machine (or empty)") from err
 
     def _address(self, engines: list[Engine]) -> str:
         """Where the engines reach the sender: weight_sync.master_addr, else this host's address
@@ -328,6 +342,13 @@ def _result(future, timeout_s: float):
         return future.result(timeout_s)
     except BaseException as err:  # noqa: BLE001 - the caller names the engine
         return err
+
+
+def _can_bind(host: str) -> None:
+    """OSError unless a socket of this machine can listen at `host` (an address or a name)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.bind(addr)
 
 
 def route_address(host: str) -> str:
