@@ -119,6 +119,7 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
     assert os.listdir(staging) == []
     # each server's worker pinned to a core of its own, its replacement to the same one
     # (vLLM's own `auto` binding put both on the first core; build.engine_env)
-    cores = [re.findall(r"core ids=\[([\d, ]*)\]", (run_dir / "engines" / f"engine_{i}.log").read_text()) for i in (0, 1)]
+    logs = [(run_dir / "engines" / f"engine_{i}.log").read_text() for i in (0, 1)]
+    cores = [re.findall(r"core ids=\[([\d, ]*)\]", text) for text in logs]
     assert cores[0] and cores[1] and set(cores[0]) & set(cores[1]) == set(), cores
     assert len(set(cores[1])) == 1 and len(cores[1]) >= 2, cores       # engine 1 and its replacement
