@@ -37,7 +37,7 @@ def main(model_dir, out):
     os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
     sd = {k: v.cuda() for k, v in load_file(f"{model_dir}/model.safetensors").items()}
     new = {k: (v * 0.9).contiguous() for k, v in sd.items()}
-    def sender_buckets(model, info, bucket_bytes, timers=None):
+    def sender_buckets(model, info, bucket_bytes, timers=None, buffers=None):   # source.sender_buckets's signature
         items = list(new.items())
         for k in range(0, len(items), 4):
             yield packing.pack(items[k:k + 4])
