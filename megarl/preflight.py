@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import struct
-from pathlib import Path
 
 import psutil
 import torch
@@ -162,29 +161,6 @@ def prompts_problem(records, tokenizer, cfg, vocab_size: int | None = None) -> s
     return None
 
 
-def numa_nodes() -> int:
-    """Memory (NUMA) nodes this process may use, as vLLM's CPU backend counts them."""
-    allowed = None
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Mems_allowed_list:"):
-                allowed = _id_count(line.split(":", 1)[1].strip())
-    except OSError:
-        pass
-    present = len(glob.glob("/sys/devices/system/node/node[0-9]*"))
-    counts = [c for c in (allowed, present) if c]
-    return min(counts) if counts else 1
-
-
-def _id_count(text: str) -> int:
-    """Ids in a Linux list like 0-3,8,10-11."""
-    n = 0
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
-
-
 def check_engines_fit(cfg, hf_config: dict) -> None:
     """rollout.engines.tp against the model and this machine, for engines megarl starts here
     (inprocess, local_servers); remote engines run where someone else started them."""
@@ -221,15 +197,14 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
                               f"shows {gpus}: use rollout.engines.tp <= {gpus}, or start the engines on larger "
                               f"nodes (rollout.engines.mode=remote)")
         return
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") not in ("", "auto") or \
-            os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":
-        return   # the user binds the CPU workers' threads: vLLM does not ask for NUMA nodes
-    nodes = numa_nodes()
-    if r.engines.tp > nodes:
-        raise ConfigError(f"rollout.engines.tp={r.engines.tp}: vLLM on CPU runs one TP worker per NUMA node and "
-                          f"this machine has {nodes}: use rollout.engines.tp <= {nodes} (more engines instead: "
-                          f"rollout.engines.count), or bind the workers' threads yourself with "
-                          f"VLLM_CPU_OMP_THREADS_BIND")
+    # on CPU, no NUMA node per TP worker is needed: megarl binds each worker of the engines it
+    # starts to cores of its own (rollout/build.py engine_env), where vLLM's `auto` binding
+    # would ask for one NUMA node per worker; but one engine's workers need a core each
+    cores = len(os.sched_getaffinity(0))
+    if r.engines.tp > cores:
+        raise ConfigError(f"rollout.engines.tp={r.engines.tp}: each TP worker of a CPU engine runs on cores of its "
+                          f"own and this process may use {cores}: use rollout.engines.tp <= {cores} (more engines "
+                          f"instead: rollout.engines.count)")
 
 
 def check_backends(cfg) -> None:

@@ -75,7 +75,8 @@ def engine_env(cfg, i: int) -> dict:
     """Environment for engine i's processes on this machine: on CPU, cores of its own for its
     workers (vllm_settings.cpu_binds), unless the user binds them with VLLM_CPU_OMP_THREADS_BIND.
     A replacement engine i gets the same cores."""
-    if torch.cuda.is_available() or os.environ.get(BIND_ENV, "auto") not in ("", "auto"):
+    if torch.cuda.is_available() or os.environ.get(BIND_ENV, "auto") not in ("", "auto") or \
+            os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":   # vLLM's simulation needs its `auto`
         return {}
     binds = cpu_binds(cfg.engines.count, cfg.engines.tp, sorted(os.sched_getaffinity(0)))
     return {BIND_ENV: binds[i]} if binds else {}

@@ -84,6 +84,17 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, remote_engine, 
         assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-4)
 
 
+def test_an_engine_of_tp2_on_cpu_takes_every_push(tiny_model, tmp_path):
+    """An engine of rollout.engines.tp=2 on a CPU machine with one NUMA node (vLLM's `auto`
+    binding wants a node per worker; megarl binds each worker to a core of its own): both
+    workers receive each push through the gloo chain (rank 0 -> worker 0 -> worker 1), and the
+    engine samples with the trainer's logprobs after every push."""
+    _, rows = train(tiny_model, tmp_path / "etp2", "train.steps=2", "rollout.engines.tp=2", "weight_sync.verify=true",
+                    "rollout.mode=sync", "train.groups_per_step=8")
+    assert len(rows) == 2 and all(r["sync_bytes"] > 0 for r in rows), rows
+    assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows
+
+
 def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_path):
     """`megarl train ... parallel.tp=2` on 2 torchrun ranks with 2 engines sampling at
     temperature 0.7: its pushes (TP shards gathered, QKV and gate/up regrouped) reach both

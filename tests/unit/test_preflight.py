@@ -103,11 +103,14 @@ def test_engine_tp_against_the_model_and_the_machine(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
-    monkeypatch.setattr(preflight, "numa_nodes", lambda: 1)
     preflight.check_engines_fit(cfg(), arch)
-    with pytest.raises(ConfigError, match=r"rollout\.engines\.tp=2: vLLM on CPU runs one TP worker per NUMA node "
-                                          r"and this machine has 1"):
-        preflight.check_engines_fit(cfg("rollout.engines.tp=2"), arch)
+    # megarl binds each TP worker of its engines to cores of its own (build.engine_env): no NUMA
+    # node per worker needed, as vLLM's `auto` binding would ask
+    monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: {0, 1})
+    preflight.check_engines_fit(cfg("rollout.engines.tp=2"), arch)
+    with pytest.raises(ConfigError, match=r"rollout\.engines\.tp=4: each TP worker of a CPU engine runs on cores "
+                                          r"of its own and this process may use 2: use rollout\.engines\.tp <= 2"):
+        preflight.check_engines_fit(cfg("rollout.engines.tp=4"), arch)
     with pytest.raises(ConfigError, match=r"rollout\.engines\.tp=3 must divide the model's 4 attention heads"):
         preflight.check_engines_fit(cfg("rollout.engines.tp=3"), arch)
     # remote engines run elsewhere; threads bound by hand need no NUMA node each
@@ -125,12 +128,6 @@ def test_engine_tp_against_the_model_and_the_machine(monkeypatch):
         preflight.check_engines_fit(cfg("rollout.engines.max_model_len=512"), arch)
     scaled = {**arch, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     preflight.check_engines_fit(cfg("rollout.engines.max_model_len=512"), scaled)   # vLLM's to judge
-
-
-def test_numa_id_lists():
-    assert preflight._id_count("0-3,8,10-11") == 7
-    assert preflight._id_count("0") == 1
-    assert preflight.numa_nodes() >= 1
 
 
 def test_a_data_file_that_is_not_text(tmp_path):
