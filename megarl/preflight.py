@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import struct
 
 import psutil
@@ -22,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 from megarl.checkpoint.manager import dist_folder_problem
 from megarl.config.schema import ConfigError
 from megarl.data.prompts import prompt_text
-from megarl.distributed.env import read_env
+from megarl.distributed.env import check_listen, read_env
 from megarl.formats.hf_reader import ConversionError, HFCheckpoint
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import use_te
@@ -212,7 +211,9 @@ def check_backends(cfg) -> None:
     errors are tracebacks from inside it): more trainer ranks on this node than GPUs; the weight
     transfer's backend against the engines (weight_sync.backend=auto is ipc with a GPU and engines
     megarl starts, which needs rollout.engines.tp=1); NCCL, CUDA IPC or sequence parallelism asked
-    for on a machine without a GPU."""
+    for on a machine without a GPU; an address or port global rank 0 cannot host the weight
+    group's rendezvous at."""
+    check_weight_rendezvous(cfg)
     if torch.cuda.is_available():
         gpus, local_rank = torch.cuda.device_count(), read_env().local_rank
         if local_rank >= gpus:
@@ -221,9 +222,7 @@ def check_backends(cfg) -> None:
                               f"--ntasks-per-node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
         if cfg.weight_sync.transport == "collective":
             cfg.weight_sync.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp)
-        check_weight_rendezvous(cfg)
         return
-    check_weight_rendezvous(cfg)
     for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
         if value in ("nccl", "ipc"):
             raise ConfigError(f"{key}={value!r} needs GPUs and this machine shows none: use {key}=auto "
@@ -241,12 +240,8 @@ def check_weight_rendezvous(cfg) -> None:
     ws = cfg.weight_sync
     if ws.transport != "collective" or not (ws.master_addr or ws.master_port) or read_env().rank != 0:
         return
-    host = ws.master_addr or "0.0.0.0"
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, ws.master_port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(addr)
+        check_listen(ws.master_addr or "0.0.0.0", ws.master_port)
     except OSError as err:
         raise ConfigError(f"weight_sync.master_addr={ws.master_addr!r} / weight_sync.master_port={ws.master_port}: "
                           f"global rank 0 cannot listen there for the weight group ({err.strerror or err}): "

@@ -26,6 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_listen(host: str, port: int = 0) -> None:
+    """OSError unless a socket of this machine can listen at `host`:`port` (an address or a
+    name; port 0: any). torch's TCPStore, given an address that is not this machine's, retries
+    until its timeout instead of failing."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+
+
 def read_env() -> DistEnv:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; `srun` sets SLURM_PROCID/SLURM_NTASKS/
     SLURM_LOCALID; neither means a single process."""

@@ -35,15 +35,6 @@ def weight_backend(ws, engine_mode: str) -> str:
     return ws.resolved_backend(torch.cuda.is_available(), engine_mode) if ws.transport == "collective" else ""
 
 
-def transfer_env(weight_backend: str) -> dict:
-    """Environment an engine megarl starts needs for its weight-transfer backend. ipc: vLLM
-    unpickles the CUDA IPC handles of each bucket (`ipc_handles_pickled`, transfer/wires.py)
-    only with VLLM_ALLOW_INSECURE_SERIALIZATION=1. They come from the trainer over the engine's
-    control API only: in this process for in-process engines; a local server listens on
-    127.0.0.1 and every route but /health needs its API key (auth.RequireKey)."""
-    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_backend == "ipc" else {}
-
-
 def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str = "") -> Engine:
     """Engine i of the pool, unstarted; called again for a replacement of a failed engine i
     (a fresh object: a new server process, or a new connection to the same remote URL).
@@ -55,7 +46,7 @@ def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_b
 @ENGINE_KINDS.register("inprocess")
 def _inprocess(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str) -> Engine:
     return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i, weight_backend),
-                                      cfg.engines.timeout_s, env={**engine_env(cfg, i), **transfer_env(weight_backend)})
+                                      cfg.engines.timeout_s, env=engine_env(cfg, i, weight_backend))
 
 
 @ENGINE_KINDS.register("local_servers")
@@ -67,19 +58,25 @@ def _local_server(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_
                          max_model_len=cfg.engines.max_model_len, tp=cfg.engines.tp,
                          enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
                          gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
-                         weight_backend=weight_backend, env={**engine_env(cfg, i), **transfer_env(weight_backend)})
+                         weight_backend=weight_backend, env=engine_env(cfg, i, weight_backend))
     return LocalServerEngine(f"engine{i}", server, cfg.engines.timeout_s, cfg.engines.start_timeout_s)
 
 
-def engine_env(cfg, i: int) -> dict:
-    """Environment for engine i's processes on this machine: on CPU, cores of its own for its
-    workers (vllm_settings.cpu_binds), unless the user binds them with VLLM_CPU_OMP_THREADS_BIND.
-    A replacement engine i gets the same cores."""
+def engine_env(cfg, i: int, weight_backend: str = "") -> dict:
+    """Environment for engine i's processes on this machine (a replacement engine i gets the same):
+    - on CPU, cores of its own for its workers (vllm_settings.cpu_binds), unless the user binds
+      them with VLLM_CPU_OMP_THREADS_BIND (or vLLM's NUMA simulation needs its `auto`);
+    - with the ipc weight backend, VLLM_ALLOW_INSECURE_SERIALIZATION=1: vLLM unpickles the CUDA
+      IPC handles of each bucket (`ipc_handles_pickled`, transfer/wires.py) only then. They come
+      from the trainer over the engine's control API only: in this process for in-process
+      engines; a local server listens on 127.0.0.1 and every route but /health needs its API
+      key (auth.RequireKey)."""
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_backend == "ipc" else {}
     if torch.cuda.is_available() or os.environ.get(BIND_ENV, "auto") not in ("", "auto") or \
-            os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":   # vLLM's simulation needs its `auto`
-        return {}
+            os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":
+        return env
     binds = cpu_binds(cfg.engines.count, cfg.engines.tp, sorted(os.sched_getaffinity(0)))
-    return {BIND_ENV: binds[i]} if binds else {}
+    return {**env, BIND_ENV: binds[i]} if binds else env
 
 
 @ENGINE_KINDS.register("remote")

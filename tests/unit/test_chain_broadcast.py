@@ -69,7 +69,7 @@ def test_the_sender_sends_each_byte_once_and_every_member_gets_all_of_them(monke
         want = [] if r == world - 1 else [r + 1]            # each passes the bytes on once, to the next
         assert sorted({dst for dst, _ in sent}) == want
         assert sum(n for _, n in sent) == (0 if r == world - 1 else NBYTES)
-        assert len(sent) in (0, len(group.chunk_spans(NBYTES, 1024)))
+        assert len(sent) == (0 if r == world - 1 else len(group.chunk_spans(NBYTES, 1024)))   # chunk by chunk
 
 
 def test_gloos_tree_broadcast_stays_available_and_equal():
@@ -116,8 +116,8 @@ def test_receive_buffers_are_reused_only_when_no_view_is_alive():
     b = pool.take(1000)
     assert b.data_ptr() != base                 # a view of the first is alive: a new buffer
     del view
-    c = pool.take(900)                          # nothing uses the first any more: reused
-    assert c.data_ptr() in (base, b.data_ptr()) and c.numel() == 900
+    c = pool.take(900)                          # nothing uses the first any more: reused (b is held)
+    assert c.data_ptr() == base and c.numel() == 900
     held = [c, b, pool.take(1000), pool.take(1000)]
     assert len({t.data_ptr() for t in held}) == 4    # none handed out twice while in use
     assert len(pool._bufs) <= 2

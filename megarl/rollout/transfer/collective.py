@@ -35,6 +35,7 @@ import traceback
 from urllib.parse import urlparse
 
 import torch
+from torch.distributed import DistNetworkError
 
 from megarl.distributed import faults
 from megarl.distributed.env import free_port, from_rank0
@@ -281,9 +282,8 @@ class CollectiveTransport:
         """The wire's rendezvous, hosted here; a port in use or an address that is not this
         machine's is a named error (the engines keep their weights), not torch's traceback."""
         try:
-            _can_bind(host)     # torch's store would retry an address not of this machine until its timeout
             return self.wire.Rendezvous(host, port, world, timeout_s)
-        except (OSError, RuntimeError) as err:      # torch's DistNetworkError is a RuntimeError
+        except (OSError, DistNetworkError) as err:
             raise EngineError(
                 f"the weight group cannot listen at {host}:{port} (weight_sync.master_addr="
                 f"{self.ws.master_addr!r}, weight_sync.master_port={self.ws.master_port}): "
@@ -323,7 +323,6 @@ class CollectiveTransport:
         if reuse:
             for buf in held:
                 self.buffers.give(buf)
-        held.clear()
         if self.wire.holds_buffers and torch.cuda.is_available():
             torch.cuda.ipc_collect()            # frees the shared blocks the engines let go of
 
@@ -342,13 +341,6 @@ def _result(future, timeout_s: float):
         return future.result(timeout_s)
     except BaseException as err:  # noqa: BLE001 - the caller names the engine
         return err
-
-
-def _can_bind(host: str) -> None:
-    """OSError unless a socket of this machine can listen at `host` (an address or a name)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as s:
-        s.bind(addr)
 
 
 def route_address(host: str) -> str:

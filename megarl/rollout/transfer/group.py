@@ -57,8 +57,12 @@ CHUNK_BYTES = 8 << 20
 
 
 def broadcast(group, tensor, chain: bool = True) -> None:
-    """Broadcast `tensor` (CPU) from the group's rank 0 to every member; blocks until done."""
-    start_broadcast(group, tensor, chain).wait()
+    """Broadcast `tensor` (CPU) from the group's rank 0 to every member; blocks until done
+    (the chain runs on the calling thread: the sender's is already a thread of its own)."""
+    if chain:
+        chain_pass(group, tensor)
+    else:
+        start_broadcast(group, tensor, chain=False).wait()
 
 
 def start_broadcast(group, tensor, chain: bool = True):
@@ -79,7 +83,7 @@ def start_broadcast(group, tensor, chain: bool = True):
     return _ChainWork(group, tensor)
 
 
-def chunk_spans(nbytes: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+def chunk_spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     """[start, end) byte ranges of the chunks a buffer of `nbytes` travels in."""
     return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)]
 
@@ -106,13 +110,13 @@ class _ChainWork:
             raise self._error
 
 
-def chain_pass(group, tensor, chunk: int = 0) -> None:
+def chain_pass(group, tensor) -> None:
     """This member's part of the chain: rank 0 sends every chunk to rank 1; rank r receives
     each chunk from r-1 (every receive posted at once) and forwards it to r+1 as soon as it is
     in. Each send and receive is bounded by the group's timeout; a dropped group ends them."""
     rank, world = group.rank(), group.size()
     flat = tensor.view(-1).view(torch.uint8)
-    spans = chunk_spans(flat.numel(), chunk or CHUNK_BYTES)
+    spans = chunk_spans(flat.numel(), CHUNK_BYTES)
     after = rank + 1 if rank + 1 < world else None
     sends = []
     if rank == 0:

@@ -145,11 +145,11 @@ class ReceiveBuffers:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 CPU tensor of exactly `nbytes` (a view of a kept buffer when one is free)."""
-        free = [i for i, b in enumerate(self._bufs) if b.numel() >= nbytes and unshared(b)]
-        if free:
-            return self._bufs[min(free, key=lambda i: self._bufs[i].numel())][:nbytes]
-        buf = torch.empty(nbytes, dtype=torch.uint8)
         idle = [i for i, b in enumerate(self._bufs) if unshared(b)]
+        fits = [i for i in idle if self._bufs[i].numel() >= nbytes]
+        if fits:
+            return self._bufs[min(fits, key=lambda i: self._bufs[i].numel())][:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         if len(self._bufs) >= self.keep and idle:    # make room: drop the smallest idle one
             self._bufs.pop(min(idle, key=lambda i: self._bufs[i].numel()))
         if len(self._bufs) < self.keep:

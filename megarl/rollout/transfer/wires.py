@@ -28,6 +28,7 @@ import pickle
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from megarl.distributed.env import check_listen
 from megarl.rollout.transfer import group as wgroup
 from megarl.rollout.transfer import packing
 
@@ -37,6 +38,7 @@ MEMBER_GRACE_S = 30.0
 class GlooRendezvous:
     def __init__(self, host: str, port: int, world: int, timeout_s: float):
         self.host, self.port, self.world, self.timeout_s = host, port, world, timeout_s
+        check_listen(host)               # the store below would retry a foreign address until its timeout
         self.token = wgroup.new_token()
         self.store = wgroup.store(host, port, world, timeout_s, sender=True)
 
@@ -82,6 +84,7 @@ class GlooWire:
 class NcclRendezvous:
     def __init__(self, host: str, port: int, world: int, timeout_s: float):
         self.host, self.port, self.world, self.timeout_s = host, port, world, timeout_s
+        check_listen(host, port)         # vLLM's store is made only in join(): fail here, named
 
     def engine_info(self, rank_offset: int) -> dict:
         return {"master_address": self.host, "master_port": self.port, "rank_offset": rank_offset,
@@ -156,7 +159,7 @@ class IpcWire:
         (`ipc_handles_pickled`: JSON-safe, for the in-process client and the HTTP routes alike;
         raw handles hold torch types neither carries). vLLM unpickles it only with
         VLLM_ALLOW_INSECURE_SERIALIZATION=1, which megarl sets on the engines it starts
-        (rollout/build.py transfer_env); the handles reach them over their control API only,
+        (rollout/build.py engine_env); the handles reach them over their control API only,
         behind the API key for servers (rollout/auth.py). The handles keep nothing alive: the
         caller keeps `buf` until the finish (`holds_buffers`)."""
         uuid = gpu_uuid(buf.device)
