@@ -49,7 +49,8 @@ Contract (what PPO and the pool rely on):
   (attribute and `health().version`) and stays paused until `resume()`.
 - Errors are `EngineError`s naming the engine, its address and its log file; a request that
   fails carries what it had generated in `EngineError.partial`, which the pool continues
-  elsewhere.
+  elsewhere. An error the request caused (the engine refused it as invalid) is a
+  `RequestError` instead: the engine stays in service and the request is not retried.
 """
 from __future__ import annotations
 
@@ -73,6 +74,18 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, partial: "GenResult | None" = None):
         super().__init__(message)
         self.partial = partial
+
+
+class RequestError(ValueError):
+    """The request itself is wrong for this engine (a prompt longer than max_model_len, token
+    ids outside the vocabulary, sampling options the engine refuses): the engine is healthy
+    and answered so. Never a reason to retire an engine or to retry elsewhere: the caller
+    answers it to whoever made the request (HTTP 400 to an agent, a failed sample scored 0 in
+    a round, a named data error before a run). Deliberately not an EngineError."""
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
