@@ -36,140 +36,37 @@ change; `PPO` then uses the stored values instead of recomputing them under newe
 Everything here is plain data: `state_dict()` holds the open groups with every slot's tokens,
 logprobs, versions and stored old logprobs, the completed-but-untrained groups (the last
 round's untaken result first) and the group counter, as lists and numbers.
+
+Its parts: `slots.py` (the groups and slots, their plain-data form), `round_stats.py` (the
+round's counts and metrics), `carry.py` (holding and carrying requests at a round's end and
+around weight updates), `episode_turns.py` (environment turns of multi-turn episodes); this
+module admits, serves, scores and ends rounds.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from megarl.data import seeds
 from megarl.data.sample import Sample
 from megarl.distributed import faults
 from megarl.rollout import staleness
+from megarl.rollout.carry import CarryOver
 from megarl.rollout.engine import EngineError, GenRequest, GenResult
+from megarl.rollout.episode_turns import EpisodeTurns
+from megarl.rollout.round_stats import RoundStats, round_metrics
+from megarl.rollout.slots import Group, Slot, group_from_state, group_samples, group_state, set_tokens
+from megarl.rollout.slots import store_old_logprobs as _store_old_logprobs
 
 STALE_POLICIES = staleness.POLICIES
-
-
-@dataclass
-class Slot:
-    """One sample of a group: what has been generated for it so far."""
-    gid: int
-    index: int
-    seed: int                                               # seeds.sample_seed of its group's seed and index
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)    # behaviour (engine) logprobs
-    versions: list[int] = field(default_factory=list)      # version that produced each token
-    old_logprobs: list[float] = field(default_factory=list)  # trainer l_old, stitched (a prefix)
-    finish_reason: str = ""                                 # "" until stop | length (then done)
-    restarts: int = 0
-    attempts: int = 0                                       # requests sent (unique request keys)
-    # multi-turn episodes (megarl/envs/episodes.py); unused by single-turn samples
-    mask: list[int] = field(default_factory=list)           # 1 model token, 0 observation token
-    turns: int = 0                                          # model turns the environment answered
-    turn_spans: list[list[int]] = field(default_factory=list)  # [start, end) of each such turn
-    turn_base: int = 0                                      # where the current model turn began
-    env_reward: float = 0.0                                 # the environment's rewards so far
-    env_status: str = ""                                    # "" | error | timeout (reward 0)
-
-    @property
-    def done(self) -> bool:
-        """Nothing left to generate: stopped (EOS / stop string) or at its token budget."""
-        return self.finish_reason in ("stop", "length")
-
-    def restart(self) -> int:
-        """Forget everything generated; returns how many tokens were thrown away."""
-        lost = len(self.response_ids)
-        self.response_ids, self.logprobs, self.versions, self.old_logprobs = [], [], [], []
-        self.mask, self.turn_spans, self.turns, self.turn_base = [], [], 0, 0
-        self.env_reward, self.env_status = 0.0, ""
-        self.finish_reason = ""
-        self.restarts += 1
-        return lost
-
-    def clip(self, budget: int) -> None:
-        """Keep at most `budget` tokens, done on length (a carry restored under a smaller
-        rollout.sampling.max_new_tokens: nothing is left to generate)."""
-        for name in ("response_ids", "logprobs", "versions", "old_logprobs", "mask"):
-            setattr(self, name, getattr(self, name)[:budget])
-        self.finish_reason = "length"
-
-
-@dataclass
-class Group:
-    """n samples of one prompt."""
-    gid: int        # one per new_group() call: the n-th prompt drawn in the run (Sample.uid)
-    record: dict
-    prompt_ids: list[int]
-    slots: list[Slot]
-    reward_done: bool = False
-    rewards: list[float] = field(default_factory=list)    # one per slot, set when complete
-    deadline: Optional[int] = None   # stale_policy=finish: the step that must train it at the latest
-
-    @property
-    def done_count(self) -> int:
-        return sum(s.done for s in self.slots)
-
-    @property
-    def complete(self) -> bool:
-        """Every sample done: the group can be scored."""
-        return self.done_count == len(self.slots)
-
-
-@dataclass
-class RoundStats:
-    """What one round did; turned into per-step metrics by `metrics()`."""
-    started: float = 0.0
-    ended: float = 0.0
-    inflight_area: float = 0.0           # integral of in-flight count over time
-    inflight_min: Optional[int] = None   # lowest in-flight count while the round ran (events + timer)
-    busy_area: float = 0.0               # integral of (engines with >= 1 request) over time
-    last_t: float = 0.0
-    last_inflight: int = 0
-    last_busy: int = 0
-    timer_samples: int = 0               # occupancy samples taken by the timer (not on events)
-    loop_lag_max: float = 0.0            # longest the timer woke late: the event loop was blocked
-    requests: int = 0                    # results absorbed
-    sent: int = 0                        # requests admitted (a held one counts once, where it was sent)
-    reprefill_tokens: int = 0            # continuation tokens sent again (abort mode) + KV recomputed
-    spanning_requests: int = 0           # results whose tokens came from more than one version
-    spanning_tokens: int = 0             # tokens of those results
-    tokens: int = 0
-    carried: int = 0
-    restarted: int = 0
-    dropped_groups: int = 0
-    discarded_tokens: int = 0            # generated, then thrown away by restart / drop
-    throttled: int = 0                   # fills cut short: no deadline free (stale_policy=finish)
-    groups_emitted: int = 0
-
-
-def group_state(g: Group) -> dict:
-    """A group as plain lists and numbers (what a checkpoint keeps)."""
-    return {"gid": g.gid, "record": g.record, "prompt_ids": list(g.prompt_ids),
-            "rewards": list(g.rewards), "reward_done": g.reward_done, "deadline": g.deadline,
-            "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
-                      for s in g.slots]}
-
-
-def _set_tokens(slot: Slot, base: int, r: GenResult, episode: bool = False) -> None:
-    """The slot's first `base` tokens, then what its request produced (a held request's
-    partial, or its final result, of which every earlier partial is a prefix). An episode's
-    slot also marks the new tokens as the model's (mask 1)."""
-    slot.response_ids = slot.response_ids[:base] + list(r.token_ids)
-    slot.logprobs = slot.logprobs[:base] + list(r.logprobs)
-    slot.versions = slot.versions[:base] + list(r.versions)
-    if episode:
-        slot.mask = slot.mask[:base] + [1] * len(r.token_ids)
 
 
 def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
     return [score(s) for s in samples]
 
 
-class PartialRolloutController:
+class PartialRolloutController(CarryOver, EpisodeTurns):
     """Drives an `EnginePool` (async). `new_group()` returns (record, prompt_ids) of the next
     prompt; `score(sample)` its reward, run in `scorer` (a concurrent.futures executor) or, when
     None, on the loop (only for scores that cost nothing: tests, the simulator). All methods
@@ -344,49 +241,6 @@ class PartialRolloutController:
         except Exception as err:   # noqa: BLE001 - scoring, the data stream, the next request: end the round
             self._fail(err)
 
-    async def _episode_request(self, req: GenRequest, slot: Slot) -> Optional[GenRequest]:
-        """An episode's request once its environment is live: None if the episode ended
-        (reset failed); rebuilt if reset appended a first observation."""
-        before = len(slot.response_ids)
-        task = asyncio.ensure_future(self.episodes.ensure(slot, self.groups[slot.gid]))
-        self._env_tasks.add(task)   # a round's end and a snapshot wait for it (_settle_env)
-        try:
-            await task
-        finally:
-            self._env_tasks.discard(task)
-        if slot.done:
-            return None
-        if len(slot.response_ids) == before:
-            return req
-        self._base[req.key] = len(slot.response_ids)
-        return dataclasses.replace(req, prompt_ids=self.groups[slot.gid].prompt_ids + slot.response_ids,
-                                   max_tokens=self._budget(slot) - len(slot.response_ids))
-
-    async def _env_turn(self, slot: Slot) -> None:
-        """A model turn ended on EOS: the slot counts against the concurrency and stays busy
-        while its environment answers (off this loop), then it is done or waits for its next
-        model turn (admitted like any carried sample)."""
-        slot.finish_reason = ""
-        where = (slot.gid, slot.index)
-        self._busy.add(where)
-        self._stepping.add(where)
-        task = asyncio.ensure_future(self.episodes.after_turn(slot, self.groups[slot.gid], self._budget(slot)))
-        self._env_tasks.add(task)
-        try:
-            await task
-        finally:
-            self._env_tasks.discard(task)
-            self._stepping.discard(where)
-            self._busy.discard(where)
-
-    async def _settle_env(self) -> None:
-        """Wait for the environments answering now (each bounded by env.timeout_s), and for
-        their slots to be released (the serving task's next step, after the answer)."""
-        while self._env_tasks or self._stepping:
-            if self._env_tasks:
-                await asyncio.gather(*list(self._env_tasks), return_exceptions=True)
-            await asyncio.sleep(0)
-
     def _unbook(self, key: str, slot: Slot, engine) -> None:
         self._load[engine.name] = self._load.get(engine.name, 1) - 1
         self._inflight.pop(key, None)
@@ -408,7 +262,7 @@ class PartialRolloutController:
         """The request's result after the `base` tokens its slot had when it was sent (what a
         held request's slot got from `_sync_live` since is a prefix of it)."""
         faults.point("rollout_result")
-        _set_tokens(slot, base, r, self.episodes is not None)
+        set_tokens(slot, base, r, self.episodes is not None)
         self.stats.requests += 1
         self.stats.tokens += len(r.token_ids)
         if len(set(r.versions)) > 1:   # held over a weight update (update_mode=keep)
@@ -456,18 +310,8 @@ class PartialRolloutController:
 
     def _sample_occupancy(self) -> None:
         """Integrate in-flight count and busy engines over time (for the round's metrics)."""
-        now = self.clock()
-        st = self.stats
-        if st.last_t:
-            dt = now - st.last_t
-            st.inflight_area += dt * st.last_inflight
-            st.busy_area += dt * st.last_busy
-        st.last_t = now
-        st.last_inflight = len(self._inflight)
-        st.last_busy = sum(1 for n in self._load.values() if n > 0)
-        if not self._ending and not self._holding and st.started:
-            now_inflight = len(self._inflight)
-            st.inflight_min = now_inflight if st.inflight_min is None else min(st.inflight_min, now_inflight)
+        self.stats.occupancy(self.clock(), len(self._inflight), sum(1 for n in self._load.values() if n > 0),
+                             counting=not self._ending and not self._holding)
 
     async def _occupancy_timer(self) -> None:
         """Sample occupancy every `sample_every_s`, not only on events: a blocked loop (or a
@@ -503,49 +347,6 @@ class PartialRolloutController:
         self.stats.restarted += lost.restarted
         self.stats.dropped_groups += lost.dropped
         self.stats.discarded_tokens += lost.tokens
-
-    @property
-    def keeps(self) -> bool:
-        """rollout.update_mode=keep: requests live through weight updates and round ends."""
-        return getattr(self.pool, "update_mode", "abort") == "keep"
-
-    def _sync_live(self) -> None:
-        """Copy what each request in flight has produced so far into its slot (keep mode): the
-        trainer's l_old, a checkpoint and the staleness rules see every token generated."""
-        for key, slot in self._inflight.items():
-            now = self.pool.partial(key)
-            if now is not None:
-                _set_tokens(slot, self._base.get(key, 0), now, self.episodes is not None)
-
-    async def hold(self, scoring: bool = False) -> None:
-        """Stop admitting, so the engines can take new weights in the middle of a round (async
-        mode); `release()` continues the round. The pool calls both around every weight update.
-        abort mode: also abort what this controller has in flight (tokens stay in their slots);
-        keep mode: it stays, held by the pause the update makes.
-        `scoring`: also wait for the groups being scored (a snapshot needs them settled)."""
-        self._holding = True
-        if not self.keeps:
-            await self._abort_own()
-        await self._settle_env()
-        if scoring and self._scoring:
-            await asyncio.gather(*list(self._scoring), return_exceptions=True)
-        self._sample_occupancy()
-
-    def release(self) -> None:
-        self._holding = False
-        if self._round_done is not None and not self._round_done.is_set():
-            try:
-                self._fill()
-            except Exception as err:   # noqa: BLE001 - the round ends with it
-                self._fail(err)
-
-    async def _abort_own(self) -> None:
-        """Abort this controller's requests only (a probe or another scheduler sharing the
-        engines keeps running) and wait until every one has resolved."""
-        if self._inflight:
-            await self.pool.abort(list(self._inflight))
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def run_round(self, target: int, train_version: int) -> list[Group]:
         """Generate until `target` groups are complete (counting ones completed earlier but not
@@ -599,55 +400,16 @@ class PartialRolloutController:
         self._trained_total += sum(len(g.slots) for g in self.ready)
         return self.ready
 
-    async def _carry_inflight(self) -> None:
-        """The round's end: keep mode pauses the engines with this controller's requests held
-        and copies their tokens so far into their slots (the pause holds every request on the
-        engines: one scheduler per pool); abort mode aborts them (they resolve into their slots)."""
-        if self.keeps and self._inflight and self._error is None:
-            try:
-                await self.pool.pause_all()
-                self._sync_live()
-                await self._settle_env()   # an episode between turns is carried as such
-                return
-            except Exception as err:   # noqa: BLE001 - an engine failed pausing: abort as below
-                self._fail(err)
-        await self._abort_own()   # in-flight requests resolve with their partials
-
-    async def _before_keep_round(self, version: int) -> None:
-        """Keep mode, before a round: the engines resume the requests held since the last round
-        (unless a weight update holds them now; its end resumes them), and a held request whose
-        slot the staleness rule will restart or drop is aborted first (it cannot be rewound)."""
-        if not self.pool.updating:
-            await self.pool.resume_all()
-        self._sync_live()
-        stale = [k for k, s in self._inflight.items()
-                 if staleness.stale_slots(self.groups[s.gid], version, self.max_staleness)]
-        if stale:
-            await self.pool.abort(stale)
-            # abort() returns once the engines resolved them; their _serve continuations (which
-            # put the tokens into the slots and unbook them) run in the next loop iterations
-            for _ in range(1000):
-                if not any(k in self._inflight for k in stale):
-                    break
-                await asyncio.sleep(0)
-
     def take_ready(self) -> list[Group]:
         """The driver takes the last round's groups: from now on they are the trainer's."""
         out, self.ready = self.ready, []
         return out
 
     # -- views -----------------------------------------------------------------------------
-    def samples_of(self, group: Group, local_index: int = 0) -> list[Sample]:
-        out = []
-        for s in group.slots:
-            smp = Sample(group.prompt_ids, list(s.response_ids), list(s.logprobs), list(s.versions),
-                         s.finish_reason == "stop", local_index, group.record, reward=s.env_reward,
-                         finish_reason=s.finish_reason or "abort", old_logprobs=list(s.old_logprobs),
-                         uid=group.gid, mask=list(s.mask), turns=s.turns)
-            out.append(smp)
-        for smp, r in zip(out, group.rewards):
-            smp.reward = r
-        return out
+    @staticmethod
+    def samples_of(group: Group, local_index: int = 0) -> list[Sample]:
+        """The group's samples (copies; `slots.group_samples`)."""
+        return group_samples(group, local_index)
 
     def pending_old_logprobs(self) -> list[tuple[Slot, int, int, Sample]]:
         """Slots of groups not handed to the trainer (open, or complete but waiting) holding
@@ -664,54 +426,19 @@ class PartialRolloutController:
 
     @staticmethod
     def store_old_logprobs(slot: Slot, restarts: int, length: int, values: list[float]) -> None:
-        """Keep the stored prefix; append the newly computed suffix (stitching). `restarts`
-        and `length` describe the snapshot the values were computed for: a slot restarted
-        since is left alone, and tokens generated since stay without a stored value."""
-        if slot.restarts != restarts or len(slot.response_ids) < length:
-            return
-        slot.old_logprobs = slot.old_logprobs + list(values[len(slot.old_logprobs):length])
+        """The trainer's values of a slot `pending_old_logprobs` listed (`slots.store_old_logprobs`)."""
+        _store_old_logprobs(slot, restarts, length, values)
 
     def metrics(self) -> dict:
-        st = self.stats
-        wall = max(st.ended - st.started, 1e-9)
+        """The last round's metrics, with the carry and the groups waiting now."""
         open_tokens = [s for g in self.groups.values() for s in g.slots if s.response_ids and not s.done]
-        out = {"rollout_inflight_mean": st.inflight_area / wall, "rollout_concurrency": self.concurrency,
-               "engine_busy_frac": st.busy_area / wall / max(1, len(self.pool.engines)),
-               "rollout_requests": st.requests, "rollout_tokens": st.tokens,
-               "rollout_requests_sent": st.sent, "reprefill_tokens": st.reprefill_tokens + self._recomputed(),
-               "requests_per_trained_sample": self._sent_total / max(1, self._trained_total),
-               "requests_spanning_versions": st.spanning_requests, "tokens_of_spanning_requests": st.spanning_tokens,
-               "carried_samples": len(open_tokens), "aborted_inflight": st.carried,
-               "restarted_samples": st.restarted, "dropped_groups": st.dropped_groups,
-               "stale_tokens_discarded": st.discarded_tokens, "admission_throttled": st.throttled,
-               "rollout_loop_lag_max_s": st.loop_lag_max,
-               "groups_emitted": st.groups_emitted, "open_groups": len(self.groups),
-               "completed_waiting": len(self.completed)}
+        out = round_metrics(self.stats, concurrency=self.concurrency, engines=len(self.pool.engines),
+                            reprefill_extra=self._recomputed(),
+                            requests_per_trained_sample=self._sent_total / max(1, self._trained_total))
+        out.update({"carried_samples": len(open_tokens), "open_groups": len(self.groups),
+                    "completed_waiting": len(self.completed)})
         if self.episodes is not None:
             out.update(self._episode_metrics())
-        if st.inflight_min is not None:   # absent when the round had its groups without generating
-            out["rollout_inflight_min"] = st.inflight_min
-        return out
-
-    def _episode_metrics(self) -> dict:
-        """Episodes carried into the next round: between turns (the environment answered, the
-        next model turn not started) and mid-turn (a model turn begun); the environments' counts."""
-        open_slots = [s for g in self.groups.values() for s in g.slots if not s.done and s.response_ids]
-        mid_turn = sum(len(s.response_ids) > s.turn_base for s in open_slots)
-        return {"episodes_carried_mid_turn": mid_turn,
-                "episodes_carried_between_turns": len(open_slots) - mid_turn,
-                **self.episodes.take_metrics()}
-
-    def kv_dropped(self) -> None:
-        """The pool's weight update is dropping the held requests' KV (keep mode,
-        rollout.keep_kv=false): their response tokens so far are computed again, as a
-        continuation's are in abort mode (counted alike: tokens beyond the group's prompt)."""
-        self._sync_live()
-        self._recomputed_total += sum(len(s.response_ids) for s in self._inflight.values())
-
-    def _recomputed(self) -> int:
-        """Response tokens whose KV the weight updates since the last call dropped."""
-        out, self._recomputed_mark = self._recomputed_total - self._recomputed_mark, self._recomputed_total
         return out
 
     # -- state -----------------------------------------------------------------------------
@@ -731,10 +458,7 @@ class PartialRolloutController:
                 "completed": [group_state(g) for g in [*self.ready, *self.completed]]}
 
     def load_state_dict(self, state: dict) -> None:
-        def group_of(d: dict) -> Group:
-            return Group(d["gid"], d["record"], list(d["prompt_ids"]), [Slot(**s) for s in d["slots"]],
-                         d["reward_done"], list(d["rewards"]), d.get("deadline"))
         self.next_gid = state["next_gid"]
-        self.groups = {d["gid"]: group_of(d) for d in state["open"]}
-        self.completed = [group_of(d) for d in state["completed"]]
+        self.groups = {d["gid"]: group_from_state(d) for d in state["open"]}
+        self.completed = [group_from_state(d) for d in state["completed"]]
         self.ready = []
