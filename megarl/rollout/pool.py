@@ -15,7 +15,13 @@ names it.
 Engine faults: an engine whose request fails (it died, hung past rollout.engines.timeout_s,
 or answered garbage) is retired: it leaves the pool, the event is logged and counted
 (`failures`), and the request continues on the least-loaded remaining engine from the tokens
-the failed engine had streamed (their versions kept). The pool gives up, with the last
+the failed engine had streamed (their versions kept). So do the retired engine's other
+requests, which resolve as aborted when it is closed, and any request an engine ends as
+aborted without the pool having asked (such an engine is retired too): a sample is returned
+cut off only by an abort the pool was asked for (`abort`, a weight update with
+rollout.update_mode=abort) or when its caller gave up. A request the engine refuses as invalid
+(`RequestError`: its prompt is too long, ...) is the request's error: it goes back to the
+caller as is, no engine is retired and nothing is retried. The pool gives up, with the last
 engine's error, only when no engine is left or after `failures_max` retirements. A retired
 engine takes no more requests or weights. With a `replace` factory (rollout.engines.restart),
 a fresh engine is started in its place in the background; it joins at the next weight update,
@@ -101,6 +107,7 @@ class EnginePool:
         self.restarts = 0                        # replacements that joined the pool
         self._starting: list[asyncio.Future] = []
         self._in_update: list[Engine] = []       # engines paused by the update in progress
+        self._shutting = False                   # close() called: requests resolve with what they have
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -112,6 +119,7 @@ class EnginePool:
             raise errors[0] if isinstance(errors[0], EngineError) else EngineError(str(errors[0]))
 
     async def close(self) -> None:
+        self._shutting = True
         for t in self._starting:
             t.cancel()
         await asyncio.gather(*self._starting, return_exceptions=True)
@@ -177,26 +185,35 @@ class EnginePool:
                     raise EngineError(f"engine {engine.name}: failed on purpose (MEGARL_FAULT)")
                 result = await engine.generate(current)
             except EngineError as err:
-                if err.partial is not None:
-                    done.token_ids += err.partial.token_ids
-                    done.logprobs += err.partial.logprobs
-                    done.versions += err.partial.versions
+                _keep(done, err.partial)
                 self._retire(engine, err)
-                if len(done.token_ids) >= req.max_tokens:
-                    done.finish_reason, done.engine = "length", engine.name
-                    return done
-                engine = self.least_loaded()
-                current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
-                                     req.temperature, req.top_p, req.seed, req.ignore_eos)
-                continue
+            else:
+                if not self._cut_short(req.key, result):
+                    return _joined(done, result, engine)
+                # cut off, not by us: continued elsewhere from its tokens, never returned as final
+                _keep(done, result)
+                if engine in self.engines:      # a live engine that aborts on its own is failing
+                    self._retire(engine, EngineError(
+                        f"engine {engine.name} ended request {req.key} as aborted after {len(result.token_ids)} "
+                        f"tokens without an abort asked for"))
             finally:
                 self._where.pop(req.key, None)
-            if done.token_ids:
-                result.token_ids = done.token_ids + result.token_ids
-                result.logprobs = done.logprobs + result.logprobs
-                result.versions = done.versions + result.versions
-            result.engine = engine.name
-            return result
+            if len(done.token_ids) >= req.max_tokens:
+                done.finish_reason, done.engine = "length", engine.name
+                return done
+            engine = self.least_loaded()
+            current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
+                                 req.temperature, req.top_p, req.seed, req.ignore_eos)
+
+    def _cut_short(self, key: str, result: GenResult) -> bool:
+        """`result` ended as aborted though nobody asked: its engine was retired and closed (its
+        requests resolve as aborted then), or it aborted on its own. Not so when the pool
+        aborted it (abort(), a weight update's abort), the pool is closing, or the caller gave
+        up (a cancelled generate(): the engine resolved it with its partial)."""
+        if result.finish_reason != "abort" or key in self._aborted or self._shutting:
+            return False
+        task = asyncio.current_task()
+        return not (task is not None and task.cancelling())
 
     def _retire(self, engine: Engine, err: EngineError) -> None:
         """Take a failed engine out of service; raise once none is left or too many failed."""
@@ -286,6 +303,9 @@ class EnginePool:
 
             self._in_update = list(self.engines)
 
+            if self.update_mode == "abort":   # the pool's own abort: those requests return their partials
+                self._aborted.update(self._where)
+
             async def stop(e: Engine):
                 if self.update_mode == "abort":
                     await e.abort(None)
@@ -345,6 +365,24 @@ class EnginePool:
 
     async def health(self) -> list[EngineHealth]:
         return list(await asyncio.gather(*(e.health() for e in self.engines)))
+
+
+def _keep(done: GenResult, part: Optional[GenResult]) -> None:
+    """Append what an engine served before it failed (or was cut off) to `done`."""
+    if part is not None:
+        done.token_ids += part.token_ids
+        done.logprobs += part.logprobs
+        done.versions += part.versions
+
+
+def _joined(done: GenResult, result: GenResult, engine: Engine) -> GenResult:
+    """The final result: the tokens earlier engines served, then `engine`'s."""
+    if done.token_ids:
+        result.token_ids = done.token_ids + result.token_ids
+        result.logprobs = done.logprobs + result.logprobs
+        result.versions = done.versions + result.versions
+    result.engine = engine.name
+    return result
 
 
 async def _gather_or_raise(coros) -> list:

@@ -5,12 +5,20 @@ token p of it is 1000 + p with behaviour logprob -0.001 * (p + 1), so any token 
 duplicated or misplaced across aborts and continuations shows. All engines share one `Clock`:
 every running request gets one token per tick, and a tick only happens after the event loop
 has settled (no wall time involved), so runs are reproducible on any machine.
+
+Faults, as real engines show them: `stall_after=k` makes every request stop after k tokens
+(the engine hangs); the first one silent for `timeout_ticks` ticks raises EngineError with its
+tokens (the engine's own timeout), the others wait. `close()` resolves every running request
+as aborted with its tokens so far, as a closed vLLM engine (in-process or a server) does.
+`refuse(req)` -> a message makes the engine refuse that request as invalid (RequestError), as
+vLLM refuses a prompt longer than its max_model_len.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Callable, Optional
 
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, copy_result
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, RequestError, copy_result
 
 TOKEN0 = 1000
 
@@ -54,8 +62,13 @@ class Clock:
 
 
 class ScriptedEngine(Engine):
-    def __init__(self, name: str, clock: Clock):
+    def __init__(self, name: str, clock: Clock, stall_after: Optional[int] = None, timeout_ticks: int = 10,
+                 refuse: Optional[Callable] = None):
         self.name, self.clock = name, clock
+        self.stall_after, self.timeout_ticks, self.timed_out = stall_after, timeout_ticks, False
+        self.refuse = refuse or (lambda req: None)
+        self.closed = False
+        self.refused = 0                 # requests refused as invalid
         self.version, self.paused = 0, False
         self._running: dict[str, asyncio.Future] = {}
         self._abort: set[str] = set()
@@ -72,6 +85,12 @@ class ScriptedEngine(Engine):
         return len(self._running)
 
     async def generate(self, req):
+        if self.closed:
+            raise EngineError(f"engine {self.name} is closed")
+        why = self.refuse(req)
+        if why:
+            self.refused += 1
+            raise RequestError(f"engine {self.name} refused request {req.key}: {why}", req.key)
         gid, index, length, *done = req.prompt_ids
         res = GenResult(req.key, engine=self.name)
         fut = asyncio.get_running_loop().create_future()
@@ -89,6 +108,9 @@ class ScriptedEngine(Engine):
                 if req.key in self._abort:
                     res.finish_reason = "abort"
                     return res
+                if self.stall_after is not None and len(res.token_ids) >= self.stall_after:
+                    await self._hang(req, res)
+                    return res
                 p = len(done) + len(res.token_ids)
                 res.extend([TOKEN0 + p], [behaviour_logprob(p)], self.version)
             res.finish_reason = "stop" if len(done) + len(res.token_ids) >= length else "length"
@@ -98,6 +120,19 @@ class ScriptedEngine(Engine):
             del self._results[req.key]
             self._abort.discard(req.key)
             fut.set_result(None)
+
+    async def _hang(self, req, res: GenResult) -> None:
+        """No token any more: the first request silent for timeout_ticks raises (with its
+        tokens), the others wait until aborted (or the engine is closed)."""
+        silent = 0
+        while req.key not in self._abort:
+            await self.clock.tick()
+            silent += 1
+            if silent >= self.timeout_ticks and not self.timed_out:
+                self.timed_out = True
+                raise EngineError(f"engine {self.name}: request {req.key} produced no token for {silent} ticks",
+                                  partial=copy_result(res))
+        res.finish_reason = "abort"
 
     async def abort(self, keys=None):
         keys = list(self._running) if keys is None else [k for k in keys if k in self._running]
@@ -128,4 +163,5 @@ class ScriptedEngine(Engine):
         return EngineHealth(self.name, True, self.paused, self.running, self.version)
 
     async def close(self):
-        pass
+        self.closed = True
+        await self.abort(None)
