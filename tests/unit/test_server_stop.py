@@ -43,3 +43,26 @@ def test_stop_kills_what_a_dead_server_left_after_a_short_grace(tmp_path, monkey
     else:
         os.kill(orphan, signal.SIGKILL)
         raise AssertionError("the orphan survived stop()")
+
+
+class SleepServer(LocalServer):
+    """start() exactly as for vLLM, with a command that only sleeps."""
+
+    def command(self):
+        return ["/bin/sh", "-c", "sleep 120 & wait"]
+
+
+def test_a_server_is_a_process_group_of_its_own_in_the_callers_session(tmp_path):
+    """Where the kernel groups scheduling by session, a server in a session of its own waited
+    seconds behind its own engine threads to stream (bench/stream_gaps.py): the server stays in
+    the caller's session, in a process group of its own that stop() signals as a whole."""
+    server = SleepServer(tmp_path, tmp_path / "log", api_key="k")
+    server.start()
+    try:
+        pid = server.proc.pid
+        assert os.getsid(pid) == os.getsid(0), "the server has a session of its own"
+        assert os.getpgid(pid) == pid != os.getpgid(0), "the server is not the leader of its own group"
+    finally:
+        server.stop(timeout_s=10)
+    assert server.proc.poll() is not None
+    assert not servers._group_alive(pid)
