@@ -80,9 +80,10 @@ def main(argv=None) -> int:
     from megarl.checkpoint import CheckpointError
     from megarl.formats.hf_reader import ConversionError
     from megarl.ppo.nonfinite import NonFiniteError
-    from megarl.rollout.engine import EngineError
+    from megarl.rollout.engine import EngineError, RequestError
     from megarl.train import train
     explained = {EngineError: ("engine error", 1),         # names the engine, its URL and log
+                 RequestError: ("request refused", 2),      # every sample of a step refused: the data or settings
                  NonFiniteError: ("stopped", 1),            # names the quantity and the step
                  CheckpointError: ("checkpoint not saved", 1),  # disk full: the previous one is intact
                  ConfigError: ("config error", 2),

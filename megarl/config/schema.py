@@ -318,6 +318,12 @@ class EnginesConfig:
                  list(self.urls), f"are used only with rollout.engines.mode=remote (it is "
                  f"{self.mode!r}, which starts its own engines): add rollout.engines.mode=remote, "
                  f"or remove rollout.engines.urls")
+        # remote: one engine per URL; a count that says otherwise is a mistake in one of them
+        _require(self.mode != "remote" or self.count in (1, len(self.urls)), "rollout.engines.count", self.count,
+                 f"does not match rollout.engines.urls, which lists {len(self.urls)} servers: with "
+                 f"rollout.engines.mode=remote the "
+                 f"pool has one engine per URL; set rollout.engines.count={len(self.urls)} or leave it out, "
+                 f"or list {self.count} URLs")
         _require(self.mode != "inprocess" or not self.api_key, "rollout.engines.api_key", "<set>",
                  "is used only by engine servers (rollout.engines.mode=local_servers or remote); "
                  "in-process engines have no key: remove it, or change rollout.engines.mode")

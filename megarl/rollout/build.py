@@ -83,4 +83,4 @@ def engine_env(cfg, i: int, weight_backend: str = "") -> dict:
 def _remote(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str) -> Engine:
     api_key = cfg.engines.api_key or os.environ.get("MEGARL_ENGINE_API_KEY", "")
     return HTTPVLLMEngine(f"engine{i}", cfg.engines.urls[i], api_key, cfg.engines.timeout_s,
-                          start_timeout_s=cfg.engines.start_timeout_s)
+                          start_timeout_s=cfg.engines.start_timeout_s, max_model_len=cfg.engines.max_model_len)

@@ -2,15 +2,28 @@
 
 The baseline the partial-rollout controller is measured against: the step waits for its
 longest response. It runs on the same engine pool and protocol as the controller.
+
+A request the engines refuse as invalid (`RequestError`: a prompt longer than the engines'
+max_model_len, token ids outside the vocabulary, sampling options they do not take) does not
+stop the run: its sample comes back refused (no response tokens, finish_reason "refused",
+reward 0 without asking the verifier; its group's other samples train as usual), and the step
+logs how many and why. A step whose every sample was refused has nothing to train on: it stops
+the run with the engine's message. Data rows the engines would refuse are caught before the run
+where they can be (megarl/preflight.py `prompts_problem`).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Callable
 
 from megarl.data.sample import Sample
 from megarl.data.seeds import sample_seed
-from megarl.rollout.engine import GenRequest
+from megarl.rollout.engine import GenRequest, RequestError
 from megarl.rollout.scoring import score_sample
+
+REFUSED = "refused"        # finish_reason of a sample the engine refused as invalid
+log = logging.getLogger("megarl.engines")
 
 
 def group_requests(prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
@@ -28,14 +41,34 @@ async def generate_groups(pool, records: list[dict], prompts: list[list[int]], n
                           tag: str = "", first_uid: int = 0) -> list[Sample]:
     """n samples per prompt from the engine pool (an EnginePool, on its loop), unscored, in
     group order (group g = records[g], uid first_uid + g). Token versions are the ones the
-    engines reported."""
-    results = await pool.generate_all(group_requests(prompts, n, max_new_tokens, temperature, seeds, tag))
-    return [Sample(prompts[k // n], r.token_ids, r.logprobs, r.versions, r.stopped, k // n, records[k // n],
-                   finish_reason=r.finish_reason, uid=first_uid + k // n) for k, r in enumerate(results)]
+    engines reported. Refused requests give refused samples (module docstring)."""
+    requests = group_requests(prompts, n, max_new_tokens, temperature, seeds, tag)
+    outcomes = await asyncio.gather(*(pool.generate(r) for r in requests), return_exceptions=True)
+    for o in outcomes:
+        if isinstance(o, BaseException) and not isinstance(o, RequestError):
+            raise o
+    refused = [o for o in outcomes if isinstance(o, RequestError)]
+    if refused and len(refused) == len(outcomes):
+        raise RequestError(f"the engines refused every sample of the step ({len(refused)}), nothing to train on; "
+                           f"the first: {refused[0]}", refused[0].key)
+    if refused:
+        log.warning("megarl: the engines refused %d of %d samples as invalid; they score 0 (finish_reason %r). "
+                    "The first: %s", len(refused), len(outcomes), REFUSED, refused[0])
+    samples = []
+    for k, r in enumerate(outcomes):
+        g = k // n
+        if isinstance(r, RequestError):
+            samples.append(Sample(prompts[g], [], [], [], False, g, records[g], finish_reason=REFUSED,
+                                  uid=first_uid + g))
+        else:
+            samples.append(Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.stopped, g, records[g],
+                                  finish_reason=r.finish_reason, uid=first_uid + g))
+    return samples
 
 
 def score_all(samples: list[Sample], tokenizer, reward_fn: Callable) -> list[Sample]:
-    """Each sample's reward from the run's verifier, one after another (off the pool's loop)."""
+    """Each sample's reward from the run's verifier, one after another (off the pool's loop);
+    a refused sample scores 0 without the verifier (it has no response)."""
     for s in samples:
-        s.reward = score_sample(s, tokenizer, reward_fn)
+        s.reward = 0.0 if s.finish_reason == REFUSED else score_sample(s, tokenizer, reward_fn)
     return samples

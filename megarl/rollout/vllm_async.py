@@ -25,6 +25,7 @@ from megarl.rollout.engine import (
     EngineHealth,
     GenRequest,
     GenResult,
+    RequestError,
     copy_result,
     settle_streams,
 )
@@ -62,6 +63,15 @@ def span_versions(spans, stamped: list[int]) -> list[int]:
         if label.lstrip("-").isdigit():
             out[span.start:span.end] = [int(label)] * (min(span.end, len(out)) - span.start)
     return out
+
+
+def refused_by_vllm(err: BaseException) -> bool:
+    """vLLM refused the request itself (its input or sampling validation: a prompt longer than
+    max_model_len, token ids outside the vocabulary, sampling options out of range): vLLM
+    raises these as `VLLMClientError`s, the errors it answers with HTTP 4xx. Anything else (a
+    dead engine core, a failed step, an overloaded queue) is the engine's."""
+    from vllm.exceptions import VLLMClientError  # vLLM is loaded: the error came from it
+    return isinstance(err, VLLMClientError)
 
 
 ABORT_POLL_S = 0.05
@@ -140,6 +150,8 @@ class AsyncVLLMEngine(Engine):
         except EngineError:
             raise
         except Exception as err:
+            if refused_by_vllm(err):
+                raise RequestError(f"engine {self.name} refused request {req.key}: {err}", req.key) from err
             raise EngineError(f"engine {self.name} (in-process vLLM) failed on request {req.key}: "
                               f"{type(err).__name__}: {err}") from err
         finally:

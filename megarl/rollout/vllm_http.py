@@ -36,6 +36,7 @@ from megarl.rollout.engine import (
     EngineHealth,
     GenRequest,
     GenResult,
+    RequestError,
     copy_result,
     settle_streams,
 )
@@ -50,6 +51,22 @@ ABORT_GRACE_S = 5.0
 CLIENT_KEEPALIVE_S = 2.0
 SERVER_KEEPALIVE_S = 60
 _POLL_S = 0.25
+# /v1/completions answers that refuse the request itself (vLLM's validation: prompt longer than
+# max_model_len, token ids outside the vocabulary, sampling options out of range; a body too
+# large): the request's error (RequestError), never a reason to retire the server
+REFUSED_STATUS = (400, 413, 422)
+
+
+def _error_message(text: str) -> str:
+    """The message of vLLM's error body {"error": {"message": ...}} (else the text, cut)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])[:1000]
+    return text[:500]
 
 
 @dataclass
@@ -82,8 +99,9 @@ class HTTPVLLMEngine(Engine):
     disconnects (see `servers.LocalServerEngine` for a server megarl starts and stops)."""
 
     def __init__(self, name: str, url: str, api_key: str, timeout_s: float, log_path: str = "",
-                 start_timeout_s: Optional[float] = None):
+                 start_timeout_s: Optional[float] = None, max_model_len: int = 0):
         self.name = name
+        self.max_model_len = max_model_len      # rollout.engines.max_model_len: the server must hold it (0: unchecked)
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -177,6 +195,7 @@ class HTTPVLLMEngine(Engine):
         if status != 200 or not body.get("data"):
             raise EngineError(f"{self._where()}: GET /v1/models -> HTTP {status} {str(body)[:300]}")
         self.model = body["data"][0]["id"]
+        self._check_context(body["data"][0].get("max_model_len"))
         status, body = await self._call("GET", "/is_paused", check=False)
         if status == 404:
             raise EngineError(f"{self._where()}: the server has no /is_paused endpoint. Fix: start it with "
@@ -184,6 +203,18 @@ class HTTPVLLMEngine(Engine):
         if status != 200:
             raise EngineError(f"{self._where()}: GET /is_paused -> HTTP {status} {str(body)[:300]}")
         self._paused = bool(body.get("is_paused"))
+
+    def _check_context(self, served) -> None:
+        """A server whose context is shorter than rollout.engines.max_model_len would refuse the
+        run's longer requests one by one: refused here, at start, as the bad input it is."""
+        if not self.max_model_len or not isinstance(served, int) or served >= self.max_model_len:
+            return
+        err = EngineError(f"{self._where()}: the server's max_model_len={served} (GET /v1/models) is smaller "
+                          f"than rollout.engines.max_model_len={self.max_model_len}. Fix: start the server with "
+                          f"--max-model-len {self.max_model_len} or more, or set "
+                          f"rollout.engines.max_model_len={served}")
+        err.exit_code = 2
+        raise err
 
     async def close(self) -> None:
         if self._session is None:
@@ -383,6 +414,9 @@ class HTTPVLLMEngine(Engine):
         try:
             if resp.status != 200:
                 text = await resp.text()
+                if resp.status in REFUSED_STATUS:
+                    raise RequestError(f"engine {self.name} refused request {req.key}: HTTP {resp.status}: "
+                                       f"{_error_message(text)}", req.key)
                 hint = (" Fix: rollout.engines.api_key must equal the server's --api-key" if resp.status == 401 else "")
                 raise EngineError(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
             buf = b""
@@ -438,6 +472,9 @@ class HTTPVLLMEngine(Engine):
         except ValueError:
             raise EngineError(f"{self._where()}: request {req.key}: unreadable stream chunk {data[:200]!r}") from None
         if "error" in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+            if error.get("code") in REFUSED_STATUS:
+                raise RequestError(f"engine {self.name} refused request {req.key}: {error.get('message')}", req.key)
             raise EngineError(f"{self._where()}: request {req.key} failed on the server: "
                               f"{json.dumps(chunk['error'])[:500]}")
         for choice in chunk.get("choices", ()):

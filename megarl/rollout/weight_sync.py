@@ -18,7 +18,7 @@ from megarl.data.sample import Sample
 from megarl.distributed.env import from_rank0
 from megarl.ppo import actor as actor_ops
 from megarl.ppo.batch import build_batch
-from megarl.rollout.engine import GenRequest
+from megarl.rollout.engine import GenRequest, RequestError
 from megarl.rollout.transfer.collective import CollectiveTransport
 from megarl.rollout.transfer.files import FilesTransport
 
@@ -40,17 +40,17 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
                     temperature: float = 1.0) -> dict[str, float]:
     """Per engine of `pool`: mean |engine logprob - trainer logprob| over tokens that engine
     samples now at `temperature` (fp32: ~1e-6 when it holds the trainer's weights).
-    Collective over all trainer ranks; `pool` is a SyncPool on global rank 0, None elsewhere."""
+    Collective over all trainer ranks; `pool` is a SyncPool on global rank 0, None elsewhere.
+    A probe that cannot run (`probe_engines`) raises WeightSyncError on every rank."""
     per_engine = None
     if pool is not None:
-        per_engine = {}
-        for e in pool.engines:
-            reqs = [GenRequest(f"probe-{e.name}-{i}", p, max_tokens, temperature, seed=i)
-                    for i, p in enumerate(prompts)]
-            outs = pool.call(_on_engine(pool.pool, e, reqs), f"probing {e.name}")
-            per_engine[e.name] = [Sample(p, r.token_ids, r.logprobs, r.versions, r.stopped, i)
-                                  for i, (p, r) in enumerate(zip(prompts, outs))]
+        try:
+            per_engine = probe_engines(pool, prompts, max_tokens, temperature)
+        except WeightSyncError as err:    # every rank raises it, none waits for rank 0's samples
+            per_engine = str(err)
     per_engine = from_rank0(per_engine)
+    if isinstance(per_engine, str):
+        raise WeightSyncError(per_engine)
     gaps = {}
     for name, samples in per_engine.items():
         batch = build_batch(samples, pad_id=0)
@@ -61,8 +61,33 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
     return gaps
 
 
+def probe_engines(pool, prompts: list[list[int]], max_tokens: int, temperature: float) -> dict[str, list[Sample]]:
+    """Rank 0: per engine of `pool` (a SyncPool), `prompts` sampled on that engine, as Samples.
+    A prompt the engine refuses as invalid (RequestError: longer than its max_model_len, ...)
+    says nothing about the weights: it is left out, and no engine is retired for it. An engine
+    that refuses every prompt cannot be checked: WeightSyncError naming it."""
+    per_engine = {}
+    for e in list(pool.engines):
+        reqs = [GenRequest(f"probe-{e.name}-{i}", p, max_tokens, temperature, seed=i) for i, p in enumerate(prompts)]
+        outs = pool.call(_on_engine(pool.pool, e, reqs), f"probing {e.name}")
+        kept = [Sample(p, r.token_ids, r.logprobs, r.versions, r.stopped, i)
+                for i, (p, r) in enumerate(zip(prompts, outs)) if not isinstance(r, RequestError)]
+        if not kept:
+            raise WeightSyncError(
+                f"engine {e.name} refused every weight-sync verify probe prompt ({len(prompts)}) as invalid, so the "
+                f"push cannot be checked: {outs[0]}. The probe samples {max_tokens} tokens after prompts of the step; "
+                f"weight_sync.verify=false skips the check")
+        per_engine[e.name] = kept
+    return per_engine
+
+
 async def _on_engine(pool, engine, reqs):
-    return await asyncio.gather(*(pool.generate(r, engine) for r in reqs))
+    """Each request's result on `engine`, or the RequestError it was refused with; other errors raise."""
+    outs = await asyncio.gather(*(pool.generate(r, engine) for r in reqs), return_exceptions=True)
+    for o in outs:
+        if isinstance(o, BaseException) and not isinstance(o, RequestError):
+            raise o
+    return outs
 
 
 def verify(actor, pool, prompts, max_tokens: int, micro_batch_size: int, temperature: float = 1.0,
