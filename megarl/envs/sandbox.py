@@ -29,9 +29,11 @@ namespace layer is what makes "no network, no writes outside" hold in the kernel
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
+import platform
 import resource
 import shutil
 import signal
@@ -41,6 +43,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+
+from megarl.envs import sandbox_kernel
+from megarl.envs.sandbox_kernel import NAMESPACE_SETUP
 
 log = logging.getLogger("megarl.envs.sandbox")
 
@@ -50,6 +56,9 @@ SCRIPT_NAME = "main.py"
 DRAIN_GRACE_S = 2.0
 #: the chunk read from the child's pipes at a time
 READ_CHUNK = 65536
+#: how the child prelude ends a run whose kernel layer could not be applied (sandbox_child.py)
+LAYER_FAILED = 97
+LAYER_FAILED_TEXT = "sandbox: a kernel layer could not be applied"
 
 
 @dataclass(frozen=True)
@@ -94,157 +103,132 @@ class SandboxResult:
         return self.exit_code == 0 and not (self.timed_out or self.killed)
 
 
-# --- the child: runs first in the sandboxed interpreter, then hands over to main.py -------------
-# Passed with -c; argv: [folder, max_procs]. Everything the hook relies on is bound in the hook's
-# closure at install time (posix functions, not os.path ones that the code could replace), and
-# it never calls code of the sandboxed program except os.fspath on a path object.
-_CHILD = r'''
-import sys, resource, traceback, types
-resource.setrlimit(resource.RLIMIT_NPROC, (int(sys.argv[2]),) * 2)
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot give the sandbox's guarantees, and weaker was not accepted."""
 
-def _install(root):
-    import posix
-    getcwd, readlink, getpid, fspath = posix.getcwd, posix.readlink, posix.getpid, posix.fspath
-    WRITE = posix.O_WRONLY | posix.O_RDWR | posix.O_CREAT | posix.O_TRUNC | posix.O_APPEND
-    DENY = frozenset({"subprocess.Popen", "os.system", "os.fork", "os.forkpty", "os.symlink", "os.link",
-                      "os.killpg", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-                      "cpython.PyInterpreterState_New"})
-    PREFIX = ("socket.", "ctypes.", "os.exec", "os.spawn", "os.posix_spawn")
-    NO_IMPORT = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "_testcapi",
-                           "_testinternalcapi", "posix", "_io", "builtins", "sys", "_imp"})
-    # event -> (index of the path, index of its dir_fd or None), for events that change files
-    PATHS = {"os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.chmod": ((0, 2),),
-             "os.chown": ((0, 3),), "os.utime": ((0, 3),), "os.truncate": ((0, None),),
-             "os.rename": ((0, 2), (1, 3)), "shutil.rmtree": ((0, 1),),
-             "os.setxattr": ((0, None),), "os.removexattr": ((0, None),)}
 
-    def where(path, dir_fd):
-        """The absolute, lexically normalised path an event acts on (raises when it cannot
-        tell). Lexical is enough: the folder starts empty and symlinks / hard links cannot be made."""
-        if type(path) is int:
-            path = readlink("/proc/self/fd/%d" % path)
-        elif type(path) not in (str, bytes):
-            path = fspath(path)
-        if isinstance(path, bytes):
-            path = bytes.decode(bytes(path), "utf-8", "surrogateescape")
-        path = str.__str__(path)   # a str subclass cannot answer with methods of its own
-        if not path.startswith("/"):
-            # os.* events give dir_fd -1 (or AT_FDCWD) when none was passed: the cwd
-            base = readlink("/proc/self/fd/%d" % dir_fd) if type(dir_fd) is int and dir_fd >= 0 else getcwd()
-            path = base + "/" + path
-        parts = []
-        for part in path.split("/"):
-            if part == "..":
-                if parts:
-                    parts.pop()
-            elif part and part != ".":
-                parts.append(part)
-        return "/" + "/".join(parts)
+#: the setting that accepts a sandbox weaker than its guarantees (named in every refusal)
+ALLOW_WEAK_SETTING = "env.options.allow_weak_sandbox=true"
+#: what the sandbox promises, and the layers that hold it: any one of the alternatives, each
+#: needing all of its layers (measured by tests/unit/test_sandbox_escapes.py in every mode)
+GUARANTEES = {
+    "writes": ("no file written, made, removed, renamed or linked outside the folder",
+               (("landlock", "seccomp"), ("namespaces", "seccomp"))),
+    "reads": ("no file read outside the interpreter's own library and the folder (the run's secrets, "
+              "other processes' /proc, environ included)", (("landlock",),)),
+    "sockets": ("no socket of any kind (network, Unix-domain, abstract)", (("seccomp",),)),
+    "processes": ("no process started, signalled, traced or re-limited", (("seccomp",),)),
+}
+_CHILD_SOURCE = Path(__file__).with_name("sandbox_child.py").read_text(encoding="utf-8")
 
-    def inside(path, dir_fd=None):
-        try:
-            p = where(path, dir_fd)
-        except Exception:
-            return False
-        return p == root or p.startswith(root + "/")
 
-    def absolute(path):
-        raw = path if type(path) in (str, bytes) else fspath(path)
-        return raw[:1] in ("/", b"/")
+@dataclass(frozen=True)
+class SandboxLayers:
+    """The kernel layers a run gets (the audit hook is always on outside tests). `why_not`
+    names, for each layer that is off, why this machine does not have it."""
+    namespaces: bool
+    landlock_abi: int               # 0: no Landlock
+    seccomp: bool
+    hook: bool = True
+    why_not: tuple = ()             # ((layer, reason), ...)
 
-    def refuse(what):
-        raise PermissionError("sandbox: %s is not allowed" % what)
+    def missing(self) -> list[str]:
+        """The guarantees (GUARANTEES' keys) these layers do not hold."""
+        have = {"landlock": self.landlock_abi > 0, "seccomp": self.seccomp, "namespaces": self.namespaces}
+        return [g for g, (_, ways) in GUARANTEES.items() if not any(all(have[x] for x in way) for way in ways)]
 
-    def hook(event, args):
-        if event in DENY or event.startswith(PREFIX):
-            if event != "socket.__new__":   # creating a socket is harmless; using it is not
-                refuse(event)
-        elif event == "open":
-            path, mode, flags = args
-            if flags is not None and flags & WRITE and type(path) is not int:
-                if mode is None and not absolute(path):
-                    # os.open does not tell the hook its dir_fd: a relative path could be anywhere
-                    refuse("os.open for writing with a relative path (give an absolute one)")
-                if not inside(path):
-                    refuse("writing %r outside the sandbox folder" % (path,))
-        elif event in PATHS:
-            for i, j in PATHS[event]:
-                if not inside(args[i], None if j is None else args[j]):
-                    refuse("%s on %r outside the sandbox folder" % (event, args[i]))
-        elif event == "os.kill":
-            if args[0] != getpid():
-                refuse("signalling another process")
-        elif event == "import":
-            if args[0] in NO_IMPORT:
-                refuse("importing %s" % args[0])
-        elif event == "object.__setattr__":
-            if args[0] is hook:
-                refuse("changing the sandbox's hook")
+    def describe(self) -> str:
+        on = [name for name, ok in (("namespaces", self.namespaces), (f"landlock(abi {self.landlock_abi})",
+              self.landlock_abi > 0), ("seccomp", self.seccomp), ("audit hook", self.hook)) if ok]
+        return " + ".join(on) or "no layer"
 
-    sys.addaudithook(hook)
 
-_install(sys.argv[1])
-del _install
-_path = sys.argv[1] + "/main.py"
-sys.argv = [_path]
-sys.path.insert(0, _path.rsplit("/", 1)[0])   # modules the code writes itself
-try:
-    with open(_path, "rb") as _f:
-        _code = compile(_f.read(), _path, "exec")
-    # a clean __main__ of its own (pickle and `import __main__` find the code's names there)
-    _main = sys.modules["__main__"] = types.ModuleType("__main__")
-    _main.__file__ = _path
-    exec(_code, _main.__dict__)
-except SystemExit:
-    raise
-except BaseException as _err:
-    # drop this wrapper's own frame: the traceback starts in main.py
-    traceback.print_exception(type(_err), _err, _err.__traceback__.tb_next)
-    sys.exit(1)
-'''
+def refusal(layers: SandboxLayers) -> str:
+    """The one line that refuses a run on `layers`, or "" when they hold every guarantee."""
+    missing = layers.missing()
+    if not missing:
+        return ""
+    reasons = "; ".join(f"{layer}: {why}" for layer, why in layers.why_not)
+    held = ", ".join(GUARANTEES[g][0] for g in missing)
+    return (f"sandbox: this machine cannot guarantee {held} ({reasons}), so model-written code is refused. "
+            f"Use a kernel with Landlock (Linux >= 5.13, landlock in lsm=) and seccomp, or run the trainer in a "
+            f"container of its own and set {ALLOW_WEAK_SETTING} to accept the weaker sandbox")
 
-# Runs inside the new namespaces before the interpreter: the folder becomes a mount of its own,
-# then every mount is made read-only (all but the folder's own). A mount the kernel will not
-# remount (some pseudo file systems) is left as it is; argv: [folder, command...]
-_NAMESPACE_SETUP = r'''
-d="$1"; shift
-mount --bind "$d" "$d" || exit 97
-cd "$d" || exit 97   # the cwd inherited from the spawn still points below the new mount
-while read -r _ _ _ _ mp _; do
-  mp=$(printf '%b' "$mp")
-  [ "$mp" = "$d" ] || mount -o remount,bind,ro "$mp" 2>/dev/null || true
-done < /proc/self/mountinfo
-exec "$@"
-'''
+
+@lru_cache(maxsize=1)
+def available_layers() -> SandboxLayers:
+    """The kernel layers this machine gives, each tried once on a run of its own (a layer that
+    the kernel reports but that cannot be applied, e.g. under a container's own seccomp
+    profile, counts as absent, with the error)."""
+    why = []
+    seccomp_why = sandbox_kernel.seccomp_supported() or _probe("seccomp")
+    abi = sandbox_kernel.landlock_abi()
+    landlock_why = ("the kernel has none, or it is not in lsm=" if not abi else _probe("landlock", abi))
+    ns = namespaces_available()
+    for layer, reason in (("seccomp", seccomp_why), ("landlock", landlock_why),
+                          ("namespaces", "" if ns else "`unshare -rmn` does not work here")):
+        if reason:
+            why.append((layer, reason))
+    layers = SandboxLayers(namespaces=ns, landlock_abi=0 if landlock_why else abi, seccomp=not seccomp_why,
+                           why_not=tuple(why))
+    log.info("sandbox layers: %s%s", layers.describe(), "".join(f"; no {a}: {b}" for a, b in why))
+    return layers
+
+
+def require(allow_weak: bool = False) -> SandboxLayers:
+    """The layers runs get here; raises SandboxUnavailable (naming ALLOW_WEAK_SETTING) when they
+    miss a guarantee and `allow_weak` is False. With `allow_weak` one warning says what is missing."""
+    layers = available_layers()
+    message = refusal(layers)
+    if message and not allow_weak:
+        raise SandboxUnavailable(message)
+    if message:
+        _warn_weak(message)
+    return layers
+
+
+@lru_cache(maxsize=1)
+def _warn_weak(message: str) -> None:
+    log.warning("%s: accepted (%s)", message.split(", so ")[0], ALLOW_WEAK_SETTING)
+
+
+def _probe(layer: str, abi: int = 0) -> str:
+    """Run `pass` under one kernel layer alone: "" when it applies, else the child's error."""
+    layers = SandboxLayers(namespaces=False, landlock_abi=abi if layer == "landlock" else 0,
+                           seccomp=layer == "seccomp", hook=False)
+    folder = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-probe-"))
+    try:
+        with open(os.path.join(folder, SCRIPT_NAME), "w") as f:
+            f.write("pass\n")
+        done = subprocess.run(child_argv(folder, SandboxLimits(), layers), cwd=folder, env=child_env(folder),
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        return "" if done.returncode == 0 else _decode(done.stderr).strip().splitlines()[-1:][0] \
+            if done.stderr.strip() else f"the probe exited {done.returncode}"
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"the probe failed ({err})"
+    finally:
+        _remove_folder(folder)
 
 
 @lru_cache(maxsize=1)
 def namespaces_available() -> bool:
     """Whether `unshare -rmn` (user, mount and network namespaces) with the read-only set-up
-    works here; tried once, on a folder of its own. When it does not, logs ONE warning: the
-    sandbox then has network and a writable file system below the audit hook."""
+    works here; tried once, on a folder of its own."""
     unshare = shutil.which("unshare")
-    ok = False
-    if unshare:
-        folder = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-probe-"))
-        try:
-            argv = [unshare, "-rmn", "/bin/sh", "-c", _NAMESPACE_SETUP, "sandbox", folder, "/bin/sh", "-c",
-                    f"touch probe && ! touch '{folder}-outside' 2>/dev/null"]
-            ok = subprocess.run(argv, cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, timeout=10).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            ok = False
-        finally:
-            _remove_folder(folder)
-            if os.path.exists(folder + "-outside"):   # the set-up did not make the rest read-only
-                os.remove(folder + "-outside")
-    if not ok:
-        log.warning("SANDBOX WEAKER: `unshare -rmn` does not work here (%s), so model-written code runs "
-                    "WITH network access and a writable file system, held back only by the audit hook "
-                    "and rlimits. Enable unprivileged user namespaces (sysctl "
-                    "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0) for the stronger layer.",
-                    "no unshare binary" if not unshare else "it failed")
-    return ok
+    if not unshare:
+        return False
+    folder = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-probe-"))
+    try:
+        argv = [unshare, "-rmn", "/bin/sh", "-c", NAMESPACE_SETUP, "sandbox", folder, "/bin/sh", "-c",
+                f"touch probe && ! touch '{folder}-outside' 2>/dev/null"]
+        return subprocess.run(argv, cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        _remove_folder(folder)
+        if os.path.exists(folder + "-outside"):   # the set-up did not make the rest read-only
+            os.remove(folder + "-outside")
 
 
 def child_env(folder: str) -> dict:
@@ -252,12 +236,17 @@ def child_env(folder: str) -> dict:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
 
 
-def child_argv(folder: str, limits: SandboxLimits, isolate: bool) -> list[str]:
-    """The command line: the interpreter with the child prelude, inside namespaces if `isolate`."""
-    python = [sys.executable, "-I", "-S", "-B", "-c", _CHILD, folder, str(limits.max_procs)]
-    if not isolate:
+def child_argv(folder: str, limits: SandboxLimits, layers: SandboxLayers) -> list[str]:
+    """The command line: the interpreter with the child prelude (sandbox_child.py) and what it
+    applies before the code runs, inside namespaces if `layers.namespaces`."""
+    config = {"folder": folder, "max_procs": limits.max_procs, "hook": layers.hook,
+              "landlock": sandbox_kernel.landlock_plan(folder, layers.landlock_abi).as_dict()
+              if layers.landlock_abi else None,
+              "seccomp": sandbox_kernel.seccomp_program(platform.machine()) if layers.seccomp else None}
+    python = [sys.executable, "-I", "-S", "-B", "-c", _CHILD_SOURCE, json.dumps(config)]
+    if not layers.namespaces:
         return python
-    return [shutil.which("unshare") or "unshare", "-rmn", "/bin/sh", "-c", _NAMESPACE_SETUP, "sandbox", folder,
+    return [shutil.which("unshare") or "unshare", "-rmn", "/bin/sh", "-c", NAMESPACE_SETUP, "sandbox", folder,
             *python]
 
 
@@ -321,20 +310,34 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+async def run_python(code: str, limits: SandboxLimits | None = None, allow_weak: bool = False) -> SandboxResult:
     """Run `code` as a script in a fresh sandboxed interpreter (see the module docstring) and
-    return its output. Never raises for what the code does; raises OSError only when the
-    interpreter cannot be started at all. Cancelling the call kills the run and cleans up."""
+    return its output. Never raises for what the code does; raises SandboxUnavailable when this
+    machine's layers miss a guarantee and `allow_weak` is False (or a layer fails to apply),
+    OSError when the interpreter cannot be started at all. Cancelling the call kills the run
+    and cleans up."""
     limits = limits or SandboxLimits()
-    isolate = namespaces_available()
+    layers = require(allow_weak)
     folder = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-"))
-    proc = None
-    readers: list[asyncio.Future] = []
     try:
         with open(os.path.join(folder, SCRIPT_NAME), "w", encoding="utf-8") as f:
             f.write(code)
+        result = await _run(child_argv(folder, limits, layers), folder, limits)
+    finally:
+        _remove_folder(folder)
+    if result.exit_code == LAYER_FAILED and result.stderr.startswith(LAYER_FAILED_TEXT):
+        raise SandboxUnavailable(result.stderr.strip().splitlines()[0])
+    return result
+
+
+async def _run(argv: list[str], folder: str, limits: SandboxLimits) -> SandboxResult:
+    """One run of `argv` in its own process group with the rlimits, bounded by the wall clock
+    and the output cap; killed (and reaped) when cancelled."""
+    proc = None
+    readers: list[asyncio.Future] = []
+    try:
         proc = await asyncio.create_subprocess_exec(
-            *child_argv(folder, limits, isolate), cwd=folder, env=child_env(folder),
+            *argv, cwd=folder, env=child_env(folder),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, preexec_fn=_preexec(rlimits(limits)))
         sent_kill = False
@@ -367,10 +370,9 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             await asyncio.wait([asyncio.ensure_future(proc.wait()), *readers], timeout=DRAIN_GRACE_S)
         for task in readers:
             task.cancel()
-        _remove_folder(folder)
 
 
-def run_python_sync(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_python_sync(code: str, limits: SandboxLimits | None = None, allow_weak: bool = False) -> SandboxResult:
     """`run_python` for callers without an event loop (scripts, tests). Inside a running loop,
     await run_python instead (asyncio.run refuses to nest)."""
-    return asyncio.run(run_python(code, limits))
+    return asyncio.run(run_python(code, limits, allow_weak))

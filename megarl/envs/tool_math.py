@@ -7,8 +7,10 @@ final answer: the episode ends and its reward is the `math` verifier's score of 
 against record["answer"] (megarl.rewards.math, run in a worker process that can be killed,
 as reward.fn=math runs). An episode cut by env.max_turns while still calling the tool scores 0.
 
-Options (env.options): cpu_s, wall_s, memory_mb, output_bytes (SandboxLimits) and score_timeout_s
-(the verifier's limit). env.timeout_s must exceed wall_s plus the sandbox start-up.
+Options (env.options): cpu_s, wall_s, memory_mb, output_bytes (SandboxLimits), score_timeout_s
+(the verifier's limit) and allow_weak_sandbox (run on a machine whose kernel layers miss one of
+the sandbox's guarantees instead of refusing: only inside a container of your own).
+env.timeout_s must exceed wall_s plus the sandbox start-up.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import threading
 from typing import Optional
 
 from megarl.envs.base import Environment, StepResult, register_env
-from megarl.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from megarl.envs.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, require, run_python
 
 # an unclosed block at the very end counts: a stop string such as "```" may have cut its fence
 _FENCED = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -69,13 +71,21 @@ class PythonToolEnv(Environment):
     """Math problems with a sandboxed Python tool; the final answer is scored by `math`."""
 
     def __init__(self, seed: int = 0, cpu_s: float = 3.0, wall_s: float = 5.0, memory_mb: int = 512,
-                 output_bytes: int = 2048, score_timeout_s: float = 10.0, **options):
+                 output_bytes: int = 2048, score_timeout_s: float = 10.0, allow_weak_sandbox: bool = False,
+                 **options):
         super().__init__(seed, **options)
         if options:
             raise ValueError(f"env.options {sorted(options)} unknown to env.name=python_tool: it takes "
-                             "cpu_s, wall_s, memory_mb, output_bytes, score_timeout_s")
+                             "cpu_s, wall_s, memory_mb, output_bytes, score_timeout_s, allow_weak_sandbox")
         if not score_timeout_s > 0:
             raise ValueError(f"env.options.score_timeout_s={score_timeout_s!r} must be > 0 seconds")
+        if not isinstance(allow_weak_sandbox, bool):
+            raise ValueError(f"env.options.allow_weak_sandbox={allow_weak_sandbox!r} must be true or false")
+        try:   # refused here, when the run's preflight makes one, not at the first tool call
+            require(allow_weak_sandbox)
+        except SandboxUnavailable as err:
+            raise ValueError(str(err)) from None
+        self.allow_weak_sandbox = allow_weak_sandbox
         self.limits = SandboxLimits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb, output_bytes=output_bytes)
         self.score_timeout_s = score_timeout_s
         self.record: dict = {}
@@ -93,7 +103,7 @@ class PythonToolEnv(Environment):
             # the worker call blocks: off the environment loop, so other episodes go on
             reward = await asyncio.to_thread(verifier, turn, self.record, finished=True)
             return StepResult(reward=reward, done=True, info={"tool_calls": 0})
-        result = await run_python(code, self.limits)
+        result = await run_python(code, self.limits, self.allow_weak_sandbox)
         return StepResult(observation=observation(result), done=False,
                           info={"tool_calls": 1, "tool_timeouts": int(result.timed_out),
                                 "tool_errors": int(not result.ok and not result.timed_out)})
