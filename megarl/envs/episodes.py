@@ -98,9 +98,12 @@ class EpisodeDriver:
         except Exception as err:   # noqa: BLE001 - a broken factory is the environment's error
             self._fail(slot, EnvFailure(f"{what}: cannot be made: {type(err).__name__}: {err}"))
             return
-        self._envs[self._key(slot)] = env
+        key = self._key(slot)
+        self._envs[key] = env
         try:
             first = await self._call(env.reset(group.record), f"{what} reset")
+            if self._key(slot) != key:   # restarted while it reset: `prune` closes this one
+                return
             if slot.turn_spans or slot.response_ids:
                 await self._replay(slot, env, what)
             elif first:
@@ -130,10 +133,15 @@ class EpisodeDriver:
         a, b = slot.turn_base, len(slot.response_ids)
         slot.turn_spans.append([a, b])
         slot.turns += 1
+        key = self._key(slot)
         try:
             res = _checked(await self._call(env.step(self._decode(slot.response_ids[a:b])), f"{what} step"), what)
         except EnvFailure as err:
-            self._fail(slot, err)
+            res = err
+        if self._key(slot) != key:   # restarted (staleness) while it answered: the answer is void
+            return
+        if isinstance(res, EnvFailure):
+            self._fail(slot, res)
             return
         slot.env_reward += float(res.reward)
         if res.done:

@@ -31,7 +31,7 @@ class CarryOver:
         trainer's l_old, a checkpoint and the staleness rules see every token generated."""
         for key, slot in self._inflight.items():
             now = self.pool.partial(key)
-            if now is not None:
+            if now is not None and self._current(key, slot):
                 set_tokens(slot, self._base.get(key, 0), now, self.episodes is not None)
 
     async def hold(self, scoring: bool = False) -> None:
@@ -95,6 +95,9 @@ class CarryOver:
                 if not any(k in self._inflight for k in stale):
                     break
                 await asyncio.sleep(0)
+        # an environment answering now must not change a slot while the staleness rule runs
+        # (the round's preparation follows without a pause: nothing interleaves after this)
+        await self._settle_env()
 
     def kv_dropped(self) -> None:
         """The pool's weight update is dropping the held requests' KV (keep mode,

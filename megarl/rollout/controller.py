@@ -56,7 +56,7 @@ from megarl.rollout.carry import CarryOver
 from megarl.rollout.engine import EngineError, GenRequest, GenResult
 from megarl.rollout.episode_turns import EpisodeTurns
 from megarl.rollout.round_stats import RoundStats, round_metrics
-from megarl.rollout.slots import Group, Slot, group_from_state, group_samples, group_state, set_tokens
+from megarl.rollout.slots import Group, Slot, group_from_state, group_samples, group_state, sample_identity, set_tokens
 from megarl.rollout.slots import store_old_logprobs as _store_old_logprobs
 
 STALE_POLICIES = staleness.POLICIES
@@ -102,6 +102,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         self._recomputed_mark = self._recomputed_total = 0
         self._sent_total = self._trained_total = 0   # requests sent / samples handed over, whole run
         self._base: dict[str, int] = {}              # request key -> its slot's tokens when it was sent
+        self._gen: dict[str, int] = {}               # request key -> its slot's restarts when it was sent
         self._busy: set[tuple[int, int]] = set()     # (gid, index) of the slots in flight
         # requests this controller has on each engine, counted when admitted (an engine's own
         # `running` only moves once the request's task starts, after a whole burst is admitted)
@@ -190,6 +191,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
             req = self._request(slot)   # may raise: nothing is booked yet
             self._inflight[req.key] = slot
             self._base[req.key] = len(slot.response_ids)
+            self._gen[req.key] = slot.restarts
             self.stats.sent += 1
             self.stats.reprefill_tokens += len(slot.response_ids)   # a continuation's tokens are prefilled again
             self._busy.add((slot.gid, slot.index))
@@ -224,16 +226,17 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
             if isinstance(err, asyncio.CancelledError):
                 raise
             return
-        base = self._base.get(key, 0)
+        base, current = self._base.get(key, 0), self._current(key, slot)
         self._unbook(key, slot, engine)
         try:
-            group = self.groups[slot.gid]   # before any await: a slot finishing meanwhile may emit it
-            if result is not None:
-                self._absorb(slot, result, base)
-                if self.episodes is not None and slot.finish_reason == "stop":
-                    await self._env_turn(slot)   # the environment's turn: done, or the next model turn waits
-            if slot.done and group.complete and not group.reward_done:
-                self._emit(group)
+            group = self.groups.get(slot.gid)   # before any await: a slot finishing meanwhile may emit it
+            if current:   # else the slot was restarted or its group dropped meanwhile: the result is void
+                if result is not None:
+                    self._absorb(slot, result, base)
+                    if self.episodes is not None and slot.finish_reason == "stop":
+                        await self._env_turn(slot)   # the environment's turn: done, or the next model turn waits
+                if slot.done and group.complete and not group.reward_done:
+                    self._emit(group)
             if self._ending or self._holding:
                 self._sample_occupancy()
             else:
@@ -241,14 +244,24 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         except Exception as err:   # noqa: BLE001 - scoring, the data stream, the next request: end the round
             self._fail(err)
 
+    def _current(self, key: str, slot: Slot) -> bool:
+        """The request `key` still serves its slot as it was when sent: neither restarted nor
+        its group dropped since (a staleness rule acting on a held request's slot cannot rewind
+        the request: what it produced belongs to samples that no longer exist)."""
+        group = self.groups.get(slot.gid)
+        return (group is not None and slot.index < len(group.slots) and group.slots[slot.index] is slot
+                and self._gen.get(key) == slot.restarts)
+
     def _unbook(self, key: str, slot: Slot, engine) -> None:
         self._load[engine.name] = self._load.get(engine.name, 1) - 1
         self._inflight.pop(key, None)
         self._base.pop(key, None)
+        self._gen.pop(key, None)
         self._busy.discard((slot.gid, slot.index))
 
     def _fail(self, err: BaseException) -> None:
-        """End the round now with `err`: no more admission; run_round aborts and raises it."""
+        """End the round now with `err`: no more admission; run_round aborts and raises it.
+        Between rounds (keep mode: held requests run on after the push) the next round raises it."""
         if self._error is None:
             self._error = err if isinstance(err, Exception) else EngineError(f"rollout interrupted: {err!r}")
         self._ending = True
@@ -277,21 +290,28 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         """Score a complete group and queue it: at once on the loop, or in `scorer` (the loop
         goes on serving meanwhile; a verifier may take seconds)."""
         group.reward_done = True   # never scored twice
-        samples = self.samples_of(group)
+        samples, scored = self.samples_of(group), sample_identity(group)
         if self.scorer is None:
-            self._queue(group, _score_all(self.score, samples))
+            self._queue(group, scored, _score_all(self.score, samples))
         else:
-            self._track(self._scoring, self._score_off_loop(group, samples))
+            self._track(self._scoring, self._score_off_loop(group, scored, samples))
 
-    async def _score_off_loop(self, group: Group, samples: list[Sample]) -> None:
+    async def _score_off_loop(self, group: Group, scored: tuple, samples: list[Sample]) -> None:
         try:
             rewards = await asyncio.get_running_loop().run_in_executor(self.scorer, _score_all, self.score, samples)
         except BaseException as err:   # noqa: BLE001 - e.g. the verifier's worker cannot start
             self._fail(err)
             return
-        self._queue(group, rewards)
+        self._queue(group, scored, rewards)
 
-    def _queue(self, group: Group, rewards: list[float]) -> None:
+    def _queue(self, group: Group, scored: tuple, rewards: list[float]) -> None:
+        """Queue a scored group for the trainer, if the score is of its samples as they are now.
+        A staleness rule may restart them (or drop the group) while it is scored off the loop
+        (keep mode: a group completes between rounds, the next round's rule acts before the score
+        lands); such a score is void: the group is scored again once complete again."""
+        if self.groups.get(group.gid) is not group or sample_identity(group) != scored:
+            self.stats.void_scores += 1
+            return
         group.rewards = list(rewards)
         del self.groups[group.gid]
         self.completed.append(group)
@@ -360,12 +380,13 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
                              f"tokens of weight version {self.pool.version}; rollout.partial.async needs "
                              f"max_staleness >= 1")
         self.ready = []              # a result nobody took was consumed through the return value
+        self._raise_error()          # a failure between rounds (keep mode) is this round's
         if self.keeps:               # still ending the last round: nothing is admitted meanwhile
             await self._before_keep_round(train_version)
         self.stats = RoundStats()
         self.stats.started = self.clock()
         self._target, self._train_version = target, train_version
-        self._ending, self._error = False, None
+        self._ending = False
         self._round_done = asyncio.Event()
         timer = None
         if self.sample_every_s:
@@ -392,13 +413,19 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
                 timer.cancel()
             self.stats.ended = self.clock()
             self._round_done = None
-        if self._error is not None:
-            raise self._error
+        self._raise_error()
         self.completed.sort(key=lambda g: staleness.training_order(g, train_version))
         self.ready, self.completed = self.completed[:target], self.completed[target:]
         self._sent_total += self.stats.sent
         self._trained_total += sum(len(g.slots) for g in self.ready)
         return self.ready
+
+    def _raise_error(self) -> None:
+        """Raise (once) the error that ended the round, or that a request or a scoring raised
+        since the last round ended."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
     def take_ready(self) -> list[Group]:
         """The driver takes the last round's groups: from now on they are the trainer's."""

@@ -117,6 +117,12 @@ def group_samples(group: Group, local_index: int = 0) -> list[Sample]:
     return out
 
 
+def sample_identity(group: Group) -> tuple:
+    """What a group's score is a score of: each slot's generation (restarts), length and end.
+    Equal before and after a scoring means the score is of the samples the group holds now."""
+    return tuple((s.restarts, len(s.response_ids), s.finish_reason) for s in group.slots)
+
+
 def store_old_logprobs(slot: Slot, restarts: int, length: int, values: list[float]) -> None:
     """Keep the stored prefix; append the newly computed suffix (stitching). `restarts`
     and `length` describe the snapshot the values were computed for: a slot restarted
