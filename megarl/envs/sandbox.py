@@ -10,21 +10,39 @@ Each run is a fresh interpreter in layers, each covering what the others may mis
   group) when the wall clock runs out, output passes `output_bytes`, or the call is cancelled;
   the clock starts before the interpreter does, so a slow start-up counts too;
 * rlimits set before exec: CPU seconds, address space, file size, open files, no core files;
-  the process count (RLIMIT_NPROC) is set by the child itself just before the code runs,
-  because the namespace set-up below forks `mount`. The kernel does not apply RLIMIT_NPROC to
-  the real root user: there only the audit hook below stops forks;
-* where unprivileged user namespaces work (`unshare -rmn`): no network at all (an empty
-  network namespace), and every mount read-only except the folder, so writes elsewhere fail
-  in the kernel. Where they do not, one warning is logged and the other layers remain;
-* an audit hook (`sys.addaudithook`, which Python code cannot remove) installed before the
-  code runs: it refuses writes, removals, renames and new folders outside the folder,
-  sockets' connect / bind / name lookups, subprocesses, exec, fork, spawn, symlinks and hard
-  links, signals to other processes, ctypes (through which the hook could be undone) and the
-  few imports that would hand back unhooked primitives.
+  the process count (RLIMIT_NPROC) is set by the child itself just before the code runs;
+* the kernel layers (sandbox_kernel.py), applied by the child prelude (sandbox_child.py) before
+  the code runs, which nothing the code does can lift: Landlock (reads only beneath the
+  interpreter's own prefix and the system library folders, writes only in the folder, no
+  exec) and a seccomp filter (no socket of any kind, no FIFO / device / link / symlink, no
+  change of mode, owner, times or attributes, no mount or namespace, no fork / exec / new
+  session, no signal, trace or limit on another process, no io_uring). A layer that cannot be
+  applied ends the run before the code starts (SandboxUnavailable);
+* where unprivileged user namespaces work (`unshare -rmn`), also an empty network namespace
+  and every mount read-only but the folder;
+* an audit hook (`sys.addaudithook`) that refuses the ordinary ways out with a message saying
+  why: writes outside the folder (sqlite's databases included), sockets, subprocesses, exec,
+  fork, links, signals to others, ctypes. It is not a boundary (native code, an extension the
+  code writes and imports, passes it); the kernel layers are.
 
-The audit hook alone is not a security boundary against code crafted to escape (Python
-objects can be tampered with in ways no hook sees); it stops the ordinary ways. The
-namespace layer is what makes "no network, no writes outside" hold in the kernel.
+What the modes guarantee, measured by tests/unit/test_sandbox_escapes.py (each route tried in
+each mode, with and without the audit hook):
+
+guarantee (GUARANTEES' keys)         held by, namespaces on           held by, namespaces off
+writes: nothing outside the folder   seccomp + Landlock / ro mounts   seccomp + Landlock
+reads: only the interpreter's        Landlock                         Landlock
+  library and the folder (no
+  secrets, no /proc of others)
+sockets: none (network, Unix-domain  seccomp (and the empty netns)    seccomp (and Landlock's
+  socket files, abstract)                                               scopes from ABI 6)
+processes: none started, signalled,  seccomp                          seccomp
+  traced or re-limited
+
+A machine whose layers miss a guarantee (no Landlock: Linux < 5.13 or landlock not in lsm=;
+no seccomp; an unknown ABI) is refused by default: `require` raises SandboxUnavailable naming
+what is missing and ALLOW_WEAK_SETTING, which accepts it (then one warning). Not covered: system
+calls added to kernels after the filter's tables (it refuses by name and allows the rest), and
+what is readable beneath the read roots (all of /usr, the interpreter's installation).
 """
 from __future__ import annotations
 
@@ -150,7 +168,8 @@ def refusal(layers: SandboxLayers) -> str:
         return ""
     reasons = "; ".join(f"{layer}: {why}" for layer, why in layers.why_not)
     held = ", ".join(GUARANTEES[g][0] for g in missing)
-    return (f"sandbox: this machine cannot guarantee {held} ({reasons}), so model-written code is refused. "
+    reasons = f" ({reasons})" if reasons else ""
+    return (f"sandbox: this machine cannot guarantee {held}{reasons}, so model-written code is refused. "
             f"Use a kernel with Landlock (Linux >= 5.13, landlock in lsm=) and seccomp, or run the trainer in a "
             f"container of its own and set {ALLOW_WEAK_SETTING} to accept the weaker sandbox")
 
