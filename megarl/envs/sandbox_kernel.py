@@ -165,7 +165,8 @@ def read_roots() -> list[str]:
     the libraries it links, wherever Python was installed: a system one, pyenv, conda) and the
     system library folders. Not the working tree, HOME, /tmp, /proc or /etc (secrets live there)."""
     roots = [sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))]
-    return list(dict.fromkeys(os.path.realpath(p) for p in (*roots, *SYSTEM_READ)))
+    # an interpreter installed at / would open everything: its library is under /usr or /lib then
+    return [p for p in dict.fromkeys(os.path.realpath(p) for p in (*roots, *SYSTEM_READ)) if p != "/"]
 
 
 def landlock_rules(folder: str, abi: int) -> list[tuple[str, int]]:
