@@ -109,6 +109,9 @@ class LocalServer:
                "--model", self.model_path, "--host", self.host, "--port", str(self.port),
                "--served-model-name", SERVED_MODEL_NAME,
                # every route but /health needs the key (vLLM's own check skips the control routes)
+               # the held-token counts of a paused engine (held_tokens.py); listed first, so
+               # that RequireKey, added last, is the outermost and guards it too
+               "--middleware", "megarl.rollout.held_tokens.HeldTokensRoute",
                "--middleware", "megarl.rollout.auth.RequireKey"]
         return cmd + cli_flags(self.settings()) + list(self.extra_args)
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from megarl.rollout import reaper
+from megarl.rollout import held_tokens, reaper
 from megarl.rollout.engine import (
     STALE_SESSION,
     Engine,
@@ -27,7 +27,6 @@ from megarl.rollout.engine import (
     GenResult,
     RequestError,
     copy_result,
-    settle_streams,
 )
 from megarl.rollout.transfer import plugin
 from megarl.rollout.vllm_settings import engine_settings
@@ -225,7 +224,22 @@ class AsyncVLLMEngine(Engine):
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         self._paused = True
         if self._results:  # the last outputs the core sent before it stopped may still be in the client's queues
-            await settle_streams(lambda: sum(len(r.token_ids) for r in self._results.values()))
+            await self._hold_every_token()
+
+    async def _hold_every_token(self) -> None:
+        """Until every held request's stream has given us each token the engine core generated
+        before the pause (held_tokens.py: the core counts them)."""
+        counts = await self._rpc("counting the held requests' tokens", held_tokens.held_by_external_id(self.llm))
+
+        def received(rid: str):
+            r = self._results.get(rid)
+            return None if r is None or rid not in self._inflight else len(r.token_ids)
+
+        try:
+            await held_tokens.wait_for_held({rid: n for rid, n in counts.items() if rid in self._results},
+                                            received, self.timeout_s, f"engine {self.name} (in-process vLLM)")
+        except (TimeoutError, ValueError) as err:
+            raise EngineError(str(err)) from None
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV freed, recomputed on resume) and reset the prefix cache."""

@@ -29,6 +29,7 @@ from typing import Optional
 
 import aiohttp
 
+from megarl.rollout import held_tokens
 from megarl.rollout.engine import (
     STALE_SESSION,
     Engine,
@@ -264,7 +265,30 @@ class HTTPVLLMEngine(Engine):
         await self._call("POST", "/pause?mode=keep&clear_cache=false")
         self._paused = True
         if self._inflight:   # what the server streamed before it stopped may still be on its way to us
+            await self._hold_every_token()
+
+    async def _hold_every_token(self) -> None:
+        """Until every held request has streamed to us each token the engine generated before
+        the pause: the server counts them (held_tokens.py; servers megarl starts serve
+        /megarl/held_tokens). A server without the route (started by hand without megarl's
+        middleware) gets the older rule: wait until the streams are quiet for a moment."""
+        status, body = await self._call("GET", held_tokens.ROUTE, check=False)
+        if status == 404:
             await settle_streams(lambda: sum(len(f.result.token_ids) for f in self._inflight.values()))
+            return
+        if status != 200 or not isinstance(body.get("tokens"), dict):
+            raise EngineError(f"{self._where()}: GET {held_tokens.ROUTE} -> HTTP {status}: {str(body)[:300]}")
+        by_vllm_id = {f.vllm_id: f for f in self._inflight.values()}
+
+        def received(vllm_id: str):
+            f = by_vllm_id.get(vllm_id)
+            return None if f is None or f.resolved.done() else len(f.result.token_ids)
+
+        counts = {rid: n for rid, n in body["tokens"].items() if rid in by_vllm_id}
+        try:
+            await held_tokens.wait_for_held(counts, received, self.timeout_s, f"engine {self.name}")
+        except (TimeoutError, ValueError) as err:
+            raise EngineError(f"{err} ({self._where()})") from None
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV recomputed on resume) and reset the prefix cache."""

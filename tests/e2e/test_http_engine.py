@@ -23,7 +23,7 @@ import psutil
 import pytest
 from engine_contract import hf_logprobs, hf_model
 
-from megarl.rollout import reaper
+from megarl.rollout import held_tokens, reaper
 from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.servers import LocalServer, LocalServerEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
@@ -217,6 +217,7 @@ CONTROL_ROUTES = [
     ("POST", "/update_weights", {"update_info": {}}), ("POST", "/finish_weight_update", None),
     ("POST", "/shutdown_weight_transfer_engine", None), ("GET", "/metrics", None),
     ("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+    ("GET", held_tokens.ROUTE, None),
 ]
 # the ones safe to serve with the key (they leave the engine as it was)
 SAFE_WITH_KEY = {"/is_paused", "/weight_info", "/get_world_size", "/reset_prefix_cache", "/v1/models", "/resume"}
@@ -247,6 +248,56 @@ def test_every_control_and_weight_route_needs_the_key(server):
               for m, path, body in CONTROL_ROUTES if path in SAFE_WITH_KEY}
     assert all(code == 200 for code in served.values()), served
     assert _http(server.url, "GET", "/health", None) == 200
+    # counts of a running engine would be out of date as they are read
+    assert _http(server.url, "GET", held_tokens.ROUTE, None, key=server.api_key) == 409
+
+
+class LaggingClient(HTTPVLLMEngine):
+    """A client that takes what it read into account LAG_S late, as a client on a loaded
+    machine does: the engine is up to 2 x LAG_S ahead of what the client holds."""
+    LAG_S = 0.3
+
+    async def _wait_alive(self, req, f, coro, what):
+        data = await super()._wait_alive(req, f, coro, what)
+        await asyncio.sleep(self.LAG_S)
+        return data
+
+
+def test_pause_returns_once_the_client_holds_every_token_the_engine_generated(server):
+    """The pause contract, whatever the delivery's speed: once pause() returned, the client
+    holds exactly the tokens the engine generated for each held request before the pause (the
+    server's own count, /megarl/held_tokens), and none arrives while paused. A client whose
+    reads lag behind the stream fails this when pause() only waits for a quiet stream."""
+    async def main():
+        engine = LaggingClient("lag", server.url, server.api_key, 120.0, server.log_path)
+        await engine.start()
+        keys = [f"lag{i}" for i in range(3)]
+        tasks = [asyncio.create_task(engine.generate(GenRequest(k, prompt(600 + i), LONG, temperature=1.0,
+                                                                  seed=i, ignore_eos=True)))
+                 for i, k in enumerate(keys)]
+        try:
+            await wait_until(lambda: all(engine.progress(k) > 0 for k in keys) or any(t.done() for t in tasks),
+                             what="requests streaming")
+            await engine.pause()
+            held = {k: engine.progress(k) for k in keys}
+            _, body = await engine._call("GET", held_tokens.ROUTE)
+            by_key = {f.key: f.vllm_id for f in engine._inflight.values()}
+            counts = {k: body["tokens"].get(by_key.get(k)) for k in keys}
+            await asyncio.sleep(0.5)
+            later = {k: engine.progress(k) for k in keys}
+            await engine.resume()
+            await engine.abort()
+            return held, counts, later, [t.result() for t in tasks]
+        finally:
+            await engine.abort()
+            await engine.close()
+
+    held, counts, later, results = asyncio.run(main())
+    # the precondition (a request still below its budget at the pause) comes from the server
+    assert all(n is not None and 0 < n < LONG for n in counts.values()), counts
+    assert held == counts, f"pause() returned before the client held every token: {held} vs the server's {counts}"
+    assert later == held, "tokens arrived while paused"
+    assert all(r.finish_reason == "abort" and len(r.token_ids) >= held[r.key] for r in results)
 
 
 def test_a_weight_session_left_open_by_a_dead_trainer_is_closed_by_the_next(server, hf):

@@ -24,7 +24,7 @@ MAX_LINES_IN = {"megarl/train.py": 40}
 #: modules that must not import megatron, even indirectly at import time
 LIGHT = ["megarl", "megarl.cli", "megarl.bootstrap", "megarl.config", "megarl.config.schema",
          "megarl.config.loader", "megarl.config.registry", "megarl.rollout",
-         "megarl.rollout.transfer.plugin", "megarl.rollout.transfer.gloo_backend"]
+         "megarl.rollout.transfer.plugin", "megarl.rollout.transfer.gloo_backend", "megarl.rollout.held_tokens"]
 #: programs outside megarl/ that run megarl code in a process of their own
 PROGRAM_DIRS = ["tools", "bench", "tests/dist", "tests/e2e", "tests/gpu"]
 

@@ -1,5 +1,6 @@
 """vLLM general plugin (entry point `vllm.general_plugins` in setup.py): registers megarl's
-`gloo` weight-transfer backend in every vLLM process (API server, engine core, workers), so
+`gloo` weight-transfer backend, and the engine core's count of held tokens
+(`rollout/held_tokens.py`), in every vLLM process (API server, engine core, workers), so
 servers started by megarl, by slurm or by hand accept `--weight-transfer-config
 '{"backend": "gloo"}'`. vLLM may call it several times per process: registering is idempotent.
 Lazy: the backend module is imported only where an engine is built with it."""
@@ -10,6 +11,9 @@ BACKEND = "gloo"
 
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from megarl.rollout.held_tokens import install_core_utility
+    install_core_utility()     # the engine core's count of held tokens (pause contract)
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "megarl.rollout.transfer.gloo_backend", "GlooWeightTransferEngine")
