@@ -2,13 +2,17 @@
 
 A slot of an episode group is one episode. Its token lists hold the model's tokens as the
 engines sampled them and the observation tokens appended between turns (`Slot.mask` 0 there,
-behaviour logprob 0.0, the version of the turn before), so the trainer's sequence is exactly
-what the engine conditioned on. The controller calls:
-- `ensure(slot, group)` before a request: the episode's environment is live (made and
-  `reset`, or, after a resume, replayed: reset, then `step` with each recorded turn);
+behaviour logprob 0.0, the version of the turn they answer: `reset`'s first observation the
+version the episode started under), so the trainer's sequence is exactly what the engine
+conditioned on. The controller calls:
+- `ensure(slot, group, budget, version)` before a request: the episode's environment is live
+  (made and `reset`, or, after a resume, replayed: reset, then `step` with each recorded turn);
 - `after_turn(slot, group, budget)` when a model turn ended on EOS / a stop token: the
   environment answers; the episode ends (done, `env.max_turns`, the token budget) or its
   observation is appended and the slot waits for its next model turn.
+An observation that leaves no room for a model token in the budget (`rollout.sampling.max_new_tokens`)
+is not appended: the episode ends there, cut by the budget ("length", counted as
+`env_budget_ends`) with the rewards the environment gave so far (0 for a first observation).
 Everything the controller keeps is plain data on the slot (checkpointed with it); the live
 environment objects stay here, keyed by (group, index, restarts). An environment that raises,
 answers nonsense or runs past `env.timeout_s` ends its episode with reward 0 and is counted.
@@ -40,7 +44,7 @@ class EpisodeDriver:
         self.runner = runner or EnvRunner()
         self._envs: dict[tuple[int, int, int], object] = {}
         self.counts = {"env_errors": 0, "env_timeouts": 0, "env_calls": 0, "env_replays": 0,
-                       "env_replay_mismatches": 0}
+                       "env_replay_mismatches": 0, "env_budget_ends": 0}
         self.env_time_s = 0.0
         self._closing: set = set()    # environments' close() calls still running
 
@@ -86,10 +90,11 @@ class EpisodeDriver:
             fut.add_done_callback(self._closing.discard)
 
     # -- the episode ------------------------------------------------------------------------
-    async def ensure(self, slot, group) -> None:
+    async def ensure(self, slot, group, budget: int, version: int) -> None:
         """Make the slot's environment if it has none: a fresh episode is reset (its first
-        observation, if any, is appended as is); a carried one restored from a checkpoint is
-        replayed turn by turn, keeping the recorded tokens. A failure ends the episode."""
+        observation, if any, is appended as is, stamped `version`: the engines' now); a carried
+        one restored from a checkpoint is replayed turn by turn, keeping the recorded tokens.
+        A failure ends the episode; so does a first observation leaving no room in `budget`."""
         if self.live(slot) or slot.done:
             return
         what = f"env {self.spec.name} (episode g{slot.gid} s{slot.index})"
@@ -107,7 +112,10 @@ class EpisodeDriver:
             if slot.turn_spans or slot.response_ids:
                 await self._replay(slot, env, what)
             elif first:
-                self._append(slot, self.renderer.text_ids(str(first)), version=_last_version(slot))
+                obs = self.renderer.text_ids(str(first))
+                if not self._fits(slot, obs, budget, "the first observation"):
+                    return
+                self._append(slot, obs, version=version)
                 slot.turn_base = len(slot.response_ids)
         except EnvFailure as err:
             self._fail(slot, err)
@@ -151,11 +159,24 @@ class EpisodeDriver:
             self._finish(slot, "length")   # cut by env.max_turns: it did not end on its own
             return
         obs = self.renderer.ids(str(res.observation), slot.response_ids[b - 1] if b > a else None)
-        if len(slot.response_ids) + len(obs) >= budget:
-            self._finish(slot, "length")   # no room left for another model token
+        if not self._fits(slot, obs, budget, f"the observation after turn {slot.turns}"):
             return
-        self._append(slot, obs, version=_last_version(slot))
+        self._append(slot, obs, version=slot.versions[-1])   # the version of the turn it answers
         slot.turn_base = len(slot.response_ids)
+
+    def _fits(self, slot, obs: list[int], budget: int, what: str) -> bool:
+        """Whether `obs` leaves room for a model token in the budget; if not the episode ends
+        here, cut by the budget (its tokens stay within it; never the round's error)."""
+        if len(slot.response_ids) + len(obs) < budget:
+            return True
+        self.counts["env_budget_ends"] += 1
+        if not slot.response_ids and self.counts["env_budget_ends"] <= 3:   # nothing of it can train
+            log.warning("episode g%d s%d ends cut by the token budget: %s is %d tokens, %d of "
+                        "rollout.sampling.max_new_tokens=%d are left (raise it, or make the environment's "
+                        "observations shorter)", slot.gid, slot.index, what, len(obs),
+                        budget - len(slot.response_ids), budget)
+        self._finish(slot, "length")
+        return False
 
     @staticmethod
     def _append(slot, ids: list[int], version: int) -> None:
@@ -189,11 +210,6 @@ class EpisodeDriver:
         self._envs.clear()
         concurrent.futures.wait(list(self._closing), timeout=self.timeout_s + 1)
         self.runner.close()
-
-
-def _last_version(slot) -> int:
-    """The version observation tokens are stamped with: the turn before's (0 before any)."""
-    return slot.versions[-1] if slot.versions else 0
 
 
 async def _quiet_close(env, timeout_s: float) -> None:

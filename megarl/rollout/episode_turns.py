@@ -24,7 +24,8 @@ class EpisodeTurns:
         """An episode's request once its environment is live: None if the episode ended
         (reset failed); rebuilt if reset appended a first observation."""
         before = len(slot.response_ids)
-        task = asyncio.ensure_future(self.episodes.ensure(slot, self.groups[slot.gid]))
+        task = asyncio.ensure_future(self.episodes.ensure(slot, self.groups[slot.gid], self._budget(slot),
+                                                          self.pool.version))
         self._env_tasks.add(task)   # a round's end and a snapshot wait for it (_settle_env)
         try:
             await task

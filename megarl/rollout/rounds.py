@@ -286,5 +286,6 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict:
     out = {f"staleness_frac_{k}": counts[k] / total for k in sorted(counts)}
     out["staleness_max"] = max(counts) if counts else 0
     out["staleness_mean"] = sum(k * c for k, c in counts.items()) / total
-    out["samples_spanning_versions"] = sum(len(set(s.versions)) > 1 for s in samples)
+    out["samples_spanning_versions"] = sum(len({v for v, m in zip(s.versions, s.loss_mask) if m}) > 1
+                                           for s in samples)
     return out

@@ -11,6 +11,8 @@ as functions of plain data: groups and slots are the controller's (`controller.G
   deadline is a guard, not an order (with S unbounded nothing is ever due).
 - restart / drop: before a round, a sample holding a token more than S versions old is
   restarted from its prompt, or its whole group dropped.
+Only the model's tokens count (`model_versions`): an episode's observation tokens (mask 0) are
+context the environment appended, never trained, so they make no sample stale.
 """
 from __future__ import annotations
 
@@ -61,9 +63,22 @@ def training_order(group, step: int) -> tuple:
     return (not due, group.gid)
 
 
+def model_versions(slot) -> list[int]:
+    """The versions of the slot's model tokens: every token of a single-turn sample (no mask),
+    an episode's mask-1 tokens (its observation tokens are context, not the policy's)."""
+    if not slot.mask:
+        return slot.versions
+    return [v for v, m in zip(slot.versions, slot.mask) if m]
+
+
+def oldest(slot, default=None):
+    """The version of the slot's oldest model token (`default` when it has none)."""
+    return min(model_versions(slot), default=default)
+
+
 def stale_slots(group, step: int, max_staleness: int) -> list:
-    """Slots of `group` holding a token more than max_staleness versions older than `step`."""
-    return [s for s in group.slots if s.versions and step - min(s.versions) > max_staleness]
+    """Slots of `group` holding a model token more than max_staleness versions older than `step`."""
+    return [s for s in group.slots if (v := oldest(s)) is not None and step - v > max_staleness]
 
 
 def discard_stale(groups: dict, completed: list, step: int, max_staleness: int, drop: bool) -> tuple[list, Discarded]:
@@ -102,8 +117,8 @@ def check_deadlines(groups: dict, completed: list, step: int, engine_version: in
     Mutates `groups`; returns the complete groups and what was discarded."""
     out = Discarded()
 
-    def latest(g) -> int:   # its first token's version + S (no token yet: the engines' version)
-        return min((v for s in g.slots for v in s.versions), default=engine_version) + max_staleness
+    def latest(g) -> int:   # its first model token's version + S (no token yet: the engines' version)
+        return min((v for s in g.slots for v in model_versions(s)), default=engine_version) + max_staleness
 
     def valid(g) -> bool:
         return g.deadline is not None and step <= g.deadline <= latest(g)

@@ -93,12 +93,16 @@ class CountingEnv(Environment):
 
 
 async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", state=None, fail=None,
-                max_turns=5, log=None, version=0):
+                max_turns=5, log=None, version=0, env=None, policy="finish", max_staleness=8, max_new=200,
+                on_round=None, tokenizer=None):
+    """`rounds` rounds as the trainer runs them. env: the environment class (CountingEnv);
+    tokenizer (a WordTokenizer); on_round(ctl, version) after each round's groups were taken."""
     clock = Clock()
     clock.start()
     log = [] if log is None else log
     pool = EnginePool([TurnEngine(f"e{i}", clock, log) for i in range(2)], 30, update_mode=update_mode)
-    episodes = EpisodeDriver(EnvSpec("counting", CountingEnv), WordTokenizer(), max_turns=max_turns, timeout_s=0.5)
+    episodes = EpisodeDriver(EnvSpec("counting", env or CountingEnv), tokenizer or WordTokenizer(), max_turns=max_turns,
+                             timeout_s=0.5)
     gid = [0]
 
     def new_group():
@@ -108,8 +112,8 @@ async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", st
         if fail and g in fail:
             record["fail"] = fail[g]
         return record, list(PROMPT)
-    ctl = PartialRolloutController(pool, n=n, concurrency=concurrency, max_new_tokens=200, temperature=1.0,
-                                   max_staleness=8, stale_policy="finish", new_group=new_group,
+    ctl = PartialRolloutController(pool, n=n, concurrency=concurrency, max_new_tokens=max_new, temperature=1.0,
+                                   max_staleness=max_staleness, stale_policy=policy, new_group=new_group,
                                    score=lambda s: s.reward, seed=0, episodes=episodes)
     if state is not None:
         ctl.load_state_dict(state)
@@ -123,6 +127,8 @@ async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", st
             ctl.take_ready()
             trained.append((version, groups))
             metrics.append(ctl.metrics())
+            if on_round:
+                on_round(ctl, version)
             version += 1
             await pool.reload_weights("/nowhere", version)
             if update_mode == "keep":
