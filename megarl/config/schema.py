@@ -444,8 +444,14 @@ class ServiceConfig:
     max_episodes: int = 64             # open episodes at once; more are refused (HTTP 429)
     episode_timeout_s: float = 600.0   # an episode with no call for this long is cancelled (counted)
     wait_s: float = 3600.0             # a step waits this long for its groups, then fails naming the service
+    max_request_mb: float = 16.0       # a request body larger than this is refused (HTTP 413)
+    # complete groups waiting for the trainer at most; past it new episodes are refused (HTTP 429)
+    # until a step takes some. At least train.groups_per_step
+    max_ready_groups: int = 64
 
     def __post_init__(self):
+        _require(self.max_request_mb >= 0.001, "service.max_request_mb", self.max_request_mb, "must be >= 0.001")
+        _require(self.max_ready_groups >= 1, "service.max_ready_groups", self.max_ready_groups, "must be >= 1")
         _require(self.host not in ("0.0.0.0", "::", ""), "service.host", self.host,
                  "bind to 127.0.0.1 or the node's cluster-internal address, not every interface")
         _require(0 <= self.port < 65536, "service.port", self.port, "must be a TCP port (0: a free one)")
@@ -641,6 +647,10 @@ class RootConfig:
         if mode == "service":
             _require(not self.rollout.overlap and not self.rollout.partial.asynchronous, "rollout.mode", mode,
                      "outside agents generate continuously already: remove rollout.overlap / rollout.partial.async")
+            # a step takes groups_per_step complete groups; fewer may wait before new episodes are refused
+            _require(self.service.max_ready_groups >= self.train.groups_per_step, "service.max_ready_groups",
+                     self.service.max_ready_groups, f"must be at least train.groups_per_step="
+                     f"{self.train.groups_per_step} (a step takes that many complete groups at once)")
 
     def _check_weight_sync(self) -> None:
         """weight_sync.backend=ipc against the engines (auto's choice of ipc depends on CUDA:

@@ -17,15 +17,11 @@ class MetricsLogger:
     def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / "metrics.jsonl"
-        # a fresh run starts a fresh file; a resumed one keeps the rows before its checkpoint's
-        # step (rows logged after that checkpoint, before a crash, are about to be redone)
-        kept = []
-        if start_step and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) < start_step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self.jsonl = path.open("a")
+        self.start_step = start_step
+        # opened at the first logged step: a run that trained nothing (its engines never came
+        # up, a bad input found late) leaves no metrics.jsonl, and the rows of the run before
+        # it stay as they were
+        self.jsonl = None
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # here: it loads tensorboard (seconds)
@@ -33,8 +29,22 @@ class MetricsLogger:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="megarl", unit="step",
                         disable=not progress, dynamic_ncols=True)
 
+    def _open(self):
+        """metrics.jsonl for appending: a fresh run starts a fresh file; a resumed one keeps the
+        rows before its checkpoint's step (rows logged after that checkpoint, before a crash,
+        are about to be redone)."""
+        path = self.dir / "metrics.jsonl"
+        kept = []
+        if self.start_step and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) < self.start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        return path.open("a")
+
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        if self.jsonl is None:
+            self.jsonl = self._open()
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
@@ -49,7 +59,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.bar.close()
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
 

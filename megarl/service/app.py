@@ -12,22 +12,28 @@ Routes (all but `GET /health` need `Authorization: Bearer <service.api_key>`):
 Sampling is the run's, not the agent's: the trainer's importance ratios assume each token was
 drawn at the run's temperature with top_p=1 and no penalties, so a request asking otherwise is
 refused (400) instead of quietly served differently. Errors use OpenAI's shape
-{"error": {"message", "type", "code", "param"}}, so agents' clients raise their usual errors.
+{"error": {"message", "type", "code", "param"}}, so agents' clients raise their usual errors;
+an engine failure (503) or an internal error (500) says what happened without the engines'
+addresses or log paths, which go to the trainer's log. A body larger than service.max_request_mb
+is refused (413) as it arrives, whether its Content-Length says so or not.
 Imported only when the service starts (fastapi comes with vLLM).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from megarl.service.recorder import ServiceError
+from megarl.rollout.engine import EngineError
+from megarl.service.recorder import ENGINE_FAILED, ServiceError
 
 OPEN = {("GET", "/health")}
+log = logging.getLogger("megarl.service")
 
 
 def authorized(authorization: str, digest: bytes) -> bool:
@@ -131,10 +137,18 @@ def create_app(service):
     async def service_error(request: Request, err: ServiceError):
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, err: EngineError):
+        # an engine failure met outside a chat call (an abort of a cancelled episode's request)
+        log.warning("megarl: %s %s failed on the engines: %s", request.method, request.url.path, err)
+        return JSONResponse(ServiceError(503, ENGINE_FAILED).body(), status_code=503)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
-        # an agent's client expects OpenAI's error shape on a 500 too (the traceback goes to the log)
-        body = {"error": {"message": f"internal error of the megarl agent service: {type(err).__name__}: {err}",
+        # an agent's client expects OpenAI's error shape on a 500 too; what went wrong (which may
+        # name engines, paths) goes to the trainer's log
+        log.error("megarl: agent service error on %s %s", request.method, request.url.path, exc_info=err)
+        body = {"error": {"message": "internal error of the megarl agent service (reported in the trainer's log)",
                           "type": "server_error", "code": None, "param": None}}
         return JSONResponse(body, status_code=500)
 
@@ -173,4 +187,41 @@ def create_app(service):
     async def trajectory(episode_id: str):
         return service.trajectory(episode_id)
 
-    return app
+    return BodyLimit(app, service.max_request_bytes)
+
+
+class BodyLimit:
+    """ASGI wrapper: a request whose body is larger than `limit` bytes gets 413 (OpenAI's error
+    shape) before the app sees it: at once when its Content-Length says so, else once the bytes
+    that arrived pass it. The body (at most `limit` bytes) is read here, then handed to the app."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, scope, receive, send) -> None:
+        err = ServiceError(413, f"the request body is larger than service.max_request_mb="
+                                f"{self.limit / (1 << 20):g} MiB", "request_too_large")
+        await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":          # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return body.pop() if body else await receive()
+        await self.app(scope, replay, send)

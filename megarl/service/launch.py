@@ -18,8 +18,9 @@ def open_service(cfg, pool, tokenizer, next_task):
     key = sv.api_key or os.environ.get(SERVICE_KEY_ENV, "") or secrets.token_urlsafe(24)
     service = AgentService(pool.pool, tokenizer, next_task=next_task, n=r.sampling.n, api_key=key, host=sv.host,
                            port=sv.port, max_episodes=sv.max_episodes, max_new_tokens=r.sampling.max_new_tokens,
-                           temperature=r.sampling.temperature, seed=cfg.run.seed,
-                           episode_timeout_s=sv.episode_timeout_s)
+                           max_model_len=r.engines.max_model_len, temperature=r.sampling.temperature,
+                           seed=cfg.run.seed, episode_timeout_s=sv.episode_timeout_s,
+                           max_request_bytes=int(sv.max_request_mb * (1 << 20)), max_ready_groups=sv.max_ready_groups)
     pool.call(service.start(), f"starting the rollout service on {sv.host}:{sv.port}")
     path = os.path.join(cfg.run.dir, "service.json")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

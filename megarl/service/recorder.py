@@ -11,6 +11,11 @@ new messages, and only those new messages are rendered, as a delta
 version of the last model token. Completion tokens are kept as the engine returned them:
 mask 1, their behaviour logprobs and versions.
 
+Every call's prompt (the first call's rendered messages; later, the episode's tokens so far
+and the new messages) must leave room for a completion token in the engines' context
+(rollout.engines.max_model_len), and a completion is cut to the room left: an agent cannot send
+what the engine would refuse, nor make an episode longer than the trainer's sequences.
+
 Pure logic: no HTTP, no engine. Errors are `ServiceError`s carrying the HTTP status and the
 OpenAI error type the app answers with.
 """
@@ -23,6 +28,9 @@ from megarl.data.sample import Sample
 from megarl.envs.render import ObservationRenderer, conversation_delta_ids
 
 BUDGET_SPENT = "episode token budget spent"
+# what an agent hears when the engines fail: never their URLs or log paths (the trainer's log has them)
+ENGINE_FAILED = ("the policy's engines could not serve this call (an engine failure, reported in the trainer's "
+                 "log); the episode is unchanged, the call may be sent again")
 
 
 class ServiceError(Exception):
@@ -103,13 +111,15 @@ class Turn:
 
 class EpisodeRecorder:
     """The growing token record of one episode; `max_new_tokens` bounds its response ids
-    (completions and context deltas together)."""
+    (completions and context deltas together), `max_model_len` (the engines' context) its
+    prompt and response ids together."""
 
-    def __init__(self, episode_id: str, renderer: ObservationRenderer, max_new_tokens: int):
+    def __init__(self, episode_id: str, renderer: ObservationRenderer, max_new_tokens: int, max_model_len: int):
         if renderer.template != "chat":
             raise ValueError("an agent episode needs the tokenizer's chat template (the renderer's template is "
                              f"{renderer.template!r})")
         self.episode_id, self.renderer, self.max_new_tokens = episode_id, renderer, max_new_tokens
+        self.max_model_len = max_model_len
         self.messages: list[dict] = []         # conversation so far, ending with the assistant message returned
         self.prompt_ids: list[int] = []
         self.response_ids: list[int] = []
@@ -155,8 +165,25 @@ class EpisodeRecorder:
                                     f"{len(context)} more for the new messages): end it with a reward", "budget_spent")
         if max_tokens is not None and max_tokens < 1:
             raise ServiceError(400, f"max_tokens={max_tokens} must be >= 1")
+        left = min(left, self._room(len(prompt) + len(self.response_ids) + len(context)))
         return Turn(messages, list(prompt), list(self.response_ids), context,
                     left if max_tokens is None else min(max_tokens, left))
+
+    def _room(self, prompt_len: int) -> int:
+        """Completion tokens the engines' context leaves after a prompt of `prompt_len` tokens;
+        ServiceError (400) when not even one."""
+        room = self.max_model_len - prompt_len
+        if room >= 1:
+            return room
+        if self.calls == 0:
+            why = (f"the first call's messages render to {prompt_len} tokens, and the policy's context holds "
+                   f"rollout.engines.max_model_len={self.max_model_len} tokens, prompt and completion together: "
+                   f"send shorter messages")
+        else:
+            why = (f"with the new messages the episode holds {prompt_len} tokens, and the policy's context holds "
+                   f"rollout.engines.max_model_len={self.max_model_len} tokens, prompt and completion together: "
+                   f"end it with a reward")
+        raise ServiceError(400, f"episode {self.episode_id}: {why}", "context_full")
 
     def commit(self, turn: Turn, token_ids: list[int], logprobs: list[float], versions: list[int],
                finish_reason: str, content: str) -> None:

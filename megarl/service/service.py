@@ -18,97 +18,37 @@ the service is one of the pool's `holders`, so no engine request starts while on
 way; with rollout.update_mode=abort a call's request aborted by an update is sent again with
 its tokens so far appended (each token keeps the version it was sampled under), with keep the
 engines hold it over the update themselves.
+
+Bounds and answers: every call's prompt must fit the engines' context (rollout.engines.max_model_len;
+the recorder refuses one that does not, 400, and cuts a completion to what is left); a call the
+engine refuses as invalid is answered 400 with the engine's message (the engine stays in
+service, the episode is unchanged); an engine failure is a 503 that names no engine (its URL and
+log are in the trainer's log, not for agents). Request bodies are bounded by the app
+(service.max_request_mb, 413), and complete groups waiting for the trainer by
+service.max_ready_groups: past it new episodes get 429 until a step takes some.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megarl.data.sample import Sample
 from megarl.data.seeds import group_seed, request_seed, sample_seed
 from megarl.envs.render import ObservationRenderer
-from megarl.rollout.engine import EngineError, GenRequest, GenResult
-from megarl.service.recorder import EpisodeRecorder, ServiceError, Turn
+from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
+from megarl.service.groups import Group, GroupBook
+from megarl.service.recorder import ENGINE_FAILED, EpisodeRecorder, ServiceError, Turn
 
+log = logging.getLogger("megarl.service")
 STATE_FORMAT = 1
 ENDED_KEPT = 4096          # ended episode ids remembered, so a late call learns why it is refused
-
-
-@dataclass
-class Group:
-    """One record handed out n times, and the rewarded episodes of it so far (by slot)."""
-    serial: int                    # the service's group number, from 0
-    record: dict
-    uid: int                       # the record's number in the run's data stream
-    issued: int = 0                # slots handed out the first time
-    free: list[int] = field(default_factory=list)   # slots to hand out again (cancelled, timed out, lost)
-    samples: dict[int, Sample] = field(default_factory=dict)
-
-
-class GroupBook:
-    """Hands out records n times each and collects the groups their episodes fill."""
-
-    def __init__(self, n: int, draw: Callable[[], tuple[dict, int]]):
-        self.n, self.draw = n, draw
-        self.groups: dict[int, Group] = {}    # untaken groups, by serial (in serial order)
-        self.next_serial = 0
-
-    def hand_out(self) -> tuple[Group, int]:
-        """(group, slot) for a new episode: a slot given back first (oldest group), else the
-        next slot of the newest group, else a new record from the data stream."""
-        for g in self.groups.values():
-            if g.free:
-                return g, g.free.pop(0)
-        last = self.groups.get(self.next_serial - 1)
-        if last is None or last.issued >= self.n:
-            record, uid = self.draw()
-            last = self.groups[self.next_serial] = Group(self.next_serial, record, uid)
-            self.next_serial += 1
-        last.issued += 1
-        return last, last.issued - 1
-
-    def give_back(self, group: Group, slot: int) -> None:
-        group.free = sorted(group.free + [slot])
-
-    def finish(self, group: Group, slot: int, sample: Sample) -> bool:
-        """Record a rewarded episode; True when that completed its group."""
-        group.samples[slot] = sample
-        return len(group.samples) == self.n
-
-    def complete(self) -> list[Group]:
-        return [g for g in self.groups.values() if len(g.samples) == self.n]
-
-    def take(self, k: int) -> list[list[Sample]]:
-        """The k oldest complete groups (each in slot order), removed; Sample.group is the
-        group's position in the returned list (its index within the trainer's step)."""
-        out = []
-        for i, g in enumerate(self.complete()[:k]):
-            del self.groups[g.serial]
-            out.append([replace(g.samples[s], group=i) for s in sorted(g.samples)])
-        return out
-
-    def state_dict(self) -> dict:
-        return {"next_serial": self.next_serial,
-                "groups": [{"serial": g.serial, "record": g.record, "uid": g.uid, "issued": g.issued,
-                            "samples": [[s, asdict(x)] for s, x in sorted(g.samples.items())]}
-                           for g in self.groups.values()]}
-
-    def load_state_dict(self, state: dict) -> int:
-        """Restore; every slot handed out without a reward is handed out again (the episodes
-        open at the snapshot are lost). Returns how many such slots there were."""
-        self.next_serial, self.groups, lost = state["next_serial"], {}, 0
-        for gs in state["groups"]:
-            samples = {int(s): Sample(**x) for s, x in gs["samples"]}
-            free = [s for s in range(gs["issued"]) if s not in samples]
-            lost += len(free)
-            self.groups[gs["serial"]] = Group(gs["serial"], gs["record"], gs["uid"], gs["issued"], free, samples)
-        return lost
 
 
 @dataclass
@@ -151,13 +91,18 @@ class AgentService:
 
     def __init__(self, pool, tokenizer, *, next_task: Callable[[], tuple[dict, int]], n: int, api_key: str,
                  host: str = "127.0.0.1", port: int = 0, max_episodes: int = 64, max_new_tokens: int = 1024,
-                 temperature: float = 1.0, seed: Optional[int] = None, episode_timeout_s: float = 600.0,
-                 model_name: str = "megarl-policy"):
+                 max_model_len: int, temperature: float = 1.0, seed: Optional[int] = None,
+                 episode_timeout_s: float = 600.0, model_name: str = "megarl-policy",
+                 max_request_bytes: int = 16 << 20, max_ready_groups: int = 64):
         _check("rollout.sampling.n", n, isinstance(n, int) and n >= 1, "episodes per record must be an integer >= 1")
         _check("service.api_key", "***" if api_key else api_key, bool(api_key),
                "the service needs an API key (anyone reaching the port could otherwise steer the run)")
         _check("service.max_episodes", max_episodes, max_episodes >= 1, "must be >= 1")
         _check("rollout.sampling.max_new_tokens", max_new_tokens, max_new_tokens >= 1, "must be >= 1")
+        _check("rollout.engines.max_model_len", max_model_len, isinstance(max_model_len, int) and max_model_len >= 2,
+               "must be an integer >= 2 (the engines' context: a prompt and at least one completion token)")
+        _check("service.max_request_mb", max_request_bytes / (1 << 20), max_request_bytes >= 1024, "must be >= 0.001")
+        _check("service.max_ready_groups", max_ready_groups, max_ready_groups >= 1, "must be >= 1")
         _check("rollout.sampling.temperature", temperature, temperature > 0,
                "must be > 0: agent episodes are sampled, and PPO needs their behaviour logprobs")
         _check("service.episode_timeout_s", episode_timeout_s, episode_timeout_s > 0, "must be > 0")
@@ -168,6 +113,8 @@ class AgentService:
         self.pool, self.tokenizer, self.renderer = pool, tokenizer, ObservationRenderer(tokenizer, "chat")
         self.api_key, self.host, self.port, self.model_name = api_key, host, port, model_name
         self.n, self.max_episodes, self.max_new_tokens = n, max_episodes, max_new_tokens
+        self.max_model_len, self.max_request_bytes, self.max_ready_groups = max_model_len, max_request_bytes, \
+            max_ready_groups
         self.temperature, self.seed, self.episode_timeout_s = temperature, seed, episode_timeout_s
         self.book = GroupBook(n, next_task)
         self.episodes: dict[str, Episode] = {}
@@ -248,10 +195,14 @@ class AgentService:
         if len(self.episodes) >= self.max_episodes:
             raise ServiceError(429, f"{len(self.episodes)} episodes are open (service.max_episodes="
                                     f"{self.max_episodes}): end one with a reward or cancel it, or retry later")
+        ready = len(self.book.complete())
+        if ready >= self.max_ready_groups:
+            raise ServiceError(429, f"{ready} complete groups are waiting for the trainer (service.max_ready_groups="
+                                    f"{self.max_ready_groups}): retry after its next step takes them", "groups_waiting")
         group, slot = self.book.hand_out()
         eid = f"ep-{uuid.uuid4().hex}"
-        self.episodes[eid] = Episode(eid, group, slot, EpisodeRecorder(eid, self.renderer, self.max_new_tokens),
-                                     time.monotonic())
+        recorder = EpisodeRecorder(eid, self.renderer, self.max_new_tokens, self.max_model_len)
+        self.episodes[eid] = Episode(eid, group, slot, recorder, time.monotonic())
         self.counts["started"] += 1
         return {"episode_id": eid, "group": group.serial, "index": slot, "task": group.record}
 
@@ -377,9 +328,12 @@ class AgentService:
         ep.busy = True
         try:
             got = await self._generate(ep, turn)
+        except RequestError as err:      # the call's own error: the engine is fine, the agent hears why
+            raise ServiceError(400, f"episode {episode_id}: the policy's engine refused this call: {err}",
+                               "request_refused") from err
         except EngineError as err:
-            raise ServiceError(503, f"episode {episode_id}: the rollout engines failed this call ({err}); the "
-                                    f"episode is unchanged, the call may be sent again") from err
+            log.warning("megarl: agent call of episode %s failed on the engines: %s", episode_id, err)
+            raise ServiceError(503, f"episode {episode_id}: {ENGINE_FAILED}") from err
         finally:
             ep.busy, ep.last = False, time.monotonic()
         if ep.ended:
@@ -407,6 +361,9 @@ class AgentService:
     # -- the trainer's side --------------------------------------------------------------------
     async def take_groups(self, k: int) -> list[list[Sample]]:
         """Wait for k complete groups; hand them over, oldest first (see GroupBook.take)."""
+        if k > self.max_ready_groups:   # new episodes would be refused before k groups are complete
+            raise ValueError(f"train.groups_per_step={k} is more than service.max_ready_groups="
+                             f"{self.max_ready_groups}: raise service.max_ready_groups to at least {k}")
         while len(self.book.complete()) < k:
             self._changed.clear()
             await self._changed.wait()

@@ -224,6 +224,8 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     assert "not healthy after 25 s" in batch and "Last lines of its log" in batch, batch
     assert "# megarl: engine 0 at http://127.0.0.1:" in batch        # the server log's first line
     assert "the engines did not come up" in batch
+    # no step was trained: no step's checkpoint, and no metrics row (the file is made at the first step)
+    assert not list(run_dir.glob("checkpoints/step_*")), list(run_dir.glob("checkpoints/*"))
     assert not (run_dir / "metrics.jsonl").exists()
     _assert_nothing_left(sub.tree)
 

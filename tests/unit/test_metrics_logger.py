@@ -24,8 +24,21 @@ def test_fresh_run_truncates_and_resume_drops_rows_after_checkpoint(tmp_path):
     got = rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1, 2] and got[-1]["reward_mean"] == 0.9
 
+    # a fresh run that trained nothing leaves the file as it was; its first step starts it anew
     MetricsLogger(str(tmp_path), 4, tensorboard=False, progress=False).close()
-    assert rows(tmp_path / "metrics.jsonl") == []
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    log = MetricsLogger(str(tmp_path), 4, tensorboard=False, progress=False)
+    log.log(0, {"reward_mean": 0.5})
+    log.close()
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0]
+
+
+def test_a_run_that_trained_nothing_leaves_no_metrics_file(tmp_path):
+    """metrics.jsonl is created at the first logged step, not when the run starts: a run
+    stopped before its first step (engines that never came up) leaves none."""
+    run = tmp_path / "run"
+    MetricsLogger(str(run), 4, tensorboard=False, progress=False).close()
+    assert run.is_dir() and not (run / "metrics.jsonl").exists()
 
 
 def test_trainer_idle_frac_is_the_share_of_the_step_not_training():

@@ -41,7 +41,7 @@ class Harness:
         self.pool = EnginePool([self.engine], timeout_s=10, update_mode=update_mode, keep_kv=False)
         self.drawn = 0
         options = dict(n=2, api_key=KEY, max_episodes=8, max_new_tokens=64, temperature=T, seed=3,
-                       episode_timeout_s=30.0)
+                       episode_timeout_s=30.0, max_model_len=4096)
         self.service = AgentService(self.pool, tokenizer, next_task=self.next_task, **{**options, **settings})
         self.loop.run(self.pool.start(), 10)
         self.loop.run(self.service.start(), 10)
@@ -305,8 +305,8 @@ def test_the_group_book_hands_out_given_back_places_first():
 def test_settings_are_checked_by_name(tokenizer):
     task = lambda: ({}, 0)
     with pytest.raises(ValueError, match="service.api_key"):
-        AgentService(None, tokenizer, next_task=task, n=2, api_key="")
+        AgentService(None, tokenizer, next_task=task, max_model_len=256, n=2, api_key="")
     with pytest.raises(ValueError, match="rollout.sampling.temperature=0"):
-        AgentService(None, tokenizer, next_task=task, n=2, api_key=KEY, temperature=0)
+        AgentService(None, tokenizer, next_task=task, max_model_len=256, n=2, api_key=KEY, temperature=0)
     with pytest.raises(ValueError, match="rollout.sampling.n=0"):
-        AgentService(None, tokenizer, next_task=task, n=0, api_key=KEY)
+        AgentService(None, tokenizer, next_task=task, max_model_len=256, n=0, api_key=KEY)
