@@ -113,6 +113,22 @@ def test_sampled_logprobs_match_transformers_at_temperature(server, hf):
         assert max(abs(a - b) for a, b in zip(ref, res.logprobs)) < 1e-4
 
 
+async def far_from_budget(engine, keys, tasks):
+    """The precondition of an abort test, from the server itself: pause, read its count of
+    each request's tokens (/megarl/held_tokens), resume. Each is still running and at least
+    LONG - count - 1 tokens away from its budget, thousands of decode steps, while the abort
+    that follows takes one round trip: the check cannot be outrun however fast the engine."""
+    await engine.pause()
+    try:
+        _, body = await engine._call("GET", held_tokens.ROUTE)
+        ids = {f.key: f.vllm_id for f in engine._inflight.values()}
+        counts = {k: body["tokens"].get(ids.get(k)) for k in keys}
+    finally:
+        await engine.resume()
+    assert not any(t.done() for t in tasks) and all(n is not None and n < LONG // 2 for n in counts.values()), counts
+    return counts
+
+
 def test_abort_keeps_partial_and_greedy_continuation_matches(server):
     """An aborted greedy request keeps the tokens it streamed, and continuing from them gives
     the tokens an uninterrupted request gives. The aborted request has a budget it cannot reach
@@ -122,6 +138,7 @@ def test_abort_keeps_partial_and_greedy_continuation_matches(server):
     async def body(engine):
         task = asyncio.create_task(engine.generate(GenRequest("cut", p, LONG, temperature=0.0, ignore_eos=True)))
         await wait_until(lambda: engine.progress("cut") >= 8 or task.done(), what="first tokens")
+        await far_from_budget(engine, ["cut"], [task])
         t0 = time.monotonic()
         await engine.abort(["cut"])
         abort_s = time.monotonic() - t0
@@ -150,6 +167,7 @@ def test_abort_all_resolves_every_running_request(server):
         tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
         await wait_until(lambda: all(engine.progress(r.key) > 0 for r in reqs) or any(t.done() for t in tasks),
                          what="all requests streaming")
+        await far_from_budget(engine, [r.key for r in reqs], tasks)
         await engine.abort()
         assert all(t.done() for t in tasks)
         return [t.result() for t in tasks], engine.running
