@@ -173,7 +173,7 @@ def test_ipc_wire_has_no_group_and_holds_its_buffers():
     meet = object.__new__(wires.IpcRendezvous)
     assert meet.engine_info(5) == {"packed": False} and meet.missing() is None
     group = meet.join()
-    wires.IpcWire.send(group, None, None)              # nothing goes on a wire
+    wires.IpcWire.send(group, None, None, 30)             # nothing goes on a wire
     wires.IpcWire.drop(group)
 
 

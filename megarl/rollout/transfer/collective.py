@@ -16,12 +16,14 @@ One push (every trainer rank calls `CollectiveTransport.push`):
    the engines resume (`end_update`, also after a failure).
 
 Failures: every engine call is bounded by rollout.engines.timeout_s and so is every broadcast
-(the group's timeout), so nothing hangs. A member that never joins is named and retired. If a
-bucket fails (an engine died mid-broadcast), the group is dropped, which ends the others'
-pending receives at once; engines that are not alive are retired, and the push is redone once
-(every trainer rank iterates the source again: rank 0 broadcasts its decision) with a group
-of the survivors, so they end on the new version. Nothing is kept for the redo: at most
-`num_buffers` packed buckets exist at any time.
+(the group's timeout; the nccl wire's own wait, wires.py), so nothing hangs; the session also
+bounds the sender thread's time on the wire and the sender's join, whatever the wire does
+(`send_limit_s`): past it the group is dropped and the push fails with a WeightGroupError. A
+member that never joins is named and retired. If a bucket fails (an engine died mid-broadcast),
+the group is dropped, which ends the others' pending receives at once; engines that are not
+alive are retired, and the push is redone once (every trainer rank iterates the source again:
+rank 0 broadcasts its decision) with a group of the survivors, so they end on the new version.
+Nothing is kept for the redo: at most `num_buffers` packed buckets exist at any time.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from megarl.distributed import faults
 from megarl.distributed.env import free_port, from_rank0
 from megarl.rollout.engine import Engine, EngineError
 from megarl.rollout.transfer import packing, source
-from megarl.rollout.transfer.wires import WIRES
+from megarl.rollout.transfer.wires import MEMBER_GRACE_S, WIRES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("megarl.engines")
@@ -49,6 +51,25 @@ log = logging.getLogger("megarl.engines")
 
 class WeightGroupError(EngineError):
     """A broadcast of the weight group failed (a member died or timed out)."""
+
+
+def send_limit_s(timeout_s: float) -> float:
+    """How long the sender may stay on one bucket's wire send, or in its join, before the
+    session gives up on it: the wire's own bound (timeout_s) and a grace, as the members get."""
+    return timeout_s + min(MEMBER_GRACE_S, timeout_s)
+
+
+class _OnWire:
+    """When the sender thread went on the wire with its current bucket (None: not on it), read
+    by the main thread's watch; `abandoned`: the session gave up on the thread."""
+
+    def __init__(self):
+        self.since: float | None = None
+        self.abandoned = False
+
+    def stuck(self, limit_s: float) -> bool:
+        since = self.since
+        return since is not None and time.monotonic() - since > limit_s
 
 
 class CollectiveTransport:
@@ -150,31 +171,38 @@ class CollectiveTransport:
         slots = threading.Semaphore(self.ws.num_buffers)
         wire: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
-        sender = threading.Thread(target=self._sender, args=(engines, wire, slots, errors, stats),
+        on_wire, limit = _OnWire(), send_limit_s(float(pool.timeout_s))
+        sender = threading.Thread(target=self._sender, args=(engines, wire, slots, errors, stats, on_wire),
                                   name="megarl-weight-sender", daemon=True)
         sender.start()
         try:
             it = iter(buckets)
-            while not errors:
+            while not errors and not on_wire.stuck(limit):
                 while not slots.acquire(timeout=0.5):
-                    if errors:
+                    if errors or on_wire.stuck(limit):
                         break
-                if errors:
-                    break
-                bucket = next(it, None)
-                if bucket is None:
-                    break
-                wire.put(bucket)
+                else:
+                    bucket = next(it, None)
+                    if bucket is None:
+                        break
+                    wire.put(bucket)
         finally:
             wire.put(None)
-            sender.join()
+            while sender.is_alive() and not on_wire.stuck(limit):
+                sender.join(0.2)
+        if sender.is_alive():           # stuck on the wire: it never returns to us
+            on_wire.abandoned = True
+            self._drop_group()          # ends a pending broadcast where the wire can (NCCL's abort)
+            raise WeightGroupError(f"the weight broadcast of a bucket to {len(engines)} engines did not finish "
+                                   f"within {limit:.0f} s (rollout.engines.timeout_s={pool.timeout_s:g}): an engine "
+                                   f"died or hung mid-broadcast")
         if errors:
             raise errors[0]
         sp.call(pool.on_each(lambda e: e.finish_weight_update(version), engines),
                 f"finishing weight version {version}")
         self._give_held(reuse=True)           # the engines are done reading them (ipc)
 
-    def _sender(self, engines, wire: queue.Queue, slots, errors: list, stats: dict) -> None:
+    def _sender(self, engines, wire: queue.Queue, slots, errors: list, stats: dict, on_wire: _OnWire) -> None:
         """Thread: for each bucket, every engine's receive call, then the one broadcast."""
         while True:
             bucket = wire.get()
@@ -182,30 +210,36 @@ class CollectiveTransport:
                 return
             try:
                 if not errors:
-                    self._send(engines, *bucket, stats)
+                    self._send(engines, *bucket, stats, on_wire)
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 errors.append(err if isinstance(err, EngineError) else WeightGroupError(str(err)))
             finally:
-                if self.wire.holds_buffers:   # the engines read it until the finish (ipc)
+                if on_wire.abandoned:         # given up on: the wire may still read it, never reused
+                    pass
+                elif self.wire.holds_buffers:   # the engines read it until the finish (ipc)
                     self._held.append(bucket[1])
                 else:
                     self.buffers.give(bucket[1])
                 del bucket
                 slots.release()
 
-    def _send(self, engines, meta, buf, stats: dict) -> None:
+    def _send(self, engines, meta, buf, stats: dict, on_wire: _OnWire) -> None:
         sp = self.pool
         faults.point("sync_bucket")
         receive = sp.loop.submit(_settled([e.update_weights(self.wire.update_info(meta, buf)) for e in engines]))
         t = time.perf_counter()
+        on_wire.since = time.monotonic()
         try:
-            self.wire.send(self.group, meta, buf)
+            self.wire.send(self.group, meta, buf, sp.timeout_s)
         except RuntimeError as err:
+            on_wire.since = None          # off the wire: collecting the receives is bounded below
             # the engines' receive calls end with the group (dropped by the caller): collect them
             self._drop_group()
             _result(receive, sp.timeout_s + 30)
             raise WeightGroupError(f"the weight broadcast to {len(engines)} engines failed "
                                    f"({meta.nbytes} bytes): {err}") from err
+        finally:
+            on_wire.since = None
         stats["sync_wire_s"] += time.perf_counter() - t
         results = sp.loop.wait(receive, sp.timeout_s + 30, "receiving a weight bucket")
         failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
@@ -250,9 +284,17 @@ class CollectiveTransport:
             joiner = threading.Thread(target=sender_join, name="megarl-weight-join", daemon=True)
             joiner.start()
             failed: list = []
+            # the sender's join is bounded by the group (gloo) or not at all (NCCL's init): once more here
+            until = time.monotonic() + 2 * send_limit_s(timeout_s)
             while joiner.is_alive() and not failed:   # an engine that fails to join is named at once
                 joiner.join(0.2)
                 failed = [(e, f.exception()) for e, f in zip(engines, joins) if f.done() and f.exception()]
+                if not failed and joiner.is_alive() and time.monotonic() > until:
+                    for f in joins:
+                        f.cancel()
+                    raise EngineError(f"the weight group ({world} members at {host}:{port}) did not form within "
+                                      f"{2 * send_limit_s(timeout_s):.0f} s (rollout.engines.timeout_s={timeout_s:g}): "
+                                      f"the sender's join never returned; an engine may be hung, see their logs")
             if "group" in box and not failed:
                 results = [_result(f, timeout_s + 60) for f in joins]
                 failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]

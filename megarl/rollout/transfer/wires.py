@@ -17,22 +17,50 @@ it tells them per bucket, and how it puts a packed bucket on the wire.
 
 Every wire: `Rendezvous(host, port, world, timeout_s)` (`engine_info(rank_offset)`, `join()`
 -> the group, `missing()`), `update_info(meta, buf)` (what each engine's `update_weights`
-gets), `send(group, meta, buf)`, `drop(group)`, `holds_buffers`.
+gets), `send(group, meta, buf, timeout_s)`, `drop(group)`, `holds_buffers`.
+
+Deadlines: `send` returns within `timeout_s` (rollout.engines.timeout_s) or raises. gloo's group
+bounds each of its sends and receives itself (group.py); NCCL's calls only enqueue work on a
+CUDA stream, which waits for ever on a peer that died, so the nccl wire polls an event recorded
+after its broadcasts (`wait_until`) and gives up at the deadline; the caller then drops the
+group (ncclCommAbort), which ends the pending broadcast. The sender's session bounds the join
+and every send once more (collective.py), whatever the wire.
 """
 from __future__ import annotations
 
 import base64
 import functools
 import pickle
+import time
+from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from megarl.distributed.env import check_listen
+from megarl.rollout.engine import EngineError
 from megarl.rollout.transfer import group as wgroup
 from megarl.rollout.transfer import packing
 
 MEMBER_GRACE_S = 30.0
+
+
+class WireTimeout(EngineError):
+    """A wait of the weight wire passed its deadline (an engine died or hung mid-transfer)."""
+
+
+def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Until `ready()` is true; past `timeout_s` a WireTimeout naming the setting. CUDA has no
+    wait with a timeout: the caller's event is polled, sleeping a little longer each time (at
+    most 10 ms, against a broadcast of tens of ms or more)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while not ready():
+        if time.monotonic() >= deadline:
+            raise WireTimeout(f"{what} did not complete within {timeout_s:g} s (rollout.engines.timeout_s): an "
+                              f"engine died or hung mid-transfer; see the engines' logs, or raise the setting")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
 
 
 class GlooRendezvous:
@@ -67,7 +95,8 @@ class GlooWire:
         return meta.to_dict()
 
     @staticmethod
-    def send(group, meta: packing.BucketMeta, buf) -> None:
+    def send(group, meta: packing.BucketMeta, buf, timeout_s: float) -> None:
+        # each send and receive of the chain is bounded by the group's own timeout (the same setting)
         wgroup.broadcast(group, buf if buf.device.type == "cpu" else buf.cpu())
 
     @staticmethod
@@ -109,11 +138,14 @@ class NcclWire:
         return {"names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes}
 
     @staticmethod
-    def send(group, meta: packing.BucketMeta, buf) -> None:
+    def send(group, meta: packing.BucketMeta, buf, timeout_s: float) -> None:
         stream = torch.cuda.current_stream()
         for _, view in packing.unpack(meta, buf):      # the order vLLM's receiver expects
             group.broadcast(view, src=0, stream=stream)
-        stream.synchronize()
+        # not stream.synchronize(): it has no deadline, and a dead peer stalls the stream for ever
+        done = torch.cuda.Event()
+        done.record(stream)
+        wait_until(done.query, timeout_s, f"the NCCL broadcast of a weight bucket ({meta.nbytes} bytes)")
 
     @staticmethod
     def drop(group) -> None:
@@ -168,7 +200,7 @@ class IpcWire:
                 "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii")}
 
     @staticmethod
-    def send(group, meta: packing.BucketMeta, buf) -> None:
+    def send(group, meta: packing.BucketMeta, buf, timeout_s: float) -> None:
         """Nothing: the engines read the bytes through the handles of `update_info`."""
 
     @staticmethod
