@@ -33,6 +33,7 @@ from megarl.metrics.step import rollout_metrics, trainer_idle_frac
 from megarl.models.loading import check_megatron_dir
 from megarl.models.setup import build_all, check_model_dir
 from megarl.ppo.batch import build_batch
+from megarl.ppo.microbatch import batching_of
 from megarl.ppo.overlap import Overlap
 from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs
 from megarl.rewards import build_verifier, needs_answer
@@ -265,7 +266,7 @@ class Trainer:
         # rollout.overlap: the passes computed during the round, the rest now (group by group)
         forward = None if self.overlap is None else self.overlap.forward(samples, batch, step)
         if models.reward_model is not None:  # scored on the trainer ranks, all of them together
-            rm = reward_model.sequence_scores(models.reward_model, batch, cfg.train.micro_batch_size, forward)
+            rm = reward_model.sequence_scores(models.reward_model, batch, batching_of(cfg), forward)
             batch.scores = batch.scores + cfg.reward.model_coef * rm
             extra["rm_score_mean"] = float(rm.mean())
         metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step, forward)
@@ -314,7 +315,7 @@ def _overlap(cfg: RootConfig, models, pad_id: int) -> Overlap:
     if models.reward_model is not None:
         passes.append(reward_model.score_pass(models.reward_model))
     multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    return Overlap(passes, pad_id, multiple, cfg.train.micro_batch_size)
+    return Overlap(passes, pad_id, multiple, batching_of(cfg))
 
 
 def _lock_run_dir(run_dir: str, is_rank0: bool):

@@ -222,7 +222,15 @@ class TrainConfig:
     groups_per_step: int = 16          # prompts per step; each has rollout.sampling.n samples
     ppo_epochs: int = 1                # passes over each step's data
     mini_batches: int = 1              # optimizer updates per epoch
-    micro_batch_size: int = 8          # sequences per forward/backward (gradient accumulation)
+    # Micro-batches (gradient accumulation; docs/design.md "Batching"): by default
+    # micro_batch_size rows each; with max_tokens_per_micro_batch > 0 as many rows as fit that
+    # many tokens (rows x their padded length), and micro_batch_size must stay unset. Either
+    # way each micro-batch is padded only to its own longest row and DP ranks get equal tokens.
+    micro_batch_size: int = 8          # rows per micro-batch
+    max_tokens_per_micro_batch: int = 0  # 0: off; else >= rollout.engines.max_model_len
+    # false: every row padded to the step's longest, rows in order (the layout before
+    # length-aware batching, for comparisons); a token budget needs true
+    remove_padding: bool = True
     actor_lr: float = 1e-4
     critic_lr: float = 5e-4
     lr_warmup_steps: int = 0           # linear warm-up of both learning rates, in optimizer updates
@@ -242,12 +250,26 @@ class TrainConfig:
         _require(self.ppo_epochs >= 1, "train.ppo_epochs", self.ppo_epochs, "must be >= 1")
         _require(self.mini_batches >= 1, "train.mini_batches", self.mini_batches, "must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        self._check_token_budget()
         _one_of("train.lr_decay_style", self.lr_decay_style, {"constant", "linear", "cosine"})
         _one_of("train.recompute", self.recompute, {"none", "full"})
         _one_of("train.on_nonfinite", self.on_nonfinite, {"stop", "skip"})
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(self.actor_lr > 0 and self.critic_lr > 0, "train.actor_lr/critic_lr",
                  (self.actor_lr, self.critic_lr), "learning rates must be > 0")
+
+
+    def _check_token_budget(self) -> None:
+        budget = self.max_tokens_per_micro_batch
+        _require(budget >= 0, "train.max_tokens_per_micro_batch", budget,
+                 "must be >= 0 (0: micro-batches by row count)")
+        if budget:
+            _require(not _changed(self, {"micro_batch_size"}), "train.micro_batch_size", self.micro_batch_size,
+                     f"sizes micro-batches by rows, but train.max_tokens_per_micro_batch={budget} sizes them by "
+                     f"tokens: remove train.micro_batch_size, or set train.max_tokens_per_micro_batch=0")
+            _require(self.remove_padding, "train.remove_padding", self.remove_padding,
+                     f"false pads every row to the step's longest, which train.max_tokens_per_micro_batch={budget} "
+                     f"cannot bound: set train.remove_padding=true, or train.max_tokens_per_micro_batch=0")
 
 
 @dataclass
@@ -622,6 +644,12 @@ class RootConfig:
     def __post_init__(self):
         self._check_episodes()
         self._check_weight_sync()
+        budget, longest = self.train.max_tokens_per_micro_batch, self.rollout.engines.max_model_len
+        if self.parallel.sequence_parallel:
+            longest = -(-longest // self.parallel.tp) * self.parallel.tp
+        _require(not budget or budget >= longest, "train.max_tokens_per_micro_batch", budget,
+                 f"cannot hold a sequence of rollout.engines.max_model_len tokens ({longest} padded): "
+                 f"raise it to at least {longest}")
         if self.algo.name == "grpo":
             _require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
                      "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
@@ -685,7 +713,9 @@ def validate_world(cfg: RootConfig, world_size: int) -> int:
     _require(cfg.samples_per_step % cfg.train.mini_batches == 0, "train.mini_batches",
              cfg.train.mini_batches,
              f"must divide the samples per step ({cfg.samples_per_step} = groups_per_step x rollout.sampling.n)")
-    _require(per_mini % (dp * cfg.train.micro_batch_size) == 0, "train.micro_batch_size",
+    # a token budget sizes micro-batches itself (ppo/microbatch.py); a row count must divide
+    _require(cfg.train.max_tokens_per_micro_batch > 0 or per_mini % (dp * cfg.train.micro_batch_size) == 0,
+             "train.micro_batch_size",
              cfg.train.micro_batch_size,
              f"a mini-batch of {per_mini} sequences over dp={dp} ranks must split into "
              f"micro-batches of this size: pick a divisor of {per_mini // dp if per_mini % dp == 0 else per_mini}")

@@ -54,6 +54,12 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         pipeline_model_parallel_size=pp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        # micro-batches have shapes of their own (ppo/microbatch.py): each p2p message between
+        # pipeline stages is preceded by its shape
+        variable_seq_lengths=pp > 1,
+        # megatron refuses variable_seq_lengths with its default MoE token dispatcher
+        # (allgather) even in a dense model; these have no experts, no dispatcher is built
+        moe_token_dispatcher_type="alltoall",
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         # fusions need Apex/TE kernels; on CPU the unfused paths are the only ones

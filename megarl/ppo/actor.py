@@ -11,7 +11,7 @@ from megarl.ppo.batch import Batch, response_targets, to_response_layout
 from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
 from megarl.ppo.optim import optimizer_step
 from megarl.ppo.reports import token_sums
-from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches, sum_reports
+from megarl.ppo.schedule import forward_per_token, local_micro_batches, loss_scale, run_microbatches, sum_reports
 
 
 def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, with_entropy: bool,
@@ -21,19 +21,21 @@ def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, w
                                    temperature)
 
 
-def logprobs(model, batch: Batch, micro_batch_size: int, true_vocab: int,
-             temperature: float = 1.0) -> torch.Tensor:
-    """[b, R] logprobs of the response tokens under softmax(`model` logits / temperature)."""
+def logprobs(model, batch: Batch, layout, true_vocab: int, temperature: float = 1.0) -> torch.Tensor:
+    """[b, R] logprobs of the response tokens under softmax(`model` logits / temperature).
+    `layout`: the micro-batches (schedule.local_micro_batches: a Batching, a size, or a list)."""
     def fn(mb, logits):
         return _response_logprobs(mb["batch"], logits, true_vocab, False, temperature)[0] * mb["batch"].resp_mask
-    return forward_per_token(model, batch, micro_batch_size, fn)
+    return forward_per_token(model, batch, layout, fn)
 
 
 def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_weights,
-           algo: AlgoConfig, micro_batch_size: int, normalizer: float, temperature: float = 1.0,
+           algo: AlgoConfig, layout, normalizer: float, temperature: float = 1.0,
            keep=None, clip: tuple[float, float] | None = None, align=None) -> dict:
     """One optimizer step of the actor on this rank's rows of a mini-batch.
 
+    layout: this rank's micro-batches (schedule.local_micro_batches: the step passes the
+    Plan's share of this rank, every DP rank with as many).
     temperature: the rollout's sampling temperature (logits are divided by it, as the engine did).
     keep: [b, R] tokens the policy loss trains (M2PO's mask; None: all); the entropy and KL
     terms still see every token. clip: (clip_low, clip_high) for this update (BAPO's bounds,
@@ -50,8 +52,8 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     clip_low, clip_high = clip or (algo.clip_low, algo.clip_high)
     # M2PO trains without any ratio clip (its mask bounds the update instead)
     dual_clip = None if clip_low == float("inf") else algo.dual_clip
-    n_micro = batch.size // micro_batch_size
-    scale = loss_scale(n_micro)
+    micro = local_micro_batches(batch, layout)
+    scale = loss_scale(len(micro))
     true_vocab = actor.info.vocab_size
 
     def loss_fn(mb, logits):
@@ -76,7 +78,7 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
 
     actor.model.zero_grad_buffer()
     actor.optimizer.zero_grad()
-    reports = run_microbatches(actor.model, batch, micro_batch_size, loss_fn, forward_only=False,
+    reports = run_microbatches(actor.model, batch, micro, loss_fn, forward_only=False,
                                extras=extras)
     grad_norm, _ = optimizer_step(actor, "actor", align)   # align keeps its own record (take())
     return {**sum_reports(reports), "grad_norm": grad_norm}

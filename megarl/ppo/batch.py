@@ -1,5 +1,9 @@
 """Samples -> padded tensors, and the response-aligned view every per-token quantity uses.
 
+The batch is padded to its longest row; the passes over it compute micro-batches trimmed to
+their own longest (`Batch.trim`, planned by ppo/microbatch.py), so this padding is storage,
+not compute.
+
 Two layouts:
 - sequence layout [B, L]: prompt + response tokens, right-padded; what the model reads.
 - response layout [B, R]: column j is response token j. Logprobs, values, rewards,
@@ -29,6 +33,7 @@ class Batch:
     stopped: torch.Tensor       # [B] bool, ended on EOS
     stored_old: torch.Tensor    # [B, R] float, trainer logprobs stored by partial rollout (a prefix)
     stored_mask: torch.Tensor   # [B, R] bool, where stored_old holds a value
+    seq_lens: torch.Tensor      # [B] long, prompt + response tokens of each row (the rest is padding)
 
     @property
     def size(self) -> int:
@@ -37,6 +42,22 @@ class Batch:
     def select(self, idx) -> "Batch":
         """Rows `idx` (slice or index tensor on the batch's device) of every field."""
         return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+    def trim(self, length: int, width: int) -> "Batch":
+        """The first `length` sequence positions and `width` response columns (views): a
+        micro-batch padded only to its own longest row (ppo/microbatch.py). Positions past
+        `length` are padding of every row here; resp_index is clamped as build_batch clamps it."""
+        per_token = {"resp_mask", "behav_logp", "versions", "stored_old", "stored_mask"}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update({k: out[k][:, :width] for k in per_token})
+        out["tokens"] = self.tokens[:, :length]
+        out["resp_index"] = self.resp_index[:, :width].clamp(max=length - 1)
+        return Batch(**out)
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        """[B] response tokens of each row (model and observation tokens)."""
+        return self.seq_lens - self.resp_index[:, 0] - 1
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +99,8 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
             stored_mask[i, :m] = True
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float)
     stopped = torch.tensor([s.stopped for s in samples])
-    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask)
+    lens = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
+    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask, lens)
     return batch.to(target or dev.current())
 
 

@@ -10,23 +10,26 @@ from megarl.ppo.batch import Batch, to_response_layout
 from megarl.ppo.losses import value_loss
 from megarl.ppo.optim import optimizer_step
 from megarl.ppo.reports import token_sums
-from megarl.ppo.schedule import forward_per_token, loss_scale, run_microbatches, sum_reports
+from megarl.ppo.schedule import forward_per_token, local_micro_batches, loss_scale, run_microbatches, sum_reports
 
 
 def _values(b: Batch, out: torch.Tensor) -> torch.Tensor:
     return to_response_layout(out, b.resp_index).squeeze(-1).float() * b.resp_mask  # [b, R]
 
 
-def values(critic_model, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-    """[b, R] value of the state before each response token (forward only)."""
-    return forward_per_token(critic_model, batch, micro_batch_size, lambda mb, out: _values(mb["batch"], out))
+def values(critic_model, batch: Batch, layout) -> torch.Tensor:
+    """[b, R] value of the state before each response token (forward only); `layout`: the
+    micro-batches (schedule.local_micro_batches)."""
+    return forward_per_token(critic_model, batch, layout, lambda mb, out: _values(mb["batch"], out))
 
 
 def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfig,
-           micro_batch_size: int, normalizer: float) -> dict:
-    """One optimizer step of the critic on this rank's rows of a mini-batch; returns this rank's
-    summed statistics (megarl.ppo.reports says how each key reduces)."""
-    scale = loss_scale(batch.size // micro_batch_size)
+           layout, normalizer: float) -> dict:
+    """One optimizer step of the critic on this rank's rows of a mini-batch (`layout`: its
+    micro-batches, as in actor.update); returns this rank's summed statistics
+    (megarl.ppo.reports says how each key reduces)."""
+    micro = local_micro_batches(batch, layout)
+    scale = loss_scale(len(micro))
 
     def loss_fn(mb, out):
         b = mb["batch"]
@@ -39,7 +42,7 @@ def update(critic: Trainable, batch: Batch, old_values, returns, algo: AlgoConfi
 
     critic.model.zero_grad_buffer()
     critic.optimizer.zero_grad()
-    reports = run_microbatches(critic.model, batch, micro_batch_size, loss_fn, forward_only=False,
+    reports = run_microbatches(critic.model, batch, micro, loss_fn, forward_only=False,
                                extras={"old_values": old_values, "returns": returns})
     grad_norm, _ = optimizer_step(critic, "critic")
     return {**sum_reports(reports), "critic_grad_norm": grad_norm}

@@ -15,26 +15,27 @@ the round still generates, run on every trainer rank during the round.
 
 Layout (measured on CPU, docs/partial_rollout.md "Intra-step overlap"): a row's values do not
 depend on which rows share its micro-batch, but they do depend on the padded sequence length
-L (the batch's longest row; up to 1.5e-6 in a logprob). So with overlap on, every group is
-computed alone, padded to its own longest row, its rows split over DP in whole micro-batches
-(`carry_layout`), whether during the round or after it: a row's values then depend only on its
-group and the weights, and overlap equals the same passes after the round bitwise.
+(its micro-batch's longest row; up to 1.5e-6 in a logprob). So with overlap on, every group is
+computed alone, planned by the step's batching rule over its own rows (ppo/microbatch.py:
+split over DP, micro-batches padded to their own longest), whether during the round or after
+it: a row's values then depend only on its group and the weights, and overlap equals the same
+passes after the round bitwise.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from megarl.data.sample import Sample
-from megarl.distributed import parallel
 from megarl.distributed.env import from_rank0
 from megarl.models.offload import resident
 from megarl.ppo.batch import Batch, build_batch
-from megarl.ppo.schedule import gather_dp
-from megarl.ppo.step import Pass, carry_layout
+from megarl.ppo.microbatch import Batching, as_batching
+from megarl.ppo.schedule import forward_all
+from megarl.ppo.step import Pass
 
 POLL_S = 0.05   # how often the driver looks for new groups while the round runs
 # groups per broadcast: the driver looks at the round again after each batch of passes, so
@@ -109,27 +110,25 @@ class PassCache:
         self._rows = {k: e for k, e in self._rows.items() if e.version is None and k[1][0] in keep_uids}
 
 
-def group_rows(p: Pass, samples: list[Sample], pad_id: int, multiple: int, mbs: int) -> list[torch.Tensor]:
+def group_rows(p: Pass, samples: list[Sample], pad_id: int, batching: Batching) -> list[torch.Tensor]:
     """`p`'s values of one group's rows, in a layout that depends on the group alone: its own
-    padded batch, the rows split over DP in whole micro-batches (copies of row 0 fill the last
-    ones), gathered back. Collective over all trainer ranks. Each row trimmed to its response.
-    The caller holds `p.resident` (once for all the groups it computes)."""
-    count, dp = len(samples), parallel.dp_size()
-    rows, size = carry_layout(count, dp, mbs)
-    order = torch.zeros(rows * dp, dtype=torch.long)
-    order[:count] = torch.arange(count)
-    batch = build_batch(samples, pad_id, multiple)
-    mine = order[parallel.dp_rank() * rows:(parallel.dp_rank() + 1) * rows].to(batch.device)
+    batch, planned by `batching` over its rows (split over DP, each micro-batch padded to its
+    own longest), gathered back. Collective over all trainer ranks. Each row trimmed to its
+    response. The caller holds `p.resident` (once for all the groups it computes)."""
+    batch = build_batch(samples, pad_id, batching.multiple)
     with torch.no_grad():
-        full = gather_dp(p.fn(p.model, batch.select(mine), size))[:count]
+        full = forward_all(p.fn, p.model, batch, batching)
     return [full[i, :max(1, len(s.response_ids))] for i, s in enumerate(samples)]
 
 
 class Overlap:
     """The pass cache of one trainer rank and the collective protocol that fills it."""
 
-    def __init__(self, passes: list[Pass], pad_id: int, multiple: int, micro_batch_size: int):
-        self.passes, self.pad_id, self.multiple, self.mbs = passes, pad_id, multiple, micro_batch_size
+    def __init__(self, passes: list[Pass], pad_id: int, multiple: int, micro_batch_size: int | Batching):
+        """`micro_batch_size`: the step's batching rule (microbatch.batching_of) or a row count;
+        `multiple`: the sequence-length multiple (TP with sequence parallelism)."""
+        self.passes, self.pad_id = passes, pad_id
+        self.batching = replace(as_batching(micro_batch_size), multiple=multiple)
         self.cache = PassCache()
         self.seconds = 0.0           # spent on passes during the last round
         self._live: set[int] = set()  # uids of the groups left waiting at the last round's end
@@ -142,7 +141,7 @@ class Overlap:
                 continue
             with resident(p.resident):   # an offloaded model comes back once for all the groups
                 for samples in todo:
-                    rows = group_rows(p, samples, self.pad_id, self.multiple, self.mbs)
+                    rows = group_rows(p, samples, self.pad_id, self.batching)
                     for k, s, row in zip(row_keys(samples), samples, rows):
                         self.cache.put(p, version, k, s, row)
 
@@ -198,7 +197,7 @@ class Overlap:
             if todo:
                 with resident(p.resident):
                     for where in todo:   # a group is computed whole, never in part
-                        computed = group_rows(p, [samples[i] for i in where], self.pad_id, self.multiple, self.mbs)
+                        computed = group_rows(p, [samples[i] for i in where], self.pad_id, self.batching)
                         for i, row in zip(where, computed):
                             rows[i] = row
             out = torch.zeros(batch.resp_mask.shape, dtype=rows[0].dtype, device=batch.device)

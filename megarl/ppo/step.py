@@ -18,7 +18,6 @@ from megarl.config.schema import RootConfig
 from megarl.data.seeds import minibatch_seed
 from megarl.distributed import device as dev
 from megarl.distributed import parallel
-from megarl.distributed.parallel import dp_rows
 from megarl.models.offload import resident
 from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
@@ -28,19 +27,19 @@ from megarl.ppo.batch import Batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatch_stats
 from megarl.ppo.grad_align import GradAlign
 from megarl.ppo.losses import LOG_RATIO_CLAMP, kl_penalty, masked_mean
+from megarl.ppo.microbatch import Usage, batching_of, plan_batch
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
-from megarl.ppo.schedule import gather_dp
+from megarl.ppo.schedule import forward_all
 from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
 
-
-def _forward_all(fn, model, batch: Batch, mbs: int) -> torch.Tensor:
-    return gather_dp(fn(model, batch.select(dp_rows(batch.size)), mbs))
+_forward_all = forward_all   # the name the layout tests' probe computes logprobs with
 
 
 @dataclass(frozen=True)
 class Pass:
-    """One forward-only pass of a step: `fn(model, batch, micro_batch_size) -> [b, R]` on this
-    rank's rows, with `resident` brought back from offload around it. `versioned`: its values
+    """One forward-only pass of a step: `fn(model, rows, micro_batches) -> [b, R]` on this
+    rank's rows (schedule.forward_all plans them), with `resident` brought back from offload
+    around it. `versioned`: its values
     change with the trained weights (actor, critic), not those of frozen models (reference,
     reward model). The same object serves the step and the intra-step overlap (ppo/overlap.py),
     so both compute a row the same way."""
@@ -50,10 +49,11 @@ class Pass:
     resident: object = None
     versioned: bool = True
 
-    def run(self, batch: Batch, mbs: int) -> torch.Tensor:
-        """[B, R] over the whole batch: this DP rank's rows, gathered over DP."""
+    def run(self, batch: Batch, layout) -> torch.Tensor:
+        """[B, R] over the whole batch: this DP rank's rows of the plan of `layout` (a
+        microbatch.Batching or a micro-batch size), gathered over DP."""
         with resident(self.resident):
-            return _forward_all(self.fn, self.model, batch, mbs)
+            return forward_all(self.fn, self.model, batch, layout)
 
 
 def forward_passes(cfg: RootConfig, actor, reference, critic) -> dict[str, Pass]:
@@ -76,10 +76,10 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     """`forward(pass) -> [B, R]`: how the forward-only passes are computed (default: over the
     whole batch, split over DP; with rollout.overlap, `overlap.StepForward`: the rows computed
     during the round, the rest group by group)."""
-    algo, mbs = cfg.algo, cfg.train.micro_batch_size
+    algo, batching = cfg.algo, batching_of(cfg)
     temp = cfg.rollout.sampling.temperature
     mask = batch.resp_mask
-    forward = forward or (lambda p: p.run(batch, mbs))
+    forward = forward or (lambda p: p.run(batch, batching))
     passes = forward_passes(cfg, actor, reference, critic)
 
     old_logp = forward(passes["logp"])
@@ -111,12 +111,12 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     train_actor = not estimator.needs_critic or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(minibatch_seed(cfg.run.seed, step))
+    usage = Usage()   # what the update passes compute (metrics train_*)
     try:
         for _ in range(cfg.train.ppo_epochs):
             order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
             for chunk in order.chunk(n_mini):
-                rows = chunk[dp_rows(len(chunk))]
-                mini, local = batch.select(chunk), batch.select(rows)
+                mini, local, rows, at, micro = dp_share(batch, chunk, batching, usage)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
                     keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp,
@@ -124,11 +124,12 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                     for k, v in stats.items():
                         stabilized.setdefault(k, []).append(v)
                     report = actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
-                                              is_w[rows], algo, mbs, norm, temp, keep=keep, clip=clip, align=align)
+                                              is_w[rows], algo, micro, norm, temp,
+                                              keep=None if keep is None else keep[at], clip=clip, align=align)
                     reports.add(sums, report, "actor")
                 if critic is not None:
                     with resident(critic.model):
-                        report = critic_ops.update(critic, local, old_values[rows], returns[rows], algo, mbs, norm)
+                        report = critic_ops.update(critic, local, old_values[rows], returns[rows], algo, micro, norm)
                         reports.add(sums, report, "critic")
     except NonFiniteError as err:   # a loss or gradient: the remaining updates of the step are dropped
         return nonfinite.report(str(err), step, cfg.train.on_nonfinite)
@@ -149,12 +150,26 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                       for k, v in stabilized.items()})
     updates = cfg.train.ppo_epochs * n_mini
     return {**reports.to_metrics(totals, updates, parallel.dp_size()), **(align.take() if align else {}),
-            **dev.host_values(on_device)}   # one device-to-host copy for all of them
+            **usage.metrics(), **dev.host_values(on_device)}   # one device-to-host copy for all of them
+
+
+def dp_share(batch: Batch, chunk: torch.Tensor, batching, usage: Usage) -> tuple:
+    """A mini-batch (rows `chunk` of `batch`) and this DP rank's share of it: (the mini-batch,
+    this rank's rows of it as a Batch, their indices in `batch` and positions in `chunk`,
+    fillers included, and its micro-batches over them). Every rank gets as many micro-batches;
+    the plan is added to `usage`."""
+    mini = batch.select(chunk)
+    plan = plan_batch(mini, batching, parallel.dp_size())
+    positions, micro, _ = plan.local(parallel.dp_rank())
+    usage.add(plan)
+    at = dev.put(torch.tensor(positions, dtype=torch.long), batch.device)
+    return mini, batch.select(chunk[at]), chunk[at], at, micro
 
 
 def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mask):
     """The stale-data stabilizers of one mini-batch (docs/stabilizers.md): (the token keep mask
-    of this DP rank's rows of it or None, the (clip_low, clip_high) the loss uses, statistics).
+    of its rows, laid out as `chunk`, or None; the (clip_low, clip_high) the loss uses;
+    statistics).
 
     Computed from the whole mini-batch (`chunk`, every rank holds every row), so every rank
     and every layout derives the same mask and bounds, and from the logprobs of the weights
@@ -170,8 +185,7 @@ def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mas
     if algo.m2po_tau is not None:
         log_r = torch.where(mask.bool(), cur_logp[chunk] - behav_logp[chunk], 0.0)
         keep, stats = m2po_keep(log_r, mask, algo.m2po_tau)
-        # keep is laid out as the chunk's rows; this rank's are chunk[dp_rows(len(chunk))]
-        return keep[dp_rows(len(chunk))], (float("inf"), float("inf")), stats
+        return keep, (float("inf"), float("inf")), stats
     if algo.bapo:
         log_r = torch.where(mask.bool(), cur_logp[chunk] - old_logp[chunk], 0.0)
         ratio = torch.exp(torch.clamp(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -188,38 +202,21 @@ def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) 
 
     Only global rank 0 (the driver, which holds the carry) needs to pass `samples`; the
     other ranks pass None. The samples go out as three tensors (one broadcast each, not a
-    pickled list), each DP rank computes its own share of the rows in whole micro-batches
-    (padded, never shrunk to micro-batch 1), and the shares are gathered back: every rank
-    returns the values of every sample, in order ([] when there is none).
+    pickled list), each DP rank computes its share of the rows in the micro-batches of the
+    step's batching rule (ppo/microbatch.py: balanced by tokens, each micro-batch padded to
+    its own longest), and the shares are gathered back: every rank returns the values of
+    every sample, in order ([] when there is none).
     """
     tokens, lens, width = _share_carry(samples if _global_rank() == 0 else None, pad_id,
                                        cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
     count = lens.shape[0]
     if count == 0:
         return []
-    dp = parallel.dp_size()
-    rows, mbs = carry_layout(count, dp, cfg.train.micro_batch_size)
-    # the padded order: the real rows, then copies of row 0 (computed, then dropped) so that
-    # every micro-batch is full; DP rank r takes positions r*rows .. (r+1)*rows-1
-    order = torch.zeros(rows * dp, dtype=torch.long)
-    order[:count] = torch.arange(count)
-    mine = dev.put(order[parallel.dp_rank() * rows:(parallel.dp_rank() + 1) * rows], tokens.device)
-    local = _logprob_batch(tokens[mine], lens[mine], width)
-    logp = actor_ops.logprobs(actor.model, local, mbs, actor.info.vocab_size, cfg.rollout.sampling.temperature)
-    logp = gather_dp(logp)[:count].cpu()      # DP-rank order = the padded order
+    vocab, temp = actor.info.vocab_size, cfg.rollout.sampling.temperature
+    logp = forward_all(lambda m, b, layout: actor_ops.logprobs(m, b, layout, vocab, temp), actor.model,
+                       _logprob_batch(tokens, lens, width), batching_of(cfg)).cpu()
     resp = lens[:, 1].cpu().tolist()
     return [logp[i, :n].tolist() for i, n in enumerate(resp)]
-
-
-def carry_layout(count: int, dp: int, micro_batch_size: int) -> tuple[int, int]:
-    """(rows per DP rank, micro-batch size) for a forward-only pass over `count` rows: as few
-    micro-batches per rank as train.micro_batch_size allows, each as small as they can be
-    while all are full (61 rows, dp=1, mbs=16: 4 micro-batches of 16, 3 rows of padding;
-    3 rows: one micro-batch of 3). Padding is less than a row per micro-batch."""
-    per_rank = -(-count // dp)
-    n_micro = -(-per_rank // micro_batch_size)
-    mbs = -(-per_rank // n_micro)
-    return n_micro * mbs, mbs
 
 
 def _global_rank() -> int:
@@ -273,4 +270,4 @@ def _logprob_batch(tokens: torch.Tensor, lens: torch.Tensor, width: int) -> Batc
     zeros = torch.zeros_like(mask)
     return Batch(tokens, resp_index, mask, zeros, torch.zeros_like(resp_index), zeros[:, 0],
                  torch.zeros(count, dtype=torch.bool, device=tokens.device), zeros,
-                 torch.zeros_like(mask, dtype=torch.bool))
+                 torch.zeros_like(mask, dtype=torch.bool), lens.sum(dim=1))

@@ -1,11 +1,11 @@
-"""The carry's l_old at scale (split over DP, whole micro-batches, tensors) and the `kl`
+"""The carry's l_old at scale (split over DP by the step's batching rule, tensors) and the `kl`
 metric under stitching, on 2 real gloo ranks (tests/dist/old_logprob_probe.py)."""
 import json
 
 import pytest
 from conftest import run_py
 
-from megarl.ppo.step import carry_layout
+from megarl.ppo.microbatch import carry_layout
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,13 @@ def test_dp_split_gives_the_one_rank_values(ranks):
         assert r["carry_empty"] == []
 
 
-def test_each_dp_rank_computes_its_share_in_full_micro_batches(ranks):
-    # 61 rows over dp=2 with train.micro_batch_size=8: 31 per rank -> 4 micro-batches of 8
-    # (one row of padding), not 61 rows on every rank one at a time
-    for r in ranks:
-        assert r["carry"]["forward_rows"] == [8, 8, 8, 8], r["carry"]["forward_rows"]
+def test_each_dp_rank_computes_its_share_in_micro_batches(ranks):
+    # 61 rows over dp=2 with train.micro_batch_size=8 (ppo/microbatch.py): 31 and 30 rows, 4
+    # micro-batches of at most 8 on each rank, every row once, no filler; not 61 rows on every
+    # rank one at a time
+    calls = [r["carry"]["forward_rows"] for r in ranks]
+    assert [len(c) for c in calls] == [4, 4], calls
+    assert all(0 < n <= 8 for c in calls for n in c) and sum(map(sum, calls)) == 61, calls
 
 
 def test_kl_metric_is_the_current_weights_estimate_for_every_kl_kind(ranks):
