@@ -76,9 +76,10 @@ class EpisodeDriver:
             log.warning("episode g%d s%d ends with reward 0: %s", slot.gid, slot.index, err)
         slot.env_status = "timeout" if timeout else "error"
         slot.env_reward = 0.0
-        self._finish(slot, "stop")
+        self.finish(slot, "stop")
 
-    def _finish(self, slot, reason: str) -> None:
+    def finish(self, slot, reason: str) -> None:
+        """End the episode (`reason`: its finish_reason) and close its environment."""
         slot.finish_reason = reason
         self._close(self._envs.pop(self._key(slot), None))
 
@@ -153,10 +154,10 @@ class EpisodeDriver:
             return
         slot.env_reward += float(res.reward)
         if res.done:
-            self._finish(slot, "stop")
+            self.finish(slot, "stop")
             return
         if slot.turns >= self.max_turns:
-            self._finish(slot, "length")   # cut by env.max_turns: it did not end on its own
+            self.finish(slot, "length")   # cut by env.max_turns: it did not end on its own
             return
         obs = self.renderer.ids(str(res.observation), slot.response_ids[b - 1] if b > a else None)
         if not self._fits(slot, obs, budget, f"the observation after turn {slot.turns}"):
@@ -175,7 +176,7 @@ class EpisodeDriver:
                         "rollout.sampling.max_new_tokens=%d are left (raise it, or make the environment's "
                         "observations shorter)", slot.gid, slot.index, what, len(obs),
                         budget - len(slot.response_ids), budget)
-        self._finish(slot, "length")
+        self.finish(slot, "length")
         return False
 
     @staticmethod

@@ -45,6 +45,7 @@ module admits, serves, scores and ends rounds.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Callable, Iterable, Optional
 
@@ -53,17 +54,21 @@ from megarl.data.sample import Sample
 from megarl.distributed import faults
 from megarl.rollout import staleness
 from megarl.rollout.carry import CarryOver
-from megarl.rollout.engine import EngineError, GenRequest, GenResult
+from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
 from megarl.rollout.episode_turns import EpisodeTurns
 from megarl.rollout.round_stats import RoundStats, round_metrics
 from megarl.rollout.slots import Group, Slot, group_from_state, group_samples, group_state, sample_identity, set_tokens
 from megarl.rollout.slots import store_old_logprobs as _store_old_logprobs
+from megarl.rollout.sync_rollout import REFUSED
 
 STALE_POLICIES = staleness.POLICIES
+log = logging.getLogger("megarl.engines")
 
 
 def _score_all(score: Callable[[Sample], float], samples: list[Sample]) -> list[float]:
-    return [score(s) for s in samples]
+    """Each sample's reward; a refused one scores 0 without the verifier (or its environment's
+    rewards so far): the environment contract's failed sample."""
+    return [0.0 if s.finish_reason == REFUSED else score(s) for s in samples]
 
 
 class PartialRolloutController(CarryOver, EpisodeTurns):
@@ -116,6 +121,8 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         self._holding = False
         self._round_done: Optional[asyncio.Event] = None
         self._error: Optional[BaseException] = None
+        self._refusal: Optional[RequestError] = None   # the round's first refused request
+        self._refused_total = 0
         self.stats = RoundStats()
 
     # -- admission -------------------------------------------------------------------------
@@ -215,11 +222,13 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
 
     # -- serving ---------------------------------------------------------------------------
     async def _serve(self, req: GenRequest, slot: Slot, engine) -> None:
-        key = req.key
+        key, refused = req.key, None
         try:
             if self.episodes is not None and not self.episodes.live(slot):   # its first turn, or resumed
                 req = await self._episode_request(req, slot)
             result = None if req is None else await self.pool.generate(req, engine)
+        except RequestError as err:    # the request's own fault (the engine is fine): its sample fails
+            result, refused = None, err
         except BaseException as err:   # an engine failure ends the round with the error
             self._unbook(key, slot, engine)
             self._fail(err)
@@ -231,7 +240,9 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         try:
             group = self.groups.get(slot.gid)   # before any await: a slot finishing meanwhile may emit it
             if current:   # else the slot was restarted or its group dropped meanwhile: the result is void
-                if result is not None:
+                if refused is not None:
+                    self._refuse(slot, refused)
+                elif result is not None:
                     self._absorb(slot, result, base)
                     if self.episodes is not None and slot.finish_reason == "stop":
                         await self._env_turn(slot)   # the environment's turn: done, or the next model turn waits
@@ -243,6 +254,20 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
                 self._fill()   # samples occupancy once refilled: a finished request is replaced at once
         except Exception as err:   # noqa: BLE001 - scoring, the data stream, the next request: end the round
             self._fail(err)
+
+    def _refuse(self, slot: Slot, err: RequestError) -> None:
+        """The engine refused the slot's request as invalid (a prompt past its max_model_len,
+        ...): not retried (it would be refused again), not restarted (its prompt is the same);
+        the sample ends refused with what it holds and scores 0. The round goes on."""
+        slot.finish_reason = REFUSED
+        if self.episodes is not None:
+            self.episodes.finish(slot, REFUSED)
+        self.stats.refused += 1
+        self._refusal = self._refusal or err
+        self._refused_total += 1
+        if self._refused_total <= 3:   # the first few with the engine's message; then counted only
+            log.warning("megarl: sample %d of group %d ends refused, scored 0 (refused_samples): %s",
+                        slot.index, slot.gid, err)
 
     def _current(self, key: str, slot: Slot) -> bool:
         """The request `key` still serves its slot as it was when sent: neither restarted nor
@@ -386,7 +411,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         self.stats = RoundStats()
         self.stats.started = self.clock()
         self._target, self._train_version = target, train_version
-        self._ending = False
+        self._ending, self._refusal = False, None
         self._round_done = asyncio.Event()
         timer = None
         if self.sample_every_s:
@@ -416,6 +441,10 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         self._raise_error()
         self.completed.sort(key=lambda g: staleness.training_order(g, train_version))
         self.ready, self.completed = self.completed[:target], self.completed[target:]
+        refused = [s for g in self.ready for s in g.slots if s.finish_reason == REFUSED]
+        if self.ready and len(refused) == sum(len(g.slots) for g in self.ready):
+            raise RequestError(f"the engines refused every sample of the step ({len(refused)}), nothing to train "
+                               f"on; the first: {self._refusal}", getattr(self._refusal, "key", ""))
         self._sent_total += self.stats.sent
         self._trained_total += sum(len(g.slots) for g in self.ready)
         return self.ready

@@ -36,6 +36,7 @@ class RoundStats:
     throttled: int = 0                   # fills cut short: no deadline free (stale_policy=finish)
     groups_emitted: int = 0
     void_scores: int = 0                 # scores that landed after their samples were restarted / dropped
+    refused: int = 0                     # samples whose request the engine refused as invalid (RequestError)
 
     def occupancy(self, now: float, inflight: int, busy: int, counting: bool) -> None:
         """Integrate in-flight count and busy engines up to `now`; `counting`: the round is
@@ -62,7 +63,8 @@ def round_metrics(st: RoundStats, *, concurrency: int, engines: int, reprefill_e
            "aborted_inflight": st.carried, "restarted_samples": st.restarted,
            "dropped_groups": st.dropped_groups, "stale_tokens_discarded": st.discarded_tokens,
            "admission_throttled": st.throttled, "rollout_loop_lag_max_s": st.loop_lag_max,
-           "groups_emitted": st.groups_emitted, "void_scores": st.void_scores}
+           "groups_emitted": st.groups_emitted, "void_scores": st.void_scores,
+           "refused_samples": st.refused}
     if st.inflight_min is not None:   # absent when the round had its groups without generating
         out["rollout_inflight_min"] = st.inflight_min
     return out

@@ -11,6 +11,7 @@ from typing import Optional
 
 from megarl.data.sample import Sample
 from megarl.rollout.engine import GenResult
+from megarl.rollout.sync_rollout import REFUSED
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Slot:
     logprobs: list[float] = field(default_factory=list)    # behaviour (engine) logprobs
     versions: list[int] = field(default_factory=list)      # version that produced each token
     old_logprobs: list[float] = field(default_factory=list)  # trainer l_old, stitched (a prefix)
-    finish_reason: str = ""                                 # "" until stop | length (then done)
+    finish_reason: str = ""                                 # "" until stop | length | refused (then done)
     restarts: int = 0
     attempts: int = 0                                       # requests sent (unique request keys)
     # multi-turn episodes (megarl/envs/episodes.py); unused by single-turn samples
@@ -36,8 +37,9 @@ class Slot:
 
     @property
     def done(self) -> bool:
-        """Nothing left to generate: stopped (EOS / stop string) or at its token budget."""
-        return self.finish_reason in ("stop", "length")
+        """Nothing left to generate: stopped (EOS / stop string), at its token budget, or its
+        request refused by the engine as invalid (it scores 0)."""
+        return self.finish_reason in ("stop", "length", REFUSED)
 
     def restart(self) -> int:
         """Forget everything generated; returns how many tokens were thrown away."""

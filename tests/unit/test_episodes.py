@@ -94,13 +94,16 @@ class CountingEnv(Environment):
 
 async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", state=None, fail=None,
                 max_turns=5, log=None, version=0, env=None, policy="finish", max_staleness=8, max_new=200,
-                on_round=None, tokenizer=None):
+                on_round=None, tokenizer=None, refuse=None):
     """`rounds` rounds as the trainer runs them. env: the environment class (CountingEnv);
-    tokenizer (a WordTokenizer); on_round(ctl, version) after each round's groups were taken."""
+    tokenizer (a WordTokenizer); on_round(ctl, version) after each round's groups were taken;
+    refuse(req): the engines refuse a request as invalid (ScriptedEngine.refuse)."""
     clock = Clock()
     clock.start()
     log = [] if log is None else log
     pool = EnginePool([TurnEngine(f"e{i}", clock, log) for i in range(2)], 30, update_mode=update_mode)
+    for e in pool.engines:
+        e.refuse = refuse or e.refuse
     episodes = EpisodeDriver(EnvSpec("counting", env or CountingEnv), tokenizer or WordTokenizer(), max_turns=max_turns,
                              timeout_s=0.5)
     gid = [0]
