@@ -4,6 +4,11 @@ from __future__ import annotations
 from megarl.plan.memory import gib
 
 
+def micro_batches(p: dict) -> str:
+    budget = p.get("max_tokens_per_micro_batch")
+    return f"micro-batches of up to {budget} tokens" if budget else f"micro batch {p['micro_batch_size']}"
+
+
 def format_plan(p: dict) -> str:
     c, pl, m = p["cluster"], p["placement"], p["model"]
     tr, en = pl["trainer"], pl["engines"]
@@ -13,7 +18,7 @@ def format_plan(p: dict) -> str:
              + f", {c['reserve_gb']} GiB reserved per GPU",
              f"trainer: {tr['nodes']} nodes = {tr['gpus']} GPUs, TP={tr['tp']} PP={tr['pp']} DP={tr['dp'] or '-'}",
              f"engines: {en['count']} x TP={en['tp']} = {en['gpus_used']} of {en['gpus']} GPUs on {en['nodes']} nodes",
-             f"sequence {p['sequence_tokens']} tokens, micro batch {p['micro_batch_size']}, "
+             f"sequence {p['sequence_tokens']} tokens, {micro_batches(p)}, "
              f"recompute {p['recompute']}, offload_idle {p['offload_idle']}"]
     t = p["trainer"]
     if t:

@@ -30,6 +30,21 @@ def check_layout(arch: Arch, tp: int, pp: int) -> None:
                           f"{[d for d in range(1, arch.layers + 1) if arch.layers % d == 0 and d <= 16]}")
 
 
+def largest_micro_batch(cfg: RootConfig, dp: int) -> tuple[int, float, int]:
+    """(sequence length, rows, micro-batches per update and DP rank) of the micro-batch the
+    activations are sized for. By row count: micro_batch_size rows of rollout.engines.max_model_len.
+    Under a token budget (ppo/microbatch.py) a micro-batch holds rows x padded length <= budget
+    tokens, each row at most max_model_len: activations grow with its tokens and, through
+    attention scores, with its length, so budget / max_model_len rows of max_model_len bound
+    every micro-batch the plan can make; and there may be as many micro-batches as rows (each
+    long row alone), the most 1F1B keeps in flight."""
+    t, seq = cfg.train, cfg.rollout.engines.max_model_len
+    rows = cfg.samples_per_step // t.mini_batches // dp
+    if t.max_tokens_per_micro_batch:
+        return seq, t.max_tokens_per_micro_batch / seq, max(1, rows)
+    return seq, t.micro_batch_size, max(1, rows // t.micro_batch_size)
+
+
 def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True, rm_arch: Arch | None = None) -> dict:
     """Peak bytes per trainer GPU over its phases, on the worst PP stage, by role.
     fused: the GPU path (Transformer Engine, fused SwiGLU); False: megatron's local spec (CPU).
@@ -39,8 +54,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     t, tp, pp, dp = cfg.train, lay.tp, lay.pp, lay.dp
     sender = transfer_buffers(cfg, arch) if fused else 0
     div, wb = cfg.model.make_vocab_size_divisible_by, mem.DTYPE_BYTES[cfg.model.dtype]
-    seq, mbs = cfg.rollout.engines.max_model_len, t.micro_batch_size
-    micro = max(1, cfg.samples_per_step // t.mini_batches // dp // mbs)
+    seq, mbs, micro = largest_micro_batch(cfg, dp)
     per_param = mem.trainable_bytes_per_param(cfg.model.dtype, dp)
     ppo = ADVANTAGES.get(cfg.algo.name).needs_critic   # a critic to place
     sp = cfg.parallel.sequence_parallel
@@ -130,7 +144,14 @@ def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
         opts.append(("train.offload_idle=true", peak(replace(cfg, train=replace(t, offload_idle=True)), lay)))
     if t.recompute == "none":
         opts.append(("train.recompute=full", peak(replace(cfg, train=replace(t, recompute="full")), lay)))
-    if t.micro_batch_size > 1:
+    budget, longest = t.max_tokens_per_micro_batch, cfg.rollout.engines.max_model_len
+    if budget and budget // 2 >= longest:
+        half = replace(t, max_tokens_per_micro_batch=budget // 2)
+        opts.append((f"train.max_tokens_per_micro_batch={budget // 2}", peak(replace(cfg, train=half), lay)))
+    elif budget > longest:
+        least = replace(t, max_tokens_per_micro_batch=longest)
+        opts.append((f"train.max_tokens_per_micro_batch={longest}", peak(replace(cfg, train=least), lay)))
+    elif not budget and t.micro_batch_size > 1:
         opts.append(("train.micro_batch_size=1", peak(replace(cfg, train=replace(t, micro_batch_size=1)), lay)))
     best = best_layout(cfg, arch, gpus, gpn, fused, rm_arch)
     if best and (best[0].tp, best[0].pp) != (lay.tp, lay.pp):

@@ -187,7 +187,7 @@ def test_collective_buffers_grow_the_estimate_by_exactly_their_size(num_buffers,
 def test_only_global_rank_0_holds_the_trainer_side_buffers():
     """PP=2 with micro-batches of 8: the last stage (logits) is the worst and holds no buffers;
     stage 0, where global rank 0 sends from, is reported with them."""
-    over = ["parallel.pp=2", "train.micro_batch_size=8"]
+    over = ["parallel.pp=2", "train.max_tokens_per_micro_batch=0", "train.micro_batch_size=8"]
     coll = make_plan(load_config(R7, over))["trainer"]
     files = make_plan(load_config(R7, over + ["weight_sync.transport=files"]))["trainer"]
     assert coll["stage"] == files["stage"] == 1 and coll["roles"]["weight_transfer"] == 0
