@@ -51,6 +51,10 @@ Contract (what PPO and the pool rely on):
   fails carries what it had generated in `EngineError.partial`, which the pool continues
   elsewhere. An error the request caused (the engine refused it as invalid) is a
   `RequestError` instead: the engine stays in service and the request is not retried.
+  In-process engines say so for vLLM's client errors (`VLLMClientError`: a prompt longer than
+  max_model_len, token ids outside the vocabulary, sampling options out of range), HTTP engines
+  for the server's 400 / 413 / 422 answers and error chunks of those codes. Its message names
+  the engine by name only (no address or log path: callers may answer it to an outside agent).
 """
 from __future__ import annotations
 
