@@ -390,6 +390,12 @@ def main() -> None:
                 pool.call(pool.pool.pause_all(), "pausing a keep pool")
             return time.perf_counter() - t
 
+        def on_loop(fn, *args):
+            """fn(*args) on the loop thread: the controller is used there only (its state changes there)."""
+            async def call():
+                return fn(*args)
+            return loop.run(call(), 60, "a controller call")
+
         def train(samples, partials, controller, step: int, ov=None) -> dict:
             """One train phase on `samples`; returns its timings. `ov`: the mode's Overlap (its
             cache holds the passes run during the round; `step` is their version key)."""
@@ -403,7 +409,7 @@ def main() -> None:
                 # pending_old_logprobs() items: (slot, restarts, length, sample)
                 old = trainer_logprobs(cfg, models.actor, [item[-1] for item in partials], tokenizer.pad_token_id)
                 for (slot, restarts, length, _), values in zip(partials, old):
-                    controller.store_old_logprobs(slot, restarts, length, values)
+                    on_loop(controller.store_old_logprobs, slot, restarts, length, values)
                 stitch_s = time.perf_counter() - t
             batch = build_batch(samples, tokenizer.pad_token_id, 1)
             forward = ov.forward(samples, batch, step) if ov is not None else None
@@ -472,7 +478,7 @@ def main() -> None:
                 done = keep_pools.get(mode, spool).call(controller.run_round(G, version), f"{mode} round {k}",
                                                         timeout=timeout)
             rec.end()
-            info = {"rollout_s": rec.last_phase_s(), **controller.metrics()}
+            info = {"rollout_s": rec.last_phase_s(), **on_loop(controller.metrics)}
             # the round's tail: last group completed -> engine abort starts -> abort returns -> round ends
             ab = [a for a in rec.aborts if a[0] == mode and a[1] >= rec.phases[-1][2]]
             last = controller.t_target
@@ -543,7 +549,7 @@ def main() -> None:
                 key = len(modes) * k + i   # the train step's index: the overlap cache's version key too
                 samples, info, controller = sync_step(k, k) if mode == "sync" else partial_step(mode, k, k, key)
                 trained[mode].append([len(x.response_ids) for x in samples])
-                partials = controller.pending_old_logprobs() if controller is not None else None
+                partials = on_loop(controller.pending_old_logprobs) if controller is not None else None
                 rec.begin(mode, "train")
                 info.update(train(samples, partials, controller, key, overlaps.get(mode)))
                 rec.end()

@@ -40,6 +40,7 @@ class CarryOver:
         abort mode: also abort what this controller has in flight (tokens stay in their slots);
         keep mode: it stays, held by the pause the update makes.
         `scoring`: also wait for the groups being scored (a snapshot needs them settled)."""
+        self._on_loop("hold")
         self._holding = True
         if not self.keeps:
             await self._abort_own()
@@ -49,6 +50,7 @@ class CarryOver:
         self._sample_occupancy()
 
     def release(self) -> None:
+        self._on_loop("release")
         self._holding = False
         if self._round_done is not None and not self._round_done.is_set():
             try:
@@ -103,6 +105,7 @@ class CarryOver:
         """The pool's weight update is dropping the held requests' KV (keep mode,
         rollout.keep_kv=false): their response tokens so far are computed again, as a
         continuation's are in abort mode (counted alike: tokens beyond the group's prompt)."""
+        self._on_loop("kv_dropped")
         self._sync_live()
         self._recomputed_total += sum(len(s.response_ids) for s in self._inflight.values())
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Callable, Iterable, Optional
 
@@ -75,18 +76,22 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
     """Drives an `EnginePool` (async). `new_group()` returns (record, prompt_ids) of the next
     prompt; `score(sample)` its reward, run in `scorer` (a concurrent.futures executor) or, when
     None, on the loop (only for scores that cost nothing: tests, the simulator). All methods
-    run on the pool's event loop."""
+    run on the pool's event loop (`loop`, or the loop of the first call): its state changes
+    there (requests finish, groups are scored, held requests run on between rounds), so a
+    public method called from another thread while that loop runs raises (`_on_loop`)."""
 
     def __init__(self, pool, *, n: int, concurrency: int, max_new_tokens: int, temperature: float,
                  max_staleness: int, new_group: Callable[[], tuple[dict, list[int]]],
                  score: Callable[[Sample], float], seed: int, stale_policy: str = "finish",
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
-                 sample_every_s: Optional[float] = 0.05, episodes=None):
+                 sample_every_s: Optional[float] = 0.05, episodes=None,
+                 loop: Optional[asyncio.AbstractEventLoop] = None):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.partial.stale_policy={stale_policy!r}: choose one of "
                              f"{', '.join(STALE_POLICIES)}")
         self.pool, self.n, self.concurrency = pool, n, concurrency
+        self._loop = loop              # the event loop this controller lives on (see _on_loop)
         pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
@@ -124,6 +129,23 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         self._refusal: Optional[RequestError] = None   # the round's first refused request
         self._refused_total = 0
         self.stats = RoundStats()
+
+    def _on_loop(self, what: str) -> None:
+        """Keep the loop-thread-only promise: `what` (a public method) is called on the
+        controller's event loop, or while that loop is not running (before it starts, after it
+        stopped: nothing else can touch the state then). The first call from a running loop
+        binds the controller to it when no `loop` was given."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if self._loop is None:
+            self._loop = here
+        elif here is not self._loop and self._loop.is_running():
+            raise RuntimeError(f"PartialRolloutController.{what}() called from thread "
+                               f"{threading.current_thread().name!r}: the controller is used on its event "
+                               f"loop's thread only (its state changes there): run the call on that loop "
+                               f"(SyncPool.call, asyncio.run_coroutine_threadsafe)")
 
     # -- admission -------------------------------------------------------------------------
     def _key(self, slot: Slot) -> str:
@@ -399,6 +421,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         carry. Returns exactly `target` groups (due ones, then the oldest), also kept
         in `ready` until `take_ready()`. `train_version`: the weight version of the step that
         will train them (the staleness bound is measured against it)."""
+        self._on_loop("run_round")
         if self.stale_policy == "finish" and self.pool.engines and \
                 self.pool.version + self.max_staleness < train_version:
             raise ValueError(f"rollout.partial.max_staleness={self.max_staleness}: step {train_version} cannot train "
@@ -458,6 +481,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
 
     def take_ready(self) -> list[Group]:
         """The driver takes the last round's groups: from now on they are the trainer's."""
+        self._on_loop("take_ready")
         out, self.ready = self.ready, []
         return out
 
@@ -471,6 +495,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         """Slots of groups not handed to the trainer (open, or complete but waiting) holding
         tokens whose trainer logprob is not stored yet (those generated this round): the
         trainer computes them before its weights change."""
+        self._on_loop("pending_old_logprobs")
         out = []
         for g in [*self.groups.values(), *self.completed]:
             for s in g.slots:
@@ -480,13 +505,14 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
                                        list(s.versions), False, 0, g.record)))
         return out
 
-    @staticmethod
-    def store_old_logprobs(slot: Slot, restarts: int, length: int, values: list[float]) -> None:
+    def store_old_logprobs(self, slot: Slot, restarts: int, length: int, values: list[float]) -> None:
         """The trainer's values of a slot `pending_old_logprobs` listed (`slots.store_old_logprobs`)."""
+        self._on_loop("store_old_logprobs")
         _store_old_logprobs(slot, restarts, length, values)
 
     def metrics(self) -> dict:
         """The last round's metrics, with the carry and the groups waiting now."""
+        self._on_loop("metrics")
         open_tokens = [s for g in self.groups.values() for s in g.slots if s.response_ids and not s.done]
         out = round_metrics(self.stats, concurrency=self.concurrency, engines=len(self.pool.engines),
                             reprefill_extra=self._recomputed(),
@@ -503,6 +529,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
         the last round first: the resumed run's first round takes them), the group counter.
         Keep mode: a request in flight is saved as its tokens so far (a resumed run sends it
         again as a continuation); a group still being scored is saved unscored (scored again)."""
+        self._on_loop("state_dict")
         # keep mode: held requests run on (a checkpoint after the push), so a group may complete
         # and start scoring after hold() waited for the scoring: it is saved unscored, below
         if self._stepping or (not self.keeps and (self._inflight or self._scoring)):
@@ -514,6 +541,7 @@ class PartialRolloutController(CarryOver, EpisodeTurns):
                 "completed": [group_state(g) for g in [*self.ready, *self.completed]]}
 
     def load_state_dict(self, state: dict) -> None:
+        self._on_loop("load_state_dict")
         self.next_gid = state["next_gid"]
         self.groups = {d["gid"]: group_from_state(d) for d in state["open"]}
         self.completed = [group_from_state(d) for d in state["completed"]]

@@ -122,7 +122,7 @@ class Rollout:
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
                 max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
                 new_group=self._new_group, score=score, seed=cfg.run.seed, scorer=scorer,
-                episodes=self.episodes)
+                episodes=self.episodes, loop=pool.loop.loop)
         # sync mode: `_fresh` runs on the loop thread like the controller's rounds (and the
         # simulator's); its samples are scored back on the driver thread
         self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous,
@@ -140,16 +140,24 @@ class Rollout:
 
     def _service_round(self, step: int) -> tuple[list[Sample], dict]:
         k, wait_s = self.cfg.train.groups_per_step, self.cfg.service.wait_s
-        future = self.pool.loop.submit(self.service.take_groups(k))
+
+        async def take():   # on the loop, where the agents' calls change the service
+            groups = await self.service.take_groups(k)
+            return groups, self.service.metrics()
+
+        async def read():
+            return self.service.metrics()
+        future = self.pool.loop.submit(take())
         try:
-            groups = future.result(wait_s)
+            groups, metrics = future.result(wait_s)
         except FutureTimeout:
             future.cancel()
             raise TimeoutError(f"step {step}: the agents at {self.service.url} brought fewer than {k} complete "
-                               f"groups within service.wait_s={wait_s:g} s ({self.service.metrics()}): are they "
-                               f"running and reporting rewards? Raise service.wait_s for slow episodes") from None
+                               f"groups within service.wait_s={wait_s:g} s ({self.pool.call(read(), 'reading')}): "
+                               f"are they running and reporting rewards? Raise service.wait_s for slow "
+                               f"episodes") from None
         samples = [s for g in groups for s in g]
-        return samples, {**self.service.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
+        return samples, {**metrics, **staleness_metrics(samples, step), **self._engine_metrics()}
 
     def round(self, step: int, during: Callable | None = None) -> tuple[list[Sample], dict]:
         """The round's samples and metrics. `during(finished, emitted)` (partial mode; the
@@ -170,15 +178,21 @@ class Rollout:
             return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.sampling.max_new_tokens)
         if during is None:
-            done = self.pool.call(self.stepper.round(step), f"rollout round {step}", deadline)
+            samples, metrics = self.pool.call(self._partial_round(step), f"rollout round {step}", deadline)
         else:
-            done = self._round_during(step, deadline, during)
-        samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
+            samples, metrics = self._round_during(step, deadline, during)
         # the trainer's weights at step k are version k
-        return samples, {**self.controller.metrics(), **staleness_metrics(samples, step), **self._engine_metrics()}
+        return samples, {**metrics, **staleness_metrics(samples, step), **self._engine_metrics()}
 
-    def _round_during(self, step: int, deadline: float, during: Callable) -> list:
-        future = self.pool.loop.submit(self.stepper.round(step))
+    async def _partial_round(self, step: int) -> tuple[list[Sample], dict]:
+        """On the loop: the round's groups, taken, as samples (copies), and the controller's
+        metrics, read there (held requests and scorings change the controller meanwhile)."""
+        done = await self.stepper.round(step)
+        samples = [s for i, g in enumerate(done) for s in self.controller.samples_of(g, i)]
+        return samples, self.controller.metrics()
+
+    def _round_during(self, step: int, deadline: float, during: Callable) -> tuple[list[Sample], dict]:
+        future = self.pool.loop.submit(self._partial_round(step))
         end = time.monotonic() + deadline
         what = f"rollout round {step}"
 
@@ -234,8 +248,10 @@ class Rollout:
         """Partial samples whose tokens of this round need l_old before the weights change."""
         if self.controller is None:
             return []
-        # read from this thread: the loop is idle between rounds (no prefetch started yet)
-        return [sample for *_, sample in self.stepper.pending()]
+
+        async def read():   # on the loop: the controller's state changes there (never idle in keep mode)
+            return [sample for *_, sample in self.stepper.pending()]
+        return self.pool.call(read(), "listing the carry's tokens for l_old")
 
     def store(self, old_logprobs: list[list[float]]) -> None:
         async def put():   # on the loop thread: a prefetched round may be mutating slots
@@ -269,13 +285,13 @@ class Rollout:
             self.pool.call(self.service.close(), "stopping the rollout service")
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        if self.controller is not None and "controller" in state:
-            self.controller.load_state_dict(state["controller"])
-        if self.service is not None and "service" in state:
-            async def put():
+        async def put():   # on the loop, where the sampler, the controller and the service are used
+            self.sampler.load_state_dict(state["sampler"])
+            if self.controller is not None and "controller" in state:
+                self.controller.load_state_dict(state["controller"])
+            if self.service is not None and "service" in state:
                 self.service.load_state_dict(state["service"])
-            self.pool.call(put(), "restoring the rollout service's state")
+        self.pool.call(put(), "restoring the rollout state")
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict:

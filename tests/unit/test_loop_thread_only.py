@@ -1,0 +1,116 @@
+"""The partial-rollout controller is used on its event loop's thread only.
+
+Its state (open groups, the completed ones, slots) changes on the pool's loop thread: requests
+finish, groups are scored and queued, held requests run on between rounds (keep mode). The
+driver (`Rollout`, rounds.py) runs on another thread, so every read it makes (a round's
+samples and metrics, the pending l_old, a snapshot, a restore) must run on the loop, never
+iterate the controller's dicts from its own thread. Scripted engines of test_async_checkpoint.
+"""
+import threading
+
+import pytest
+from scripted_engine import Clock
+from test_async_checkpoint import Tok, config
+from test_rollout_stress import WorkloadEngine, long_tail
+
+from megarl.data.prompts import PromptSampler
+from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.rounds import Rollout
+
+PUBLIC = ["run_round", "take_ready", "metrics", "pending_old_logprobs", "store_old_logprobs", "samples_of",
+          "state_dict", "load_state_dict", "hold", "release", "kv_dropped"]
+
+
+def open_rollout(update_mode="keep"):
+    loop = LoopThread("test-loop-only")
+    clock = Clock()
+
+    async def start():
+        clock.start()
+    loop.run(start(), 10)
+    engines = EnginePool([WorkloadEngine(f"e{i}", clock, long_tail) for i in range(2)], 30, update_mode=update_mode)
+    pool = SyncPool(engines, loop, 10)
+    records = [{"prompt": f"q{i}"} for i in range(1000)]
+    rollout = Rollout(config(), pool, records, PromptSampler(len(records), seed=0), Tok(),
+                      lambda text, record, finished: 0.0)
+    return rollout, clock
+
+
+def close(rollout, clock):
+    """Held requests resolve when their engine closes, on the clock's ticks: the clock stops last."""
+    async def stop():
+        rollout.stepper.cancel()
+        await rollout.pool.pool.close()
+        clock.stop()
+    try:
+        rollout.pool.call(stop(), "closing the engines", 30)
+    finally:
+        rollout.pool.loop.stop()
+
+
+def watch(ctl, calls: list) -> None:
+    """Record the thread of every call of the controller's public methods."""
+    for name in PUBLIC:
+        method = getattr(ctl, name)
+
+        def wrapped(*args, _method=method, _name=name, **kw):
+            calls.append((_name, threading.current_thread().name))
+            return _method(*args, **kw)
+        setattr(ctl, name, wrapped)
+
+
+def train_steps(rollout, steps: int) -> None:
+    """What train.py's driver does each step (async + keep): round, pending, prefetch, store the
+    carry's l_old, push the weights, now and then a checkpoint."""
+    for step in range(steps):
+        samples, metrics = rollout.round(step)
+        assert len(samples) == 12 and "carried_samples" in metrics
+        partials = rollout.pending()
+        rollout.prefetch(step + 1)
+        rollout.store([[-0.5] * len(s.response_ids) for s in partials])
+        rollout.pool.call(rollout.pool.pool.reload_weights("/w", step + 1), "pushing weights")
+        if step % 2:
+            rollout.state_dict()
+
+
+def test_the_driver_uses_the_controller_on_the_loop_thread_only():
+    rollout, clock = open_rollout()
+    calls = []
+    watch(rollout.controller, calls)
+    try:
+        train_steps(rollout, 4)
+        state = rollout.state_dict()
+    finally:
+        close(rollout, clock)
+    fresh, clock = open_rollout()
+    watch(fresh.controller, calls)
+    try:
+        fresh.load_state_dict(state)
+        fresh.pool.call(fresh.pool.pool.reload_weights("/w", 4), "pushing weights")
+        fresh.round(4)
+    finally:
+        close(fresh, clock)
+    names = {n for n, _ in calls}
+    assert {"run_round", "metrics", "pending_old_logprobs", "state_dict", "load_state_dict"} <= names
+    off_loop = [(n, t) for n, t in calls if t != "test-loop-only"]
+    assert not off_loop, f"controller methods called off its loop thread: {sorted(set(off_loop))}"
+
+
+def test_a_call_from_another_thread_while_its_loop_runs_is_refused():
+    """The controller keeps the promise itself: a public method called from a thread other than
+    its loop's, while that loop runs, raises naming the rule (a test or a new caller that reads
+    it cross-thread fails at once, not once in a while)."""
+    rollout, clock = open_rollout()
+    try:
+        rollout.round(0)
+        ctl: PartialRolloutController = rollout.controller
+        for call in (ctl.metrics, ctl.pending_old_logprobs, ctl.state_dict, ctl.take_ready):
+            with pytest.raises(RuntimeError, match="event loop's thread"):
+                call()
+
+        async def on_loop():
+            return ctl.metrics()
+        assert "carried_samples" in rollout.pool.call(on_loop(), "reading metrics")
+    finally:
+        close(rollout, clock)
