@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 from megarl.config import load_config
 from megarl.models.arch import Arch, resolve_arch
 from megarl.plan.memory import total_params
+from megarl.ppo.microbatch import Batching, plan_rows, round_up
 
 # architecture facts of published models (config.json of each), one file per model
 MODEL_FACTS = Path(__file__).resolve().parents[2] / "recipes" / "models"
@@ -138,6 +140,36 @@ class RooflineEngine:
 
 
 # -- trainer --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepShape:
+    """What the trainer computes of a step's rows: the batching rule (ppo/microbatch.py: the
+    plans ppo_step makes, padding and filler rows included) over `dp` data-parallel ranks and
+    `mini_batches` updates. The slowest DP rank sets the pace: a pass costs dp x its tokens."""
+    batching: Batching
+    dp: int = 1
+    mini_batches: int = 1
+
+    def positions(self, seq_lens: list[int], resp_lens: list[int]) -> tuple[int, int]:
+        """(positions of the update passes: each mini-batch planned over DP; positions of one
+        forward-only pass over the whole batch), as dp x the busiest rank's. Mini-batches take
+        the rows in a fixed shuffled order (ppo_step shuffles them); the padded layout pads
+        every row to the step's longest."""
+        if not seq_lens:
+            return 0, 0
+        full = (round_up(max(seq_lens), self.batching.multiple), max(1, max(resp_lens)))
+        forward = self._pass(seq_lens, resp_lens, full)
+        order = list(range(len(seq_lens)))
+        random.Random(len(order)).shuffle(order)
+        size = -(-len(order) // self.mini_batches)   # torch.chunk's split
+        update = sum(self._pass([seq_lens[i] for i in chunk], [resp_lens[i] for i in chunk], full)
+                     for chunk in (order[j:j + size] for j in range(0, len(order), size)))
+        return update, forward
+
+    def _pass(self, seq_lens, resp_lens, full) -> int:
+        plan = plan_rows(seq_lens, resp_lens, self.batching, self.dp, full)
+        return self.dp * max(plan.rank_tokens())
+
+
 @dataclass
 class MeasuredTrainer:
     """train seconds = fixed + per_token * trained tokens (+ stitch_per_token * carried tokens
@@ -159,10 +191,12 @@ class MeasuredTrainer:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"MeasuredTrainer {name}={getattr(self, name)}: a share, between 0 and 1")
 
-    def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
+    def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0, lengths=None) -> float:
+        """`lengths` (response tokens of each sample) is not used: a measured per-token cost
+        holds the padding of the batching it was measured with."""
         return self.fixed_s + self.per_token_s * trained_tokens + self.stitch_per_token_s * stitch_tokens
 
-    def forward_s(self, trained_tokens: int, samples: int = 0) -> float:
+    def forward_s(self, trained_tokens: int, samples: int = 0, lengths=None) -> float:
         """The forward-only passes of these samples (a part of train_s of them)."""
         return self.forward_frac * self.per_token_s * trained_tokens
 
@@ -170,7 +204,9 @@ class MeasuredTrainer:
 @dataclass
 class RooflineTrainer:
     """PPO with actor and critic trained (6 x params FLOPs per token each) and forward passes
-    for old logprobs, reference logprobs and values (2 x params each); GRPO has no critic."""
+    for old logprobs, reference logprobs and values (2 x params each); GRPO has no critic.
+    `shape`: the positions the trainer computes (StepShape: padding by the batching rule, the
+    busiest DP rank) when the samples' lengths are given; None: their real tokens."""
     model: Model
     gpu: GPU
     gpus: int
@@ -179,6 +215,15 @@ class RooflineTrainer:
     push_s: float = 0.0
     prompt_tokens: int = 256    # per sample: the trainer processes prompt + response
     route: str = "collective"   # the weight_sync.transport push_s was modelled for
+    shape: StepShape | None = None
+
+    def positions(self, trained_tokens: int, samples: int, lengths: list[int] | None) -> tuple[int, int]:
+        """(positions of the update passes, of each forward-only pass): prompt + response
+        tokens, or with `shape` and the samples' response `lengths` what the plans compute."""
+        if self.shape is None or lengths is None:
+            real = trained_tokens + samples * self.prompt_tokens
+            return real, real
+        return self.shape.positions([self.prompt_tokens + n for n in lengths], list(lengths))
 
     def _passes(self) -> tuple[int, int]:
         """(models trained, forward-only passes): PPO trains actor and critic and runs old
@@ -203,15 +248,18 @@ class RooflineTrainer:
     def _rate(self) -> float:
         return self.gpu.bf16_flops * self.mfu * self.gpus
 
-    def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0) -> float:
-        tokens = trained_tokens + samples * self.prompt_tokens
-        return (self.flops_per_token() * tokens + 2 * self.model.params * stitch_tokens) / self._rate()
+    def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0, lengths=None) -> float:
+        update, forward = self.positions(trained_tokens, samples, lengths)
+        trained, forward_only = self._passes()
+        flops = (6 * trained * update + 2 * forward_only * forward) * self.model.params
+        return (flops + 2 * self.model.params * stitch_tokens) / self._rate()
 
-    def forward_s(self, trained_tokens: int, samples: int = 0) -> float:
+    def forward_s(self, trained_tokens: int, samples: int = 0, lengths=None) -> float:
         """The forward-only passes of these samples over prompt + response (a part of their
-        train_s; the stitched l_old of carried tokens is not: it runs when the round ends)."""
-        tokens = trained_tokens + samples * self.prompt_tokens
-        return self.forward_frac * self.flops_per_token() * tokens / self._rate()
+        train_s; the stitched l_old of carried tokens is not: it runs when the round ends).
+        With `lengths`, planned over these samples alone, as rollout.overlap computes a group."""
+        forward = self.positions(trained_tokens, samples, lengths)[1]
+        return 2 * self._passes()[1] * self.model.params * forward / self._rate()
 
 
 # -- weight sync ----------------------------------------------------------------------------

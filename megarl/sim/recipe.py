@@ -7,14 +7,19 @@ response-length distribution and the hardware, either measured on this machine
 `--engine-tp`, `--trainer-gpus`). The weight sync takes the recipe's route
 (weight_sync.transport: one broadcast, or files every engine reads). Prints step time, engine
 busy and trainer idle fractions and trained tokens/s for sync, partial and async mode, the recipe's own mode marked,
-each under the recipe's rollout.update_mode, rollout.keep_kv and rollout.overlap (sync: no overlap).
+each under the recipe's rollout.update_mode, rollout.keep_kv and rollout.overlap (sync: no overlap). A
+roofline trainer computes the positions of the recipe's batching rule (padding included:
+costs.StepShape); every mode also runs with the padded trainer (every row at the step's
+longest), printed beside it.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from megarl.config import ConfigError
 from megarl.config.registry import ADVANTAGES
+from megarl.ppo.microbatch import batching_of
 from megarl.sim.costs import (
     GPUS,
     MeasuredEngine,
@@ -22,6 +27,7 @@ from megarl.sim.costs import (
     Model,
     RooflineEngine,
     RooflineTrainer,
+    StepShape,
     interp,
     published_models,
     weight_push_s,
@@ -77,6 +83,16 @@ def trainer_gpus(cfg) -> int:
     return c.trainer_node_count * c.gpus_per_node if c.gpus_per_node else 8
 
 
+def step_shape(cfg, trainer_gpus: int, padded: bool = False) -> StepShape:
+    """The recipe's batching rule over its trainer's DP ranks (`padded`: every row at the
+    step's longest, the layout before length-aware batching)."""
+    batching = batching_of(cfg)
+    if padded:
+        batching = replace(batching, max_tokens=0, remove_padding=False)
+    dp = max(1, trainer_gpus // (cfg.parallel.tp * cfg.parallel.pp))
+    return StepShape(batching, dp, cfg.train.mini_batches)
+
+
 def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int):
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
@@ -85,7 +101,7 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int)
     send, load = weight_push_s(m, g, cfg.rollout.engines.count, engine_tp, cfg.weight_sync.transport)
     return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
             RooflineTrainer(m, g, trainer_gpus, critic=ADVANTAGES.get(cfg.algo.name).needs_critic, push_s=send,
-                            route=cfg.weight_sync.transport))
+                            route=cfg.weight_sync.transport, shape=step_shape(cfg, trainer_gpus)))
 
 
 def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
@@ -100,21 +116,31 @@ def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
            # one sync: trainer side (engines still generate), then engine side (engines paused)
            "weight_sync": {"transport": cfg.weight_sync.transport, "route": trainer.route,
                            "trainer_s": trainer.push_s, "engine_s": engine.load_weights_s}}
+    # the padded trainer beside the recipe's (a trainer whose padding is modelled: roofline)
+    shape = getattr(trainer, "shape", None)
+    padded = replace(trainer, shape=step_shape(cfg, trainer.gpus, padded=True)) if shape else None
+    if padded is not None:
+        out["padded"] = {}
     for mode in MODES:
-        w = Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed)
         s = SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
                         concurrency=r.partial.concurrency, engines=r.engines.count,
                         max_staleness=max(r.partial.max_staleness, 1) if mode == "async" else r.partial.max_staleness,
                         stale_policy=r.partial.stale_policy, seed=seed, update_mode=r.update_mode,
                         keep_kv=r.keep_kv, overlap=r.overlap and mode != "sync")
-        res = simulate(s, w, *costs)
-        out["modes"][mode] = {k: res[k] for k in ("step_s_mean", "engine_busy_frac", "trainer_idle_frac",
-                                                  "trained_tokens_per_s", "staleness_max",
-                                                  "requests_per_trained_sample", "reprefill_tokens",
-                                                  "multi_version_tokens")} | {
-            "rollout_s_mean": res["rollout_s"] / steps, "train_s_mean": res["train_s"] / steps,
-            "overlap_s_mean": res["overlap_s"] / steps}
+        out["modes"][mode] = _figures(simulate(s, Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed),
+                                               engine, trainer), steps)
+        if padded is not None:
+            out["padded"][mode] = _figures(simulate(s, Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed),
+                                                    engine, padded), steps)
     return out
+
+
+def _figures(res: dict, steps: int) -> dict:
+    return {k: res[k] for k in ("step_s_mean", "engine_busy_frac", "trainer_idle_frac", "trained_tokens_per_s",
+                                "staleness_max", "requests_per_trained_sample", "reprefill_tokens",
+                                "multi_version_tokens", "computed_per_real")} | {
+        "rollout_s_mean": res["rollout_s"] / steps, "train_s_mean": res["train_s"] / steps,
+        "overlap_s_mean": res["overlap_s"] / steps}
 
 
 def format_table(result: dict) -> str:
@@ -129,6 +155,14 @@ def format_table(result: dict) -> str:
     for mode, m in result["modes"].items():
         lines.append(f"{mode:8s}  {m['requests_per_trained_sample']:15.2f}  {m['reprefill_tokens']:19d}  "
                      f"{m['multi_version_tokens']:34d}  {m['overlap_s_mean']:9.2f}")
+    if "padded" in result:
+        lines.append("trainer     mode      step s  train s  trained tok/s  computed/real tokens")
+        for rule, figures in (("padded", result["padded"]), ("recipe's", result["modes"])):
+            for mode, m in figures.items():
+                lines.append(f"{rule:10s}  {mode:8s}{m['step_s_mean']:7.2f}  {m['train_s_mean']:7.2f}  "
+                             f"{m['trained_tokens_per_s']:13.0f}  {m['computed_per_real']:20.2f}")
+        lines.append("(padded: every row at the step's longest; recipe's: its batching rule, "
+                     "docs/design.md \"Batching\")")
     ws = result["weight_sync"]
     lines.append(f"weight sync ({ws['route']}): {ws['trainer_s']:.2f} s trainer side + {ws['engine_s']:.2f} s "
                  f"engines paused, per step")

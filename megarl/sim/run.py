@@ -94,7 +94,7 @@ class _Trace:
     trained), the trainer's free time, its passes of those groups, and the samples sent (each
     sample's first request: its prompt tokens prefilled once)."""
     clock: object
-    emitted: dict = field(default_factory=dict)   # gid -> [time, response tokens, samples]
+    emitted: dict = field(default_factory=dict)   # gid -> [time, response tokens, samples, their lengths]
     trainer_free: float = 0.0
     cache: dict = field(default_factory=dict)     # gid -> _Cached (rollout.overlap)
     first_prefill: int = 0
@@ -115,9 +115,10 @@ class _Trace:
             self.resent_prompt += len(g.prompt_ids) * sum(max(0, sl.attempts - 1) for sl in g.slots)
 
     def score(self, sample) -> float:
-        rec = self.emitted.setdefault(sample.uid, [self.clock(), 0, 0])
+        rec = self.emitted.setdefault(sample.uid, [self.clock(), 0, 0, []])
         rec[1] += len(sample.response_ids)
         rec[2] += 1
+        rec[3].append(len(sample.response_ids))
         return 0.0
 
 
@@ -208,10 +209,10 @@ def _overlap_step(k: int, done: list, t_end: float, trainer, trace: "_Trace") ->
     round). The trained groups leave the cache; the others keep only their frozen passes' value
     (a version check: the next step's weights are k + 1)."""
     def cost(gid: int) -> tuple[float, float]:
-        _, tokens, samples = trace.emitted[gid]
-        f = trainer.forward_s(tokens, samples)
+        _, tokens, samples, lengths = trace.emitted[gid]
+        f = trainer.forward_s(tokens, samples, lengths=lengths)
         return f * (1 - trainer.frozen_frac), f * trainer.frozen_frac
-    during, tail = _overlap([(at, gid) for gid, (at, _, _) in trace.emitted.items()], trace.trainer_free,
+    during, tail = _overlap([(at, gid) for gid, (at, *_) in trace.emitted.items()], trace.trainer_free,
                             t_end, k, trace.cache, cost)
     hidden = 0.0
     for g in done:
@@ -250,7 +251,8 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
     for g in done if stepper.controller is not None else ():
         trace.emitted.pop(g.gid, None)
     t1 = loop.time()
-    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens)) - hidden + tail)
+    lengths = [len(v) for v in tokens]
+    await asyncio.sleep(trainer.train_s(trained, stitch, samples=len(tokens), lengths=lengths) - hidden + tail)
     t2 = loop.time()
     await asyncio.sleep(trainer.push_s)
     if k + 1 == s.steps:
@@ -265,6 +267,9 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
     return {"rollout_s": t_rollout, "train_s": t2 - t1, "overlap_s": during, "overlap_hidden_s": hidden,
             "overlap_after_s": tail, "push_s": t3 - t2,
             "step_s": t3 - t0, "trained_tokens": trained, "trained_samples": len(tokens),
+            # positions the update computes (prompt + response, with the trainer's padding) and
+            # the real ones: a trainer that models no padding (no `positions`) computes the real
+            **_positions(trainer, trained, lengths),
             "trained_sample_requests": requests,   # requests sent for the samples trained
             "stitch_tokens": stitch, "staleness_max": max(staleness, default=0),
             "staleness_mean": sum(staleness) / max(1, len(staleness)),
@@ -273,10 +278,17 @@ async def _step(s: SimSettings, k: int, stepper: RoundStepper, pool: EnginePool,
                                           "restarted_samples", "rollout_requests") if key in info}}
 
 
+def _positions(trainer, trained: int, lengths: list[int]) -> dict:
+    if not hasattr(trainer, "positions"):
+        return {"update_positions": trained, "real_positions": trained}
+    return {"update_positions": trainer.positions(trained, len(lengths), lengths)[0],
+            "real_positions": trainer.positions(trained, len(lengths), None)[0]}
+
+
 def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEngine],
              record_timeline: bool, trace: _Trace) -> dict:
     keys = ("rollout_s", "train_s", "overlap_s", "overlap_hidden_s", "push_s", "trained_tokens", "trained_samples",
-            "trained_sample_requests", "multi_version_sample_tokens")
+            "trained_sample_requests", "multi_version_sample_tokens", "update_positions", "real_positions")
     total = {key: sum(x[key] for x in steps) for key in keys}
     logs = [e.log for e in engines]
     before = trace.logs_before_last_update or logs
@@ -290,6 +302,8 @@ def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEn
            # the trainer works train_s after the rounds and overlap_s during them
            "trainer_idle_frac": trainer_idle_frac(total["train_s"], wall, total["overlap_s"]),
            "trained_tokens_per_s": total["trained_tokens"] / wall,
+           # positions the trainer's updates compute per real one (its padding, the busiest DP rank)
+           "computed_per_real": total["update_positions"] / max(1, total["real_positions"]),
            "requests": requests,
            "samples_started": trace.samples_started,   # trained, or still open when the run ended
            # keep mode: 1 (each sample's one request lives through the updates); abort: more
