@@ -201,7 +201,7 @@ class EnginePool:
             if len(done.token_ids) >= req.max_tokens:
                 done.finish_reason, done.engine = "length", engine.name
                 return done
-            engine = self.least_loaded()
+            engine = self.least_loaded() if self.engines else None   # none left: named at the loop's top
             current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
                                  req.temperature, req.top_p, req.seed, req.ignore_eos)
 

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
 
-from megarl.rollout.engine import GenRequest
+from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.pool import EnginePool
 from megarl.rollout.sync_rollout import generate_groups
 
@@ -137,3 +137,14 @@ def test_a_caller_that_gives_up_retires_no_engine():
         return pool, engines
     pool, engines = _run(main)
     assert pool.failures == [] and engines[1].served == 0
+
+
+def test_when_the_last_engine_is_retired_its_other_requests_fail_naming_it():
+    """No engine to continue on: the cut-off requests raise (the run stops naming the engine),
+    never return as if they had ended."""
+    async def main(clock):
+        pool = EnginePool([ScriptedEngine("e0", clock, stall_after=5, timeout_ticks=10)], 30, failures_max=3)
+        tasks = [pool.generate(GenRequest(f"k{i}", [i, 0, LENGTH], 64)) for i in range(3)]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    outcomes = _run(main)
+    assert all(isinstance(o, EngineError) and "no rollout engine left" in str(o) for o in outcomes), outcomes
