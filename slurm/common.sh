@@ -223,7 +223,7 @@ megarl_job() {
     local -a extra_args=() overrides=()
     read -r -a extra_args <<<"$EXTRA"
     overrides=("run.dir=$RUN_DIR" "rollout.engines.mode=remote" "rollout.engines.urls=[$urls]"
-               "rollout.engines.tp=$ENGINE_TP" "rollout.engines.start_timeout_s=$ENGINE_START_TIMEOUT"
+               "rollout.engines.count=${#ENGINE_URLS[@]}" "rollout.engines.tp=$ENGINE_TP" "rollout.engines.start_timeout_s=$ENGINE_START_TIMEOUT"
                "weight_sync.staging_dir=$STAGING_DIR"
                # global rank 0 hosts the weight group; every engine worker connects to it
                "weight_sync.master_addr=$MASTER_ADDR" "weight_sync.master_port=$WEIGHT_PORT"
