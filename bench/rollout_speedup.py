@@ -44,8 +44,15 @@ What it does
     megarl/train.py does it (partial: stitched l_old of the carried tokens first, then
     build_batch + ppo_step), on ONE megatron actor/critic trained by every mode in turn (a
     step's cost does not depend on the weight values, and the lengths are forced); then
-    weight_sync.push. The version pushed is the step index of the next rollout, so rollout k
-    of every mode runs at version k and staleness is counted in rounds. An untimed warm-up
+    weight_sync.push. The trainer removes padding (ppo/microbatch.py): micro-batches by a token
+    budget (--train-budget, default train.micro_batch_size x rollout.engines.max_model_len:
+    the memory of the recipe's row count). With --padded-twin on (default) every mode's
+    train phase also runs, on the same samples and outside the mode's clock, with the padded
+    layout (train.remove_padding=false: every row at the batch's longest), in alternating
+    order: each mode reports both train phases, their computed / real tokens and the
+    end-to-end speedups with either trainer (`train_padding` in the result). The version
+    pushed is the step index of the next rollout, so rollout k of every mode runs at version
+    k and staleness is counted in rounds. An untimed warm-up
     train step runs first. --train sim:fixed=S,per_ktok=S sleeps S + S' * trained_ktokens
     instead and reloads the unchanged HF weights (pool.update_weights) as the push.
 - On the same engine: the decode-step time t(b) for b = 1, 2, 4, ... >= 2 x concurrency
@@ -86,6 +93,7 @@ from megarl.data.sample import Sample  # noqa: E402
 from megarl.distributed.env import init_distributed  # noqa: E402
 from megarl.models.setup import build_all  # noqa: E402
 from megarl.ppo.batch import build_batch  # noqa: E402
+from megarl.ppo.microbatch import batching_of  # noqa: E402
 from megarl.ppo.overlap import Overlap  # noqa: E402
 from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs  # noqa: E402
 from megarl.rewards import get_reward_fn  # noqa: E402
@@ -155,6 +163,20 @@ def make_config(args, model: Path, run_dir: Path, prompt_max: int):
             f"rollout.partial.max_staleness={args.max_staleness}", "rollout.mode=partial",
             "checkpoint.every=0", "checkpoint.resume=false"]
     return load_config(ROOT / "recipes/tiny_cpu.yaml", over)
+
+
+def batching_configs(cfg, budget: int):
+    """(the config the bench trains with: micro-batches by a token budget, padding removed;
+    its padded twin: every row at the batch's longest, the layout before length-aware
+    batching). budget 0: train.micro_batch_size x rollout.engines.max_model_len, the largest
+    micro-batch the recipe's row count allows."""
+    from dataclasses import replace
+    t = cfg.train
+    budget = budget or t.micro_batch_size * cfg.rollout.engines.max_model_len
+    removed = replace(cfg, train=replace(t, micro_batch_size=type(t).micro_batch_size,
+                                         max_tokens_per_micro_batch=budget, remove_padding=True))
+    padded = replace(cfg, train=replace(t, max_tokens_per_micro_batch=0, remove_padding=False))
+    return removed, padded
 
 
 # -- engine measurements ------------------------------------------------------------------
@@ -255,6 +277,10 @@ def main() -> None:
     p.add_argument("--with-fix", action="store_true",
                    help="also run a third, interleaved mode partial_fix (EndOnTarget; identical to partial "
                         "since 2fff5a0: shows run-to-run noise)")
+    p.add_argument("--train-budget", type=int, default=0,
+                   help="train.max_tokens_per_micro_batch of the trainer (0: train.micro_batch_size x max_model_len)")
+    p.add_argument("--padded-twin", choices=("on", "off"), default="on",
+                   help="also time every train phase with the padded layout (train.remove_padding=false)")
     p.add_argument("--out", default=str(ROOT / "bench/out/rollout_speedup.json"))
     p.add_argument("--png", default=str(ROOT / "bench/out/rollout_timeline.png"))
     args = p.parse_args()
@@ -281,7 +307,9 @@ def main() -> None:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompts_all = encode_prompts(tokenizer, records, "prompt")
-    cfg = make_config(args, model, run_dir, max(len(x) for x in prompts_all))
+    cfg, cfg_padded = batching_configs(make_config(args, model, run_dir, max(len(x) for x in prompts_all)),
+                                       args.train_budget)
+    twin = args.padded_twin == "on" and train_spec["kind"] == "real"
     reward_fn = get_reward_fn(cfg.reward.fn)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
 
@@ -413,9 +441,25 @@ def main() -> None:
                 stitch_s = time.perf_counter() - t
             batch = build_batch(samples, tokenizer.pad_token_id, 1)
             forward = ov.forward(samples, batch, step) if ov is not None else None
-            ppo_step(cfg, models.actor, models.reference, models.critic, batch, step, forward)
+            m = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step, forward)
             extra = ov.after_update(samples) if ov is not None else {}
-            return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s, **extra}
+            return {"train_s": time.perf_counter() - t, "stitch_s": stitch_s, **extra, **positions(m)}
+
+        def positions(m: dict, prefix: str = "") -> dict:
+            """Positions the update passes computed and the real ones (ppo_step's metrics)."""
+            computed = m.get("train_tokens_computed", 0)
+            return {f"{prefix}computed_tokens": computed,
+                    f"{prefix}real_tokens": computed * (1.0 - m.get("train_padding_frac", 0.0))}
+
+        def train_padded(samples, partials, step: int) -> dict:
+            """The same train phase with the padded layout (the carry's l_old computed, not
+            stored), untimed by the mode's clock: the bench's comparison of the two trainers."""
+            t = time.perf_counter()
+            if partials:
+                trainer_logprobs(cfg_padded, models.actor, [item[-1] for item in partials], tokenizer.pad_token_id)
+            m = ppo_step(cfg_padded, models.actor, models.reference, models.critic,
+                         build_batch(samples, tokenizer.pad_token_id, 1), step)
+            return {"train_padded_s": time.perf_counter() - t, **positions(m, "padded_")}
 
         def score_one(s: Sample) -> float:   # (named score_sample, it called itself)
             return score_sample(s, tokenizer, reward_fn)
@@ -446,7 +490,7 @@ def main() -> None:
                     raise SystemExit("--keep-modes keep_overlap needs --train real (the passes are the trainer's)")
                 overlaps[mode] = Overlap(list(forward_passes(cfg, models.actor, models.reference,
                                                              models.critic).values()),
-                                         tokenizer.pad_token_id, 1, cfg.train.micro_batch_size)
+                                         tokenizer.pad_token_id, 1, batching_of(cfg))
         modes = ["sync", *controllers]
         rec.prompt_len = lambda gid: len(record_of(gid)[1])
 
@@ -550,9 +594,14 @@ def main() -> None:
                 samples, info, controller = sync_step(k, k) if mode == "sync" else partial_step(mode, k, k, key)
                 trained[mode].append([len(x.response_ids) for x in samples])
                 partials = on_loop(controller.pending_old_logprobs) if controller is not None else None
+                padded_twin = twin and mode not in overlaps   # (overlap's passes ran in the round)
+                if padded_twin and k % 2:   # alternate which trainer goes first
+                    info.update(train_padded(samples, partials, key))
                 rec.begin(mode, "train")
                 info.update(train(samples, partials, controller, key, overlaps.get(mode)))
                 rec.end()
+                if padded_twin and not k % 2:
+                    info.update(train_padded(samples, partials, key))
                 rec.begin(mode, "weights")
                 if mode in keep_pools:   # its own pool: the version of its next rollout
                     info["push_s"] = push(k + 1, keep_pools[mode])
@@ -686,6 +735,24 @@ def main() -> None:
                 "rollout_bounds_s": bounds,
             }
 
+        def padding_figures(m: str) -> dict:
+            """The two trainers on the same samples: train phases, computed / real tokens of
+            the update passes, and each trainer's end-to-end wall and speedup against sync."""
+            out = {"train_s": total(m, "train_s"), "computed_per_real":
+                   total(m, "computed_tokens") / max(1.0, total(m, "real_tokens"))}
+            if not all("train_padded_s" in x for x in steps[m]) or not steps[m]:
+                return out
+            padded_wall = {x: roll[x] + total(x, "train_padded_s") + total(x, "push_s") for x in ("sync", m)}
+            return {**out, "train_padded_s": total(m, "train_padded_s"),
+                    "train_time_ratio_padded_over_removed": total(m, "train_padded_s") / total(m, "train_s"),
+                    "padded_computed_per_real": total(m, "padded_computed_tokens")
+                    / max(1.0, total(m, "padded_real_tokens")),
+                    "wall_s": wall[m], "wall_padded_s": padded_wall[m],
+                    "speedup_vs_sync": wall["sync"] / wall[m],
+                    "speedup_vs_sync_padded_trainer": padded_wall["sync"] / padded_wall[m],
+                    "train_share_of_wall": total(m, "train_s") / wall[m],
+                    "train_share_of_wall_padded": total(m, "train_padded_s") / padded_wall[m]}
+
         figs = {m: partial_figures(m) for m in controllers}
         pf = figs["partial"]
         dist_stats = summarize_lengths(lambda g, j: length_of(g, j), 4000, n)
@@ -739,6 +806,8 @@ def main() -> None:
             "curve_tokens": args.curve_tokens, "curve_pass_tokens": args.curve_pass_tokens, "overheads": ovh,
             "engine_start_s": engine_start_s, "trainer_build_s": trainer_build_s,
             "trainer_warmup_s": train_warmup_s,
+            "train_padding": {m: padding_figures(m) for m in modes},
+            "train_budget_tokens": cfg.train.max_tokens_per_micro_batch,
             "per_step": steps, "png": args.png,
             "timeline": {m: rec.rollout_timeline(m) for m in modes},
             "machine": {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
@@ -769,6 +838,12 @@ def main() -> None:
                   f"{f['requests_per_started_sample']:.2f}, re-prefilled {f['reprefill_tokens']}; "
                   f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
+        for m, f in result["train_padding"].items():
+            if "train_padded_s" in f:
+                print(f"{m}: train {f['train_s']:.1f}s at {f['computed_per_real']:.2f} computed/real tokens, padded "
+                      f"{f['train_padded_s']:.1f}s at {f['padded_computed_per_real']:.2f} (x"
+                      f"{f['train_time_ratio_padded_over_removed']:.2f}); speedup vs sync {f['speedup_vs_sync']:.2f}, "
+                      f"with the padded trainer {f['speedup_vs_sync_padded_trainer']:.2f}")
         print(f"wrote {args.out} and {args.png} in {result['total_runtime_s']:.0f} s")
     finally:
         # the pools share one loop thread: close every pool's engines on it, then stop it once
