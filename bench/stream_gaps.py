@@ -10,6 +10,7 @@ requests of `--tokens` tokens one after another (the tiny model with 4,096 posit
 first request of each server is its warm-up and is not counted.
 
     .venv/bin/python bench/stream_gaps.py [--runs 3] [--requests 6] [--tokens 4000] [--also-new-session]
+    .venv/bin/python bench/stream_gaps.py --compare-eager     (start and decode: eager vs compiled)
 
 Writes bench/out/stream_gaps.json; prints the largest gap of each run.
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,17 +75,32 @@ def event_gaps(server: LocalServer, tokens: int, seed: int) -> dict:
     return {"events": len(times), "max_gap_s": max(gaps, default=0.0), "seconds": time.perf_counter() - t0}
 
 
-def measure(kind, model: Path, log_dir: Path, requests: int, tokens: int) -> dict:
+def measure(kind, model: Path, log_dir: Path, requests: int, tokens: int, eager: bool = True) -> dict:
     server = kind(model, log_dir / f"{kind.__name__}.log", api_key=secrets.token_hex(16),
-                  max_model_len=MAX_LEN, kv_cache_mb=256)
+                  max_model_len=MAX_LEN, kv_cache_mb=256, enforce_eager=eager)
+    t0 = time.perf_counter()
     server.start()
     try:
-        server.wait_healthy(600)
+        server.wait_healthy(900)
+        start_s = time.perf_counter() - t0
         reqs = [event_gaps(server, tokens, i) for i in range(requests)]
     finally:
         server.stop()
     counted = reqs[1:]     # the first request warms the server up
-    return {"requests": reqs, "max_gap_s": max(r["max_gap_s"] for r in counted)}
+    return {"requests": reqs, "start_s": start_s, "max_gap_s": max(r["max_gap_s"] for r in counted),
+            "median_request_s": statistics.median(r["seconds"] for r in counted)}
+
+
+def compare_eager(model: Path, log_dir: Path, requests: int, tokens: int) -> dict:
+    """The CPU default of rollout.engines.enforce_eager: start time and decode time of the same
+    requests with vLLM's compiled graphs and eager, one server after the other."""
+    out = {}
+    for eager in (True, False):
+        r = measure(LocalServer, model, log_dir, requests, tokens, eager=eager)
+        out["eager" if eager else "compiled"] = {"start_s": r["start_s"], "median_request_s": r["median_request_s"]}
+        print(f"enforce_eager={eager}: start {r['start_s']:.0f} s, median request {r['median_request_s']:.2f} s",
+              flush=True)
+    return out
 
 
 def main() -> None:
@@ -93,6 +110,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--also-new-session", action="store_true",
                     help="also measure the same server in a session of its own")
+    ap.add_argument("--compare-eager", action="store_true",
+                    help="instead: start and decode seconds with enforce_eager true and false")
     ap.add_argument("--out", default=str(ROOT / "bench/out/stream_gaps.json"))
     a = ap.parse_args()
     if not (MODEL / "config.json").exists():
@@ -103,6 +122,9 @@ def main() -> None:
               "tokens": a.tokens, "requests": a.requests, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="megarl-bench-gaps-") as tmp:
         model = long_model(Path(tmp))
+        if a.compare_eager:
+            kinds = []
+            result["eager"] = compare_eager(model, Path(tmp), a.requests, a.tokens)
         for kind in kinds:
             runs = [measure(kind, model, Path(tmp), a.requests, a.tokens) for _ in range(a.runs)]
             result["runs"][kind.__name__] = runs

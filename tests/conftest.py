@@ -25,10 +25,27 @@ LONGEST_FIRST = [
     "tests/e2e/test_train_cli.py", "tests/e2e/test_agents.py", "tests/dist/test_layouts.py",
     "tests/e2e/test_crash_resume.py",
     "tests/dist/test_megatron_load.py", "tests/e2e/test_pool_sync.py", "tests/e2e/test_http_engine.py",
+    "tests/e2e/test_request_errors.py",
     "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_bad_inputs.py",
     "tests/dist/test_reward_model.py", "tests/e2e/test_disk_full.py", "tests/dist/test_device_placement.py",
     "tests/e2e/test_math_data.py", "tests/dist/test_overlap.py", "tests/dist/test_nonfinite.py",
 ]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _servers_in_a_new_session():
+    """MEGARL_TEST_SERVERS_NEW_SESSION=1 (tools/engine_tests_under_stress.sh): the servers the
+    tests start get a session of their own, as megarl started them before, to see whether a
+    test depends on how fast their streams arrive."""
+    if os.environ.get("MEGARL_TEST_SERVERS_NEW_SESSION") != "1":
+        yield
+        return
+    from megarl.rollout import servers
+    mp = pytest.MonkeyPatch()
+    mp.setattr(servers.LocalServer, "popen_group",
+               staticmethod(lambda: {"start_new_session": True, "preexec_fn": servers._die_with_parent}))
+    yield
+    mp.undo()
 
 
 def pytest_collection_modifyitems(config, items):
