@@ -366,6 +366,7 @@ class PartialConfig:
     fixed concurrency, carry-over, bounded staleness."""
     concurrency: int = 64              # sample requests kept in flight across all engines
     # a token may be at most this many weight versions older than the step training on it
+    # (rollout.mode=service keeps it too: megarl/service/bound.py)
     max_staleness: int = 2
     # finish (a sample about to pass max_staleness is finished before the round ends; admission
     # throttled; nothing discarded) | restart (from its prompt) | drop (its whole group)

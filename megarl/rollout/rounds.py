@@ -141,8 +141,13 @@ class Rollout:
     def _service_round(self, step: int) -> tuple[list[Sample], dict]:
         k, wait_s = self.cfg.train.groups_per_step, self.cfg.service.wait_s
 
+        p = self.cfg.rollout.partial
+
+        def stale(sample) -> bool:   # the controller's bound (megarl/service/bound.py)
+            return staleness.stale_sample(sample, step, p.max_staleness)
+
         async def take():   # on the loop, where the agents' calls change the service
-            groups = await self.service.take_groups(k)
+            groups = await self.service.take_groups(k, stale, p.stale_policy == "drop")
             return groups, self.service.metrics()
 
         async def read():

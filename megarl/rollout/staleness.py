@@ -76,9 +76,15 @@ def oldest(slot, default=None):
     return min(model_versions(slot), default=default)
 
 
+def stale_sample(sample, step: int, max_staleness: int) -> bool:
+    """A slot or Sample holds a model token more than max_staleness versions older than `step`."""
+    v = oldest(sample)
+    return v is not None and step - v > max_staleness
+
+
 def stale_slots(group, step: int, max_staleness: int) -> list:
     """Slots of `group` holding a model token more than max_staleness versions older than `step`."""
-    return [s for s in group.slots if (v := oldest(s)) is not None and step - v > max_staleness]
+    return [s for s in group.slots if stale_sample(s, step, max_staleness)]
 
 
 def discard_stale(groups: dict, completed: list, step: int, max_staleness: int, drop: bool) -> tuple[list, Discarded]:

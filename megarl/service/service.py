@@ -25,7 +25,8 @@ engine refuses as invalid is answered 400 with the engine's message (the engine 
 service, the episode is unchanged); an engine failure is a 503 that names no engine (its URL and
 log are in the trainer's log, not for agents). Request bodies are bounded by the app
 (service.max_request_mb, 413), and complete groups waiting for the trainer by
-service.max_ready_groups: past it new episodes get 429 until a step takes some.
+service.max_ready_groups: past it new episodes get 429 until a step takes some. What a step
+takes keeps the staleness bound, rollout.partial.max_staleness (megarl/service/bound.py).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from megarl.data.sample import Sample
 from megarl.data.seeds import group_seed, request_seed, sample_seed
 from megarl.envs.render import ObservationRenderer
 from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
+from megarl.service.bound import discard_stale
 from megarl.service.groups import Group, GroupBook
 from megarl.service.recorder import ENGINE_FAILED, EpisodeRecorder, ServiceError, Turn
 
@@ -121,7 +123,8 @@ class AgentService:
         self.ended: OrderedDict[str, str] = OrderedDict()   # recently ended id -> why
         self.finished: dict[str, Sample] = {}               # rewarded, until their group is taken
         self.counts = dict.fromkeys(("started", "finished", "cancelled", "timed_out", "lost", "calls",
-                                     "continuations", "turns", "observation_tokens"), 0)
+                                     "continuations", "turns", "observation_tokens", "stale_restarted",
+                                     "stale_dropped", "stale_tokens"), 0)
         self._open = asyncio.Event()        # clear while a weight update holds the service
         self._open.set()
         self._changed = asyncio.Event()     # a group completed
@@ -359,12 +362,22 @@ class AgentService:
                 await self._drop(ep, "timed_out")
 
     # -- the trainer's side --------------------------------------------------------------------
-    async def take_groups(self, k: int) -> list[list[Sample]]:
-        """Wait for k complete groups; hand them over, oldest first (see GroupBook.take)."""
+    async def take_groups(self, k: int, stale: Optional[Callable[[Sample], bool]] = None,
+                          drop_stale: bool = False) -> list[list[Sample]]:
+        """Wait for k complete groups; hand them over, oldest first (see GroupBook.take).
+        `stale(sample)`: the staleness bound (megarl/service/bound.py): a rewarded sample past it
+        is not handed over; its place is handed out again (`drop_stale`: its group dropped)."""
         if k > self.max_ready_groups:   # new episodes would be refused before k groups are complete
             raise ValueError(f"train.groups_per_step={k} is more than service.max_ready_groups="
                              f"{self.max_ready_groups}: raise service.max_ready_groups to at least {k}")
-        while len(self.book.complete()) < k:
+        while True:
+            if stale is not None:
+                lost = discard_stale(self.book, stale, drop_stale)
+                for key, n in (("stale_restarted", lost.restarted), ("stale_dropped", lost.dropped),
+                               ("stale_tokens", lost.tokens)):
+                    self.counts[key] += n
+            if len(self.book.complete()) >= k:
+                break
             self._changed.clear()
             await self._changed.wait()
         groups = self.book.take(k)
@@ -380,7 +393,8 @@ class AgentService:
                 "agent_episodes_lost": c["lost"], "agent_calls": c["calls"],
                 "agent_continuations": c["continuations"], "agent_turns_per_episode": c["turns"] / finished,
                 "agent_observation_tokens": c["observation_tokens"], "agent_open_episodes": len(self.episodes),
-                "agent_groups_ready": len(self.book.complete())}
+                "agent_groups_ready": len(self.book.complete()), "agent_stale_restarted": c["stale_restarted"],
+                "agent_stale_groups_dropped": c["stale_dropped"], "agent_stale_tokens_discarded": c["stale_tokens"]}
 
     def state_dict(self) -> dict:
         """Untaken groups (their rewarded samples) and the hand-out position; the open episodes
