@@ -3,14 +3,22 @@
 Builds actor, reference and critic from the tiny model at the launched layout, runs
 `steps` PPO steps on one fixed synthetic batch (no engine: the batch is generated from a
 seed, so every layout sees identical data), and writes per-step losses, gradient norms and
-the actor's post-step logprobs to argv[2] (rank 0).
+the actor's post-step logprobs to argv[2] (rank 0); the first step's record also holds
+`logp_start`, the actor's logprobs at the weights the run starts from (before any update).
+tests/dist/parity.py says how close two runs must be.
 usage: layout_probe.py MODEL_DIR OUT_JSON key=value... [save=DIR] [resume=DIR] [stale=1]
+                       [threads=N] [swap_rows=PARAM]
        layout_probe.py MODEL_DIR OUT_JSON --case NAME key=value... [--case NAME key=value...]
 `stale=1` makes the batch off-policy, as rollout.lag or the partial carry make it: every token
 gets a stored l_old (and behaviour logprob) of the starting weights' logprob plus seeded noise
 (sd 0.3), so the ratio starts away from 1 and the stale-data stabilizers act.
 `save=DIR` writes a checkpoint after the last step; `resume=DIR` loads the newest one first
 and continues from the step after it (at whatever layout this run was launched with).
+`threads=N` runs the case on N intra-op threads (default 1): the same computation in another
+reduction order, which is how the tests measure fp32 noise on one machine.
+`swap_rows=PARAM` swaps rows 0 and 1 of the last TP shard of every weight named ...PARAM on the
+first pipeline stage (actor, reference and critic; after a resume, in the loaded weights): a
+deliberately wrong shard, which every parity comparison must catch.
 With `--case`, the cases run one after the other in the same ranks (the models are built
 anew for each; the world is shared, so they are layouts of the same world size) and OUT_JSON
 maps each NAME to its history: one launch instead of one per case, as each launch spends
@@ -64,7 +72,7 @@ def stale(samples, batch, models, cfg):
 def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     from megarl.config import load_config, validate_world
     from megarl.distributed import parallel
-    probe_args = ("save=", "resume=", "stale=")
+    probe_args = ("save=", "resume=", "stale=", "threads=", "swap_rows=")
     extra = dict(a.split("=", 1) for a in args if a.startswith(probe_args))
     overrides = [a for a in args if not a.startswith(probe_args)]
     cfg = load_config("recipes/tiny_cpu.yaml", [
@@ -78,6 +86,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import _forward_all, ppo_step
 
+    torch.set_num_threads(int(extra.get("threads", 1)))
     models = build_all(cfg)
     steps = int(dict(o.split("=") for o in overrides).get("train.steps", 3))
     samples = synthetic_samples(1234, 8, 4, models.actor.info.vocab_size)
@@ -88,17 +97,42 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     history, start = [], 0
     if "resume" in extra:
         start = ckpt.load(ckpt.complete_checkpoints(extra["resume"])[-1], models.actor, models.critic)["step"] + 1
-    for step in range(start, steps):
-        m = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
+    if "swap_rows" in extra:
+        swap_rows(models, extra["swap_rows"])
+
+    def actor_logp() -> list[float]:
         logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
                             models.actor.model, batch, cfg.train.micro_batch_size)
+        return logp[batch.resp_mask > 0].tolist()
+
+    first = {"logp_start": actor_logp()}
+    for step in range(start, steps):
+        m = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
         history.append({k: m[k] for k in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")}
                        | {k: m[k] for k in STABILIZER_METRICS if k in m}
-                       | {"logp": logp[batch.resp_mask > 0].tolist()})
+                       | {"logp": actor_logp()} | (first if step == start else {}))
     if "save" in extra:
         ckpt.save(extra["save"], steps - 1, models.actor, models.critic, {"step": steps - 1}, "", keep=1)
     parallel.destroy()
     return history
+
+
+def swap_rows(models, suffix: str) -> None:
+    """Rows 0 and 1 of this rank's shard of every weight whose name ends with `suffix`, swapped
+    in place (the optimizer's shards are views of the same storage), on the last TP rank of the
+    first pipeline stage: one wrong TP shard at any layout (at TP=1, the only shard)."""
+    from megarl.distributed import parallel
+    if not (parallel.is_first_stage() and parallel.tp_rank() == parallel.tp_size() - 1):
+        return
+    hits = 0
+    for module in (models.actor.model, models.reference, models.critic and models.critic.model):
+        for name, p in module.named_parameters() if module is not None else ():
+            if name.endswith(suffix):
+                with torch.no_grad():
+                    p[[0, 1]] = p[[1, 0]].clone()
+                hits += 1
+    if not hits:
+        raise SystemExit(f"layout_probe: swap_rows={suffix!r} names no weight of the first stage")
 
 
 def split_cases(args: list[str]) -> dict[str, list[str]] | None:

@@ -1,0 +1,98 @@
+"""How close a run of layout_probe.py at another layout (or micro-batch size, or resumed from a
+checkpoint) must come to the single-rank reference run, and why.
+
+Every tolerance sits between two measured figures (fp32, the tiny model, 3 PPO steps of 2 Adam
+updates each; tools/parity_margins.py measures them again on any machine):
+- noise: what the reduction order alone moves the quantity by. Measured by repeating the
+  reference with its order changed on purpose: 2 threads instead of 1, micro-batches of 1 and 2
+  rows instead of 4, MKL's generic code path (MKL_CBWR=COMPATIBLE) and ATen without AVX
+  (ATEN_CPU_CAPABILITY=default); these stand in for another processor's path through the
+  libraries. The TP=2 / PP=2 / DP=2 layouts themselves differ from the reference by as much.
+- catch: the smallest real error the comparison exists for. Two rows of one TP shard swapped
+  (a wrong shard, resharding or name mapping), and every update 1% too large (actor_lr or
+  critic_lr x1.01: a wrong normaliser, learning rate or Adam step count).
+A tolerance is at least 5x the noise (test_layouts.py asserts it for the noise each run
+measures, so a machine where it is not fails there, naming the quantity, instead of failing a
+layout test at random) and below the smallest catch.
+
+Why the post-update logprobs get their own, wider tolerance: Adam moves each weight by about
++-lr per update whatever its gradient's size, so an element whose gradient is near 0 takes
+the sign fp32 rounding gives it, and a model that moves its logprobs by nats in 3 steps (this
+one does, on its one fixed batch) carries that noise into every logprob: 1e-5 to 4e-5 here
+after 3 steps, 8e-5 seen on another x86 machine, growing about 2x per step. Losses and
+gradient norms barely see it (the loss's gradient along those elements is ~0), and the
+logprobs before any update (`logp_start`) see none of it, so those stay tight; the wrong shard
+shows in all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tol:
+    """|got - ref| <= max(abs, rel * |ref|). `noise` and `catch`: the figures it was set from."""
+    abs: float = 0.0
+    rel: float = 0.0
+    noise: str = ""
+    catch: str = ""
+
+    def allowed(self, ref: float) -> float:
+        return max(self.abs, self.rel * abs(ref))
+
+
+TOLERANCES = {
+    # a sum of +- terms that nearly cancel (~0.04 from terms of ~0.1-1): absolute
+    "policy_loss": Tol(abs=1e-5, noise="4.6e-7 absolute",
+                       catch="actor_lr x1.01: 6.8e-5 (step 2); a swapped shard: 5.9e-5 (step 0)"),
+    "value_loss": Tol(rel=1e-5, noise="1.3e-7 relative",
+                      catch="critic_lr x1.01: 2.7e-5; a swapped shard: 4.7e-6 to 7.2e-4"),
+    "grad_norm": Tol(rel=5e-5, noise="2.7e-6 relative",
+                     catch="actor_lr x1.01: 8.8e-4; a swapped shard: 3.3e-3 or more"),
+    "critic_grad_norm": Tol(rel=5e-5, noise="1.2e-7 relative",
+                            catch="critic_lr x1.01: 1e-3"),
+    # the actor's logprobs at the weights the run starts from (a forward pass, no update)
+    "logp_start": Tol(abs=5e-5, noise="3e-6 absolute (logprobs of -0.5 to -12)",
+                      catch="a swapped shard: 0.3 or more"),
+    # after each step's updates (see the module docstring)
+    "logp": Tol(abs=1e-3, noise="4e-5 absolute after 3 steps (8e-5 on another machine)",
+                catch="actor_lr x1.01: 3.1e-2 after one step; a swapped shard: 0.58"),
+}
+#: the least ratio of a tolerance to the noise each run measures
+NOISE_MARGIN = 5.0
+SCALARS = ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")
+
+
+def error(key: str, got, ref) -> float:
+    """The largest |got - ref| of `key` in units of its tolerance (<= 1: within it); values
+    may be numbers or equal-length lists (logprobs)."""
+    tol = TOLERANCES[key]
+    if isinstance(ref, list):
+        if len(got) != len(ref):
+            return float("inf")
+        return max((abs(g - r) / tol.allowed(r) for g, r in zip(got, ref)), default=0.0)
+    return abs(got - ref) / tol.allowed(ref)
+
+
+def errors(got: list[dict], ref: list[dict]) -> dict[str, float]:
+    """Per quantity, the largest error (in tolerances) over the steps of two histories; a
+    quantity either history lacks in a step is skipped (`logp_start` is in the first only)."""
+    if len(got) != len(ref):
+        raise AssertionError(f"{len(got)} steps against {len(ref)}")
+    out: dict[str, float] = {}
+    for x, y in zip(got, ref):
+        for key in TOLERANCES:
+            if key in x and key in y:
+                out[key] = max(out.get(key, 0.0), error(key, x[key], y[key]))
+    return out
+
+
+def assert_parity(got: list[dict], ref: list[dict], what: str = "") -> dict[str, float]:
+    """Every quantity within its tolerance; the message names each one that is not, by how
+    many tolerances, with the figures the tolerance was set from."""
+    errs = errors(got, ref)
+    bad = {k: v for k, v in errs.items() if not v <= 1.0}
+    assert not bad, f"{what}: " + "; ".join(
+        f"{k} off by {v:.3g}x its tolerance (noise measured: {TOLERANCES[k].noise}; "
+        f"it exists to catch {TOLERANCES[k].catch})" for k, v in bad.items())
+    return errs
