@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.config.errors import ConfigError
+from megarl.data.builders import how_to_build
 from megarl.data.seeds import epoch_shuffle_seed
 
 
@@ -34,9 +35,8 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
     if p.is_dir():
         raise FileNotFoundError(f"data.prompts={path!r} is a folder: point it at a .jsonl or .parquet file in it")
     if not p.is_file():
-        raise FileNotFoundError(f"data.prompts={path!r} does not exist: build it with "
-                                f"`python tools/make_tiny_model.py` or point data.prompts at a "
-                                f".jsonl or .parquet file")
+        raise FileNotFoundError(f"data.prompts={path!r} does not exist: {how_to_build(path)}, or point "
+                                f"data.prompts at a .jsonl or .parquet file")
     records = Records()
     for row, rec in _rows(p, path):
         _check_row(rec, path, row, prompt_key, messages_key, answer_key)

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from megarl.config import ConfigError
 from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import RootConfig
+from megarl.data.builders import how_to_build
 from megarl.formats.mapping import mapping_for
 from megarl.models import loading, offload
 from megarl.models.arch import check_arch_matches
@@ -32,8 +33,8 @@ class Models:
 def check_model_dir(path: str, setting: str) -> None:
     """A HF model folder: config.json and *.safetensors (before anything is built or written)."""
     if not os.path.isdir(path):
-        raise ConfigError(f"{setting}={path!r} does not exist: build the tiny model with "
-                          f"`python tools/make_tiny_model.py --out {path}` or point {setting} at a HF folder")
+        raise ConfigError(f"{setting}={path!r} does not exist: {how_to_build(path)}, or point {setting} "
+                          f"at a HF folder")
     missing = [n for n in ("config.json",) if not os.path.isfile(os.path.join(path, n))]
     if not glob.glob(os.path.join(path, "*.safetensors")):
         missing.append("*.safetensors")
