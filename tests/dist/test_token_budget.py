@@ -62,6 +62,16 @@ def test_length_aware_micro_batches_give_the_padded_losses_and_gradients(runs, c
     assert got["carry"] == pytest.approx(ref["carry"], abs=LOGP_ABS), f"{case} {rule} stitched l_old"
 
 
+def test_a_rank_without_rows_computes_a_filler_that_changes_nothing(runs):
+    """One-row mini-batches (8 updates) and a one-sample carry at DP=2: the rank without a
+    row runs a filler micro-batch; losses, gradient norms and the l_old equal one rank's."""
+    one, dp2 = runs["one"]["fill"], runs["dp2"]["fill"]
+    for key in KEYS:
+        assert dp2["step"][key] == pytest.approx(one["step"][key], rel=REL), key
+    assert dp2["carry"] == pytest.approx(one["carry"], abs=LOGP_ABS)
+    assert dp2["step"]["train_padding_frac"] > one["step"]["train_padding_frac"]   # the fillers' positions
+
+
 def test_the_rules_compute_different_micro_batches_on_a_long_tailed_batch(runs):
     """Guard against a vacuous comparison: the padded layout computes mostly padding, the
     budget about the real tokens in fewer micro-batches than 4 rows each would take; the

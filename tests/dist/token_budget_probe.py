@@ -54,6 +54,19 @@ def long_tailed_samples(vocab: int, groups: int = 8, n: int = 4, seed: int = 7):
     return samples
 
 
+def fewer_rows_than_ranks(cfg, models, samples) -> dict:
+    """Mini-batches of one row (two groups of 4) and a carry of one sample: with DP=2 one rank
+    has no row of its own and computes a filler (mask 0: no loss, no gradient, its output
+    dropped)."""
+    from megarl.ppo.batch import build_batch
+    from megarl.ppo.step import ppo_step, trainer_logprobs
+    cfg.train.mini_batches, cfg.algo.loss_agg = len(samples), AGGS[0]
+    m = ppo_step(cfg, models.actor, models.reference, models.critic, build_batch(samples, 0), 0)
+    cfg.train.mini_batches = 2
+    return {"step": {k: m[k] for k in METRICS if k in m},
+            "carry": trainer_logprobs(cfg, models.actor, samples[:1], 0)[0]}
+
+
 def perturb(models) -> None:
     """Values and a KL that are not 0 (the critic's head starts at zero, the reference equals
     the actor), the same at every layout: only tensors that no TP or PP split shards (the
@@ -130,6 +143,8 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> dict:
             steps[agg] = {k: m[k] for k in METRICS if k in m}
         out[rule] = {"steps": steps, "logp": logp[batch.resp_mask > 0].tolist(),
                      "carry": [v for row in carry for v in row], "calls": every_rank(calls)}
+        if rule == "budget":
+            out["fill"] = fewer_rows_than_ranks(cfg, models, samples[:8])
     parallel.destroy()
     return out
 
