@@ -5,6 +5,7 @@ import json
 
 import pytest
 from conftest import run_py
+from parity import assert_parity
 
 from megarl.config import ConfigError
 from megarl.models.loading import check_megatron_dir
@@ -42,14 +43,13 @@ def test_tp2_run_from_megatron_equals_run_from_hf(tiny_model, megatron_tp2, tmp_
 
 def test_tp2_checkpoint_loads_at_tp1(tiny_model, megatron_tp2, tmp_path):
     """Another layout: the TP=2 checkpoint (vocab padded to 256) resharded onto one rank. Its
-    padding rows are masked, so the numbers match the HF run up to fp32 reduction order."""
+    padding rows are masked, so the numbers match the HF run up to fp32 reduction order (the
+    longer vocabulary's reductions): within the layout tests' tolerances (parity.py: the
+    logprobs of the loaded weights tightly, those after the update's Adam steps less so)."""
     base = ["train.steps=1"]
     from_hf = probe(tiny_model, tmp_path / "hf.json", 1, base)
     from_mg = probe(tiny_model, tmp_path / "mg.json", 1, base + [f"model.megatron_path={megatron_tp2}"])
-    for a, b in zip(from_hf, from_mg):
-        for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=2e-6), key
-        assert a["logp"] == pytest.approx(b["logp"], rel=1e-5, abs=2e-5)
+    assert_parity(from_mg, from_hf, what="TP=2 checkpoint at TP=1")
 
 
 def test_not_a_megatron_checkpoint_is_a_clear_error(tiny_model, tmp_path):
