@@ -205,8 +205,8 @@ class _Shape:
 
 def balance(lengths: Sequence[int], dp: int, equal_rows: bool) -> list[list[int]]:
     """Row indices per DP rank: longest first, each to the rank with the fewest tokens so far
-    (greedy longest-processing-time). `equal_rows`: every rank gets len // dp rows, the first
-    len % dp ranks to fill up one more (a fixed micro-batch row count needs the row counts)."""
+    (greedy longest-processing-time). `equal_rows`: every rank gets len // dp rows and len % dp
+    of them one more (a fixed micro-batch row count needs equal row counts)."""
     n = len(lengths)
     parts: list[list[int]] = [[] for _ in range(dp)]
     load = [0] * dp
