@@ -8,7 +8,11 @@ import pytest
 
 from megarl.envs.base import env_spec
 from megarl.envs.runner import EnvRunner
-from megarl.envs.sandbox import SandboxResult
+from megarl.envs.sandbox import SandboxResult, available_layers, refusal
+
+# these tests are about the environment, not the sandbox (tests/unit/test_sandbox_escapes.py):
+# on a machine whose kernel lacks a layer the environment would refuse to run, so accept it here
+WEAK = {"allow_weak_sandbox": True} if refusal(available_layers()) else {}
 from megarl.envs.tool_math import PythonToolEnv, last_code_block, observation
 
 RECORD = {"prompt": "What is 17 * 23 - 1?", "answer": "390"}
@@ -22,7 +26,7 @@ def runner():
 
 
 def _episode(runner, turns, record=RECORD, **options):
-    env = PythonToolEnv(seed=0, **options)
+    env = PythonToolEnv(seed=0, **WEAK, **options)
     results = []
     try:
         assert runner.run(env.reset(record), 30) is None
@@ -81,9 +85,9 @@ def test_registered_as_python_tool():
 
 
 def test_options_are_checked():
-    env = PythonToolEnv(seed=1, cpu_s=2, wall_s=3, memory_mb=256, output_bytes=100)
+    env = PythonToolEnv(seed=1, cpu_s=2, wall_s=3, memory_mb=256, output_bytes=100, **WEAK)
     assert (env.limits.cpu_s, env.limits.wall_s, env.limits.memory_mb, env.limits.output_bytes) == (2, 3, 256, 100)
     with pytest.raises(ValueError, match="unknown to env.name=python_tool"):
-        PythonToolEnv(seed=0, wall_clock=3)
+        PythonToolEnv(seed=0, wall_clock=3, **WEAK)
     with pytest.raises(ValueError, match="memory_mb=1"):
-        PythonToolEnv(seed=0, memory_mb=1)
+        PythonToolEnv(seed=0, memory_mb=1, **WEAK)
