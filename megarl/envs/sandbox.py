@@ -7,7 +7,11 @@ Each run is a fresh interpreter in layers, each covering what the others may mis
 * `python -I -S -B` with a scrubbed environment: no variable of this process reaches the code
   (no tokens, no proxies), no site-packages (the standard library only), no bytecode writes;
 * its own session and process group (`start_new_session`), killed as a whole (SIGKILL to the
-  group) when the wall clock runs out, output passes `output_bytes`, or the call is cancelled;
+  group) when the wall clock runs out, output passes `output_bytes`, or the call is cancelled.
+  A session of its own on purpose, unlike megarl's vLLM servers (rollout/servers.py): no
+  terminal and no signal to the trainer's session reaches the model's code, and where the
+  kernel groups scheduling by session, model code that spins competes as one group instead of
+  taking the trainer's share of the CPU;
   the clock starts before the interpreter does, so a slow start-up counts too;
 * rlimits set before exec: CPU seconds, address space, file size, open files, no core files;
   the process count (RLIMIT_NPROC) is set by the child itself just before the code runs;
