@@ -22,7 +22,11 @@ def test_dp_split_gives_the_one_rank_values(ranks):
     for r in ranks:   # rank 1 was given no samples: it got them as tensors from rank 0
         c = r["carry"]
         assert c["count"] == 61 and c["lengths_ok"], (r["rank"], c)
-        assert c["max_abs_diff"] < 1e-5, (r["rank"], c)
+        # the same forward in other micro-batch shapes: 1.7e-6 to 1.9e-6 apart (1 thread,
+        # MKL_CBWR=COMPATIBLE, ATEN_CPU_CAPABILITY=default), as the layout tests' logprobs before
+        # an update (tests/dist/parity.py, up to 5.7e-6); a row's values shifted by a position
+        # give another token's logprob
+        assert c["max_abs_diff"] < 5e-5, (r["rank"], c)
         assert r["carry_empty"] == []
 
 
@@ -39,7 +43,7 @@ def test_kl_metric_is_the_current_weights_estimate_for_every_kl_kind(ranks):
     kl = ranks[0]["kl"]
     for kind, v in kl.items():
         assert abs(v["expected"]) > 1e-4, v    # the actor was moved off the reference
-        assert abs(v["metric"] - v["expected"]) < 1e-5, (kind, v)
+        assert abs(v["metric"] - v["expected"]) < 1e-5, (kind, v)   # a mean of ~0.12: noise <= 3e-8
 
 
 @pytest.mark.parametrize("count,dp,mbs,want", [

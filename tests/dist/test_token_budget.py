@@ -24,11 +24,14 @@ LAUNCHES = {1: ["--case", "one"],
                 "--case", "dp2", "rules=budget,rows"]}
 COMPARED = [("one", "rows"), ("one", "budget"), ("tp2", "budget"), ("pp2", "budget"), ("dp2", "budget"),
             ("dp2", "rows")]
-# Measured (2-core CPU, fp32): losses, gradient norms, KL and value means within 1.0e-6
-# relative of the padded reference; logprobs within 4.8e-6 absolute (a logprob depends on its
-# micro-batch's padded length through fp32 kernel shapes). The tolerances are 10x and 4x that;
-# a row trained twice or lost, a wrong normaliser, or a shape mix-up moves them by 1e-2 or more.
-REL, LOGP_ABS = 1e-5, 2e-5
+# Noise, measured by rerunning the one-rank cases in another reduction order (MKL_CBWR=COMPATIBLE,
+# ATEN_CPU_CAPABILITY=default; fp32, 2-core CPU): losses, gradient norms, KL and value means move
+# by up to 1.1e-6 relative, logprobs (-0.1 to -15) by up to 6.2e-6 absolute; the rules and layouts
+# differ from the padded reference by as much (a logprob depends on its micro-batch's padded length
+# through fp32 kernel shapes). The tolerances are 9x and 8x that (DEVELOPERS.md, "Numerical
+# tolerances"); a row trained twice or lost, a wrong normaliser, or a shape mix-up moves them by
+# 1e-2 or more.
+REL, LOGP_ABS = 1e-5, 5e-5
 KEYS = ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "kl", "value_mean")
 
 
@@ -57,6 +60,7 @@ def test_length_aware_micro_batches_give_the_padded_losses_and_gradients(runs, c
     for agg, want in ref["steps"].items():
         for key in KEYS:
             assert got["steps"][agg][key] == pytest.approx(want[key], rel=REL), f"{case} {rule} {agg} {key}"
+        # a mean of normalised advantages, ~0: absolute (noise 1.9e-8)
         assert got["steps"][agg]["advantage_mean"] == pytest.approx(want["advantage_mean"], abs=1e-6)
     assert got["logp"] == pytest.approx(ref["logp"], abs=LOGP_ABS), f"{case} {rule} old logprobs"
     assert got["carry"] == pytest.approx(ref["carry"], abs=LOGP_ABS), f"{case} {rule} stitched l_old"
