@@ -29,7 +29,12 @@ def _debug() -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training of LLMs on megatron-core + vLLM")
+    parser.add_argument("--version", action="version", version=f"megarl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="the versions this machine has and the features megarl needs (exit 1: missing)")
+    ck = sub.add_parser("check", help="every check `megarl train` makes before its first step, then exit")
+    ck.add_argument("recipe")
+    ck.add_argument("overrides", nargs="*")
     tr = sub.add_parser("train", help="run PPO/GRPO from a recipe")
     tr.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny_cpu.yaml")
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 run.dir=runs/x")
@@ -64,6 +69,9 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = list(getattr(args, "overrides", [])) + extra
     quiet_known_warnings()
+    if args.command == "doctor":
+        from megarl import doctor  # light: reads versions and vLLM's source, never imports megatron
+        return doctor.main()
 
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -76,20 +84,13 @@ def main(argv=None) -> int:
     # `megarl train` runs in every rank (torchrun): the shim first, then what imports megatron
     from megarl.bootstrap import bootstrap
     bootstrap()
-    from megarl import preflight
-    from megarl.checkpoint import CheckpointError
-    from megarl.formats.hf_reader import ConversionError
-    from megarl.ppo.nonfinite import NonFiniteError
-    from megarl.rollout.engine import EngineError, RequestError
-    from megarl.train import train
-    explained = {EngineError: ("engine error", 1),         # names the engine, its URL and log
-                 RequestError: ("request refused", 2),      # every sample of a step refused: the data or settings
-                 NonFiniteError: ("stopped", 1),            # names the quantity and the step
-                 CheckpointError: ("checkpoint not saved", 1),  # disk full: the previous one is intact
-                 ConfigError: ("config error", 2),
-                 ConversionError: ("model files", 2),       # an HF or megarl checkpoint folder the reader refuses
-                 FileNotFoundError: ("missing input", 2)}   # our messages name the setting
+    explained = _explained()
     try:
+        if args.command == "check":
+            from megarl import check
+            return check.main(cfg)
+        from megarl import preflight
+        from megarl.train import train
         preflight.check_backends(cfg)   # before train() builds the process group
         train(cfg)
     except KeyboardInterrupt:  # engines and servers were stopped on the way out
@@ -102,6 +103,26 @@ def main(argv=None) -> int:
         # exits 2 like the other bad inputs
         return _explain(err, what, getattr(err, "exit_code", code))
     return 0
+
+
+def _explained() -> dict:
+    """{error type: (what the one line calls it, exit code)} of the errors megarl explains."""
+    from megarl.checkpoint import CheckpointError
+    from megarl.formats.hf_reader import ConversionError
+    from megarl.ppo.nonfinite import NonFiniteError
+    from megarl.rollout.engine import EngineError, RequestError
+    return {EngineError: ("engine error", 1),         # names the engine, its URL and log
+            RequestError: ("request refused", 2),      # every sample of a step refused: the data or settings
+            NonFiniteError: ("stopped", 1),            # names the quantity and the step
+            CheckpointError: ("checkpoint not saved", 1),  # disk full: the previous one is intact
+            ConfigError: ("config error", 2),
+            ConversionError: ("model files", 2),       # an HF or megarl checkpoint folder the reader refuses
+            FileNotFoundError: ("missing input", 2)}   # our messages name the setting
+
+
+def _version() -> str:
+    from megarl.doctor import megarl_version
+    return megarl_version()
 
 
 def _explain(err: Exception, what: str, code: int) -> int:
