@@ -44,12 +44,12 @@ def test_old_keys_in_a_recipe(tmp_path):
     """A recipe of before (flat rollout keys, engine_urls a YAML list) still loads."""
     recipe = tmp_path / "old.yaml"
     recipe.write_text("defaults:\n  - " + str((loader.Path("recipes") / "tiny_cpu.yaml").resolve())
-                      + "\nrollout:\n  n: 2\n  engines: 3\n  engine_mode: remote\n  engine_urls:\n"
+                      + "\nrollout:\n  n: 2\n  engines: 2\n  engine_mode: remote\n  engine_urls:\n"
                         "    - http://a:1\n    - http://b:2\n  max_staleness: 4\n")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         r = load_config(str(recipe)).rollout
-    assert (r.sampling.n, r.engines.count, r.partial.max_staleness) == (2, 3, 4)
+    assert (r.sampling.n, r.engines.count, r.partial.max_staleness) == (2, 2, 4)
     assert r.engines.urls == ["http://a:1", "http://b:2"]
     assert r.engines.pool_size == 2
     assert any("rollout.engine_urls is now rollout.engines.urls" in str(w.message) and "old.yaml" in str(w.message)
