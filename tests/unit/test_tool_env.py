@@ -9,11 +9,11 @@ import pytest
 from megarl.envs.base import env_spec
 from megarl.envs.runner import EnvRunner
 from megarl.envs.sandbox import SandboxResult, available_layers, refusal
+from megarl.envs.tool_math import PythonToolEnv, last_code_block, observation
 
 # these tests are about the environment, not the sandbox (tests/unit/test_sandbox_escapes.py):
 # on a machine whose kernel lacks a layer the environment would refuse to run, so accept it here
 WEAK = {"allow_weak_sandbox": True} if refusal(available_layers()) else {}
-from megarl.envs.tool_math import PythonToolEnv, last_code_block, observation
 
 RECORD = {"prompt": "What is 17 * 23 - 1?", "answer": "390"}
 
