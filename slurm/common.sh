@@ -184,7 +184,12 @@ megarl_settings() {
 megarl_job() {
     : "${SLURM_JOB_ID:?not inside a slurm job: submit with sbatch}"
     cd "$MEGARL_ROOT"
-    [[ -x $MEGARL_PY ]] || die "MEGARL_PY=$MEGARL_PY is not an executable python (make venv, or set MEGARL_PY)"
+    if [[ ! -x $MEGARL_PY ]]; then
+        if ((GPUS_PER_NODE > 0)); then   # `make venv` builds the CPU stack: GPU nodes need the gpu extra
+            die "MEGARL_PY=$MEGARL_PY is not an executable python: with the GPU nodes' Python 3.12 run python3.12 -m venv .venv && .venv/bin/pip install -e '.[gpu]' (README: Install on GPU nodes), or set MEGARL_PY"
+        fi
+        die "MEGARL_PY=$MEGARL_PY is not an executable python (make venv: the CPU stack; or set MEGARL_PY)"
+    fi
     [[ -f $RECIPE ]] || die "RECIPE=$RECIPE: no such file"
     RECIPE=$(realpath "$RECIPE")
     [[ $RUN_DIR == /* ]] || RUN_DIR="$MEGARL_ROOT/$RUN_DIR"
