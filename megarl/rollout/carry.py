@@ -87,8 +87,10 @@ class CarryOver:
         if not self.pool.updating:
             await self.pool.resume_all()
         self._sync_live()
+        # (any stale slot: drop takes the whole group); a request whose slot is void already
+        # (restarted, or its group dropped, since it was sent) goes too
         stale = [k for k, s in self._inflight.items()
-                 if staleness.stale_slots(self.groups[s.gid], version, self.max_staleness)]
+                 if not self._current(k, s) or staleness.stale_slots(self.groups[s.gid], version, self.max_staleness)]
         if stale:
             await self.pool.abort(stale)
             # abort() returns once the engines resolved them; their _serve continuations (which
