@@ -55,6 +55,8 @@ Contract (what PPO and the pool rely on):
   max_model_len, token ids outside the vocabulary, sampling options out of range), HTTP engines
   for the server's 400 / 413 / 422 answers and error chunks of those codes. Its message names
   the engine by name only (no address or log path: callers may answer it to an outside agent).
+  An engine that answered it failed the request (HTTP 5xx) raises a `ServerError` (an
+  EngineError): the pool retries it there once when its health check answers.
 """
 from __future__ import annotations
 
@@ -78,6 +80,13 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, partial: "GenResult | None" = None):
         super().__init__(message)
         self.partial = partial
+
+
+class ServerError(EngineError):
+    """The engine answered that it failed this request (a server's HTTP 5xx, or an error chunk
+    of that code in its stream): unlike a lost connection or a silence, the server is up and
+    said so. The pool asks its health and, when it answers, sends the request to it once more
+    before it retires it (pool.py): one such answer must not cost the run a healthy engine."""
 
 
 class RequestError(ValueError):

@@ -21,7 +21,11 @@ aborted without the pool having asked (such an engine is retired too): a sample 
 cut off only by an abort the pool was asked for (`abort`, a weight update with
 rollout.update_mode=abort) or when its caller gave up. A request the engine refuses as invalid
 (`RequestError`: its prompt is too long, ...) is the request's error: it goes back to the
-caller as is, no engine is retired and nothing is retried. The pool gives up, with the last
+caller as is, no engine is retired and nothing is retried. An engine that answers it failed a
+request (`ServerError`: a server's HTTP 5xx) is up and said so: when its health check answers
+too, the request goes to it once more from the tokens it had streamed (`retries`), and only a
+second such answer for the same request, or a failed health check, retires it; one 500 never
+costs the run a healthy engine. The pool gives up, with the last
 engine's error, only when no engine is left or after `failures_max` retirements. A retired
 engine takes no more requests or weights. With a `replace` factory (rollout.engines.restart),
 a fresh engine is started in its place in the background; it joins at the next weight update,
@@ -39,7 +43,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 from megarl.distributed import faults
 from megarl.rollout.build import build_engine, build_engines
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult, copy_result
+from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult, ServerError, copy_result
 
 log = logging.getLogger("megarl.engines")
 
@@ -105,6 +109,7 @@ class EnginePool:
         self._slot = {id(e): i for i, e in enumerate(self.engines)}   # engine -> its slot
         self.joining: list[Engine] = []          # replacements started, waiting for the next update
         self.restarts = 0                        # replacements that joined the pool
+        self.retries = 0                         # requests sent again to an engine that answered 5xx
         self._starting: list[asyncio.Future] = []
         self._in_update: list[Engine] = []       # engines paused by the update in progress
         self._shutting = False                   # close() called: requests resolve with what they have
@@ -173,6 +178,7 @@ class EnginePool:
 
     async def _serve(self, req: GenRequest, engine: Optional[Engine], done: GenResult,
                      current: GenRequest) -> GenResult:
+        retried = False                         # the request's one second try on an engine that answered
         while True:
             if req.key in self._aborted:        # aborted before it started, or between engines
                 done.engine = engine.name if engine is not None else ""
@@ -180,13 +186,17 @@ class EnginePool:
             if engine is None:
                 raise EngineError(f"no rollout engine left for request {req.key}")
             self._where[req.key] = engine
+            again = False                       # this engine serves the request once more
             try:
                 if faults.hit("engine_fail"):   # reliability tests: MEGARL_FAULT=engine_fail@N
                     raise EngineError(f"engine {engine.name}: failed on purpose (MEGARL_FAULT)")
                 result = await engine.generate(current)
             except EngineError as err:
                 _keep(done, err.partial)
-                self._retire(engine, err)
+                again = not retried and await self._answers(engine, req.key, err)
+                retried = retried or again
+                if not again:
+                    self._retire(engine, err)
             else:
                 if not self._cut_short(req.key, result):
                     return _joined(done, result, engine)
@@ -201,9 +211,26 @@ class EnginePool:
             if len(done.token_ids) >= req.max_tokens:
                 done.finish_reason, done.engine = "length", engine.name
                 return done
-            engine = self.least_loaded() if self.engines else None   # none left: named at the loop's top
+            if not again:
+                engine = self.least_loaded() if self.engines else None   # none left: named at the loop's top
             current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
                                  req.temperature, req.top_p, req.seed, req.ignore_eos)
+
+    async def _answers(self, engine: Engine, key: str, err: EngineError) -> bool:
+        """`err` is an answer (ServerError) from an engine still in the pool whose health check
+        answers too: it is up, and the request may go to it once more (module docstring)."""
+        if not isinstance(err, ServerError) or engine not in self.engines or self._shutting:
+            return False
+        try:
+            alive = (await asyncio.wait_for(engine.health(), self.timeout_s)).alive
+        except (EngineError, asyncio.TimeoutError):
+            alive = False
+        if not alive or engine not in self.engines:    # (retired meanwhile through another request)
+            return False
+        self.retries += 1
+        log.warning("megarl: engine %s answered request %s with a server error and answers its health check: "
+                    "the request goes to it once more (a second such answer retires it): %s", engine.name, key, err)
+        return True
 
     def _cut_short(self, key: str, result: GenResult) -> bool:
         """`result` ended as aborted though nobody asked: its engine was retired and closed (its

@@ -237,10 +237,11 @@ class Rollout:
                                      r.sampling.temperature, tag=f"{step}-", first_uid=first_uid)
 
     def _engine_metrics(self) -> dict:
-        """Engines retired and restarted so far (each event is also logged when it happens)."""
+        """Engines retired and restarted so far, requests sent again to an engine that answered
+        a server error (each event is also logged when it happens)."""
         pool = self.pool.pool
         return {"engine_failures": len(pool.failures), "engines_alive": len(pool.engines),
-                "engine_restarts": pool.restarts}
+                "engine_restarts": pool.restarts, "engine_retries": pool.retries}
 
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""

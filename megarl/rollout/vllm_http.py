@@ -38,6 +38,7 @@ from megarl.rollout.engine import (
     GenRequest,
     GenResult,
     RequestError,
+    ServerError,
     copy_result,
     settle_streams,
 )
@@ -442,7 +443,9 @@ class HTTPVLLMEngine(Engine):
                     raise RequestError(f"engine {self.name} refused request {req.key}: HTTP {resp.status}: "
                                        f"{_error_message(text)}", req.key)
                 hint = (" Fix: rollout.engines.api_key must equal the server's --api-key" if resp.status == 401 else "")
-                raise EngineError(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
+                # 5xx: the server is up and says it failed this request (the pool may retry it there)
+                kind = ServerError if resp.status >= 500 else EngineError
+                raise kind(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
             buf = b""
             while not f._stopped:
                 # whatever has arrived (often many SSE lines at once): one wait per network read
@@ -499,8 +502,10 @@ class HTTPVLLMEngine(Engine):
             error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
             if error.get("code") in REFUSED_STATUS:
                 raise RequestError(f"engine {self.name} refused request {req.key}: {error.get('message')}", req.key)
-            raise EngineError(f"{self._where()}: request {req.key} failed on the server: "
-                              f"{json.dumps(chunk['error'])[:500]}")
+            code = error.get("code")
+            kind = ServerError if isinstance(code, int) and code >= 500 else EngineError
+            raise kind(f"{self._where()}: request {req.key} failed on the server: "
+                       f"{json.dumps(chunk['error'])[:500]}")
         for choice in chunk.get("choices", ()):
             ids = choice.get("token_ids") or []
             lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
