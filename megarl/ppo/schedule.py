@@ -105,15 +105,6 @@ def share_from_last_stage(t: torch.Tensor | None, shape, device: torch.device,
     return t
 
 
-def gather_dp(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate each DP rank's rows (dim 0) in DP-rank order."""
-    if parallel.dp_size() == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(parallel.dp_size())]
-    dist.all_gather(parts, t.contiguous(), group=parallel.dp_group())
-    return torch.cat(parts, dim=0)
-
-
 def forward_per_token(model, batch: Batch, layout, fn: Callable) -> torch.Tensor:
     """Forward-only pass returning fn(mb, output) -> [b, width] for each micro-batch of this
     rank's rows, assembled into [B, R] (zeros past each micro-batch's width), on every PP
