@@ -60,9 +60,17 @@ def test_overlap_equals_the_same_passes_after_the_round_bitwise(runs, layout):
 def test_group_layout_is_close_to_the_whole_batch_passes(runs):
     """overlap on (group by group, each padded to its own longest row) vs off (the whole batch
     at once): the same step up to fp32 reduction order (a row's values depend on the padded
-    length, ~1e-6), never a different computation."""
+    length), never a different computation.
+
+    Noise, measured by rerunning both with MKL_CBWR=COMPATIBLE and ATEN_CPU_CAPABILITY=default:
+    8.4e-6 relative at most (the gradient norm), except the second step's KL, a mean of
+    logprobs after the first step's Adam updates (~3e-3, DEVELOPERS.md "Numerical tolerances"),
+    which moved by 4.1e-6 absolute: it gets 1e-4 absolute (24x), still 30x under the whole KL
+    that logprobs of the wrong weights would add."""
     over, plain = runs["dp1_overlap"], runs["dp1_plain"]
+    tolerance = {"kl": {"abs": 1e-4}}   # default: 1e-4 relative, 1e-5 absolute
     for o, p in zip(over["steps"], plain["steps"]):
         for key in ("policy_loss", "value_loss", "kl", "advantage_mean", "rm_score_mean", "value_mean", "grad_norm"):
             if key in p["metrics"]:
-                assert o["metrics"][key] == pytest.approx(p["metrics"][key], rel=1e-4, abs=1e-5), key
+                tol = tolerance.get(key, {"rel": 1e-4, "abs": 1e-5})
+                assert o["metrics"][key] == pytest.approx(p["metrics"][key], **tol), key
