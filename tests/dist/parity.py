@@ -56,8 +56,9 @@ TOLERANCES = {
                      catch="actor_lr x1.01: 3e-3 relative; a swapped shard: 3.4e-2"),
     "critic_grad_norm": Tol(rel=5e-5, noise="5.8e-8 relative",
                             catch="critic_lr x1.01: 8.1e-4 relative; a swapped shard: 1.4e-3"),
-    # the actor's logprobs at the weights the run starts from (a forward pass, no update)
-    "logp_start": Tol(abs=5e-5, noise="5.7e-6 absolute (MKL's generic path; TP=2: 3.8e-6)",
+    # the actor's logprobs at the weights the run starts from (a forward pass, no update): as
+    # the forward parity tests against transformers (test_model_families, compare_logits)
+    "logp_start": Tol(abs=1e-4, noise="5.7e-6 absolute (MKL's generic path; TP=2: 3.8e-6)",
                       catch="a swapped shard: 0.41"),
     # after each step's updates (see the module docstring)
     "logp": Tol(abs=1e-3, noise="1.1e-5 to 2e-5 absolute after 3 steps here, 8e-5 on another x86 machine",
