@@ -9,6 +9,7 @@ import time
 
 import psutil
 from conftest import ROOT, is_vllm_server
+from sample_audit import audit_dumps
 
 
 def _rows(path):
@@ -74,7 +75,8 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
     joins at a weight push (engines_alive back to 2, engine_restarts 1). Then every server is
     killed: the second failure is one too many, and the run exits non-zero well within the
     engine timeout with one line naming an engine and its log file; every process megarl
-    started is gone and the staging folder is empty."""
+    started is gone and the staging folder is empty. Every step's samples are dumped
+    (rollout.dump_every=1) and audited: none trained cut off by the kill (sample_audit.py)."""
     staging = tmp_path / "staging"
     staging.mkdir()
     run_dir = tmp_path / "run"
@@ -83,7 +85,7 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
            f"model.path={tiny_model}", f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}",
            "train.steps=500", "rollout.engines.mode=local_servers", "rollout.engines.count=2",
            "rollout.engines.timeout_s=30", "rollout.engines.failures_max=1", f"weight_sync.staging_dir={staging}",
-           "checkpoint.resume=false"]
+           "rollout.dump_every=1", "checkpoint.resume=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:
@@ -124,6 +126,7 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
     assert all(r["engine_restarts"] == (r["engines_alive"] == 2) for r in after), after
     # a full batch every step (tiny recipe: 16 groups x 4 samples), all of it generated
     assert all(r["samples"] == 16 * 4 and r["response_len_mean"] > 0 for r in after), after
+    assert all(len(samples) == 16 * 4 for samples in audit_dumps(run_dir, len(rows), 56).values())
     assert err.count("failed and was retired") >= 2 and "restarted; it joins" in err, err[-3000:]
     assert proc.returncode not in (0, None)
     assert elapsed < 120, elapsed
