@@ -21,7 +21,7 @@ from chaos_proxy import ChaosProxy
 from conftest import ROOT
 from sample_audit import audit_dumps
 
-STEPS, GROUPS, N, MAX_NEW = 3, 16, 4, 56          # recipes/tiny_cpu.yaml's batch and budget
+STEPS, GROUPS, N, MAX_NEW = 2, 8, 4, 56           # half recipes/tiny_cpu.yaml's batch; its budget
 
 
 @pytest.fixture
@@ -56,6 +56,7 @@ def test_a_500_once_and_a_server_killed_mid_round_retire_no_healthy_engine_and_t
         proc = subprocess.run(
             [sys.executable, "-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
              f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", f"train.steps={STEPS}",
+             f"train.groups_per_step={GROUPS}",
              "rollout.mode=sync", "rollout.dump_every=1", "rollout.engines.mode=remote",
              f"rollout.engines.urls=[{flaky.url},{doomed.url}]", "rollout.engines.count=2",
              "rollout.engines.failures_max=1", "checkpoint.resume=false"],
