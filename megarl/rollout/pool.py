@@ -183,8 +183,9 @@ class EnginePool:
             if req.key in self._aborted:        # aborted before it started, or between engines
                 done.engine = engine.name if engine is not None else ""
                 return done                     # finish_reason "abort", the tokens served so far
-            if engine is None:
-                raise EngineError(f"no rollout engine left for request {req.key}")
+            if engine is None:                  # the run's last line: name the engine that went last
+                last = f"; the last engine retired: {self.failures[-1]['error']}" if self.failures else ""
+                raise EngineError(f"no rollout engine left for request {req.key}{last}")
             self._where[req.key] = engine
             again = False                       # this engine serves the request once more
             try:
