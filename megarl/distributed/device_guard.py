@@ -13,7 +13,8 @@ Placement rules (what a CUDA run would do):
   `Tensor.cpu()` makes a host tensor;
 - every other op's result is where its inputs are.
 A 0-d host tensor may meet device tensors (CUDA allows CPU scalars), and indexing a device
-tensor with host indices is allowed (PyTorch moves them). `.item()`, `.tolist()` and
+tensor with host indices is allowed (PyTorch moves them); a host tensor indexed with device
+indices is not. `.item()`, `.tolist()` and
 `float()` of a device tensor are device-to-host synchronisations; the guard counts them.
 
 Turn it on around any code (`with DeviceGuard(): ...`), or for a whole `megarl train` run
@@ -145,8 +146,17 @@ class DeviceGuard(TorchFunctionMode):
         return result
 
     def _check(self, func, args, inputs, tags) -> None:
-        if func is torch.Tensor.__getitem__ or func in _SHAPE_ONLY:
-            return   # host indices into a device tensor are legal (PyTorch moves them)
+        if func is torch.Tensor.__getitem__:
+            # host indices into a device tensor are legal (PyTorch moves them); device indices
+            # into a host tensor are not ("indices should be either on cpu or on the same device")
+            if tags and tags[0] == HOST and inputs[0].dim() > 0 and DEVICE in tags[1:]:
+                raise MixedDeviceError(
+                    f"indexing a host tensor [{_describe(inputs[:1])}] with device indices at {_where()}: "
+                    f"a GPU run fails here (the batch field mixes host tensor(s) with the device's); build "
+                    f"it with device= or move it with megarl.distributed.device.put")
+            return
+        if func in _SHAPE_ONLY:
+            return
         if func is torch.Tensor.__setitem__:
             # target[index] = value: the value must be where the target is (indices may be host)
             value = args[2] if len(args) > 2 else None

@@ -13,7 +13,8 @@ Two layouts:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 
@@ -34,25 +35,31 @@ class Batch:
     stored_old: torch.Tensor    # [B, R] float, trainer logprobs stored by partial rollout (a prefix)
     stored_mask: torch.Tensor   # [B, R] bool, where stored_old holds a value
     seq_lens: torch.Tensor      # [B] long, prompt + response tokens of each row (the rest is padding)
+    # the rows' (prompt + response, response) lengths on the host, where the batch was built from
+    # samples: planning micro-batches reads them without a device-to-host copy (None: read them)
+    host_lens: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
+    def tensors(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "host_lens"}
+
     def select(self, idx) -> "Batch":
         """Rows `idx` (slice or index tensor on the batch's device) of every field."""
-        return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return Batch(**{k: v[idx] for k, v in self.tensors().items()})
 
     def trim(self, length: int, width: int) -> "Batch":
         """The first `length` sequence positions and `width` response columns (views): a
         micro-batch padded only to its own longest row (ppo/microbatch.py). Positions past
         `length` are padding of every row here; resp_index is clamped as build_batch clamps it."""
         per_token = {"resp_mask", "behav_logp", "versions", "stored_old", "stored_mask"}
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = self.tensors()
         out.update({k: out[k][:, :width] for k in per_token})
         out["tokens"] = self.tokens[:, :length]
         out["resp_index"] = self.resp_index[:, :width].clamp(max=length - 1)
-        return Batch(**out)
+        return Batch(**out, host_lens=self.host_lens)
 
     @property
     def response_lens(self) -> torch.Tensor:
@@ -65,7 +72,7 @@ class Batch:
 
     def to(self, target: torch.device) -> "Batch":
         """Every field on `target` (one copy per field)."""
-        return Batch(**{f.name: dev.put(getattr(self, f.name), target) for f in fields(self)})
+        return Batch(**{k: dev.put(v, target) for k, v in self.tensors().items()}, host_lens=self.host_lens)
 
 
 def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
@@ -99,8 +106,9 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
             stored_mask[i, :m] = True
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float)
     stopped = torch.tensor([s.stopped for s in samples])
-    lens = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
-    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask, lens)
+    host_lens = tuple((len(s.prompt_ids) + len(s.response_ids), len(s.response_ids)) for s in samples)
+    lens = torch.tensor([n for n, _ in host_lens], dtype=torch.long)
+    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask, lens, host_lens)
     return batch.to(target or dev.current())
 
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+import torch
+
 from megarl.ppo.batch import Batch
 
 # Under a token budget a micro-batch takes the next (shorter) row only while padding stays
@@ -185,10 +187,12 @@ def plan_rows(seq_lens: Sequence[int], resp_lens: Sequence[int], batching: Batch
 
 
 def plan_batch(batch: Batch, layout, dp: int) -> Plan:
-    """The plan of a Batch's rows (`layout`: a Batching or a micro-batch size). One host copy
-    of the row lengths."""
-    lens = batch.seq_lens.tolist()
-    resp = batch.response_lens.tolist()
+    """The plan of a Batch's rows (`layout`: a Batching or a micro-batch size). The row
+    lengths from the host where the batch has them, else one host copy."""
+    if batch.host_lens is not None:
+        lens, resp = [n for n, _ in batch.host_lens], [r for _, r in batch.host_lens]
+    else:   # one device-to-host copy for both
+        lens, resp = torch.stack([batch.seq_lens, batch.response_lens]).tolist()
     return plan_rows(lens, resp, as_batching(layout), dp, (batch.tokens.shape[1], batch.resp_mask.shape[1]))
 
 

@@ -67,6 +67,8 @@ def test_guard_rules_in_process():
         y = x * torch.tensor(2.0)                        # a 0-d host scalar is allowed
         rows = torch.tensor([0])
         assert placement(y[0][rows]) == DEVICE            # host indices are allowed
+        with pytest.raises(MixedDeviceError, match="device indices"):
+            ids[0][dev.put(rows)]                          # device indices into a host tensor are not
         with pytest.raises(MixedDeviceError, match="setitem"):
             y[0, 1:] = torch.zeros(2, 4)
         host = y.cpu()

@@ -39,7 +39,9 @@ def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(ca
     # the recipe's weight_sync.transport=collective: the server takes weights over the wire,
     # and every route but /health needs the key
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
-    assert argv[argv.index("--middleware") + 1] == "megarl.rollout.auth.RequireKey"
+    # the held-token route, then the key check: vLLM adds them in order, the last outermost
+    middleware = [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]
+    assert middleware == ["megarl.rollout.held_tokens.HeldTokensRoute", "megarl.rollout.auth.RequireKey"]
     assert "--api-key" not in argv and "k" * 32 not in " ".join(argv)
     env = captured["env"]
     assert env["VLLM_API_KEY"] == "k" * 32 and env["VLLM_SERVER_DEV_MODE"] == "1"
