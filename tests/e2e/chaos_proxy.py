@@ -3,14 +3,15 @@ misbehaves on cue and records every /v1/completions stream it relays (tests/e2e/
 
 - `fail_first=True`: the first /v1/completions is answered HTTP 500 with vLLM's error body, and
   not forwarded (a server that fails one request and is healthy otherwise).
-- `on_first_token=fn`: when the first stream carries its first token through, fn() is called
-  (the test SIGKILLs the server there) and every stream in flight then stops being relayed:
-  each ends without [DONE] holding exactly the tokens it relayed so far, as a client sees a
-  server die, whatever the server had in its socket buffers at that moment. A kill at a moment
-  the test picks ("the first token") would otherwise depend on how fast the streams run.
+- `die_at`: the server dies at the first token a stream relays once the proxy is armed
+  (from the start, or `armed_by=(path, n)`: once the n-th call of `path` was relayed, e.g. the
+  third weight push). Then `on_death()` runs (the test SIGKILLs the server there), every stream
+  in flight stops being relayed, each ending without [DONE] with exactly the tokens it relayed
+  so far, and every later call gets HTTP 502, as from a load balancer in front of a dead
+  server. The proxy picks the moment (a first token) so that the death lands mid-round
+  whatever the speed of the streams.
 Everything else (health, control and weight-transfer calls) is relayed as is, with the
-server's own key when `api_key` is given (remote mode sends one key to every URL); once the
-server is gone, calls get HTTP 502 as from a load balancer in front of a dead server.
+server's own key when `api_key` is given (remote mode sends one key to every URL).
 
 `streams`: per relayed completion, {"key", "prompt", "tokens", "logprobs", "status", "done"}
 ("key": the request's X-Request-Id without megarl's per-client suffix: the pool's request key).
@@ -31,12 +32,15 @@ ERROR_500 = {"error": {"message": "internal server error (chaos proxy)", "type":
 
 
 class ChaosProxy:
-    def __init__(self, upstream: str, fail_first: bool = False, on_first_token: Optional[Callable] = None,
-                 api_key: str = ""):
+    def __init__(self, upstream: str, api_key: str = "", fail_first: bool = False, die: bool = False,
+                 armed_by: Optional[tuple[str, int]] = None, on_death: Optional[Callable] = None):
         self.upstream, self.api_key = upstream.rstrip("/"), api_key
-        self.fail_first, self.on_first_token = fail_first, on_first_token
+        self.fail_first, self.on_death = fail_first, on_death
+        self.armed_by = armed_by
+        self.armed = die and armed_by is None
+        self.calls: dict[str, int] = {}        # path -> calls relayed
         self.streams: list[dict] = []
-        self.cut = False                     # on_first_token fired: nothing more is relayed on open streams
+        self.dead = False                      # nothing is relayed any more
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="chaos-proxy", daemon=True)
         self.url = ""
@@ -80,12 +84,17 @@ class ChaosProxy:
                 record["status"] = 500
                 return web.json_response(ERROR_500, status=500)
         try:
+            if self.dead:
+                raise aiohttp.ClientConnectionError("the server is dead")
             upstream = await self.session.request(request.method, self.upstream + request.path_qs,
                                                   data=body, headers=headers)
         except aiohttp.ClientError as err:
             if record is not None:
                 record["status"] = 502
             return web.json_response({"error": f"upstream unreachable: {err}"}, status=502)
+        self.calls[request.path] = self.calls.get(request.path, 0) + 1
+        if self.armed_by is not None and self.calls.get(self.armed_by[0]) == self.armed_by[1]:
+            self.armed = True
         async with upstream:
             if record is not None:
                 record["status"] = upstream.status
@@ -96,7 +105,7 @@ class ChaosProxy:
             await resp.prepare(request)
             try:
                 async for line in upstream.content:
-                    if self.cut:
+                    if self.dead:
                         break
                     await resp.write(line)
                     if record is not None and self._saw(record, line):
@@ -106,8 +115,8 @@ class ChaosProxy:
             return resp
 
     def _saw(self, record: dict, line: bytes) -> bool:
-        """Fold one relayed SSE line into `record`; True once the stream must end here (it
-        relayed its first token, on which the server is killed)."""
+        """Fold one relayed SSE line into `record`; True once the server dies on it (the first
+        token relayed while armed)."""
         data = line.strip()[5:].strip() if line.startswith(b"data:") else b""
         if data == b"[DONE]":
             record["done"] = True
@@ -116,9 +125,9 @@ class ChaosProxy:
         for choice in json.loads(data).get("choices", ()):
             record["tokens"] += choice.get("token_ids") or []
             record["logprobs"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
-            if self.on_first_token is not None and not self.cut and record["tokens"] \
-                    and choice.get("finish_reason") is None:
-                self.cut = True
-                self.on_first_token()
+            if self.armed and not self.dead and record["tokens"] and choice.get("finish_reason") is None:
+                self.dead = True
+                if self.on_death is not None:
+                    self.on_death()
                 return True
         return False
