@@ -14,6 +14,7 @@ conversion/dist_reader.py (now formats/dist_reader.py: the weight formats sit be
 trainer's models and the conversion tools, `test_weight_formats_sit_below_models_and_conversion`).
 """
 import ast
+import gc
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "megarl"
@@ -23,6 +24,20 @@ def module_name(path: Path, root: Path = PKG) -> str:
     """megarl/a/b.py -> megarl.a.b; megarl/a/__init__.py -> megarl.a (root: the megarl folder)."""
     parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _parse(path):
+    """ast.parse with the garbage collector off: on CPython 3.11 a finalizer that runs Python
+    code in the middle of the AST constructor (objects left by earlier tests in this worker)
+    can trip its recursion check ("AST constructor recursion depth mismatch", a SystemError,
+    seen once in `make test`)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text(), str(path))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def import_graph(root: Path = PKG) -> dict[str, dict[str, int]]:
@@ -39,7 +54,7 @@ def import_graph(root: Path = PKG) -> dict[str, dict[str, int]]:
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         edges = graph.setdefault(mod, {})
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_parse(path)):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
