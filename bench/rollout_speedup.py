@@ -74,7 +74,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -120,22 +119,16 @@ from rollout_speedup_lib import (  # noqa: E402
     summarize_lengths,
 )
 
+from tools.model_positions import with_positions  # noqa: E402
+
 
 # -- setup --------------------------------------------------------------------------------
 def bench_model(src: Path, dst: Path, positions: int) -> Path:
-    """The tiny model with max_position_embeddings >= positions (config only)."""
+    """The tiny model (built when missing) with max_position_embeddings >= positions."""
     if not (src / "model.safetensors").exists():
         subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_model.py"), "--out", str(src)],
                        check=True, cwd=ROOT)
-    cfg_path = dst / "config.json"
-    if cfg_path.exists() and json.loads(cfg_path.read_text()).get("max_position_embeddings", 0) >= positions:
-        return dst
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    cfg = json.loads(cfg_path.read_text())
-    cfg["max_position_embeddings"] = max(positions, cfg.get("max_position_embeddings", 0))
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    return dst
+    return with_positions(src, dst, positions)
 
 
 def parse_train(spec: str) -> dict:

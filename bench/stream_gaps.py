@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megarl.rollout.servers import SERVED_MODEL_NAME, LocalServer, _die_with_parent  # noqa: E402
+from tools.model_positions import with_positions  # noqa: E402
 
 MODEL = ROOT / "artifacts" / "tiny_countdown"
 MAX_LEN = 4096
@@ -42,19 +42,6 @@ class NewSessionServer(LocalServer):
     @staticmethod
     def popen_group() -> dict:
         return {"start_new_session": True, "preexec_fn": _die_with_parent}
-
-
-def long_model(tmp: Path) -> Path:
-    """The tiny model with max_position_embeddings = MAX_LEN (RoPE: the same weights)."""
-    out = tmp / "long_model"
-    out.mkdir()
-    for f in MODEL.iterdir():
-        if f.is_file():
-            shutil.copy(f, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["max_position_embeddings"] = MAX_LEN
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def event_gaps(server: LocalServer, tokens: int, seed: int) -> dict:
@@ -121,7 +108,7 @@ def main() -> None:
     result = {"autogroup": autogroup.read_text().strip() if autogroup.exists() else "absent",
               "tokens": a.tokens, "requests": a.requests, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="megarl-bench-gaps-") as tmp:
-        model = long_model(Path(tmp))
+        model = with_positions(MODEL, Path(tmp) / "long_model", MAX_LEN)
         if a.compare_eager:
             kinds = []
             result["eager"] = compare_eager(model, Path(tmp), a.requests, a.tokens)

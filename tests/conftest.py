@@ -13,6 +13,8 @@ from megarl.bootstrap import bootstrap
 bootstrap()
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:   # tools/ helpers (tools.model_positions), however pytest was started
+    sys.path.insert(0, str(ROOT))
 TINY = ROOT / "artifacts" / "tiny_countdown"
 
 # The files that take minutes (vLLM engine starts, torchrun launches), longest first, as

@@ -27,6 +27,7 @@ from megarl.rollout import held_tokens, reaper
 from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.servers import LocalServer, LocalServerEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
+from tools.model_positions import with_positions
 
 MAX_LEN = 4096
 LONG = 4000          # a budget no request finishes while a test waits to abort or pause it
@@ -49,14 +50,7 @@ async def wait_until(cond, timeout_s=120.0, what="condition"):
 @pytest.fixture(scope="module")
 def long_model(tiny_model, tmp_path_factory):
     """The tiny model with max_position_embeddings = MAX_LEN (same weights)."""
-    out = tmp_path_factory.mktemp("long_model")
-    for f in tiny_model.iterdir():
-        if f.is_file():
-            shutil.copy(f, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["max_position_embeddings"] = MAX_LEN
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return with_positions(tiny_model, tmp_path_factory.mktemp("long") / "long_model", MAX_LEN)
 
 
 @pytest.fixture(scope="module")
