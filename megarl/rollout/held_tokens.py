@@ -25,6 +25,8 @@ import asyncio
 import json
 from typing import Callable, Optional
 
+from megarl.rollout.engine import EngineError
+
 UTILITY = "megarl_held_tokens"
 ROUTE = "/megarl/held_tokens"
 
@@ -63,9 +65,9 @@ async def held_by_external_id(llm) -> dict[str, int]:
 async def wait_for_held(counts: dict[str, int], received: Callable[[str], Optional[int]],
                         timeout_s: float, where: str) -> None:
     """Until, for every request id in `counts`, the client holds that many tokens. `received(id)`
-    is how many it holds, None once the request is no longer in flight (it resolved). Raises
-    TimeoutError naming the request that is short after `timeout_s`, and ValueError when the
-    client holds more than the paused engine produced (the pause did not hold)."""
+    is how many it holds, None when the request is not (or no longer) in flight: it resolved,
+    or it is another client's. Raises an EngineError naming the request that is short after
+    `timeout_s`, or that holds more than the paused engine produced (the pause did not hold)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -75,19 +77,19 @@ async def wait_for_held(counts: dict[str, int], received: Callable[[str], Option
             if got is None:
                 continue
             if got > want:
-                raise ValueError(f"{where}: request {rid} holds {got} tokens, but the paused engine "
-                                 f"generated {want}: a token arrived after the pause took hold")
+                raise EngineError(f"{where}: request {rid} holds {got} tokens, but the paused engine "
+                                  f"generated {want}: a token arrived after the pause took hold")
             if got < want:
                 short.append((rid, got, want))
         if not short:
             return
         if loop.time() > deadline:
             rid, got, want = short[0]
-            raise TimeoutError(f"{where}: after the pause, request {rid} holds {got} of the {want} tokens "
-                               f"the engine generated before it ({len(short)} request(s) short) after "
-                               f"{timeout_s:.0f} s (rollout.engines.timeout_s): the stream stalled; see "
-                               f"the engine's log")
-        await asyncio.sleep(0.002)
+            raise EngineError(f"{where}: after the pause, request {rid} holds {got} of the {want} tokens "
+                              f"the engine generated before it ({len(short)} request(s) short) after "
+                              f"{timeout_s:.0f} s (rollout.engines.timeout_s): the stream stalled; see "
+                              f"the engine's log")
+        await asyncio.sleep(0.005)
 
 
 class HeldTokensRoute:

@@ -235,11 +235,7 @@ class AsyncVLLMEngine(Engine):
             r = self._results.get(rid)
             return None if r is None or rid not in self._inflight else len(r.token_ids)
 
-        try:
-            await held_tokens.wait_for_held({rid: n for rid, n in counts.items() if rid in self._results},
-                                            received, self.timeout_s, f"engine {self.name} (in-process vLLM)")
-        except (TimeoutError, ValueError) as err:
-            raise EngineError(str(err)) from None
+        await held_tokens.wait_for_held(counts, received, self.timeout_s, f"engine {self.name} (in-process vLLM)")
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV freed, recomputed on resume) and reset the prefix cache."""

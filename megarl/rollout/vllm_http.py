@@ -285,11 +285,7 @@ class HTTPVLLMEngine(Engine):
             f = by_vllm_id.get(vllm_id)
             return None if f is None or f.resolved.done() else len(f.result.token_ids)
 
-        counts = {rid: n for rid, n in body["tokens"].items() if rid in by_vllm_id}
-        try:
-            await held_tokens.wait_for_held(counts, received, self.timeout_s, f"engine {self.name}")
-        except (TimeoutError, ValueError) as err:
-            raise EngineError(f"{err} ({self._where()})") from None
+        await held_tokens.wait_for_held(body["tokens"], received, self.timeout_s, self._where())
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV recomputed on resume) and reset the prefix cache."""
