@@ -268,24 +268,33 @@ class HTTPVLLMEngine(Engine):
         if self._inflight:   # what the server streamed before it stopped may still be on its way to us
             await self._hold_every_token()
 
-    async def _hold_every_token(self) -> None:
-        """Until every held request has streamed to us each token the engine generated before
-        the pause: the server counts them (held_tokens.py; servers megarl starts serve
-        /megarl/held_tokens). A server without the route (started by hand without megarl's
-        middleware) gets the older rule: wait until the streams are quiet for a moment."""
+    async def held_counts(self) -> Optional[dict[str, int]]:
+        """{request key: tokens the paused server generated for it} of this client's requests
+        in flight, from the server's own count (held_tokens.py; servers megarl starts serve
+        /megarl/held_tokens); None for a server without the route (started by hand)."""
         status, body = await self._call("GET", held_tokens.ROUTE, check=False)
         if status == 404:
-            await settle_streams(lambda: sum(len(f.result.token_ids) for f in self._inflight.values()))
-            return
+            return None
         if status != 200 or not isinstance(body.get("tokens"), dict):
             raise EngineError(f"{self._where()}: GET {held_tokens.ROUTE} -> HTTP {status}: {str(body)[:300]}")
-        by_vllm_id = {f.vllm_id: f for f in self._inflight.values()}
+        tokens = body["tokens"]
+        return {f.key: tokens[f.vllm_id] for f in self._inflight.values() if f.vllm_id in tokens}
 
-        def received(vllm_id: str):
-            f = by_vllm_id.get(vllm_id)
+    async def _hold_every_token(self) -> None:
+        """Until every held request has streamed to us each token the engine generated before
+        the pause. A server without the count gets the older rule: wait until the streams are
+        quiet for a moment."""
+        counts = await self.held_counts()
+        if counts is None:
+            await settle_streams(lambda: sum(len(f.result.token_ids) for f in self._inflight.values()))
+            return
+        flights = {f.key: f for f in self._inflight.values()}
+
+        def received(key: str):
+            f = flights.get(key)
             return None if f is None or f.resolved.done() else len(f.result.token_ids)
 
-        await held_tokens.wait_for_held(body["tokens"], received, self.timeout_s, self._where())
+        await held_tokens.wait_for_held(counts, received, self.timeout_s, self._where())
 
     async def clear_kv(self) -> None:
         """Preempt the held requests (their KV recomputed on resume) and reset the prefix cache."""

@@ -114,9 +114,8 @@ async def far_from_budget(engine, keys, tasks):
     that follows takes one round trip: the check cannot be outrun however fast the engine."""
     await engine.pause()
     try:
-        _, body = await engine._call("GET", held_tokens.ROUTE)
-        ids = {f.key: f.vllm_id for f in engine._inflight.values()}
-        counts = {k: body["tokens"].get(ids.get(k)) for k in keys}
+        held = await engine.held_counts()
+        counts = {k: held.get(k) for k in keys}
     finally:
         await engine.resume()
     assert not any(t.done() for t in tasks) and all(n is not None and n < LONG // 2 for n in counts.values()), counts
@@ -292,9 +291,8 @@ def test_pause_returns_once_the_client_holds_every_token_the_engine_generated(se
                              what="requests streaming")
             await engine.pause()
             held = {k: engine.progress(k) for k in keys}
-            _, body = await engine._call("GET", held_tokens.ROUTE)
-            by_key = {f.key: f.vllm_id for f in engine._inflight.values()}
-            counts = {k: body["tokens"].get(by_key.get(k)) for k in keys}
+            by_server = await engine.held_counts()
+            counts = {k: by_server.get(k) for k in keys}
             await asyncio.sleep(0.5)
             later = {k: engine.progress(k) for k in keys}
             await engine.resume()
