@@ -16,7 +16,7 @@ vLLM refuses a prompt longer than its max_model_len.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, RequestError, copy_result
 
@@ -25,6 +25,26 @@ TOKEN0 = 1000
 
 def behaviour_logprob(position: int) -> float:
     return -0.001 * (position + 1)
+
+
+def assert_whole(tokens: list[int], logprobs: list[float], reason: str, length: int) -> None:
+    """A sample of `length` tokens came out whole: stopped, every token and its behaviour
+    logprob in place (none lost, duplicated or misplaced across failovers and retries)."""
+    assert reason == "stop", f"a sample ended {reason!r} with {len(tokens)} tokens"
+    assert tokens == [TOKEN0 + p for p in range(length)]
+    assert logprobs == [behaviour_logprob(p) for p in range(length)]
+
+
+def run_on_clock(main: Callable[["Clock"], Awaitable]):
+    """asyncio.run(main(clock)) with a started `Clock`, stopped however `main` ends."""
+    async def wrapped():
+        clock = Clock()
+        clock.start()
+        try:
+            return await main(clock)
+        finally:
+            clock.stop()
+    return asyncio.run(wrapped())
 
 
 class Clock:

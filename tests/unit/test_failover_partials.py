@@ -9,30 +9,13 @@ a weight update in rollout.update_mode=abort) or a caller that gave up returns a
 import asyncio
 
 import pytest
-from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
+from scripted_engine import ScriptedEngine, assert_whole, run_on_clock
 
 from megarl.rollout.engine import EngineError, GenRequest
 from megarl.rollout.pool import EnginePool
 from megarl.rollout.sync_rollout import generate_groups
 
 LENGTH = 40
-
-
-def _run(main):
-    async def wrapped():
-        clock = Clock()
-        clock.start()
-        try:
-            return await main(clock)
-        finally:
-            clock.stop()
-    return asyncio.run(wrapped())
-
-
-def _assert_whole(sample_tokens, logprobs, reason):
-    assert reason == "stop", f"a sample ended {reason!r} with {len(sample_tokens)} tokens"
-    assert sample_tokens == [TOKEN0 + p for p in range(LENGTH)]
-    assert logprobs == [behaviour_logprob(p) for p in range(LENGTH)]
 
 
 def test_a_hung_engine_retired_on_its_first_timeout_leaves_no_cut_off_sample():
@@ -45,11 +28,11 @@ def test_a_hung_engine_retired_on_its_first_timeout_leaves_no_cut_off_sample():
         prompts = [[g, 0, LENGTH] for g in range(4)]
         samples = await generate_groups(pool, [{} for _ in prompts], prompts, 4, 64)
         return pool, samples
-    pool, samples = _run(main)
+    pool, samples = run_on_clock(main)
     assert [e.name for e in pool.retired] == ["e0"] and len(pool.failures) == 1
     assert len(samples) == 16
     for s in samples:
-        _assert_whole(s.response_ids, s.logprobs, s.finish_reason)
+        assert_whole(s.response_ids, s.logprobs, s.finish_reason, LENGTH)
         assert s.stopped
 
 
@@ -71,8 +54,8 @@ def test_a_live_engine_that_aborts_on_its_own_is_retired_and_the_sample_finished
         pool = EnginePool([bad, good], 30, failures_max=1)
         result = await pool.generate(GenRequest("k", [0, 0, LENGTH], 64), bad)
         return pool, result
-    pool, result = _run(main)
-    _assert_whole(result.token_ids, result.logprobs, result.finish_reason)
+    pool, result = run_on_clock(main)
+    assert_whole(result.token_ids, result.logprobs, result.finish_reason, LENGTH)
     assert [e.name for e in pool.retired] == ["e0"]
 
 
@@ -85,7 +68,7 @@ def test_an_abort_asked_for_still_returns_the_partial():
             await asyncio.sleep(0)
         await pool.abort(["k"])
         return pool, await task
-    pool, result = _run(main)
+    pool, result = run_on_clock(main)
     assert result.finish_reason == "abort" and 0 < len(result.token_ids) < LENGTH
     assert pool.failures == [] and sum(e.served for e in pool.engines) == 1
 
@@ -105,12 +88,12 @@ def test_a_weight_update_returns_or_holds_requests_as_its_mode_says(mode):
             await e.reload_weights("unused", 1)
         await pool.end_update()
         return pool, await task
-    pool, result = _run(main)
+    pool, result = run_on_clock(main)
     assert pool.failures == []
     if mode == "abort":
         assert result.finish_reason == "abort" and 0 < len(result.token_ids) < LENGTH
     else:
-        _assert_whole(result.token_ids, result.logprobs, result.finish_reason)
+        assert_whole(result.token_ids, result.logprobs, result.finish_reason, LENGTH)
         assert set(result.versions) == {0, 1}
 
 
@@ -135,7 +118,7 @@ def test_a_caller_that_gives_up_retires_no_engine():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return pool, engines
-    pool, engines = _run(main)
+    pool, engines = run_on_clock(main)
     assert pool.failures == [] and engines[1].served == 0
 
 
@@ -146,5 +129,5 @@ def test_when_the_last_engine_is_retired_its_other_requests_fail_naming_it():
         pool = EnginePool([ScriptedEngine("e0", clock, stall_after=5, timeout_ticks=10)], 30, failures_max=3)
         tasks = [pool.generate(GenRequest(f"k{i}", [i, 0, LENGTH], 64)) for i in range(3)]
         return await asyncio.gather(*tasks, return_exceptions=True)
-    outcomes = _run(main)
+    outcomes = run_on_clock(main)
     assert all(isinstance(o, EngineError) and "no rollout engine left" in str(o) for o in outcomes), outcomes

@@ -4,7 +4,7 @@ stops with one line naming the engine whichever request's error the caller repor
 (scripted engines on a deterministic clock)."""
 import asyncio
 
-from scripted_engine import Clock, ScriptedEngine
+from scripted_engine import ScriptedEngine, run_on_clock
 
 from megarl.rollout.engine import EngineError
 from megarl.rollout.pool import EnginePool
@@ -12,19 +12,14 @@ from megarl.rollout.sync_rollout import generate_groups
 
 
 def test_every_request_cut_off_by_the_last_retirement_names_the_engine():
-    async def main():
-        clock = Clock()
-        clock.start()
-        try:
-            engines = [ScriptedEngine(f"e{i}", clock, stall_after=3, timeout_ticks=5 * (i + 1)) for i in range(2)]
-            pool = EnginePool(engines, 30, failures_max=5)
-            prompts = [[g, 0, 40] for g in range(4)]
-            outcomes = await asyncio.gather(*(generate_groups(pool, [{}], [p], 2, 64, tag=f"{i}-")
-                                              for i, p in enumerate(prompts)), return_exceptions=True)
-            return pool, outcomes
-        finally:
-            clock.stop()
-    pool, outcomes = asyncio.run(main())
+    async def main(clock):
+        engines = [ScriptedEngine(f"e{i}", clock, stall_after=3, timeout_ticks=5 * (i + 1)) for i in range(2)]
+        pool = EnginePool(engines, 30, failures_max=5)
+        prompts = [[g, 0, 40] for g in range(4)]
+        outcomes = await asyncio.gather(*(generate_groups(pool, [{}], [p], 2, 64, tag=f"{i}-")
+                                          for i, p in enumerate(prompts)), return_exceptions=True)
+        return pool, outcomes
+    pool, outcomes = run_on_clock(main)
     assert [f["engine"] for f in pool.failures] == ["e0", "e1"] and pool.engines == []
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     assert len(errors) == 4 and all(isinstance(e, EngineError) for e in errors), outcomes

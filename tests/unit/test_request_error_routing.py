@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
-from scripted_engine import TOKEN0, Clock, ScriptedEngine
+from scripted_engine import Clock, ScriptedEngine, assert_whole, run_on_clock
 
 from megarl.rollout import vllm_async, weight_sync
 from megarl.rollout.engine import EngineError, GenRequest, RequestError
@@ -26,17 +26,6 @@ from megarl.rollout.vllm_http import HTTPVLLMEngine
 
 LENGTH = 12
 TOO_LONG = "The decoder prompt (length 300) is longer than the maximum model length of 256."
-
-
-def _run(main):
-    async def wrapped():
-        clock = Clock()
-        clock.start()
-        try:
-            return await main(clock)
-        finally:
-            clock.stop()
-    return asyncio.run(wrapped())
 
 
 def refuse_group(gid):
@@ -52,7 +41,7 @@ def test_the_pool_hands_a_request_error_back_and_retires_nothing():
             await pool.generate(GenRequest("k", [1, 0, LENGTH], 64), engines[0])
         ok = await pool.generate(GenRequest("k2", [2, 0, LENGTH], 64), engines[0])
         return pool, engines, err.value, ok
-    pool, engines, err, ok = _run(main)
+    pool, engines, err, ok = run_on_clock(main)
     assert err.key == "k" and not isinstance(err, EngineError)
     assert pool.failures == [] and pool.engines == engines
     assert engines[1].served == 0, "a refused request was retried on another engine"
@@ -65,14 +54,14 @@ def test_sync_rollout_scores_refused_samples_zero_and_the_others_come_out_whole(
         pool = EnginePool([ScriptedEngine(f"e{i}", clock, refuse=refuse_group(1)) for i in range(2)], 30)
         prompts = [[g, 0, LENGTH] for g in range(3)]
         return pool, await generate_groups(pool, [{"g": g} for g in range(3)], prompts, 2, 64)
-    pool, samples = _run(main)
+    pool, samples = run_on_clock(main)
     assert pool.failures == [] and len(pool.engines) == 2
     refused = [s for s in samples if s.finish_reason == REFUSED]
     assert [s.group for s in refused] == [1, 1]
     assert all(s.response_ids == [] and s.logprobs == [] and not s.stopped for s in refused)
     for s in samples:
         if s.group != 1:
-            assert s.finish_reason == "stop" and s.response_ids == [TOKEN0 + p for p in range(LENGTH)]
+            assert_whole(s.response_ids, s.logprobs, s.finish_reason, LENGTH)
     scored = []
     score_all(samples, SimpleNamespace(decode=lambda ids, **k: str(ids)), lambda *a, **k: scored.append(a) or 1.0)
     assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
@@ -84,7 +73,7 @@ def test_sync_rollout_stops_with_the_engines_message_when_every_sample_is_refuse
         pool = EnginePool([ScriptedEngine("e0", clock, refuse=lambda req: TOO_LONG)], 30)
         await generate_groups(pool, [{}], [[0, 0, LENGTH]], 2, 64)
     with pytest.raises(RequestError, match=r"every sample .* refused.*maximum model length"):
-        _run(main)
+        run_on_clock(main)
 
 
 # -- the weight-sync verify probe ------------------------------------------------------------

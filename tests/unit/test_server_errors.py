@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from aiohttp import web
-from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
+from scripted_engine import ScriptedEngine, assert_whole, run_on_clock
 
 from megarl.rollout.engine import EngineError, EngineHealth, GenRequest, ServerError
 from megarl.rollout.pool import EnginePool
@@ -39,21 +39,8 @@ class AnswersServerErrors(ScriptedEngine):
         return EngineHealth(self.name, self.alive, self.paused, self.running, self.version)
 
 
-def _run(main):
-    async def wrapped():
-        clock = Clock()
-        clock.start()
-        try:
-            return await main(clock)
-        finally:
-            clock.stop()
-    return asyncio.run(wrapped())
-
-
 def _whole(result):
-    assert result.finish_reason == "stop", (result.finish_reason, len(result.token_ids))
-    assert result.token_ids == [TOKEN0 + p for p in range(LENGTH)]
-    assert result.logprobs == [behaviour_logprob(p) for p in range(LENGTH)]
+    assert_whole(result.token_ids, result.logprobs, result.finish_reason, LENGTH)
 
 
 def test_one_server_error_is_retried_on_the_same_engine_and_nothing_is_retired():
@@ -62,7 +49,7 @@ def test_one_server_error_is_retried_on_the_same_engine_and_nothing_is_retired()
         pool = EnginePool([flaky, other], 30, failures_max=0)
         result = await pool.generate(GenRequest("k", [0, 0, LENGTH], 64), flaky)
         return pool, flaky, other, result
-    pool, flaky, other, result = _run(main)
+    pool, flaky, other, result = run_on_clock(main)
     _whole(result)
     assert result.engine == "e0" and other.served == 0        # served where it was, from its 5 tokens
     assert pool.failures == [] and pool.engines == [flaky, other] and pool.retries == 1
@@ -76,11 +63,11 @@ def test_each_request_gets_its_own_retry_in_a_sync_rollout():
         prompts = [[g, 0, LENGTH] for g in range(4)]
         samples = await generate_groups(pool, [{} for _ in prompts], prompts, 2, 64)
         return pool, flaky, samples
-    pool, flaky, samples = _run(main)
+    pool, flaky, samples = run_on_clock(main)
     assert len(flaky.answered_5xx) == 2 and len(set(flaky.answered_5xx)) == 2
     assert pool.failures == [] and len(pool.engines) == 2 and pool.retries == 2
     for s in samples:
-        assert s.finish_reason == "stop" and s.response_ids == [TOKEN0 + p for p in range(LENGTH)]
+        assert_whole(s.response_ids, s.logprobs, s.finish_reason, LENGTH)
 
 
 def test_a_second_server_error_for_the_request_retires_the_engine():
@@ -89,7 +76,7 @@ def test_a_second_server_error_for_the_request_retires_the_engine():
         pool = EnginePool([broken, other], 30, failures_max=1)
         result = await pool.generate(GenRequest("k", [0, 0, LENGTH], 64), broken)
         return pool, broken, result
-    pool, broken, result = _run(main)
+    pool, broken, result = run_on_clock(main)
     _whole(result)                                              # 3 + 3 tokens on e0, the rest on e1
     assert result.engine == "e1" and broken.answered_5xx == ["k", "k"]
     assert [e.name for e in pool.retired] == ["e0"] and len(pool.failures) == 1
@@ -102,7 +89,7 @@ def test_a_server_error_from_an_engine_that_fails_its_health_check_retires_it_at
         pool = EnginePool([dying, other], 30, failures_max=1)
         result = await pool.generate(GenRequest("k", [0, 0, LENGTH], 64), dying)
         return pool, dying, result
-    pool, dying, result = _run(main)
+    pool, dying, result = run_on_clock(main)
     _whole(result)
     assert result.engine == "e1" and dying.served == 1 and pool.retries == 0
     assert [e.name for e in pool.retired] == ["e0"]
@@ -122,7 +109,7 @@ def test_other_engine_errors_still_retire_at_once():
         pool = EnginePool([lost, other], 30, failures_max=1)
         result = await pool.generate(GenRequest("k", [0, 0, LENGTH], 64), lost)
         return pool, result
-    pool, result = _run(main)
+    pool, result = run_on_clock(main)
     _whole(result)
     assert result.engine == "e1" and [e.name for e in pool.retired] == ["e0"] and pool.retries == 0
 
