@@ -11,6 +11,9 @@ turn number) and how many of that turn's tokens are already at its end (a contin
 abort), so a lost, repeated or misplaced token shows. `REPLIES[turn % len(REPLIES)]` are the
 words of turn `turn`, then `<eos>`. Token j of a turn has behaviour logprob
 -(0.1 * (j + 1) + 0.01 * turn), stamped with the engine's weight version when sampled.
+
+`ServiceHarness`: an engine, its pool and the agent service on a LoopThread, as the trainer
+runs them; `harnesses` is the body of a test module's fixture that builds them.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import asyncio
 import threading
 
 from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, copy_result
+from megarl.rollout.pool import EnginePool, LoopThread
+from megarl.service import AgentService
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>", "<tool>"]
 WORDS = ["<nl>", "hello", "world", "the", "answer", "is", "four", "five", "six", "try", "again",
@@ -165,3 +170,42 @@ class TableEngine(Engine):
 
     async def close(self):
         pass
+
+
+class ServiceHarness:
+    """`engine` in a pool (`pool_options`) and an AgentService over it (`settings` over a small
+    default) on a LoopThread named `loop_name`; record i of the task stream has uid 100 + i."""
+
+    def __init__(self, tokenizer, engine: Engine, loop_name: str, pool_options: dict, **settings):
+        self.loop = LoopThread(loop_name)
+        self.engine = engine
+        self.pool = EnginePool([engine], timeout_s=10, **pool_options)
+        self.drawn = 0
+        options = dict(n=2, max_episodes=8, max_new_tokens=64, seed=3, episode_timeout_s=30.0, max_model_len=4096)
+        self.service = AgentService(self.pool, tokenizer, next_task=self.next_task, **{**options, **settings})
+        self.loop.run(self.pool.start(), 10)
+        self.loop.run(self.service.start(), 10)
+
+    def next_task(self):
+        self.drawn += 1
+        return {"prompt": f"task {self.drawn - 1}"}, 100 + self.drawn - 1
+
+    def close(self):
+        try:
+            self.loop.run(self.service.close(), 10)
+            self.loop.run(self.pool.close(), 10)
+        finally:
+            self.loop.stop()
+
+
+def harnesses(cls, tokenizer):
+    """A fixture's body (`yield from`): the test builds harnesses with `build(**kw)`; each is
+    closed when the test ends."""
+    made = []
+
+    def build(**kw):
+        made.append(cls(tokenizer, **kw))
+        return made[-1]
+    yield build
+    for h in made:
+        h.close()

@@ -7,9 +7,21 @@ import time
 import httpx
 import openai
 import pytest
-from service_support import ASSISTANT, BOS, EOS, NL, SYSTEM, USER, TableEngine, build_tokenizer, ids, reply_logprob
+from service_support import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    NL,
+    SYSTEM,
+    USER,
+    ServiceHarness,
+    TableEngine,
+    build_tokenizer,
+    harnesses,
+    ids,
+    reply_logprob,
+)
 
-from megarl.rollout.pool import EnginePool, LoopThread
 from megarl.service import AgentService
 from megarl.service.service import GroupBook
 
@@ -32,28 +44,17 @@ def tokenizer():
     return build_tokenizer()
 
 
-class Harness:
+class Harness(ServiceHarness):
     """Engine, pool and service on a loop thread; an openai client against the service."""
 
     def __init__(self, tokenizer, update_mode: str = "abort", **settings):
-        self.loop = LoopThread("test-agent-service")
-        self.engine = TableEngine()
-        self.pool = EnginePool([self.engine], timeout_s=10, update_mode=update_mode, keep_kv=False)
-        self.drawn = 0
-        options = dict(n=2, api_key=KEY, max_episodes=8, max_new_tokens=64, temperature=T, seed=3,
-                       episode_timeout_s=30.0, max_model_len=4096)
-        self.service = AgentService(self.pool, tokenizer, next_task=self.next_task, **{**options, **settings})
-        self.loop.run(self.pool.start(), 10)
-        self.loop.run(self.service.start(), 10)
+        super().__init__(tokenizer, TableEngine(), "test-agent-service",
+                         dict(update_mode=update_mode, keep_kv=False), **{"api_key": KEY, "temperature": T, **settings})
         self.client = self.connect(KEY)
 
     def connect(self, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.service.url + "/v1", api_key=key, max_retries=0, timeout=10,
                              http_client=httpx.Client(trust_env=False))
-
-    def next_task(self):
-        self.drawn += 1
-        return {"prompt": f"task {self.drawn - 1}"}, 100 + self.drawn - 1
 
     def call(self, fn, *args):
         """A plain function of the service, run on its loop (no race with the handlers)."""
@@ -71,24 +72,11 @@ class Harness:
     def reward(self, eid: str, reward: float) -> dict:
         return self.client.post(f"/episodes/{eid}/reward", body={"reward": reward}, cast_to=object)
 
-    def close(self):
-        try:
-            self.loop.run(self.service.close(), 10)
-            self.loop.run(self.pool.close(), 10)
-        finally:
-            self.loop.stop()
 
 
 @pytest.fixture
 def make(tokenizer):
-    made = []
-
-    def build(**kw) -> Harness:
-        made.append(Harness(tokenizer, **kw))
-        return made[-1]
-    yield build
-    for h in made:
-        h.close()
+    yield from harnesses(Harness, tokenizer)
 
 
 def test_the_key_is_checked_on_every_route_but_health(make):

@@ -13,11 +13,9 @@ tests/unit/service_support.py).
 """
 import httpx
 import pytest
-from service_support import EOS, TableEngine, build_tokenizer, ids
+from service_support import EOS, ServiceHarness, TableEngine, build_tokenizer, harnesses, ids
 
 from megarl.rollout.engine import EngineError, RequestError
-from megarl.rollout.pool import EnginePool, LoopThread
-from megarl.service import AgentService
 
 KEY = "test-key-1234"
 FIRST = [{"role": "system", "content": "hello world"}, {"role": "user", "content": "what next"}]
@@ -51,23 +49,14 @@ def tokenizer():
     return build_tokenizer()
 
 
-class Harness:
+class Harness(ServiceHarness):
+    """A `Refusing` engine; an httpx client against the service."""
+
     def __init__(self, tokenizer, **settings):
-        self.loop = LoopThread("test-service-limits")
-        self.engine = Refusing()
-        self.pool = EnginePool([self.engine], timeout_s=10, failures_max=0)
-        self.drawn = 0
-        options = dict(n=2, api_key=KEY, max_episodes=8, max_new_tokens=64, temperature=1.0, seed=3,
-                       episode_timeout_s=30.0, max_model_len=4096)
-        self.service = AgentService(self.pool, tokenizer, next_task=self.next_task, **{**options, **settings})
-        self.loop.run(self.pool.start(), 10)
-        self.loop.run(self.service.start(), 10)
+        super().__init__(tokenizer, Refusing(), "test-service-limits", dict(failures_max=0),
+                         **{"api_key": KEY, "temperature": 1.0, **settings})
         self.http = httpx.Client(base_url=self.service.url + "/v1", trust_env=False, timeout=10,
                                  headers={"Authorization": f"Bearer {KEY}"})
-
-    def next_task(self):
-        self.drawn += 1
-        return {"prompt": f"task {self.drawn - 1}"}, self.drawn - 1
 
     def open(self) -> httpx.Response:
         return self.http.post("/episodes")
@@ -75,24 +64,10 @@ class Harness:
     def chat(self, eid: str, messages, **kw) -> httpx.Response:
         return self.http.post("/chat/completions", json={"model": "m", "messages": messages, "episode_id": eid, **kw})
 
-    def close(self):
-        try:
-            self.loop.run(self.service.close(), 10)
-            self.loop.run(self.pool.close(), 10)
-        finally:
-            self.loop.stop()
-
 
 @pytest.fixture
 def make(tokenizer):
-    made = []
-
-    def build(**kw) -> Harness:
-        made.append(Harness(tokenizer, **kw))
-        return made[-1]
-    yield build
-    for h in made:
-        h.close()
+    yield from harnesses(Harness, tokenizer)
 
 
 def _error(resp: httpx.Response) -> str:
