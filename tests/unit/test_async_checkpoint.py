@@ -16,6 +16,8 @@ from megarl.data.prompts import PromptSampler
 from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
 from megarl.rollout.rounds import Rollout
 
+LOOP_THREAD = "test-engines"
+
 
 class Tok:
     def __call__(self, text, add_special_tokens=False):
@@ -34,14 +36,15 @@ def config():
         data=SimpleNamespace(prompt_key="prompt", messages_key="messages"), env=SimpleNamespace(name=""))
 
 
-def open_rollout():
-    loop = LoopThread("test-engines")
+def open_rollout(update_mode: str = "abort"):
+    loop = LoopThread(LOOP_THREAD)
     clock = Clock()
 
     async def start():
         clock.start()
     loop.run(start(), 10)
-    pool = SyncPool(EnginePool([WorkloadEngine(f"e{i}", clock, long_tail) for i in range(2)], 30), loop, 10)
+    engines = EnginePool([WorkloadEngine(f"e{i}", clock, long_tail) for i in range(2)], 30, update_mode=update_mode)
+    pool = SyncPool(engines, loop, 10)
     records = [{"prompt": f"q{i}"} for i in range(10_000)]
     rollout = Rollout(config(), pool, records, PromptSampler(len(records), seed=0), Tok(),
                       lambda text, record, finished: 0.0)

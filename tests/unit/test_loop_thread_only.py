@@ -9,32 +9,12 @@ iterate the controller's dicts from its own thread. Scripted engines of test_asy
 import threading
 
 import pytest
-from scripted_engine import Clock
-from test_async_checkpoint import Tok, config
-from test_rollout_stress import WorkloadEngine, long_tail
+from test_async_checkpoint import LOOP_THREAD, open_rollout
 
-from megarl.data.prompts import PromptSampler
 from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.rounds import Rollout
 
 PUBLIC = ["run_round", "take_ready", "metrics", "pending_old_logprobs", "store_old_logprobs", "samples_of",
           "state_dict", "load_state_dict", "hold", "release", "kv_dropped"]
-
-
-def open_rollout(update_mode="keep"):
-    loop = LoopThread("test-loop-only")
-    clock = Clock()
-
-    async def start():
-        clock.start()
-    loop.run(start(), 10)
-    engines = EnginePool([WorkloadEngine(f"e{i}", clock, long_tail) for i in range(2)], 30, update_mode=update_mode)
-    pool = SyncPool(engines, loop, 10)
-    records = [{"prompt": f"q{i}"} for i in range(1000)]
-    rollout = Rollout(config(), pool, records, PromptSampler(len(records), seed=0), Tok(),
-                      lambda text, record, finished: 0.0)
-    return rollout, clock
 
 
 def close(rollout, clock):
@@ -75,7 +55,7 @@ def train_steps(rollout, steps: int) -> None:
 
 
 def test_the_driver_uses_the_controller_on_the_loop_thread_only():
-    rollout, clock = open_rollout()
+    rollout, clock = open_rollout("keep")
     calls = []
     watch(rollout.controller, calls)
     try:
@@ -83,7 +63,7 @@ def test_the_driver_uses_the_controller_on_the_loop_thread_only():
         state = rollout.state_dict()
     finally:
         close(rollout, clock)
-    fresh, clock = open_rollout()
+    fresh, clock = open_rollout("keep")
     watch(fresh.controller, calls)
     try:
         fresh.load_state_dict(state)
@@ -93,7 +73,7 @@ def test_the_driver_uses_the_controller_on_the_loop_thread_only():
         close(fresh, clock)
     names = {n for n, _ in calls}
     assert {"run_round", "metrics", "pending_old_logprobs", "state_dict", "load_state_dict"} <= names
-    off_loop = [(n, t) for n, t in calls if t != "test-loop-only"]
+    off_loop = [(n, t) for n, t in calls if t != LOOP_THREAD]
     assert not off_loop, f"controller methods called off its loop thread: {sorted(set(off_loop))}"
 
 
@@ -101,7 +81,7 @@ def test_a_call_from_another_thread_while_its_loop_runs_is_refused():
     """The controller keeps the promise itself: a public method called from a thread other than
     its loop's, while that loop runs, raises naming the rule (a test or a new caller that reads
     it cross-thread fails at once, not once in a while)."""
-    rollout, clock = open_rollout()
+    rollout, clock = open_rollout("keep")
     try:
         rollout.round(0)
         ctl: PartialRolloutController = rollout.controller
