@@ -444,13 +444,9 @@ class HTTPVLLMEngine(Engine):
         try:
             if resp.status != 200:
                 text = await resp.text()
-                if resp.status in REFUSED_STATUS:
-                    raise RequestError(f"engine {self.name} refused request {req.key}: HTTP {resp.status}: "
-                                       f"{_error_message(text)}", req.key)
                 hint = (" Fix: rollout.engines.api_key must equal the server's --api-key" if resp.status == 401 else "")
-                # 5xx: the server is up and says it failed this request (the pool may retry it there)
-                kind = ServerError if resp.status >= 500 else EngineError
-                raise kind(f"{self._where()}: request {req.key} -> HTTP {resp.status}: {text[:500]}.{hint}")
+                raise self._answered(req, resp.status, f"HTTP {resp.status}: {_error_message(text)}",
+                                     f"-> HTTP {resp.status}: {text[:500]}.{hint}")
             buf = b""
             while not f._stopped:
                 # whatever has arrived (often many SSE lines at once): one wait per network read
@@ -492,6 +488,16 @@ class HTTPVLLMEngine(Engine):
                 f.reader.cancel()
             f.reader = None
 
+    def _answered(self, req: GenRequest, code, message: str, detail: str) -> Exception:
+        """The error for the server's answer `code` (an HTTP status, or an error chunk's code)
+        to `req`: the request's own for REFUSED_STATUS (RequestError; `message`, the engine named
+        by name only), the server's failure of this request for 5xx (ServerError: it is up and
+        said so, the pool may retry it there), else the engine's (EngineError, with `detail`)."""
+        if code in REFUSED_STATUS:
+            return RequestError(f"engine {self.name} refused request {req.key}: {message}", req.key)
+        kind = ServerError if isinstance(code, int) and code >= 500 else EngineError
+        return kind(f"{self._where()}: request {req.key} {detail}")
+
     def _fold(self, req: GenRequest, f: _Flight, line: bytes) -> bool:
         """Apply one SSE line to the result; True at the end of the stream."""
         if not line.startswith(b"data:"):
@@ -505,12 +511,8 @@ class HTTPVLLMEngine(Engine):
             raise EngineError(f"{self._where()}: request {req.key}: unreadable stream chunk {data[:200]!r}") from None
         if "error" in chunk:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
-            if error.get("code") in REFUSED_STATUS:
-                raise RequestError(f"engine {self.name} refused request {req.key}: {error.get('message')}", req.key)
-            code = error.get("code")
-            kind = ServerError if isinstance(code, int) and code >= 500 else EngineError
-            raise kind(f"{self._where()}: request {req.key} failed on the server: "
-                       f"{json.dumps(chunk['error'])[:500]}")
+            raise self._answered(req, error.get("code"), str(error.get("message")),
+                                 f"failed on the server: {json.dumps(chunk['error'])[:500]}")
         for choice in chunk.get("choices", ()):
             ids = choice.get("token_ids") or []
             lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
