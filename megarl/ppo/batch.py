@@ -36,7 +36,8 @@ class Batch:
     stored_mask: torch.Tensor   # [B, R] bool, where stored_old holds a value
     seq_lens: torch.Tensor      # [B] long, prompt + response tokens of each row (the rest is padding)
     # the rows' (prompt + response, response) lengths on the host, where the batch was built from
-    # samples: planning micro-batches reads them without a device-to-host copy (None: read them)
+    # samples: planning micro-batches reads them without a device-to-host copy (None: `lengths`
+    # reads them once)
     host_lens: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
@@ -47,8 +48,22 @@ class Batch:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "host_lens"}
 
     def select(self, idx) -> "Batch":
-        """Rows `idx` (slice or index tensor on the batch's device) of every field."""
-        return Batch(**{k: v[idx] for k, v in self.tensors().items()})
+        """Rows `idx` of every field: a list of row positions or a slice (the rows' host
+        lengths come along), or an index tensor on the batch's device (they do not)."""
+        host = None
+        if isinstance(idx, (list, tuple)):
+            host = None if self.host_lens is None else tuple(self.host_lens[i] for i in idx)
+            idx = dev.put(torch.tensor(idx, dtype=torch.long), self.device)
+        elif isinstance(idx, slice) and self.host_lens is not None:
+            host = self.host_lens[idx]
+        return Batch(**{k: v[idx] for k, v in self.tensors().items()}, host_lens=host)
+
+    def lengths(self) -> tuple:
+        """The rows' (prompt + response, response) lengths on the host: `host_lens`, read
+        from the device once (one copy for all rows) where the batch was not built with them."""
+        if self.host_lens is None:
+            self.host_lens = tuple(map(tuple, torch.stack([self.seq_lens, self.response_lens], 1).tolist()))
+        return self.host_lens
 
     def trim(self, length: int, width: int) -> "Batch":
         """The first `length` sequence positions and `width` response columns (views): a

@@ -29,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-import torch
-
 from megarl.ppo.batch import Batch
 
 # Under a token budget a micro-batch takes the next (shorter) row only while padding stays
@@ -187,13 +185,11 @@ def plan_rows(seq_lens: Sequence[int], resp_lens: Sequence[int], batching: Batch
 
 
 def plan_batch(batch: Batch, layout, dp: int) -> Plan:
-    """The plan of a Batch's rows (`layout`: a Batching or a micro-batch size). The row
-    lengths from the host where the batch has them, else one host copy."""
-    if batch.host_lens is not None:
-        lens, resp = [n for n, _ in batch.host_lens], [r for _, r in batch.host_lens]
-    else:   # one device-to-host copy for both
-        lens, resp = torch.stack([batch.seq_lens, batch.response_lens]).tolist()
-    return plan_rows(lens, resp, as_batching(layout), dp, (batch.tokens.shape[1], batch.resp_mask.shape[1]))
+    """The plan of a Batch's rows (`layout`: a Batching or a micro-batch size), from their
+    lengths on the host (`Batch.lengths`)."""
+    lens = batch.lengths()
+    return plan_rows([n for n, _ in lens], [r for _, r in lens], as_batching(layout), dp,
+                     (batch.tokens.shape[1], batch.resp_mask.shape[1]))
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,19 @@ def local_micro_batches(batch: Batch, layout) -> list[MicroBatch]:
     return list(plan_batch(batch, layout, 1).ranks[0])
 
 
+def _index(rows: tuple[int, ...], device: torch.device):
+    """Rows as an index: a slice where they are consecutive (a Plan's local micro-batches
+    always are: no index tensor to copy to the device per micro-batch), else a tensor."""
+    if rows and rows == tuple(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 def micro_inputs(batch: Batch, mb: MicroBatch, extras: dict) -> dict:
     """One micro-batch's inputs: its rows of `batch` trimmed to its own length and width
     (filler rows with mask 0), and its rows of each tensor in `extras` ([b, R] ones trimmed
     to the width too)."""
-    idx = torch.tensor(mb.rows, dtype=torch.long, device=batch.device)
+    idx = _index(mb.rows, batch.device)
     sub = batch.select(idx).trim(mb.length, mb.width)
     if mb.fill:   # filler rows: computed so every DP rank runs as many micro-batches, never trained
         sub.resp_mask = sub.resp_mask.clone()
@@ -122,19 +130,18 @@ def forward_per_token(model, batch: Batch, layout, fn: Callable) -> torch.Tensor
     if reports:
         local = torch.zeros(tuple(batch.resp_mask.shape), dtype=reports[0]["value"].dtype, device=batch.device)
         for mb, r in zip(micro, reports):
-            idx = torch.tensor(mb.rows, dtype=torch.long, device=batch.device)
-            local[idx, :r["value"].shape[1]] = r["value"]
+            local[_index(mb.rows, batch.device), :r["value"].shape[1]] = r["value"]
     return share_from_last_stage(local, tuple(batch.resp_mask.shape), batch.device)
 
 
 def forward_all(fn: Callable, model, batch: Batch, layout) -> torch.Tensor:
-    """[B, R] of `fn(model, rows, micro_batches) -> [b, R]` over the whole batch: the plan of
-    `layout` (a Batching or a micro-batch size) over the DP ranks, this rank's rows computed in
-    its micro-batches, every rank's gathered back into the batch's row order."""
-    plan = plan_batch(batch, layout, parallel.dp_size())
+    """[B, R] of `fn(model, rows, micro_batches) -> [b, R]` over the whole batch: `layout`'s
+    plan over the DP ranks (a Plan of this batch's rows, made once for all of a step's passes,
+    or a Batching / a micro-batch size planned here), this rank's rows computed in its
+    micro-batches, every rank's gathered back into the batch's row order."""
+    plan = layout if isinstance(layout, Plan) else plan_batch(batch, layout, parallel.dp_size())
     rows, micro, _ = plan.local(parallel.dp_rank())
-    local = batch.select(torch.tensor(rows, dtype=torch.long, device=batch.device))
-    return gather_planned(fn(model, local, micro), plan, batch.size)
+    return gather_planned(fn(model, batch.select(rows), micro), plan, batch.size)
 
 
 def gather_planned(local: torch.Tensor, plan: Plan, count: int) -> torch.Tensor:

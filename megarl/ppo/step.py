@@ -32,8 +32,6 @@ from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
 from megarl.ppo.schedule import forward_all
 from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
 
-_forward_all = forward_all   # the name the layout tests' probe computes logprobs with
-
 
 @dataclass(frozen=True)
 class Pass:
@@ -79,7 +77,9 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     algo, batching = cfg.algo, batching_of(cfg)
     temp = cfg.rollout.sampling.temperature
     mask = batch.resp_mask
-    forward = forward or (lambda p: p.run(batch, batching))
+    # one plan of the batch's rows for all of the step's forward-only passes
+    plan = plan_batch(batch, batching, parallel.dp_size())
+    forward = forward or (lambda p: p.run(batch, plan))
     passes = forward_passes(cfg, actor, reference, critic)
 
     old_logp = forward(passes["logp"])
@@ -114,9 +114,9 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     usage = Usage()   # what the update passes compute (metrics train_*)
     try:
         for _ in range(cfg.train.ppo_epochs):
-            order = dev.put(torch.randperm(batch.size, generator=gen), batch.device)
-            for chunk in order.chunk(n_mini):
-                mini, local, rows, at, micro = dp_share(batch, chunk, batching, usage)
+            for chunk in torch.randperm(batch.size, generator=gen).chunk(n_mini):
+                mini, local, rows, at, micro = dp_share(batch, chunk.tolist(), batching, usage)
+                chunk = dev.put(chunk, batch.device)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
                     keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp,
@@ -153,17 +153,19 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
             **usage.metrics(), **dev.host_values(on_device)}   # one device-to-host copy for all of them
 
 
-def dp_share(batch: Batch, chunk: torch.Tensor, batching, usage: Usage) -> tuple:
-    """A mini-batch (rows `chunk` of `batch`) and this DP rank's share of it: (the mini-batch,
-    this rank's rows of it as a Batch, their indices in `batch` and positions in `chunk`,
-    fillers included, and its micro-batches over them). Every rank gets as many micro-batches;
-    the plan is added to `usage`."""
+def dp_share(batch: Batch, chunk: list[int], batching, usage: Usage) -> tuple:
+    """A mini-batch (rows `chunk` of `batch`, on the host: the plan reads their lengths there)
+    and this DP rank's share of it: (the mini-batch, this rank's rows of it as a Batch, their
+    indices in `batch` and positions in `chunk` as device tensors, fillers included, and its
+    micro-batches over them). Every rank gets as many micro-batches; the plan is added to
+    `usage`."""
     mini = batch.select(chunk)
     plan = plan_batch(mini, batching, parallel.dp_size())
     positions, micro, _ = plan.local(parallel.dp_rank())
     usage.add(plan)
-    at = dev.put(torch.tensor(positions, dtype=torch.long), batch.device)
-    return mini, batch.select(chunk[at]), chunk[at], at, micro
+    rows = [chunk[p] for p in positions]
+    rows_t, at = (dev.put(torch.tensor(ix, dtype=torch.long), batch.device) for ix in (rows, positions))
+    return mini, batch.select(rows_t), rows_t, at, micro
 
 
 def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mask):
@@ -213,9 +215,10 @@ def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) 
     if count == 0:
         return []
     vocab, temp = actor.info.vocab_size, cfg.rollout.sampling.temperature
+    batch = _logprob_batch(tokens, lens, width)
+    resp = [r for _, r in batch.lengths()]   # one device-to-host copy, which the plan reuses
     logp = forward_all(lambda m, b, layout: actor_ops.logprobs(m, b, layout, vocab, temp), actor.model,
-                       _logprob_batch(tokens, lens, width), batching_of(cfg)).cpu()
-    resp = lens[:, 1].cpu().tolist()
+                       batch, batching_of(cfg)).cpu()
     return [logp[i, :n].tolist() for i, n in enumerate(resp)]
 
 

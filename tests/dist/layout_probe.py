@@ -58,9 +58,9 @@ def stale(samples, batch, models, cfg):
     """The samples with l_old = behaviour logprob = the starting weights' logprob + N(0, 0.3)
     per token (seeded: the same on every layout)."""
     from megarl.ppo import actor as actor_ops
-    from megarl.ppo.step import _forward_all
-    logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
-                        models.actor.model, batch, cfg.train.micro_batch_size)
+    from megarl.ppo.schedule import forward_all
+    logp = forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
+                       models.actor.model, batch, cfg.train.micro_batch_size)
     gen = torch.Generator().manual_seed(99)
     for i, s in enumerate(samples):
         n = len(s.response_ids)
@@ -84,7 +84,8 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     from megarl.models.setup import build_all
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
-    from megarl.ppo.step import _forward_all, ppo_step
+    from megarl.ppo.schedule import forward_all
+    from megarl.ppo.step import ppo_step
 
     torch.set_num_threads(int(extra.get("threads", 1)))
     models = build_all(cfg)
@@ -101,8 +102,8 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
         swap_rows(models, extra["swap_rows"])
 
     def actor_logp() -> list[float]:
-        logp = _forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
-                            models.actor.model, batch, cfg.train.micro_batch_size)
+        logp = forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
+                           models.actor.model, batch, cfg.train.micro_batch_size)
         return logp[batch.resp_mask > 0].tolist()
 
     first = {"logp_start": actor_logp()}

@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
+from conftest import run_py
 
-from conftest import ROOT, run_py
 from megarl.distributed import device as dev
 from megarl.distributed.device_guard import DEVICE, HOST, DeviceGuard, MixedDeviceError, placement
 
@@ -44,6 +44,10 @@ def test_megarl_reads_results_back_per_step_not_per_micro_batch(probe):
         assert ours, algo
         models = 2 if algo == "ppo" else 1
         assert max(ours.values()) <= 2 * models, (algo, ours)
+        # the micro-batch plans (one per pass and mini-batch) read the rows' lengths from the
+        # host: a batch built from samples has them, and the mini-batches carry them along
+        planned = {s: n for s, n in ours.items() if "plan_batch(" in s}
+        assert not planned, (algo, planned)
 
 
 @pytest.mark.parametrize("field", ["tokens", "behav_logp", "resp_mask"])
