@@ -83,14 +83,16 @@ def error(key: str, got, ref) -> float:
 
 def errors(got: list[dict], ref: list[dict]) -> dict[str, float]:
     """Per quantity, the largest error (in tolerances) over the steps of two histories; a
-    quantity either history lacks in a step is skipped (`logp_start` is in the first only)."""
+    quantity the reference lacks in a step is skipped (`logp_start` is in a run's first step
+    only), one it has and `got` lacks is off by inf (a probe that stopped reporting it)."""
     if len(got) != len(ref):
         raise AssertionError(f"{len(got)} steps against {len(ref)}")
     out: dict[str, float] = {}
     for x, y in zip(got, ref):
         for key in TOLERANCES:
-            if key in x and key in y:
-                out[key] = max(out.get(key, 0.0), error(key, x[key], y[key]))
+            if key in y:
+                err = error(key, x[key], y[key]) if key in x else float("inf")
+                out[key] = max(out.get(key, 0.0), err)
     return out
 
 

@@ -45,6 +45,12 @@ def test_assert_parity_names_what_is_off_and_the_figures_it_was_set_from():
         parity.assert_parity(history(logp_shift=10 * parity.TOLERANCES["logp_start"].abs), ref, what="x")
     with pytest.raises(AssertionError, match="2 steps against 1"):
         parity.assert_parity(history(), ref[:1])
+    # a quantity the reference has and the run lacks is off, not skipped: a probe that stopped
+    # reporting it would otherwise pass every comparison of it
+    lacking = history()
+    del lacking[1]["grad_norm"]
+    with pytest.raises(AssertionError, match="grad_norm off by infx"):
+        parity.assert_parity(lacking, ref)
 
 
 def test_every_tolerance_keeps_the_figures_it_was_set_from():
