@@ -4,7 +4,7 @@ The checks are `megarl train`'s own (one home each): the recipe against the sche
 (`load_config`, in the CLI), the parallel layout against the ranks the job launches
 (`validate_world`), the plan against the recipe's cluster (`megarl plan`), the launch against
 this machine (`preflight.check_backends`), the data rows, model and tokenizer files and the
-engines' context (`Trainer._check_inputs`, the very method `train` runs), the checkpoint a rerun
+engines' context (`Trainer.check_inputs`, the very method `train` runs), the checkpoint a rerun
 would resume from, and in rollout.engines.mode=remote each engine URL answering (health, API
 key, served context: the start check of the HTTP engine). Nothing is written and nothing is
 started; the first problem raises ConfigError (exit 2 in the CLI) or EngineError.
@@ -59,7 +59,7 @@ def check(cfg: RootConfig, say=print) -> None:
             "megarl check on a trainer node for them")
     trainer = Trainer(cfg)
     trainer.is_driver = True   # one process: the driver's checks, without a process group
-    trainer._check_inputs()
+    trainer.check_inputs()
     say(f"data: {len(trainer.records)} rows of {cfg.data.prompts} fit rollout.engines.max_model_len="
         f"{cfg.rollout.engines.max_model_len}")
     say(f"model: {cfg.model.path} (weights, config.json, tokenizer)")

@@ -75,7 +75,7 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
         self._start_process()
-        self._check_inputs()
+        self.check_inputs()
         # the newest intact checkpoint (damaged newer ones are named and skipped); all damaged: stop
         cfg = self.cfg
         resume_from = _agree(lambda: ckpt.resume_point(cfg.checkpoint_dir) if cfg.checkpoint.resume else None,
@@ -105,8 +105,9 @@ class Trainer:
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
 
-    def _check_inputs(self) -> None:
-        """Cheap inputs first: a bad data path or reward name fails before any model is built."""
+    def check_inputs(self) -> None:
+        """Cheap inputs first: a bad data path or reward name fails before any model is built
+        (`setup` runs it, and so does `megarl check`, check.py)."""
         cfg, d = self.cfg, self.cfg.data
         self.records = load_prompts(d.prompts, d.prompt_key, d.messages_key,
                                     d.answer_key if needs_answer(cfg.reward.fn) else None)
