@@ -94,6 +94,9 @@ tries = {{
     "open-tmpfile": lambda: os.open(OUT, os.O_TMPFILE | os.O_WRONLY, 0o600),
     "open-dir-fd": lambda: os.open("e", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=os.open(OUT, os.O_PATH)),
     "builtin-open": lambda: open(OUT + "/g", "x").write("x"),
+    "builtin-append": lambda: open(VICTIM, "a").write("changed"),
+    "relative-dotdot": lambda: open("../" * 8 + OUT.lstrip("/") + "/dotdot", "w").write("x"),
+    "chdir-then-relative": lambda: (os.chdir(OUT), open("relative", "w").write("x")),
     "link-in": lambda: os.link(VICTIM, "hard"),
     "link-out": lambda: os.link("mine.txt", OUT + "/hard"),
     "rename-in": lambda: os.rename(VICTIM, "stolen"),
@@ -118,7 +121,7 @@ for name, f in tries.items():
     res = run_python_sync(code, FAST)
     assert res.exit_code == 0, res.stderr
     verdicts = _lines(res)
-    assert len(verdicts) == 32 and [n for n, v in verdicts.items() if v != "refused"] == [], res.stdout
+    assert len(verdicts) == 35 and [n for n, v in verdicts.items() if v != "refused"] == [], res.stdout
     assert [p.name for p in out.iterdir()] == ["victim.txt"] and victim.read_text() == "original"
     after = os.stat(victim)
     assert (after.st_mode, after.st_mtime_ns, after.st_nlink) == (before.st_mode, before.st_mtime_ns, 1)
@@ -268,11 +271,17 @@ def test_a_machine_without_a_kernel_layer_is_refused_by_default(monkeypatch, off
 
 
 def test_weaker_runs_once_accepted(monkeypatch, caplog):
+    """Accepted, the weaker sandbox runs with one loud warning, however often it is asked."""
     _weak(monkeypatch, landlock=1, seccomp=1)
+    sandbox._warn_weak.cache_clear()   # a test before may have warned with this very line
     with caplog.at_level("WARNING", logger="megarl.envs.sandbox"):
         res = run_python_sync("print('ran')", FAST, allow_weak=True)
+        assert [sandbox.require(allow_weak=True).seccomp for _ in range(3)] == [False] * 3
     assert res.stdout == "ran\n"
-    assert any(sandbox.ALLOW_WEAK_SETTING in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "megarl.envs.sandbox" and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and sandbox.ALLOW_WEAK_SETTING in warnings[0], warnings
+    for guarantee in ("writes", "reads", "sockets", "processes"):
+        assert sandbox.GUARANTEES[guarantee][0] in warnings[0]
     assert PythonToolEnv(seed=0, allow_weak_sandbox=True).allow_weak_sandbox is True
 
 
@@ -289,14 +298,20 @@ def test_a_layer_that_cannot_be_applied_fails_closed(monkeypatch):
 
 
 def test_the_probe_names_what_this_machine_lacks(monkeypatch):
+    """Each layer missing here is named with its reason, and the machine is probed once."""
     monkeypatch.setattr(sandbox_kernel, "landlock_abi", lambda: 0)
     monkeypatch.setattr(sandbox_kernel, "seccomp_supported", lambda: "no system call table for sparc64")
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)   # no `unshare`
     sandbox.available_layers.cache_clear()
+    sandbox.namespaces_available.cache_clear()
     try:
         layers = sandbox.available_layers()
+        assert all(sandbox.available_layers() is layers for _ in range(3))
     finally:
         sandbox.available_layers.cache_clear()   # the next caller probes this machine again
-    assert (layers.landlock_abi, layers.seccomp) == (0, False)
+        sandbox.namespaces_available.cache_clear()
+    assert (layers.namespaces, layers.landlock_abi, layers.seccomp) == (False, 0, False)
+    assert [layer for layer, _ in layers.why_not] == ["seccomp", "landlock", "namespaces"]
     assert layers.missing() == list(sandbox.GUARANTEES)
     assert "sparc64" in sandbox.refusal(layers) and "lsm=" in sandbox.refusal(layers)
 
