@@ -159,6 +159,23 @@ def _put(layer, dotted: str, value, old: str, source: str) -> None:
 
 _MISSING = object()
 
+# settings that answer one question two ways (micro-batches by rows or by tokens), each with
+# the value that leaves it unused (None: no value does). A layer that puts one in use (the
+# command line over the recipe, a recipe over its `defaults:`) drops what earlier layers set
+# for the others, as it would replace the same key: `recipe.yaml
+# train.max_tokens_per_micro_batch=4096` works where the recipe sets train.micro_batch_size.
+# One layer setting both is left to the schema, which refuses it.
+ALTERNATIVES = ({"train.micro_batch_size": None, "train.max_tokens_per_micro_batch": 0},)
+
+
+def _drop_alternatives(cfg, layer, defaults) -> None:
+    for group in ALTERNATIVES:
+        given = {k: OmegaConf.select(layer, k, default=_MISSING) for k in group}
+        if any(v is not _MISSING and v != group[k] for k, v in given.items()):
+            for k, v in given.items():
+                if v is _MISSING:
+                    OmegaConf.update(cfg, k, OmegaConf.select(defaults, k))
+
 
 def _apply_aliases(layer, source: str) -> None:
     """Moved keys to their new place (warning once per old key), then spellings to fields."""
@@ -179,7 +196,7 @@ def _apply_aliases(layer, source: str) -> None:
 
 def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RootConfig:
     """Resolve a recipe + `key=value` overrides into a validated RootConfig."""
-    cfg = OmegaConf.structured(RootConfig)
+    cfg, defaults = OmegaConf.structured(RootConfig), OmegaConf.structured(RootConfig)
     layers = _recipe_layers(Path(recipe)) if recipe else []
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
@@ -198,6 +215,7 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
         problem = _sections_problem(layer, RootConfig)
         if problem:
             raise ConfigError(f"{problem} (from {source})")
+        _drop_alternatives(cfg, layer, defaults)
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as err:

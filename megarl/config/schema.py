@@ -224,8 +224,9 @@ class TrainConfig:
     mini_batches: int = 1              # optimizer updates per epoch
     # Micro-batches (gradient accumulation; docs/design.md "Batching"): by default
     # micro_batch_size rows each; with max_tokens_per_micro_batch > 0 as many rows as fit that
-    # many tokens (rows x their padded length), and micro_batch_size must stay unset. Either
-    # way each micro-batch is padded only to its own longest row and DP ranks get equal tokens.
+    # many tokens (rows x their padded length), and micro_batch_size must stay unset (a budget
+    # on the command line replaces a recipe's micro_batch_size: config/loader.py ALTERNATIVES).
+    # Either way each micro-batch is padded only to its own longest row and DP ranks get equal tokens.
     micro_batch_size: int = 8          # rows per micro-batch
     max_tokens_per_micro_batch: int = 0  # 0: off; else >= rollout.engines.max_model_len
     # false: every row padded to the step's longest, rows in order (the layout before

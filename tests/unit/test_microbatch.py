@@ -161,3 +161,21 @@ def test_token_budget_and_row_count_are_one_choice(tmp_path):
         load_config(None, ["train.max_tokens_per_micro_batch=512", "train.remove_padding=false"])
     with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch=-1"):
         load_config(None, ["train.max_tokens_per_micro_batch=-1"])
+
+
+def test_a_later_layer_chooses_rows_or_tokens_over_an_earlier_one(tmp_path):
+    """micro_batch_size and max_tokens_per_micro_batch are two answers to one question: the
+    command line (or a recipe over its `defaults:`) that gives one replaces the recipe's other,
+    as it would replace the same key; one layer giving both is still refused."""
+    rows = tmp_path / "rows.yaml"
+    rows.write_text("train:\n  micro_batch_size: 16\n")
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("defaults: [rows.yaml]\ntrain:\n  max_tokens_per_micro_batch: 4096\n")
+    for cfg in (load_config(rows, ["train.max_tokens_per_micro_batch=4096"]), load_config(tokens)):
+        assert (cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size) == (4096, 8)
+    cfg = load_config(tokens, ["train.micro_batch_size=4"])
+    assert (cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size) == (0, 4)
+    # turning the budget off (its unused value) leaves the recipe's row count as it is
+    assert load_config(rows, ["train.max_tokens_per_micro_batch=0"]).train.micro_batch_size == 16
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size=4.*train\.max_tokens_per_micro_batch=0"):
+        load_config(rows, ["train.max_tokens_per_micro_batch=4096", "train.micro_batch_size=4"])
