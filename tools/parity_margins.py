@@ -24,10 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
-from parity import NOISE_MARGIN, TOLERANCES, error  # noqa: E402  (the tests' own table)
+from parity import NOISE_MARGIN, REORDERED, SWAP, TOLERANCES, error  # noqa: E402  (the tests' own table)
 
-SWAP = "swap_rows=decoder.layers.0.mlp.linear_fc1.weight"
-REORDERED = {"threads2": ["threads=2"], "mbs1": ["train.micro_batch_size=1"], "mbs2": ["train.micro_batch_size=2"]}
 ENV_REORDERED = {"mkl_generic": {"MKL_CBWR": "COMPATIBLE"}, "aten_no_avx": {"ATEN_CPU_CAPABILITY": "default"}}
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": []}
 REAL_ERRORS = {"actor_lr_x1.01": (1, ["train.actor_lr=2.02e-4"]),

@@ -67,6 +67,11 @@ TOLERANCES = {
 }
 #: the least ratio of a tolerance to the noise each run measures
 NOISE_MARGIN = 5.0
+#: the reference again in other reduction orders: what fp32 noise alone moves (2 threads;
+#: micro-batches of 1 and 2 rows instead of 4)
+REORDERED = {"threads2": ["threads=2"], "mbs1": ["train.micro_batch_size=1"], "mbs2": ["train.micro_batch_size=2"]}
+#: a deliberately wrong TP shard (at TP=2): two rows of rank 1's part of the first MLP's input weight
+SWAP = "swap_rows=decoder.layers.0.mlp.linear_fc1.weight"
 SCALARS = ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from conftest import run_py
-from parity import NOISE_MARGIN, TOLERANCES, assert_parity, errors
+from parity import NOISE_MARGIN, REORDERED, SWAP, TOLERANCES, assert_parity, errors
 
 
 def probe(tiny_model, tmp_path, name, nproc, args):
@@ -34,11 +34,7 @@ LAYOUTS = {   # name: (ranks, overrides)
     "tp2_recompute": (2, ["parallel.tp=2", "train.recompute=full"]),
     "dp2_offload": (2, ["train.offload_idle=true"]),
 }
-MICRO_BATCHES = (1, 2)
-# the reference again in other reduction orders: what fp32 noise alone moves (parity.py)
-PERTURBED = {"threads2": ["threads=2"], **{f"mbs{m}": [f"train.micro_batch_size={m}"] for m in MICRO_BATCHES}}
-# a deliberately wrong TP shard: two rows of TP rank 1's part of the first MLP's input weight
-SWAP = "swap_rows=decoder.layers.0.mlp.linear_fc1.weight"
+MICRO_BATCHES = (1, 2)   # the reruns of parity.REORDERED with smaller micro-batches
 # the stale-data stabilizers on an off-policy batch (probe stale=1), each with the gradient-
 # alignment projection at threshold 0 (it acts at every update that has a predecessor)
 GAC = ["algo.grad_align=project", "algo.grad_align_threshold=0.0"]
@@ -53,7 +49,7 @@ def runs(tiny_model, tmp_path_factory):
     and its perturbed reruns on 1 rank, the layouts (and the wrong shard) on 2 and on 4 ranks."""
     tmp = tmp_path_factory.mktemp("layouts")
     cases = {1: ["--case", "ref", "train.steps=3"]}
-    for name, settings in PERTURBED.items():
+    for name, settings in REORDERED.items():
         cases[1] += ["--case", name, "train.steps=3", *settings]
     for name, (nproc, overrides) in LAYOUTS.items():
         cases.setdefault(nproc, []).extend(["--case", name, "train.steps=3", *overrides])
@@ -98,7 +94,7 @@ def test_tolerances_clear_the_noise_of_another_reduction_order(runs, reference):
     random. A failure here means a tolerance is too tight for this machine's noise: see
     DEVELOPERS.md, "Numerical tolerances", and tools/parity_margins.py."""
     noise = {}
-    for name in PERTURBED:
+    for name in REORDERED:
         for key, err in errors(runs[name], reference).items():
             noise[key] = max(noise.get(key, 0.0), err)
     assert set(noise) == set(TOLERANCES)
