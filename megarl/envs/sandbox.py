@@ -81,6 +81,8 @@ READ_CHUNK = 65536
 #: how the child prelude ends a run whose kernel layer could not be applied (sandbox_child.py)
 LAYER_FAILED = 97
 LAYER_FAILED_TEXT = "sandbox: a kernel layer could not be applied"
+#: how long the probe of one kernel layer may take (an interpreter start, on a loaded machine)
+PROBE_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ def refusal(layers: SandboxLayers) -> str:
 def available_layers() -> SandboxLayers:
     """The kernel layers this machine gives, each tried once on a run of its own (a layer that
     the kernel reports but that cannot be applied, e.g. under a container's own seccomp
-    profile, counts as absent, with the error)."""
+    profile, counts as absent, with the error; a probe that cannot tell raises, see _probe)."""
     why = []
     seccomp_why = sandbox_kernel.seccomp_supported() or _probe("seccomp")
     abi = sandbox_kernel.landlock_abi()
@@ -216,7 +218,10 @@ def _warn_weak(message: str) -> None:
 
 
 def _probe(layer: str, abi: int = 0) -> str:
-    """Run `pass` under one kernel layer alone: "" when it applies, else the child's error."""
+    """Run `pass` under one kernel layer alone: "" when it applies, the child's line when the
+    kernel refuses it. A probe that cannot tell (it hangs past PROBE_TIMEOUT_S, cannot start, or
+    ends some other way) raises SandboxUnavailable: the layer is not taken as absent on its word
+    (an accepted weaker sandbox would run without it for the process's life), nor is it cached."""
     layers = SandboxLayers(namespaces=False, landlock_abi=abi if layer == "landlock" else 0,
                            seccomp=layer == "seccomp", hook=False)
     folder = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-probe-"))
@@ -224,13 +229,25 @@ def _probe(layer: str, abi: int = 0) -> str:
         with open(os.path.join(folder, SCRIPT_NAME), "w") as f:
             f.write("pass\n")
         done = subprocess.run(child_argv(folder, SandboxLimits(), layers), cwd=folder, env=child_env(folder),
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-        return "" if done.returncode == 0 else _decode(done.stderr).strip().splitlines()[-1:][0] \
-            if done.stderr.strip() else f"the probe exited {done.returncode}"
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as err:
-        return f"the probe failed ({err})"
+        raise SandboxUnavailable(f"sandbox: the probe of {layer} could not tell whether this machine has it "
+                                 f"({err}); no code runs until a probe does") from err
     finally:
         _remove_folder(folder)
+    stderr = _decode(done.stderr)
+    failure = _layer_failure(done.returncode, stderr)
+    if done.returncode == 0 or failure:
+        return failure
+    raise SandboxUnavailable(f"sandbox: the probe of {layer} exited {done.returncode} "
+                             f"({stderr.strip()[-300:] or 'no output'}); no code runs until a probe passes")
+
+
+def _layer_failure(exit_code: int, stderr: str) -> str:
+    """The child prelude's line when a kernel layer could not be applied, else ""."""
+    if exit_code == LAYER_FAILED and stderr.startswith(LAYER_FAILED_TEXT):
+        return stderr.strip().splitlines()[0]
+    return ""
 
 
 @lru_cache(maxsize=1)
@@ -348,8 +365,9 @@ async def run_python(code: str, limits: SandboxLimits | None = None, allow_weak:
         result = await _run(child_argv(folder, limits, layers), folder, limits)
     finally:
         _remove_folder(folder)
-    if result.exit_code == LAYER_FAILED and result.stderr.startswith(LAYER_FAILED_TEXT):
-        raise SandboxUnavailable(result.stderr.strip().splitlines()[0])
+    failure = _layer_failure(result.exit_code, result.stderr)
+    if failure:
+        raise SandboxUnavailable(failure)
     return result
 
 

@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import struct
+import subprocess
 import time
 import uuid
 
@@ -314,6 +315,45 @@ def test_the_probe_names_what_this_machine_lacks(monkeypatch):
     assert [layer for layer, _ in layers.why_not] == ["seccomp", "landlock", "namespaces"]
     assert layers.missing() == list(sandbox.GUARANTEES)
     assert "sparc64" in sandbox.refusal(layers) and "lsm=" in sandbox.refusal(layers)
+
+
+@pytest.fixture
+def fresh_probe():
+    """available_layers probes this machine again in the test, and again after it."""
+    sandbox.available_layers.cache_clear()
+    yield
+    sandbox.available_layers.cache_clear()
+
+
+def test_a_layer_the_kernel_refuses_counts_as_absent(monkeypatch, fresh_probe):
+    """The probe's child reports that Landlock could not be applied (as under a container's own
+    profile): the layer is absent, with the kernel's reason, and the run is refused."""
+    if not sandbox_kernel.landlock_abi():
+        pytest.skip("no Landlock on this machine")
+    bad = sandbox_kernel.LandlockPlan(abi=1, handled_fs=1 << 60, handled_net=0, scoped=0, rules=())
+    monkeypatch.setattr(sandbox_kernel, "landlock_plan", lambda folder, abi: bad)
+    layers = sandbox.available_layers()
+    assert layers.landlock_abi == 0 and "reads" in layers.missing()
+    assert [why for layer, why in layers.why_not if layer == "landlock"][0].startswith(sandbox.LAYER_FAILED_TEXT)
+
+
+@pytest.mark.parametrize("error", [subprocess.TimeoutExpired("python", 30), OSError(11, "fork failed")])
+def test_a_probe_that_cannot_tell_stops_the_run(monkeypatch, fresh_probe, error):
+    """A probe that hangs or cannot start says nothing about the kernel: no layer is taken as
+    absent on its word (accepted-weaker runs would go on without it for the process's life);
+    the call raises, naming the probe, and the next one probes again."""
+    if sandbox_kernel.seccomp_supported() and not sandbox_kernel.landlock_abi():
+        pytest.skip("no kernel layer to probe on this machine")
+    real = sandbox.available_layers()
+    sandbox.available_layers.cache_clear()
+
+    def broken(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(sandbox.subprocess, "run", broken)
+    with pytest.raises(SandboxUnavailable, match="probe"):
+        run_python_sync("print('ran')", FAST, allow_weak=True)
+    monkeypatch.undo()
+    assert sandbox.available_layers() == real   # not cached: probed again, whole
 
 
 # --- the seccomp filter, read by a small BPF interpreter (both ABIs, whatever this machine is) ---
