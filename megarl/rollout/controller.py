@@ -61,7 +61,7 @@ from megarl.rollout.episode_turns import EpisodeTurns
 from megarl.rollout.round_stats import RoundStats, round_metrics
 from megarl.rollout.slots import Group, Slot, group_from_state, group_samples, group_state, sample_identity, set_tokens
 from megarl.rollout.slots import store_old_logprobs as _store_old_logprobs
-from megarl.rollout.sync_rollout import REFUSED
+from megarl.rollout.sync_rollout import REFUSED, all_refused
 
 STALE_POLICIES = staleness.POLICIES
 log = logging.getLogger("megarl.engines")
@@ -378,8 +378,7 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         self.ready, self.completed = self.completed[:target], self.completed[target:]
         refused = [s for g in self.ready for s in g.slots if s.finish_reason == REFUSED]
         if self.ready and len(refused) == sum(len(g.slots) for g in self.ready):
-            raise RequestError(f"the engines refused every sample of the step ({len(refused)}), nothing to train "
-                               f"on; the first: {self._refusal}", getattr(self._refusal, "key", ""))
+            raise all_refused(len(refused), self._refusal)
         self._sent_total += self.stats.sent
         self._trained_total += sum(len(g.slots) for g in self.ready)
         return self.ready

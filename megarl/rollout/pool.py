@@ -43,7 +43,16 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 from megarl.distributed import faults
 from megarl.rollout.build import build_engine, build_engines
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult, ServerError, copy_result
+from megarl.rollout.engine import (
+    Engine,
+    EngineError,
+    EngineHealth,
+    GenRequest,
+    GenResult,
+    RequestError,
+    ServerError,
+    copy_result,
+)
 
 log = logging.getLogger("megarl.engines")
 
@@ -170,6 +179,13 @@ class EnginePool:
     async def generate_all(self, requests: list[GenRequest]) -> list[GenResult]:
         """All requests concurrently, results in request order; the first failure raises."""
         return await _gather_or_raise([self.generate(r) for r in requests])
+
+    async def generate_each(self, requests: list[GenRequest],
+                            engine: Optional[Engine] = None) -> list[GenResult | RequestError]:
+        """All requests concurrently (on `engine`, else each on the least-loaded one), in request
+        order: each one's result, or the RequestError the engine refused it with (the request's
+        own error: the caller answers it); the first other failure raises."""
+        return await _gather_or_raise([self.generate(r, engine) for r in requests], keep=RequestError)
 
     def deadline_for(self, count: int) -> float:
         """A deadline for `count` requests served at once: each must make progress within
@@ -413,10 +429,12 @@ def _joined(done: GenResult, result: GenResult, engine: Engine) -> GenResult:
     return result
 
 
-async def _gather_or_raise(coros) -> list:
+async def _gather_or_raise(coros, keep: type | tuple = ()) -> list:
+    """The coroutines' results in order; the first exception raises, except those of `keep`,
+    returned in their place."""
     results = await asyncio.gather(*coros, return_exceptions=True)
     for r in results:
-        if isinstance(r, BaseException):
+        if isinstance(r, BaseException) and not isinstance(r, keep):
             raise r
     return results
 

@@ -13,9 +13,8 @@ where they can be (megarl/preflight.py `prompts_problem`).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 from megarl.data.sample import Sample
 from megarl.data.seeds import sample_seed
@@ -43,14 +42,10 @@ async def generate_groups(pool, records: list[dict], prompts: list[list[int]], n
     group order (group g = records[g], uid first_uid + g). Token versions are the ones the
     engines reported. Refused requests give refused samples (module docstring)."""
     requests = group_requests(prompts, n, max_new_tokens, temperature, seeds, tag)
-    outcomes = await asyncio.gather(*(pool.generate(r) for r in requests), return_exceptions=True)
-    for o in outcomes:
-        if isinstance(o, BaseException) and not isinstance(o, RequestError):
-            raise o
+    outcomes = await pool.generate_each(requests)
     refused = [o for o in outcomes if isinstance(o, RequestError)]
     if refused and len(refused) == len(outcomes):
-        raise RequestError(f"the engines refused every sample of the step ({len(refused)}), nothing to train on; "
-                           f"the first: {refused[0]}", refused[0].key)
+        raise all_refused(len(refused), refused[0])
     if refused:
         log.warning("megarl: the engines refused %d of %d samples as invalid; they score 0 (finish_reason %r). "
                     "The first: %s", len(refused), len(outcomes), REFUSED, refused[0])
@@ -64,6 +59,13 @@ async def generate_groups(pool, records: list[dict], prompts: list[list[int]], n
             samples.append(Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.stopped, g, records[g],
                                   finish_reason=r.finish_reason, uid=first_uid + g))
     return samples
+
+
+def all_refused(count: int, first: Optional[RequestError]) -> RequestError:
+    """The error of a step whose every sample (`count`) the engines refused: nothing to train
+    on; it names the first refusal (the engine's message) where the caller saw one."""
+    return RequestError(f"the engines refused every sample of the step ({count}), nothing to train on; "
+                        f"the first: {first}", getattr(first, "key", ""))
 
 
 def score_all(samples: list[Sample], tokenizer, reward_fn: Callable) -> list[Sample]:

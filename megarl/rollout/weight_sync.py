@@ -11,7 +11,6 @@ the trainer's logprobs.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 
 from megarl.data.sample import Sample
@@ -69,7 +68,7 @@ def probe_engines(pool, prompts: list[list[int]], max_tokens: int, temperature: 
     per_engine = {}
     for e in list(pool.engines):
         reqs = [GenRequest(f"probe-{e.name}-{i}", p, max_tokens, temperature, seed=i) for i, p in enumerate(prompts)]
-        outs = pool.call(_on_engine(pool.pool, e, reqs), f"probing {e.name}")
+        outs = pool.call(pool.pool.generate_each(reqs, e), f"probing {e.name}")
         kept = [Sample(p, r.token_ids, r.logprobs, r.versions, r.stopped, i)
                 for i, (p, r) in enumerate(zip(prompts, outs)) if not isinstance(r, RequestError)]
         if not kept:
@@ -79,15 +78,6 @@ def probe_engines(pool, prompts: list[list[int]], max_tokens: int, temperature: 
                 f"weight_sync.verify=false skips the check")
         per_engine[e.name] = kept
     return per_engine
-
-
-async def _on_engine(pool, engine, reqs):
-    """Each request's result on `engine`, or the RequestError it was refused with; other errors raise."""
-    outs = await asyncio.gather(*(pool.generate(r, engine) for r in reqs), return_exceptions=True)
-    for o in outs:
-        if isinstance(o, BaseException) and not isinstance(o, RequestError):
-            raise o
-    return outs
 
 
 def verify(actor, pool, prompts, max_tokens: int, micro_batch_size: int, temperature: float = 1.0,
