@@ -77,8 +77,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     algo, batching = cfg.algo, batching_of(cfg)
     temp = cfg.rollout.sampling.temperature
     mask = batch.resp_mask
-    # one plan of the batch's rows for all of the step's forward-only passes
-    plan = plan_batch(batch, batching, parallel.dp_size())
+    plan = plan_batch(batch, batching, parallel.dp_size())   # one for all the forward-only passes
     forward = forward or (lambda p: p.run(batch, plan))
     passes = forward_passes(cfg, actor, reference, critic)
 
@@ -116,11 +115,10 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
         for _ in range(cfg.train.ppo_epochs):
             for chunk in torch.randperm(batch.size, generator=gen).chunk(n_mini):
                 mini, local, rows, at, micro = dp_share(batch, chunk.tolist(), batching, usage)
-                chunk = dev.put(chunk, batch.device)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
-                    keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp,
-                                                  advantages, is_w, mask)
+                    keep, clip, stats = stabilize(algo, dev.put(chunk, batch.device), cur_logp, old_logp,
+                                                  batch.behav_logp, advantages, is_w, mask)
                     for k, v in stats.items():
                         stabilized.setdefault(k, []).append(v)
                     report = actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
