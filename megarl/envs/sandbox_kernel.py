@@ -206,11 +206,14 @@ def landlock_plan(folder: str, abi: int) -> LandlockPlan:
 # --- namespaces ------------------------------------------------------------------------------
 # Runs inside the new namespaces before the interpreter: the folder becomes a mount of its own,
 # then every mount is made read-only (all but the folder's own). A mount the kernel will not
-# remount (some pseudo file systems) is left as it is; argv: [folder, command...]
+# remount (some pseudo file systems) is left as it is; argv: [folder, command...]. A step that
+# fails ends the run as a layer that cannot be applied does (sandbox.LAYER_FAILED and its line),
+# so the caller raises instead of reporting the model's code as failed.
 NAMESPACE_SETUP = r'''
 d="$1"; shift
-mount --bind "$d" "$d" || exit 97
-cd "$d" || exit 97   # the cwd inherited from the spawn still points below the new mount
+fail() { echo "sandbox: a kernel layer could not be applied (namespaces: $1)" >&2; exit 97; }
+err=$(mount --bind "$d" "$d" 2>&1) || fail "mount --bind of the folder: $err"
+cd "$d" 2>/dev/null || fail "cd into the folder's own mount"   # the inherited cwd still points below it
 while read -r _ _ _ _ mp _; do
   mp=$(printf '%b' "$mp")
   [ "$mp" = "$d" ] || mount -o remount,bind,ro "$mp" 2>/dev/null || true

@@ -317,6 +317,21 @@ def test_the_probe_names_what_this_machine_lacks(monkeypatch):
     assert "sparc64" in sandbox.refusal(layers) and "lsm=" in sandbox.refusal(layers)
 
 
+def test_a_namespace_set_up_that_fails_stops_the_run(monkeypatch, tmp_path):
+    """The folder's own mount cannot be made (a `mount` that refuses): the call raises, as for
+    any layer, instead of handing the model a failed run as if its code had failed."""
+    force(monkeypatch, "ns")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mount").write_text("#!/bin/sh\necho 'mount: permission denied' >&2\nexit 32\n")
+    os.chmod(fake / "mount", 0o755)
+    real_env = sandbox.child_env
+    monkeypatch.setattr(sandbox, "child_env", lambda folder: {**real_env(folder),
+                                                             "PATH": f"{fake}:{real_env(folder)['PATH']}"})
+    with pytest.raises(SandboxUnavailable, match="namespaces: .*permission denied"):
+        run_python_sync("print('ran')", FAST)
+
+
 @pytest.fixture
 def fresh_probe():
     """available_layers probes this machine again in the test, and again after it."""
