@@ -33,7 +33,7 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
     if isinstance(err, ConfigKeyError):
         near = difflib.get_close_matches(str(key), _known_keys(), n=3)
-        hint = f"did you mean {', '.join(near)}?" if near else "see megarl/config/schema.py for the keys"
+        hint = f"did you mean {', '.join(near)}?" if near else "see megarl/config/schema/ for the keys"
         return ConfigError(f"unknown config key '{key}' (from {source}): {hint}")
     if isinstance(err, ValidationError):
         first_line = str(err).splitlines()[0]
@@ -41,7 +41,7 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
             return ConfigError(f"{key} is a list (from {source}): write {key}=[a,b] on the command line, "
                                f"or a YAML list in a recipe")
         return ConfigError(f"{key}: {first_line} (from {source}); give a value of the type "
-                           f"declared in megarl/config/schema.py")
+                           f"declared in megarl/config/schema/")
     return ConfigError(f"{key}: {err} (from {source})")
 
 

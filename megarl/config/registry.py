@@ -1,6 +1,6 @@
 """Registries: the named implementations behind one extension point each.
 
-A registry belongs to the config layer (so `config/schema.py` validates a setting against it
+A registry belongs to the config layer (so `config/schema/` validates a setting against it
 without importing what sits above config) and is filled by the module that holds the code:
 
     # megarl/ppo/losses.py

@@ -5,7 +5,7 @@ Each one answers a question about the data or the gradient and leaves the update
 on the answer: which tokens the loss keeps (M2PO), which ratio bounds the loss clips to (BAPO),
 how much of the previous update's direction the gradient loses (GAC). Tensors are [B, T] with
 a 0/1 float mask as in `megarl.ppo.losses`; stats are detached 0-d tensors. The settings are
-`algo.m2po_tau`, `algo.bapo_*` and `algo.grad_align*` (megarl/config/schema.py).
+`algo.m2po_tau`, `algo.bapo_*` and `algo.grad_align*` (megarl/config/schema/).
 """
 
 import math
@@ -174,7 +174,7 @@ def bapo_bounds(
 
 
 def _check_bapo(rho: float, low, high, steps) -> None:
-    """The settings' own checks (megarl/config/schema.py) repeated for direct callers."""
+    """The settings' own checks (megarl/config/schema/) repeated for direct callers."""
     if not 0 < rho < 1:
         raise ValueError(f"algo.bapo_rho={rho!r}: must be in (0, 1) (the paper uses 0.4)")
     if not 0 < low[0] <= low[1] < 1:

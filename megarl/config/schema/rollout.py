@@ -1,0 +1,171 @@
+"""Sampling, the vLLM engines and the partial-rollout controller."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.config.schema.checks import one_of, require
+
+
+@dataclass
+class SamplingConfig:
+    """How each response is sampled (`rollout.sampling.*`): the trainer recomputes logprobs
+    under the same settings."""
+    n: int = 4                         # samples per prompt (a group)
+    max_new_tokens: int = 56           # response budget in tokens
+    temperature: float = 1.0           # engine samples from softmax(logits / T); the trainer divides by the same T
+    top_p: float = 1.0                 # only 1.0: the trainer cannot yet renormalise over the nucleus
+
+    def __post_init__(self):
+        require(self.n >= 1, "rollout.sampling.n", self.n, "must be >= 1")
+        require(self.max_new_tokens >= 1, "rollout.sampling.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(self.temperature > 0, "rollout.sampling.temperature", self.temperature,
+                 "must be > 0: PPO needs sampled tokens with their logprobs")
+        require(self.top_p == 1.0, "rollout.sampling.top_p", self.top_p,
+                 "must be 1.0: the trainer's logprobs would not be those of the nucleus the engine "
+                 "sampled from (wrong PPO ratios); lower rollout.sampling.temperature instead")
+
+
+# rollout.engines.mode values whose engines megarl starts itself, on the trainer's node
+# (inheriting CUDA_VISIBLE_DEVICES): the ones weight_sync.backend=ipc can serve
+
+
+LOCAL_ENGINE_MODES = ("inprocess", "local_servers")
+
+
+@dataclass
+class EnginesConfig:
+    """The vLLM engines that generate (`rollout.engines.*`, docs/engines.md): where they run,
+    their size, and how long megarl waits for them."""
+    # inprocess (vLLM AsyncLLM) | local_servers (megarl starts vLLM servers) | remote (servers at `urls`)
+    mode: str = "inprocess"
+    count: int = 1                     # number of vLLM engines (inprocess / local_servers)
+    tp: int = 1                        # tensor-parallel size of each engine
+    urls: list[str] = field(default_factory=list)  # remote: base URLs of running vLLM servers
+    # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
+    api_key: str = ""
+    timeout_s: float = 120.0           # an engine call (or a silent stream) longer than this is an error
+    start_timeout_s: float = 600.0     # time allowed for an engine to come up (remote: to answer /health)
+    # engines retired after a failure before the run stops (it also stops when none is left)
+    failures_max: int = 3
+    restart: bool = True               # start a fresh engine in place of a failed one; it joins at the next weight push
+    max_model_len: int = 256           # engine context (prompt + response), tokens
+    kv_cache_mb: int = 64              # CPU KV-cache budget per engine, MiB (GPU: gpu_memory_utilization)
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
+
+    def __post_init__(self):
+        require(self.count >= 1, "rollout.engines.count", self.count, "must be >= 1")
+        require(self.tp >= 1, "rollout.engines.tp", self.tp, "must be >= 1")
+        require(self.kv_cache_mb >= 16, "rollout.engines.kv_cache_mb", self.kv_cache_mb, "must be >= 16")
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.engines.gpu_memory_utilization",
+                 self.gpu_memory_utilization, "must be in (0, 1]: the share of each GPU's memory vLLM may use")
+        one_of("rollout.engines.mode", self.mode, {"inprocess", "local_servers", "remote"})
+        require(self.mode != "remote" or bool(self.urls), "rollout.engines.urls",
+                 list(self.urls), "rollout.engines.mode=remote needs the servers' URLs, "
+                 "e.g. rollout.engines.urls='[http://node1:8000]'")
+        for url in self.urls:
+            require(str(url).startswith(("http://", "https://")), "rollout.engines.urls", url,
+                     "each URL must start with http:// or https://")
+            # megarl adds /v1/completions, /health, ... itself: an OpenAI-style base URL
+            # (.../v1) would reach /v1/v1/completions
+            require(str(url).split("://", 1)[-1].partition("/")[2].strip("/") == "", "rollout.engines.urls", url,
+                     "give each server's base URL, scheme, host and port only (e.g. http://node1:8000, "
+                     "without /v1)")
+        # settings another one makes unused: refused, not silently ignored
+        require(self.mode == "remote" or not self.urls, "rollout.engines.urls",
+                 list(self.urls), f"are used only with rollout.engines.mode=remote (it is "
+                 f"{self.mode!r}, which starts its own engines): add rollout.engines.mode=remote, "
+                 f"or remove rollout.engines.urls")
+        # remote: one engine per URL; a count that says otherwise is a mistake in one of them
+        require(self.mode != "remote" or self.count in (1, len(self.urls)), "rollout.engines.count", self.count,
+                 f"does not match rollout.engines.urls, which lists {len(self.urls)} servers: with "
+                 f"rollout.engines.mode=remote the "
+                 f"pool has one engine per URL; set rollout.engines.count={len(self.urls)} or leave it out, "
+                 f"or list {self.count} URLs")
+        require(self.mode != "inprocess" or not self.api_key, "rollout.engines.api_key", "<set>",
+                 "is used only by engine servers (rollout.engines.mode=local_servers or remote); "
+                 "in-process engines have no key: remove it, or change rollout.engines.mode")
+        require(self.timeout_s > 0, "rollout.engines.timeout_s", self.timeout_s, "must be > 0")
+        require(self.failures_max >= 0, "rollout.engines.failures_max", self.failures_max,
+                 "must be >= 0 (0: the first engine failure stops the run)")
+        require(self.start_timeout_s > 0, "rollout.engines.start_timeout_s", self.start_timeout_s, "must be > 0")
+
+    @property
+    def pool_size(self) -> int:
+        """Engines in the pool: len(urls) in remote mode, else `count`."""
+        return len(self.urls) if self.mode == "remote" else self.count
+
+
+@dataclass
+class PartialConfig:
+    """Partial rollout (`rollout.mode=partial`, `rollout.partial.*`, docs/partial_rollout.md):
+    fixed concurrency, carry-over, bounded staleness."""
+    concurrency: int = 64              # sample requests kept in flight across all engines
+    # a token may be at most this many weight versions older than the step training on it
+    # (rollout.mode=service keeps it too: megarl/service/bound.py)
+    max_staleness: int = 2
+    # finish (a sample about to pass max_staleness is finished before the round ends; admission
+    # throttled; nothing discarded) | restart (from its prompt) | drop (its whole group)
+    stale_policy: str = "finish"
+    # `rollout.partial.async` in recipes: round k+1 generates under version k while the trainer
+    # trains round k
+    asynchronous: bool = False
+
+    def __post_init__(self):
+        require(self.concurrency >= 1, "rollout.partial.concurrency", self.concurrency, "must be >= 1")
+        require(self.max_staleness >= 0, "rollout.partial.max_staleness", self.max_staleness,
+                 "must be >= 0 (0: every sample is trained at the version that generated it)")
+        one_of("rollout.partial.stale_policy", self.stale_policy, {"finish", "restart", "drop"})
+
+
+@dataclass
+class RolloutConfig:
+    """`rollout.*`: the mode and the three groups of settings. The flat keys of before
+    (rollout.n, rollout.engine_mode, ...) still load, with a warning (config/loader.py MOVED)."""
+    # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
+    mode: str = "partial"
+    dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
+    # how partial rollout's requests live through a weight update (docs/partial_rollout.md):
+    # keep (the engines pause with them held, load, and resume them under the new version: no
+    # abort, no resubmission, no re-prefill; each token carries the version that produced it) |
+    # abort (abort them; the controller resubmits each as a continuation after the update)
+    update_mode: str = "keep"
+    # update_mode=keep: true keeps the KV the held requests computed under the old weights (no
+    # recompute; their next tokens attend to old-weight KV, which the IS weight sees); false
+    # drops it and the engine recomputes it under the new weights on resume (exact)
+    keep_kv: bool = False
+    # forward-only passes (old/reference logprobs, values) of the groups a round emits run on
+    # the trainer ranks while the round still generates (intra-step overlap)
+    overlap: bool = False
+    # train each step on the round generated this many versions earlier (a queue of rounds,
+    # filled at the start; rollout.mode=sync): staleness held fixed, for studies (bench/staleness_study.py)
+    lag: int = 0
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    partial: PartialConfig = field(default_factory=PartialConfig)
+
+    def __post_init__(self):
+        s, e, p = self.sampling, self.engines, self.partial
+        require(s.max_new_tokens < e.max_model_len, "rollout.sampling.max_new_tokens", s.max_new_tokens,
+                 f"must be below rollout.engines.max_model_len={e.max_model_len} (the engine's context holds "
+                 f"the prompt and the response): lower it, or raise rollout.engines.max_model_len")
+        require(self.dump_every >= 0, "rollout.dump_every", self.dump_every, "must be >= 0 (0: never)")
+        one_of("rollout.mode", self.mode, {"partial", "sync", "service"})
+        one_of("rollout.update_mode", self.update_mode, {"keep", "abort"})
+        require(not self.keep_kv or self.update_mode == "keep", "rollout.keep_kv", self.keep_kv,
+                 "applies only to rollout.update_mode=keep (abort mode drops every request at an update): "
+                 "remove rollout.keep_kv, or set rollout.update_mode=keep")
+        require(not self.keep_kv or self.mode == "partial", "rollout.keep_kv", self.keep_kv,
+                 "applies only to rollout.mode=partial (a sync round has no request running at a weight "
+                 "update): remove rollout.keep_kv, or set rollout.mode=partial")
+        require(not self.overlap or self.mode == "partial", "rollout.overlap", self.overlap,
+                 "needs rollout.mode=partial (a sync round hands every group over at its end, so "
+                 "nothing could overlap): set rollout.mode=partial, or remove rollout.overlap")
+        require(self.lag >= 0, "rollout.lag", self.lag, "must be >= 0 (0: train each round at once)")
+        require(not self.lag or self.mode == "sync", "rollout.lag", self.lag,
+                 "needs rollout.mode=sync (partial rollout bounds staleness itself, "
+                 "rollout.partial.max_staleness): set rollout.mode=sync, or rollout.lag=0")
+        require(not p.asynchronous or self.mode == "partial", "rollout.partial.async", p.asynchronous,
+                 "needs rollout.mode=partial")
+        require(not p.asynchronous or p.max_staleness >= 1, "rollout.partial.max_staleness", p.max_staleness,
+                 "rollout.partial.async=true trains tokens one version old: set rollout.partial.max_staleness >= 1")

@@ -1,0 +1,110 @@
+"""The whole config: every section, the checks that span sections, and the world-size check."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from megarl.config.schema.agents import EnvConfig, ServiceConfig
+from megarl.config.schema.algo import AlgoConfig, TrainConfig
+from megarl.config.schema.checks import changed, require
+from megarl.config.schema.data import DataConfig, RewardConfig
+from megarl.config.schema.model import ModelConfig, ParallelConfig, RunConfig
+from megarl.config.schema.rollout import RolloutConfig
+from megarl.config.schema.run import CheckpointConfig, ClusterConfig, MetricsConfig, WeightSyncConfig
+
+
+@dataclass
+class RootConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self):
+        self._check_episodes()
+        self._check_weight_sync()
+        budget, longest = self.train.max_tokens_per_micro_batch, self.rollout.engines.max_model_len
+        if self.parallel.sequence_parallel:
+            longest = -(-longest // self.parallel.tp) * self.parallel.tp
+        require(not budget or budget >= longest, "train.max_tokens_per_micro_batch", budget,
+                 f"cannot hold a sequence of rollout.engines.max_model_len tokens ({longest} padded): "
+                 f"raise it to at least {longest}")
+        if self.algo.name == "grpo":
+            require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
+                     "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
+            require(self.train.critic_warmup_steps == 0, "train.critic_warmup_steps",
+                     self.train.critic_warmup_steps, "algo.name=grpo has no critic to warm up: "
+                     "remove it, or use algo.name=ppo")
+
+    def _check_episodes(self) -> None:
+        mode = self.rollout.mode
+        if self.env.name:
+            require(mode == "partial", "rollout.mode", mode,
+                     f"env.name={self.env.name} runs episodes in the partial-rollout controller: set "
+                     f"rollout.mode=partial (rollout.mode=service: outside agents bring their own environments)")
+        if self.env.name or mode == "service":
+            what = f"env.name={self.env.name}" if self.env.name else "rollout.mode=service"
+            require(not changed(self.reward, {"fn", "timeout_s"}), "reward.fn", self.reward.fn,
+                     f"is unused with {what}: the episode's reward comes from the "
+                     f"{'environment' if self.env.name else 'outside agent'}; remove reward.fn / reward.timeout_s")
+        unused = [] if mode == "service" else changed(self.service, {f.name for f in fields(self.service)})
+        if unused:
+            require(False, f"service.{unused[0]}", getattr(self.service, unused[0]),
+                     "the service.* settings apply only to rollout.mode=service: set it, or remove them")
+        if mode == "service":
+            require(not self.rollout.overlap and not self.rollout.partial.asynchronous, "rollout.mode", mode,
+                     "outside agents generate continuously already: remove rollout.overlap / rollout.partial.async")
+            # a step takes groups_per_step complete groups; fewer may wait before new episodes are refused
+            require(self.service.max_ready_groups >= self.train.groups_per_step, "service.max_ready_groups",
+                     self.service.max_ready_groups, f"must be at least train.groups_per_step="
+                     f"{self.train.groups_per_step} (a step takes that many complete groups at once)")
+
+    def _check_weight_sync(self) -> None:
+        """weight_sync.backend=ipc against the engines (auto's choice of ipc depends on CUDA:
+        preflight.check_backends checks it once CUDA is known)."""
+        ws, e = self.weight_sync, self.rollout.engines
+        if ws.transport == "collective" and ws.backend == "ipc":
+            ws.check_engines(True, e.mode, e.tp)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """checkpoint.dir, or <run.dir>/checkpoints when empty."""
+        return self.checkpoint.dir or f"{self.run.dir}/checkpoints"
+
+    @property
+    def samples_per_step(self) -> int:
+        """Sequences trained per step = train.groups_per_step * rollout.sampling.n."""
+        return self.train.groups_per_step * self.rollout.sampling.n
+
+
+def validate_world(cfg: RootConfig, world_size: int) -> int:
+    """Check the parallel layout against the launched ranks; return the data-parallel size.
+
+    dp = world_size / (tp * pp); each DP rank's share of a mini-batch must split into
+    micro-batches.
+    """
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    require(world_size % (tp * pp) == 0, "parallel.tp x parallel.pp", f"{tp}x{pp}",
+             f"must divide the world size {world_size}: launch a multiple of {tp * pp} ranks "
+             f"or change parallel.tp/parallel.pp")
+    dp = world_size // (tp * pp)
+    per_mini = cfg.samples_per_step // cfg.train.mini_batches
+    require(cfg.samples_per_step % cfg.train.mini_batches == 0, "train.mini_batches",
+             cfg.train.mini_batches,
+             f"must divide the samples per step ({cfg.samples_per_step} = groups_per_step x rollout.sampling.n)")
+    # a token budget sizes micro-batches itself (ppo/microbatch.py); a row count must divide
+    require(cfg.train.max_tokens_per_micro_batch > 0 or per_mini % (dp * cfg.train.micro_batch_size) == 0,
+             "train.micro_batch_size",
+             cfg.train.micro_batch_size,
+             f"a mini-batch of {per_mini} sequences over dp={dp} ranks must split into "
+             f"micro-batches of this size: pick a divisor of {per_mini // dp if per_mini % dp == 0 else per_mini}")
+    return dp

@@ -1,0 +1,115 @@
+"""What surrounds a run: the weight push, metrics, checkpoints and the cluster it is sized for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.config.schema.checks import one_of, require
+from megarl.config.schema.rollout import LOCAL_ENGINE_MODES
+
+
+@dataclass
+class WeightSyncConfig:
+    """How the actor's weights reach the engines after each step (docs/engines.md, "Weight sync")."""
+    # collective: one broadcast from trainer rank 0 to every engine worker through vLLM's
+    # weight-transfer API, nothing on disk | files: safetensors staged in staging_dir, each
+    # engine reloads them (for servers started without megarl's weight-transfer config)
+    transport: str = "collective"
+    # collective: auto | gloo (megarl's backend, CPU) | nccl (vLLM's: engines on GPUs of their own,
+    # remote engines) | ipc (vLLM's CUDA IPC: engines megarl starts on the trainer's node read rank 0's
+    # GPU memory in place; rollout.engines.tp=1 only). auto: gloo without CUDA; with CUDA ipc for
+    # rollout.engines.mode=inprocess | local_servers (their TP=1 engine shares global rank 0's GPU,
+    # where NCCL refuses two ranks of one communicator), nccl for remote (`resolved_backend`)
+    backend: str = "auto"
+    # rendezvous of the weight group, reached by every engine worker: "" = this host's address as
+    # the engines see it (127.0.0.1 for engines on this machine, else $MASTER_ADDR or the hostname)
+    master_addr: str = ""
+    master_port: int = 0               # 0: a free port, new for every group
+    bucket_mb: int = 512               # tensors are packed into buffers of about this size per broadcast
+    # collective: packed buffers in flight per side (2: gather the next while one is on the wire)
+    num_buffers: int = 2
+    staging_dir: str = "/dev/shm"      # files: where the safetensors buckets are staged (engines must see it)
+    verify: bool = False               # after each push, compare engine and trainer logprobs
+
+    def __post_init__(self):
+        one_of("weight_sync.transport", self.transport, {"collective", "files"})
+        one_of("weight_sync.backend", self.backend, {"auto", "gloo", "nccl", "ipc"})
+        require(self.bucket_mb >= 1, "weight_sync.bucket_mb", self.bucket_mb, "must be >= 1")
+        require(self.num_buffers >= 1, "weight_sync.num_buffers", self.num_buffers,
+                 "must be >= 1 (2: the next bucket is gathered while one is sent)")
+        require(0 <= self.master_port < 65536, "weight_sync.master_port", self.master_port,
+                 "must be a TCP port (0: pick a free one)")
+
+    def resolved_backend(self, cuda: bool, engine_mode: str) -> str:
+        """The collective backend actually used with engines of rollout.engines.mode `engine_mode`:
+        `auto` is gloo without CUDA; with CUDA ipc for engines megarl starts (LOCAL_ENGINE_MODES:
+        on the trainer's node, a TP=1 engine on global rank 0's GPU), nccl for remote ones.
+        ipc with remote engines raises ConfigError (they cannot map this process's GPU memory)."""
+        if self.backend == "auto":
+            return "gloo" if not cuda else "ipc" if engine_mode in LOCAL_ENGINE_MODES else "nccl"
+        require(self.backend != "ipc" or engine_mode in LOCAL_ENGINE_MODES, "weight_sync.backend",
+                 self.backend, f"needs engines megarl starts on the trainer's node (rollout.engines.mode="
+                 f"inprocess or local_servers), not rollout.engines.mode={engine_mode}: another machine's engines "
+                 f"cannot map this process's GPU memory; use weight_sync.backend=nccl (or auto) for them")
+        return self.backend
+
+    def check_engines(self, cuda: bool, engine_mode: str, engine_tp: int) -> str:
+        """`resolved_backend`, refused (ConfigError) where it cannot serve engines of TP
+        `engine_tp`: ipc needs TP=1 (global rank 0 exports handles of its own GPU only)."""
+        backend = self.resolved_backend(cuda, engine_mode)
+        why = "resolves to ipc here (CUDA, engines megarl starts), which " if self.backend == "auto" else ""
+        require(backend != "ipc" or engine_tp == 1, "weight_sync.backend", self.backend,
+                 f"{why}cannot serve engines of rollout.engines.tp={engine_tp}: global rank 0 exports CUDA IPC "
+                 f"handles of its own GPU only, and a TP={engine_tp} engine's other workers run on other GPUs: use "
+                 f"rollout.engines.tp=1 (more engines: rollout.engines.count), engines on GPUs of their own "
+                 f"(rollout.engines.mode=remote, weight_sync.backend=nccl), or weight_sync.transport=files")
+        return backend
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True           # write TensorBoard event files under <run.dir>/tensorboard
+    progress: bool = True              # one console line per step
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""                      # where step_<N>/ folders go; empty: <run.dir>/checkpoints
+    every: int = 0                     # save every this many steps (0: only at the end and on SIGTERM)
+    keep: int = 2                      # newest complete checkpoints kept
+    resume: bool = True                # continue from the newest complete checkpoint if one exists
+    time_budget_min: float = 0.0       # save and stop after this many minutes of wall clock (0: none)
+
+    def __post_init__(self):
+        require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+        require(self.time_budget_min >= 0, "checkpoint.time_budget_min", self.time_budget_min, "must be >= 0")
+
+
+@dataclass
+class ClusterConfig:
+    """The hardware a recipe is sized for: `megarl plan` checks placement and memory against
+    it, cluster scripts read the node split. gpus_per_node=0 (the default): a CPU-only
+    machine, nothing to place."""
+    nodes: int = 1                     # machines in the allocation
+    gpus_per_node: int = 0             # accelerators per node; 0: CPU only
+    gpu_mem_gb: float = 80.0           # memory per GPU, GiB (H100-80GB: 80, H200: 141)
+    gpu: str = ""                      # informative name, e.g. H100-SXM-80GB
+    trainer_nodes: int = 0             # nodes of the trainer ranks; 0: nodes - engine_nodes
+    engine_nodes: int = 0              # nodes of the vLLM engines (their own GPU pool)
+    reserve_gb: float = 4.0            # per GPU, left out of every estimate: CUDA context, NCCL buffers, fragmentation
+
+    def __post_init__(self):
+        require(self.nodes >= 1, "cluster.nodes", self.nodes, "must be >= 1")
+        require(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node,
+                 "must be >= 0 (0: CPU only)")
+        require(self.gpu_mem_gb > 0, "cluster.gpu_mem_gb", self.gpu_mem_gb, "must be > 0 (GiB per GPU)")
+        require(self.trainer_nodes >= 0, "cluster.trainer_nodes", self.trainer_nodes, "must be >= 0")
+        require(self.engine_nodes >= 0, "cluster.engine_nodes", self.engine_nodes, "must be >= 0")
+        require(self.trainer_nodes + self.engine_nodes <= self.nodes, "cluster.trainer_nodes + engine_nodes",
+                 self.trainer_nodes + self.engine_nodes, f"must be <= cluster.nodes={self.nodes}")
+        require(0 <= self.reserve_gb < self.gpu_mem_gb, "cluster.reserve_gb", self.reserve_gb,
+                 f"must be in [0, cluster.gpu_mem_gb={self.gpu_mem_gb})")
+
+    @property
+    def trainer_node_count(self) -> int:
+        return self.trainer_nodes or self.nodes - self.engine_nodes
