@@ -28,6 +28,15 @@ class ArchConfig:
     max_position_embeddings: int = 0
     tie_embeddings: bool = False       # output layer shares the input embedding
     qkv_bias: bool = False             # Qwen2 has QKV biases, Llama does not
+    qk_norm: bool = False              # RMSNorm on each query and key head (Qwen3)
+    # Mixture of Experts (config.json names in comments); 0 / empty: a dense model
+    num_experts: int = 0               # routed experts per MoE layer (num_experts, num_local_experts)
+    moe_top_k: int = 0                 # experts each token is routed to (num_experts_per_tok)
+    moe_ffn_hidden_size: int = 0       # one routed expert's SwiGLU intermediate size (moe_intermediate_size)
+    shared_expert_ffn_hidden_size: int = 0  # the shared expert beside the routed ones (Qwen2-MoE)
+    shared_expert_gate: bool = False   # a sigmoid gate (1 x hidden) on the shared expert's output (Qwen2-MoE)
+    moe_sparse_step: int = 1           # every step-th layer is MoE (decoder_sparse_step)
+    moe_dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP (mlp_only_layers)
 
     @property
     def given(self) -> bool:
@@ -40,6 +49,8 @@ class ArchConfig:
         for k, v in sizes.items():
             require(v >= 0, f"model.arch.{k}", v, "must be >= 0 (0: read from model.path/config.json)")
         if not any(v for k, v in sizes.items() if k != "head_dim"):
+            require(not self.num_experts, "model.arch.num_experts", self.num_experts,
+                     "give the other architecture facts too, or none (then config.json is read)")
             return
         for k, v in sizes.items():
             require(k == "head_dim" or v > 0, f"model.arch.{k}", v,
@@ -49,6 +60,30 @@ class ArchConfig:
         require(self.head_dim > 0 or self.hidden_size % self.num_heads == 0, "model.arch.head_dim",
                  self.head_dim, f"set it: hidden_size {self.hidden_size} is not a multiple of "
                  f"num_heads {self.num_heads}")
+        self._check_experts()
+
+    def _check_experts(self):
+        """The MoE facts: all or none of them, the top-k within the experts, dense layers that exist."""
+        require(self.num_experts >= 0, "model.arch.num_experts", self.num_experts, "must be >= 0 (0: a dense model)")
+        require(self.moe_sparse_step >= 1, "model.arch.moe_sparse_step", self.moe_sparse_step,
+                 "must be >= 1 (1: every layer is MoE)")
+        if not self.num_experts:
+            for k in ("moe_top_k", "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
+                      "moe_dense_layers"):
+                require(not getattr(self, k), f"model.arch.{k}", getattr(self, k),
+                         "is an MoE fact: set model.arch.num_experts too, or leave it out for a dense model")
+            return
+        require(1 <= self.moe_top_k <= self.num_experts, "model.arch.moe_top_k", self.moe_top_k,
+                 f"must be between 1 and model.arch.num_experts={self.num_experts}")
+        require(self.moe_ffn_hidden_size > 0, "model.arch.moe_ffn_hidden_size", self.moe_ffn_hidden_size,
+                 "must be > 0 for an MoE model (config.json's moe_intermediate_size)")
+        require(self.shared_expert_ffn_hidden_size >= 0, "model.arch.shared_expert_ffn_hidden_size",
+                 self.shared_expert_ffn_hidden_size, "must be >= 0 (0: no shared expert)")
+        require(not self.shared_expert_gate or self.shared_expert_ffn_hidden_size > 0, "model.arch.shared_expert_gate",
+                 self.shared_expert_gate, "gates a shared expert: set model.arch.shared_expert_ffn_hidden_size")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.num_layers]
+        require(not bad, "model.arch.moe_dense_layers", list(self.moe_dense_layers),
+                 f"layer indices must lie in 0..{self.num_layers - 1}")
 
 
 @dataclass
