@@ -1,9 +1,9 @@
 """What surrounds a run: the weight push, metrics, checkpoints and the cluster it is sized for."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from megarl.config.schema.checks import one_of, require
+from megarl.config.schema.checks import changed, one_of, require
 from megarl.config.schema.rollout import LOCAL_ENGINE_MODES
 
 
@@ -66,9 +66,30 @@ class WeightSyncConfig:
 
 
 @dataclass
+class WandbConfig:
+    """`metrics.wandb.*`: the rows of metrics.jsonl and the resolved config in Weights & Biases too
+    (the optional `wandb` package: pip install megarl[wandb]). Off while `project` is empty. Its
+    files go under <run.dir>/wandb; a resumed run continues the same W&B run (docs/metrics.md)."""
+    project: str = ""                  # the W&B project; empty: no W&B
+    entity: str = ""                   # team or user; empty: wandb's default (the logged-in user)
+    name: str = ""                     # the run's display name; empty: the name of the run.dir folder
+    tags: list[str] = field(default_factory=list)
+    # online | offline (files only; `wandb sync` uploads them later) | disabled; empty: $WANDB_MODE,
+    # else online
+    mode: str = ""
+
+    def __post_init__(self):
+        one_of("metrics.wandb.mode", self.mode, {"", "online", "offline", "disabled"})
+        require(bool(self.project) or not changed(self, {"entity", "name", "tags", "mode"}),
+                "metrics.wandb.project", self.project, "is empty, so the other metrics.wandb.* settings are "
+                "unused: set metrics.wandb.project to log to Weights & Biases, or remove them")
+
+
+@dataclass
 class MetricsConfig:
     tensorboard: bool = True           # write TensorBoard event files under <run.dir>/tensorboard
     progress: bool = True              # one console line per step
+    wandb: WandbConfig = field(default_factory=WandbConfig)   # Weights & Biases too (off by default)
 
 
 @dataclass
