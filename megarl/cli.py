@@ -62,6 +62,8 @@ def main(argv=None) -> int:
                     help="trainer GPUs (default: the recipe's cluster: trainer nodes x gpus_per_node, else 8)")
     sm.add_argument("--steps", type=int, default=10)
     sm.add_argument("--json", action="store_true")
+    from megarl.checkpoint import export_cli  # light: imports the converters only when it runs
+    export_cli.add_parser(sub)
     # key=value overrides may come after the options too (`--json train.steps=3`)
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
     if args.command == "doctor":
         from megarl import doctor  # light: reads versions and vLLM's source, never imports megatron
         return doctor.main()
+    if args.command == "export":
+        return export_cli.main(args)
 
     try:
         cfg = load_config(args.recipe, args.overrides)

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from megarl import preflight
 from megarl.bootstrap import bootstrap
+from megarl.checkpoint import hf_export
 from megarl.checkpoint import manager as ckpt
 from megarl.checkpoint.run_lock import RunLock
 from megarl.checkpoint.state import GlobalRNG, StateRegistry
@@ -213,6 +214,7 @@ class Trainer:
         faults.point("step_end")
         if self._on_schedule(step):
             self.save(step)
+        hf_export.after_step(self.cfg, step, self.models.actor)   # checkpoint.hf_every / hf_final
 
     def generate(self, step: int, dump: bool = True):
         """Rank 0: the round's samples and metrics, and the carried partial samples whose new

@@ -1,0 +1,40 @@
+"""`megarl export RUN_DIR [--step N] --out DIR`: a saved checkpoint's actor as an HF folder.
+
+Light until it runs: the CLI imports it before the CPU shim; `main` hides the GPUs (the
+conversion is a CPU job), applies the shim, then imports the converters (checkpoint/hf_export.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    ex = sub.add_parser("export", help="a saved checkpoint's actor as a Hugging Face folder (docs/checkpoints.md)")
+    ex.add_argument("run_dir", help="the run's run.dir (its checkpoints/ folder), or a checkpoint.dir")
+    ex.add_argument("--step", type=int, default=None, help="checkpoint step_<N> (default: the newest complete one)")
+    ex.add_argument("--out", required=True, help="new output folder (config.json, safetensors shards, tokenizer)")
+    ex.add_argument("--shard-mb", type=float, default=2048, help="safetensors shard size in MiB")
+    ex.add_argument("--hf-config", default=None,
+                    help="folder with config.json + tokenizer (default: model.path of the checkpoint's config.yaml)")
+    ex.add_argument("--force", action="store_true", help="replace an existing --out")
+    ex.add_argument("--no-progress", action="store_true")
+
+
+def main(args) -> int:
+    """Run the export of parsed `args`; a user error is one line on stderr and exit code 2."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from megarl.bootstrap import bootstrap
+    bootstrap()
+    from megarl.checkpoint.hf_export import export_checkpoint
+    from megarl.formats.hf_reader import ConversionError
+    t0 = time.perf_counter()
+    try:
+        out = export_checkpoint(args.run_dir, args.step, args.out, args.shard_mb, args.hf_config,
+                                args.force, not args.no_progress)
+    except (ConversionError, ValueError, FileNotFoundError) as err:
+        print(f"megarl export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({time.perf_counter() - t0:.1f} s)")
+    return 0
