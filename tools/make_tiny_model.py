@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Build the tiny countdown policy used by megarl's CPU tests and the PPO demo.
 
-    python tools/make_tiny_model.py --out .tmp/tiny [--seed 0] [--num-prompts 4096] [--warmup-steps K] [--force]
+    python tools/make_tiny_model.py --out .tmp/tiny [--seed 0] [--num-prompts 4096] [--warmup-steps K]
+        [--arch qwen2|qwen3] [--force]
 
 Writes into DIR:
-    config.json, generation_config.json, model.safetensors   random Qwen2ForCausalLM, warmed up
+    config.json, generation_config.json, model.safetensors   random Qwen2ForCausalLM (or --arch's,
+                                                             tools/tiny_archs.py), warmed up
     tokenizer.json, tokenizer_config.json,                   word-level tokenizer (AutoTokenizer;
     tokenization_countdown.py                                see megarl.data.countdown.build_tokenizer)
     prompts.jsonl   --num-prompts train records (make_records(num, seed))
@@ -50,9 +52,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 # Make the script runnable as `python tools/make_tiny_model.py` from a checkout.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+_REPO_ROOT = os.path.dirname(_TOOLS)
+for _p in (_REPO_ROOT, _TOOLS):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import tiny_archs  # noqa: E402  (tools/: the tiny architectures)
 
 from megarl.data import countdown as cd  # noqa: E402
 from megarl.rewards.countdown import countdown_score  # noqa: E402
@@ -60,24 +66,8 @@ from megarl.rewards.countdown import countdown_score  # noqa: E402
 #: Bump when the recipe (model shape, warm-up, eval) changes, so cached builds are redone.
 RECIPE_VERSION = 6
 
-# Model shape. head_dim = 128 / 4 = 32: vLLM's CPU attention backend needs head_dim >= 32.
-MODEL_KWARGS = dict(
-    vocab_size=cd.VOCAB_SIZE,
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    initializer_range=0.02,
-    tie_word_embeddings=False,
-    use_sliding_window=False,
-    bos_token_id=cd.BOS_ID,
-    eos_token_id=cd.EOS_ID,
-    pad_token_id=cd.PAD_ID,
-)
+# Model shape of the default (Qwen2) policy; tools/tiny_archs.py holds every --arch.
+MODEL_KWARGS = tiny_archs.model_kwargs(tiny_archs.DEFAULT)
 
 # Warm-up recipe.
 P_CORRECT = 0.25  # probability that a warm-up target is the correct countdown
@@ -103,17 +93,9 @@ NUM_THREADS = 2
 # ---------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------
-def make_model(seed: int):
-    """Random-init Qwen2ForCausalLM (fp32) with ``MODEL_KWARGS``; deterministic in seed."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**MODEL_KWARGS, dtype="float32")
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config.bos_token_id = cd.BOS_ID
-    model.generation_config.eos_token_id = cd.EOS_ID
-    model.generation_config.pad_token_id = cd.PAD_ID
-    return model
+def make_model(seed: int, arch: str = tiny_archs.DEFAULT):
+    """Random-init tiny model of `arch` (fp32, tools/tiny_archs.py); deterministic in seed."""
+    return tiny_archs.make_model(seed, arch)
 
 
 def num_params(model) -> int:
@@ -315,9 +297,12 @@ _REQUIRED_FILES = (
 )
 
 
-def build_args(seed: int, num_prompts: int, warmup_steps: int, recipe_version: int = RECIPE_VERSION) -> dict:
-    """The arguments that identify a build (compared by ``is_built``)."""
-    return {"seed": seed, "num_prompts": num_prompts, "warmup_steps": warmup_steps, "recipe_version": recipe_version}
+def build_args(seed: int, num_prompts: int, warmup_steps: int, recipe_version: int = RECIPE_VERSION,
+               arch: str = tiny_archs.DEFAULT) -> dict:
+    """The arguments that identify a build (compared by ``is_built``); the default arch is left
+    out, so builds made before --arch existed stay valid."""
+    args = {"seed": seed, "num_prompts": num_prompts, "warmup_steps": warmup_steps, "recipe_version": recipe_version}
+    return args if arch == tiny_archs.DEFAULT else {**args, "arch": arch}
 
 
 def is_built(out_dir: str, args: dict, required: tuple = _REQUIRED_FILES) -> bool:
@@ -356,10 +341,11 @@ def build(
     warmup_steps: int = WARMUP_STEPS,
     force: bool = False,
     progress: bool = True,
+    arch: str = tiny_archs.DEFAULT,
 ) -> dict:
-    """Build (or reuse) the tiny countdown model in out_dir; returns the build_info dict."""
+    """Build (or reuse) the tiny countdown model of `arch` in out_dir; returns the build_info dict."""
     torch.set_num_threads(NUM_THREADS)
-    args = build_args(seed, num_prompts, warmup_steps)
+    args = build_args(seed, num_prompts, warmup_steps, arch=arch)
     done = reuse_or_clear(out_dir, args, force)
     if done is not None:
         return done
@@ -367,7 +353,7 @@ def build(
     info_path = os.path.join(out_dir, "build_info.json")
 
     tokenizer = cd.build_tokenizer(out_dir)
-    model = make_model(seed)
+    model = make_model(seed, arch)
     t_init = time.perf_counter() - t0
 
     final_loss = warmup(model, steps=warmup_steps, seed=seed + WARMUP_SEED_OFFSET, progress=progress)
@@ -386,7 +372,8 @@ def build(
 
     info = {
         "args": args,
-        "model": {**MODEL_KWARGS, "num_params": num_params(model)},
+        "model": {**tiny_archs.model_kwargs(arch), "architecture": model.config.architectures[0],
+                  "num_params": num_params(model)},
         "warmup": {
             "steps": warmup_steps,
             "batch": WARMUP_BATCH,
@@ -428,7 +415,8 @@ def summary(info: dict, out_dir: str) -> str:
     prob_s = "-" if prob is None else f"{prob:.2f}"
     return "\n".join(
         [
-            f"{verb} {out_dir}: Qwen2 {info['model']['num_params']:,} params, "
+            f"{verb} {out_dir}: {info['model'].get('architecture', 'Qwen2ForCausalLM')} "
+            f"{info['model']['num_params']:,} params, "
             f"warm-up {info['warmup']['steps']} steps (final loss {info['warmup']['final_loss']:.3f})",
             f"  warm reward   {w['mean_reward']:.3f}  (exact {w['exact_frac']:.2f}, correct mode "
             f"{w['correct_mode_frac']:.2f} sampled / {prob_s} prob; {_fmt(w['reward_by_length'])})",
@@ -442,27 +430,33 @@ def _fmt(d: dict) -> str:
     return ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in d.items())
 
 
-def parse_args(argv=None, doc: str = __doc__, warmup_steps: int = WARMUP_STEPS) -> argparse.Namespace:
+def parse_args(argv=None, doc: str = __doc__, warmup_steps: int = WARMUP_STEPS,
+               archs: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=4096, help="records in prompts.jsonl")
     p.add_argument("--warmup-steps", type=int, default=warmup_steps)
     p.add_argument("--force", action="store_true", help="rebuild even if build_info.json matches")
+    if archs:
+        p.add_argument("--arch", choices=sorted(tiny_archs.ARCHS), default=tiny_archs.DEFAULT,
+                       help="the model's architecture (tools/tiny_archs.py)")
     return p.parse_args(argv)
 
 
-def run_cli(argv, build_fn, summary_fn, doc: str, warmup_steps: int) -> dict:
+def run_cli(argv, build_fn, summary_fn, doc: str, warmup_steps: int, archs: bool = False) -> dict:
     """The builders' command line (this one and tools/make_tiny_agent_model.py): parse, build
-    or reuse, print the summary."""
-    a = parse_args(argv, doc, warmup_steps)
-    info = build_fn(a.out, seed=a.seed, num_prompts=a.num_prompts, warmup_steps=a.warmup_steps, force=a.force)
+    or reuse, print the summary. archs: the builder takes --arch."""
+    a = parse_args(argv, doc, warmup_steps, archs)
+    extra = {"arch": a.arch} if archs else {}
+    info = build_fn(a.out, seed=a.seed, num_prompts=a.num_prompts, warmup_steps=a.warmup_steps, force=a.force,
+                    **extra)
     print(summary_fn(info, a.out))
     return info
 
 
 def main(argv=None) -> dict:
-    return run_cli(argv, build, summary, __doc__, WARMUP_STEPS)
+    return run_cli(argv, build, summary, __doc__, WARMUP_STEPS, archs=True)
 
 
 if __name__ == "__main__":

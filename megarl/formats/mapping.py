@@ -80,14 +80,23 @@ QWEN2_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE + (
                   _HL + "self_attn.v_proj.bias"), "qkv"),
 )
 MISTRAL_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE
+# Qwen3: RMSNorm over each head's query and key (head_dim wide, shared by the heads) before RoPE;
+# megatron's qk_layernorm holds the same weight, on every TP rank
+QWEN3_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE + (
+    ParamMapping(_L + "self_attention.q_layernorm.weight", (_HL + "self_attn.q_norm.weight",),
+                 "replicated"),
+    ParamMapping(_L + "self_attention.k_layernorm.weight", (_HL + "self_attn.k_norm.weight",),
+                 "replicated"),
+)
 
 TABLES: dict[str, tuple[ParamMapping, ...]] = {
     "LlamaForCausalLM": LLAMA_TABLE,
     "Qwen2ForCausalLM": QWEN2_TABLE,
     "MistralForCausalLM": MISTRAL_TABLE,
+    "Qwen3ForCausalLM": QWEN3_TABLE,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mistral": "MistralForCausalLM"}
+                "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # The Transformer Engine spec fuses the norms into the following linear layer.
 TE_NAMES = {
@@ -148,13 +157,27 @@ class ModelDims:
             "self_attn.v_proj.weight": (kv, H), "self_attn.q_proj.bias": (q,),
             "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
             "self_attn.o_proj.weight": (H, q),
+            "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
             "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H),
             "mlp.down_proj.weight": (H, F),
         }[suffix]
 
 
+def refuse_unsupported(hf_config, arch: str) -> None:
+    """Raise naming the config.json option when the config asks for something the table and
+    megatron's GPT layout do not reproduce (the model would load and compute other logits)."""
+    for flag in ("attention_bias", "mlp_bias"):  # Llama options megatron's GPT layout lacks
+        if getattr(hf_config, flag, False):
+            raise ValueError(f"{arch} with {flag}=true in config.json is not supported by the "
+                             f"megatron mapping; only Qwen2's q/k/v biases are")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(f"{arch} with use_sliding_window=true in config.json is not supported: "
+                         f"megarl's trainer attends over the whole sequence; set it to false only "
+                         f"if the model was trained without the window")
+
+
 def mapping_for(hf_config, te_names: bool = False) -> "ArchMapping":
-    """The mapping for an HF config (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM).
+    """The mapping for an HF config (an architecture of `TABLES`).
 
     te_names=True uses the Transformer Engine spec's fused-norm names
     (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of the local spec's
@@ -165,10 +188,7 @@ def mapping_for(hf_config, te_names: bool = False) -> "ArchMapping":
     arch = archs[0] if archs else _MODEL_TYPES.get(model_type, f"model_type={model_type!r}")
     if arch not in TABLES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(TABLES)}")
-    for flag in ("attention_bias", "mlp_bias"):  # Llama options megatron's GPT layout lacks
-        if getattr(hf_config, flag, False):
-            raise ValueError(f"{arch} with {flag}=True is not supported by the megatron mapping; "
-                             f"only Qwen2's q/k/v biases are")
+    refuse_unsupported(hf_config, arch)
     dims = ModelDims.from_hf_config(hf_config)
     rows = tuple(ParamMapping(TE_NAMES.get(m.megatron, m.megatron) if te_names else m.megatron,
                               m.hf, m.kind)

@@ -30,11 +30,13 @@ def use_te() -> bool:
     return True
 
 
-def layer_spec():
+def layer_spec(config: TransformerConfig):
+    """The decoder layer's spec: TE's on a GPU with TE, megatron's local one otherwise; the
+    query / key norms where the config asks for them (Qwen3)."""
     if use_te():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
 def rope_parameters(hf_config) -> dict:
@@ -96,7 +98,7 @@ def build_model(hf_config, config: TransformerConfig, divisible_by: int, role: s
     rope = rope_parameters(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(config),
         vocab_size=padded,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel.is_first_stage(),

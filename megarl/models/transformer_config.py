@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+# architectures whose attention normalises each head's query and key (RMSNorm) before RoPE
+QK_NORM = ("Qwen3ForCausalLM",)
 
 
 def architecture(hf_config) -> str:
@@ -47,6 +49,7 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_layernorm=arch in QK_NORM,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,

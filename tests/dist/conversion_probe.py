@@ -2,8 +2,9 @@
 imported once; the multi-rank conversions fork their gloo ranks from it).
 
 usage:
-  conversion_probe.py roundtrip WORK TOKENIZER_DIR   tiny random Llama / Qwen2 / Mistral HF models,
-      each converted HF -> megatron at every (TP, PP) in LAYOUTS and back; writes WORK/results.json
+  conversion_probe.py roundtrip WORK TOKENIZER_DIR   tiny random Llama / Qwen2 / Mistral / Qwen3 HF
+      models, each converted HF -> megatron at every (TP, PP) in LAYOUTS (ARCH_LAYOUTS) and back;
+      writes WORK/results.json
   conversion_probe.py wrong_gate_up HF OUT           HF -> megatron at TP=2 with gate and up
       swapped in megarl.formats.ops (a deliberately wrong mapping)
   conversion_probe.py errors WORK                    the converters' error paths; WORK/errors.json
@@ -22,8 +23,11 @@ from megarl.bootstrap import bootstrap
 
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
+# Qwen3 adds only rows of the replicated kind to Llama's table: its widest layout is enough
+ARCH_LAYOUTS = {"qwen3": ((2, 2),)}
+QWEN3_HEAD_DIM = 32    # apart from hidden / heads = 16
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
 
@@ -33,11 +37,13 @@ def make_hf_model(arch: str, out: Path, tokenizer_dir: Path | None, seed: int = 
 
     Llama: untied, sharded with an index json; Qwen2: tied embeddings + qkv bias, sharded, with
     the countdown tokenizer (auto_map -> local tokenization_*.py); Mistral: one
-    model.safetensors without an index."""
+    model.safetensors without an index; Qwen3: QK norms, head_dim apart from hidden / heads."""
     import transformers
     cfg = {"llama": lambda: transformers.LlamaConfig(tie_word_embeddings=False, **SIZES),
            "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=True, **SIZES),
-           "mistral": lambda: transformers.MistralConfig(tie_word_embeddings=False, **SIZES)}[arch]()
+           "mistral": lambda: transformers.MistralConfig(tie_word_embeddings=False, **SIZES),
+           "qwen3": lambda: transformers.Qwen3Config(tie_word_embeddings=False,
+                                                     head_dim=QWEN3_HEAD_DIM, **SIZES)}[arch]()
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():
@@ -62,7 +68,7 @@ def roundtrip(work: Path, tokenizer_dir: Path) -> None:
     for arch in ARCHS:
         hf = work / arch
         make_hf_model(arch, hf, tokenizer_dir if arch == "qwen2" else None)
-        for tp, pp in LAYOUTS:
+        for tp, pp in ARCH_LAYOUTS.get(arch, LAYOUTS):
             mdir, back = work / f"{arch}_tp{tp}pp{pp}", work / f"{arch}_tp{tp}pp{pp}_hf"
             t0 = time.perf_counter()
             rc1 = cli_hf_to_megatron(["--hf", str(hf), "--out", str(mdir), "--tp", str(tp),
@@ -78,8 +84,8 @@ def roundtrip(work: Path, tokenizer_dir: Path) -> None:
 
 
 def wrong_gate_up(hf: str, out: str) -> int:
-    from megarl.formats import ops
     from megarl.conversion.cli import cli_hf_to_megatron
+    from megarl.formats import ops
     right = ops.fc1_shards_from_gate_up
     ops.fc1_shards_from_gate_up = lambda gate, up, tp: right(up, gate, tp)  # forked ranks inherit it
     return cli_hf_to_megatron(["--hf", hf, "--out", out, "--tp", "2", "--no-progress"])

@@ -35,11 +35,14 @@ def roundtrips(tiny_model, tmp_path_factory):
     return json.loads((work / "results.json").read_text())
 
 
-@pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
-@pytest.mark.parametrize("arch", ARCHS)
+CASES = [(a, tp, pp) for a in ARCHS for tp, pp in LAYOUTS] + [("qwen3", 2, 2)]
+
+
+@pytest.mark.parametrize("arch,tp,pp", CASES, ids=[f"{a}-tp{t}pp{p}" for a, t, p in CASES])
 def test_round_trip_is_bitwise_exact(roundtrips, arch, tp, pp):
     """HF -> megatron dist checkpoint at (TP, PP) -> HF gives the same tensor names and
-    torch.equal tensors (Llama untied, Qwen2 tied + qkv bias, Mistral; vocab 100 padded)."""
+    torch.equal tensors (Llama untied, Qwen2 tied + qkv bias, Mistral, Qwen3 QK norms with
+    head_dim apart from hidden / heads; vocab 100 padded)."""
     r = roundtrips[f"{arch}_tp{tp}pp{pp}"]
     assert r["rc"] == [0, 0]
     before, after = hf_tensors(r["hf"]), hf_tensors(r["back"])
@@ -87,7 +90,7 @@ def test_round_trip_output_loads_in_transformers(roundtrips):
 
 
 @pytest.mark.parametrize("arch,layout", [("qwen2", "tp2pp2"), ("llama", "tp1pp2"),
-                                         ("mistral", "tp2pp1")])
+                                         ("mistral", "tp2pp1"), ("qwen3", "tp2pp2")])
 def test_megatron_forward_matches_transformers(roundtrips, tmp_path, arch, layout):
     """compare_logits: megarl's GPTModel forward of the converted checkpoint (resharded to
     TP=PP=1 on load) matches transformers' within 1e-4 max abs logit difference (fp32). The two

@@ -1,10 +1,19 @@
-"""The trainer's megatron models reproduce transformers' Llama 3.1, Qwen2 and Mistral."""
+"""The trainer's megatron models reproduce transformers' Llama 3.1, Qwen2, Mistral and Qwen3."""
 import json
 
 import pytest
 import torch
 from conftest import run_py
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from megarl.models.builders import rope_parameters
 
@@ -16,7 +25,8 @@ COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """Random tiny checkpoints: Llama 3.1 (llama3 RoPE scaling, untied), Qwen2 (QKV bias,
-    tied embeddings), Mistral (untied). Vocab 100 exercises megatron's vocab padding."""
+    tied embeddings), Mistral (untied), Qwen3 (QK norms, head_dim 32 apart from hidden / heads
+    = 16). Vocab 100 exercises megatron's vocab padding."""
     root = tmp_path_factory.mktemp("families")
     torch.manual_seed(0)
     specs = {
@@ -26,14 +36,17 @@ def families(tmp_path_factory):
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
         "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=32)),
     }
     folders = []
     for name, (cfg_cls, model_cls, extra) in specs.items():
         model = model_cls(cfg_cls(**COMMON, **extra))
         with torch.no_grad():   # larger weights than the default init: differences show in logits
-            for p in model.parameters():
+            for name, p in model.named_parameters():
                 if p.dim() >= 2:
                     p.normal_(0, 0.1)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1, 0.2)   # not all ones: a QK norm left out or swapped shows
         model.save_pretrained(root / name)
         folders.append(str(root / name))
     return folders

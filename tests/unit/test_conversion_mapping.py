@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 HID, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 64, 4, 4, 2, 100
 DIVISIBLE_BY = 64  # padded vocab 128 at tp 1 and 2: 28 padding rows
 TP_PP = [(1, 1), (2, 1), (1, 2), (2, 2)]
+QWEN3_HEAD_DIM = 16
+ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
 
 
 def arange(*shape, start=0):
@@ -34,6 +36,8 @@ def hf_config(arch: str, num_layers: int = LAYERS):
         return transformers.LlamaConfig(tie_word_embeddings=False, **kw)
     if arch == "qwen2":
         return transformers.Qwen2Config(tie_word_embeddings=True, **kw)
+    if arch == "qwen3":  # QK norm; head_dim 16 apart from hidden / heads = 8
+        return transformers.Qwen3Config(tie_word_embeddings=False, head_dim=QWEN3_HEAD_DIM, **kw)
     return transformers.MistralConfig(tie_word_embeddings=False, **kw)
 
 
@@ -174,9 +178,10 @@ def test_swapped_gate_up_mapping_is_detected():
 # ---- mapping -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tp,pp", TP_PP)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_state_dict_round_trip(arch, tp, pp):
-    """HF -> megatron [pp][tp] -> HF is bitwise exact (Llama untied, Qwen2 biases + tied, Mistral)."""
+    """HF -> megatron [pp][tp] -> HF is bitwise exact (Llama untied, Qwen2 biases + tied, Mistral,
+    Qwen3 QK norms with head_dim apart from hidden / heads)."""
     cfg = hf_config(arch)
     m = mapping_for(cfg)
     sd = hf_state_dict(cfg)
@@ -271,6 +276,15 @@ def test_unknown_architecture_is_named():
         mapping_for(cfg)
 
 
+@pytest.mark.parametrize("option", ["use_sliding_window", "attention_bias"])
+def test_unsupported_config_option_is_named(option):
+    """A config.json option the table cannot reproduce is refused naming the option."""
+    cfg = hf_config("qwen3")
+    setattr(cfg, option, True)
+    with pytest.raises(ValueError, match=rf"Qwen3ForCausalLM with {option}=true.*config\.json"):
+        mapping_for(cfg)
+
+
 def test_unknown_megatron_name_is_named():
     """An unknown megatron parameter raises with its name."""
     m = mapping_for(hf_config("llama"))
@@ -354,19 +368,21 @@ def build_gpt(cfg, num_layers, padded_vocab, pre_process=True, post_process=True
     tc = TransformerConfig(
         num_layers=num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
-        kv_channels=cfg.hidden_size // cfg.num_attention_heads, normalization="RMSNorm",
+        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        qk_layernorm=cfg.model_type == "qwen3", normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=cfg.model_type == "qwen2", use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm)
+    return GPTModel(config=tc, transformer_layer_spec=spec,
                     vocab_size=padded_vocab, max_sequence_length=64, pre_process=pre_process,
                     post_process=post_process, position_embedding_type="rope",
                     rotary_base=int(cfg.rope_parameters["rope_theta"]),
                     share_embeddings_and_output_weights=cfg.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_names_match_real_gpt_model(megatron_world, arch):
     """Each PP stage's names+shapes from hf_to_megatron equal a real GPTModel stage's state dict."""
     cfg = hf_config(arch)
@@ -381,7 +397,7 @@ def test_names_match_real_gpt_model(megatron_world, arch):
         assert real == {k: tuple(v.shape) for k, v in ours.items()}, (arch, pre, post)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_real_gpt_model_logits_match_hf(megatron_world, arch):
     """Converted weights loaded (strict) into a real GPTModel give the HF model's logits (atol 1e-5).
     The two models' kernels sum in different orders: 6.6e-7 at most (logits up to 1.8; at 1 and

@@ -1,0 +1,59 @@
+"""The tiny countdown models' architectures (tools/make_tiny_model.py --arch NAME).
+
+Every architecture shares the countdown tokenizer's vocab and special ids, and has head_dim
+>= 32 (vLLM's CPU attention refuses 16). `qwen2` is the default policy of the CPU recipes;
+`qwen3` adds per-head query / key norms with head_dim apart from hidden / heads.
+"""
+from __future__ import annotations
+
+import torch
+
+from megarl.data import countdown as cd
+
+# Shared shape (the Qwen2 policy's). head_dim = 128 / 4 = 32.
+COMMON = dict(
+    vocab_size=cd.VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    bos_token_id=cd.BOS_ID,
+    eos_token_id=cd.EOS_ID,
+    pad_token_id=cd.PAD_ID,
+)
+
+# name -> (transformers config class name, model class name, kwargs on top of COMMON)
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # 4 heads of 64: the attention is 256 wide over a hidden size of 128
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=64)),
+}
+DEFAULT = "qwen2"
+
+
+def model_kwargs(arch: str) -> dict:
+    """The config kwargs of one tiny architecture."""
+    if arch not in ARCHS:
+        raise ValueError(f"--arch {arch!r} is not one of {sorted(ARCHS)}")
+    return {**COMMON, **ARCHS[arch][2]}
+
+
+def make_model(seed: int, arch: str = DEFAULT):
+    """A random-init tiny model (fp32) of `arch`; deterministic in seed."""
+    import transformers
+
+    config_cls, model_cls, _ = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**model_kwargs(arch), dtype="float32")
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32)
+    model.generation_config.bos_token_id = cd.BOS_ID
+    model.generation_config.eos_token_id = cd.EOS_ID
+    model.generation_config.pad_token_id = cd.PAD_ID
+    return model
