@@ -111,10 +111,18 @@ class ParallelConfig:
     sequence_parallel: bool = False    # split LayerNorm/dropout activations over TP ranks (GPU + TE only)
     backend: str = "auto"              # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
     timeout_s: int = 600               # collective timeout: a hung rank fails loudly after this
+    # expert-parallel size (Mixture-of-Experts models): each MoE layer's experts are split over ep
+    # ranks taken within the data-parallel ones, so ep divides dp = world / (tp x pp) and the experts
+    ep: int = 1
+    # how tokens reach their experts' EP ranks: alltoall (each rank sends each other rank its
+    # tokens) | allgather (every rank gathers every token, keeps its experts' ones)
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self):
         require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
         require(self.pp >= 1, "parallel.pp", self.pp, "must be >= 1")
+        require(self.ep >= 1, "parallel.ep", self.ep, "must be >= 1 (1: every rank holds every expert)")
+        one_of("parallel.moe_dispatcher", self.moe_dispatcher, {"alltoall", "allgather"})
         one_of("parallel.backend", self.backend, {"auto", "gloo", "nccl"})
         require(not self.sequence_parallel or self.tp > 1, "parallel.sequence_parallel",
                  self.sequence_parallel, "needs parallel.tp > 1")

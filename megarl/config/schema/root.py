@@ -89,14 +89,18 @@ class RootConfig:
 def validate_world(cfg: RootConfig, world_size: int) -> int:
     """Check the parallel layout against the launched ranks; return the data-parallel size.
 
-    dp = world_size / (tp * pp); each DP rank's share of a mini-batch must split into
-    micro-batches.
+    dp = world_size / (tp * pp), parallel.ep must divide it; each DP rank's share of a
+    mini-batch must split into micro-batches.
     """
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     require(world_size % (tp * pp) == 0, "parallel.tp x parallel.pp", f"{tp}x{pp}",
              f"must divide the world size {world_size}: launch a multiple of {tp * pp} ranks "
              f"or change parallel.tp/parallel.pp")
     dp = world_size // (tp * pp)
+    ep = cfg.parallel.ep   # megatron takes each expert-parallel group within the DP ranks
+    require(dp % ep == 0, "parallel.ep", ep,
+            f"must divide the data-parallel size dp={dp} (world {world_size} / (parallel.tp {tp} x "
+            f"parallel.pp {pp})): launch a multiple of {tp * pp * ep} ranks or change parallel.ep")
     per_mini = cfg.samples_per_step // cfg.train.mini_batches
     require(cfg.samples_per_step % cfg.train.mini_batches == 0, "train.mini_batches",
              cfg.train.mini_batches,
