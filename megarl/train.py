@@ -31,6 +31,7 @@ from megarl.distributed.env import from_rank0, init_distributed
 from megarl.distributed.stop import StopSignal
 from megarl.metrics.logger import MetricsLogger
 from megarl.metrics.step import rollout_metrics, trainer_idle_frac
+from megarl.metrics.wandb_sink import check_installed
 from megarl.models.loading import check_megatron_dir
 from megarl.models.setup import build_all, check_model_dir
 from megarl.ppo.batch import build_batch
@@ -127,6 +128,7 @@ class Trainer:
             check_model_dir(cfg.reward.model_path, "reward.model_path")
             preflight.check_model_files(cfg.reward.model_path, "reward.model_path", tokenizer=False)
         check_writable(cfg.run.dir, "run.dir")
+        check_installed(cfg.metrics.wandb)   # metrics.wandb set: the wandb package is here
         if cfg.checkpoint.dir:   # elsewhere than run.dir: refused now, not at the first save
             check_writable(cfg.checkpoint.dir, "checkpoint.dir")
         if cfg.weight_sync.transport == "files":
@@ -171,8 +173,7 @@ class Trainer:
             self.state.register("lag", self.lag, optional=True)
         # partial samples and untrained groups; checkpoints older than the carry lack it
         self.state.register("rollout", self.rollout, optional=True)
-        self.logger = MetricsLogger(cfg.run.dir, cfg.train.steps, cfg.metrics.tensorboard,
-                                    cfg.metrics.progress, start_step=start)
+        self.logger = MetricsLogger.for_run(cfg, start)
         if resume_from is not None:
             self.logger.bar.write(f"resumed from {resume_from} at step {start}")
         if start >= cfg.train.steps:

@@ -1,21 +1,28 @@
-"""One sink for per-step metrics: metrics.jsonl, TensorBoard, and a console progress line."""
+"""One sink for per-step metrics: metrics.jsonl, TensorBoard, Weights & Biases when asked
+(metrics.wandb, `wandb_sink.py`), and a console progress line."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from tqdm import tqdm
+
+from megarl.metrics.wandb_sink import WandbSink
 
 
 class MetricsLogger:
-    """Rank 0 only. `log(step, metrics)` appends a JSON line, writes TensorBoard scalars and
-    moves a tqdm bar whose postfix is the step's headline numbers."""
+    """Rank 0 only. `log(step, metrics)` appends a JSON line, writes TensorBoard scalars, logs
+    the same row to W&B (`wandb`, a WandbSink) and moves a tqdm bar whose postfix is the step's
+    headline numbers."""
 
     HEADLINE = ("reward_mean", "response_len_mean", "kl", "policy_loss", "value_loss",
                 "logprob_mismatch_mean", "step_time_s")
 
-    def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0):
+    def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0,
+                 wandb: WandbSink | None = None):
         self.dir = Path(run_dir)
+        self.wandb = wandb
         self.dir.mkdir(parents=True, exist_ok=True)
         self.start_step = start_step
         # opened at the first logged step: a run that trained nothing (its engines never came
@@ -28,6 +35,16 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=start_step, desc="megarl", unit="step",
                         disable=not progress, dynamic_ncols=True)
+
+    @classmethod
+    def for_run(cls, cfg, start_step: int) -> "MetricsLogger":
+        """The run's logger, as cfg.metrics asks (W&B gets the resolved config)."""
+        m = cfg.metrics
+        wandb = None
+        if m.wandb.project:
+            wandb = WandbSink(m.wandb, cfg.run.dir, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                              resumed=start_step > 0)
+        return cls(cfg.run.dir, cfg.train.steps, m.tensorboard, m.progress, start_step=start_step, wandb=wandb)
 
     def _open(self):
         """metrics.jsonl for appending: a fresh run starts a fresh file; a resumed one keeps the
@@ -52,6 +69,8 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(row)
         headline = " ".join(f"{k.replace('_mean', '').replace('_s', '')}={row[k]:.3g}"
                             for k in self.HEADLINE if isinstance(row.get(k), (int, float)))
         self.bar.update(1)
@@ -63,6 +82,8 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _plain(v):
