@@ -23,9 +23,11 @@ resumed mid-episode exactly (the replay then warns).
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from megarl.config.extension import ExtensionError
 from megarl.config.registry import ENVIRONMENTS
 
 
@@ -76,6 +78,24 @@ def register_env(name: str, doc: str = "") -> Callable:
     return add
 
 
+def spec_from_import(obj, value: str) -> EnvSpec:
+    """The entry of env.name=`value` (package.module:Class or path/to/file.py:Class) naming `obj`:
+    an Environment subclass (its constructor takes seed= and env.options as keywords) or an
+    EnvSpec. ExtensionError says what is wrong."""
+    if isinstance(obj, EnvSpec):
+        return obj
+    if not (isinstance(obj, type) and issubclass(obj, Environment)):
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        raise ExtensionError(f"is {what}, not a subclass of megarl.envs.base.Environment: name a class "
+                             f"deriving from it (docs/agents.md)")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        raise ExtensionError(f"does not define {missing} (abstract in Environment): add "
+                             f"`async def {missing.split(',')[0]}(self, turn)`")
+    return EnvSpec(value, obj, (obj.__doc__ or "").strip())
+
+
 def env_spec(name: str) -> EnvSpec:
-    """The registered environment `name`; an unknown name raises ConfigError naming env.name."""
+    """The environment `name` (registered, or an import path); an unknown name or a bad path
+    raises ConfigError naming env.name."""
     return ENVIRONMENTS.get(name)

@@ -2,7 +2,9 @@
 
 Each verifier registers itself in megarl.config.registry.VERIFIERS next to its code
 (`register_verifier`, megarl.rewards.entry), with what it needs: the gold answer, a worker
-process. Importing this package registers the built-in ones. `build_verifier` wraps one for the
+process. Importing this package registers the built-in ones; a verifier outside megarl is
+named by import path (reward.fn=package.module:function or path/to/file.py:function) and
+marked with `@verifier(needs_answer=..., isolated=...)`. `build_verifier` wraps one for the
 run: errors and timeouts score 0 and are counted (megarl.rewards.verify). Names, formats and
 what each needs: docs/data.md.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from megarl.config.registry import VERIFIERS
 from megarl.rewards import answer, countdown  # noqa: F401 - importing them registers their verifiers
 from megarl.rewards import math as math_reward  # noqa: F401
-from megarl.rewards.entry import RewardFn, VerifierEntry, register_verifier
+from megarl.rewards.entry import RewardFn, VerifierEntry, register_verifier, verifier  # noqa: F401 - for users
 from megarl.rewards.verify import Verifier
 
 
@@ -23,8 +25,8 @@ def no_verifier(response_text: str, record: dict, *, finished: bool) -> float:
 
 
 def verifier_entry(name: str) -> VerifierEntry:
-    """The registered verifier `name`; an unknown name raises ConfigError (a ValueError) naming
-    reward.fn, the value and the known names."""
+    """The verifier `name` (registered, or an import path); an unknown name or a bad path raises
+    ConfigError (a ValueError) naming reward.fn, the value and the fix."""
     return VERIFIERS.get(name)
 
 

@@ -3,15 +3,23 @@ about it, registered next to the function:
 
     @register_verifier("math", needs_answer=True, isolated=True)
     def math_score(response_text, record, *, finished, answer_key="answer") -> float: ...
+
+A verifier outside megarl is named by import path (reward.fn=package.module:function or
+path/to/file.py:function) and says what it needs with `@verifier(...)` (`from_import` reads it).
 """
 from __future__ import annotations
 
+import inspect
+import pickle
 from dataclasses import dataclass
 from typing import Callable
 
+from megarl.config.extension import ExtensionError
 from megarl.config.registry import VERIFIERS
 
 RewardFn = Callable[..., float]
+#: the attribute `verifier` sets on a function: its VerifierEntry
+MARK = "__megarl_verifier__"
 
 
 @dataclass(frozen=True)
@@ -21,11 +29,52 @@ class VerifierEntry:
     isolated: bool          # can hang (sympy / LaTeX parsing): runs in a worker process that can be killed
 
 
+def verifier(*, needs_answer: bool = False, isolated: bool = False):
+    """Decorator: what verifier `fn` needs, for reward.fn=module:fn. A verifier that needs the
+    gold answer takes it as the `answer_key` keyword; an isolated one runs in a worker process
+    (megarl.rewards.verify), so it must be a module-level function."""
+    def mark(fn: RewardFn) -> RewardFn:
+        setattr(fn, MARK, VerifierEntry(fn, needs_answer, isolated))
+        return fn
+    return mark
+
+
 def register_verifier(name: str, *, needs_answer: bool = False, isolated: bool = False):
-    """Decorator: register `fn` as reward.fn=`name`. A verifier that needs the gold answer takes
-    it as the `answer_key` keyword; an isolated one must be a module-level function (it travels
-    pickled by reference to the worker process)."""
+    """Decorator: register `fn` as reward.fn=`name` (with what `verifier` says it needs)."""
     def add(fn: RewardFn) -> RewardFn:
         VERIFIERS.register(name, VerifierEntry(fn, needs_answer, isolated))
         return fn
     return add
+
+
+def from_import(obj, value: str) -> VerifierEntry:
+    """The entry of reward.fn=`value` naming `obj`: a function (what `@verifier` said it needs;
+    unmarked: no answer, in this process) or a VerifierEntry. ExtensionError says what is wrong."""
+    entry = obj if isinstance(obj, VerifierEntry) else getattr(obj, MARK, None)
+    if entry is None:
+        entry = VerifierEntry(obj, needs_answer=False, isolated=False)
+    if not callable(entry.fn) or isinstance(entry.fn, type):
+        raise ExtensionError(f"is a {type(entry.fn).__name__}, not a function: name a function "
+                             f"fn(response_text, record, *, finished) -> float")
+    _check_signature(entry)
+    if entry.isolated:
+        try:
+            pickle.dumps(entry.fn)
+        except Exception as err:   # noqa: BLE001 - a lambda, a nested function, a bound method...
+            raise ExtensionError(f"is isolated (runs in a worker process), so it must be a module-level function "
+                                 f"(it travels pickled by name): {err}") from None
+    return entry
+
+
+def _check_signature(entry: VerifierEntry) -> None:
+    """The verifier can be called as the rollout calls it (megarl.rewards.verify.Verifier)."""
+    try:
+        sig = inspect.signature(entry.fn)
+    except (TypeError, ValueError):     # a builtin without a signature: trust it
+        return
+    call = "fn(response_text, record, *, finished" + (", answer_key)" if entry.needs_answer else ")")
+    kwargs = {"finished": False, **({"answer_key": "answer"} if entry.needs_answer else {})}
+    try:
+        sig.bind("response_text", {}, **kwargs)
+    except TypeError as err:
+        raise ExtensionError(f"has the signature {sig}, but megarl calls it as {call} ({err})") from None

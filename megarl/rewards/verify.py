@@ -7,14 +7,14 @@ torch (and vLLM's event loop), so forking it is unsafe. The worker is a fresh in
 on first use and kept for later calls; its start-up (importing sympy takes seconds) does not count
 against the timeout, and a worker that cannot start at all stops the run (no sample could be
 scored). Functions travel pickled by reference (module + name), so a verifier must be a
-module-level function.
+module-level function; the worker loads its module first, by name or, for a verifier named by
+file path (reward.fn=path/to/file.py:fn), from the same file (megarl.config.extension).
 
 Pure-string verifiers run in this process; their time is measured afterwards and a call over the
 limit scores 0 as well (they cannot hang: no backtracking regex).
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import os
@@ -27,6 +27,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from megarl.config.extension import load_source, module_source
+
 log = logging.getLogger("megarl.rewards")
 
 #: start-up allowance of the worker process (interpreter + verifier imports), seconds
@@ -36,10 +38,10 @@ LOGGED_ERRORS = 5
 
 
 def _serve(conn, warm: list[str]) -> None:
-    """Worker loop: import the verifier modules once, say ready, then answer (fn, args, kwargs)
-    with ("ok", value) or ("err", text)."""
-    for name in warm:
-        importlib.import_module(name)
+    """Worker loop: import the verifier modules once (names or file paths), say ready, then
+    answer (fn, args, kwargs) with ("ok", value) or ("err", text)."""
+    for source in warm:
+        load_source(source)
     conn.send(("ready", None))
     while True:
         try:
@@ -158,7 +160,7 @@ class Verifier:
         self.fn, self.timeout_s, self.isolate = fn, timeout_s, isolate
         self.name = name or getattr(fn, "__name__", "verifier")
         self.kwargs = dict(kwargs or {})
-        self._worker = Worker((fn.__module__,)) if isolate else None
+        self._worker = Worker((module_source(fn.__module__),)) if isolate else None
         self._lock = threading.Lock()         # one call at a time (one worker)
         self._counts = threading.Lock()       # the counters: take_counts never waits for a call
         self.errors = self.timeouts = 0
