@@ -7,7 +7,8 @@ offload.py), not a generic rule:
   (4, not sharded), and Adam state sharded over DP: fp32 main weight + m + v (12) for a bf16
   model, m + v (8) for an fp32 one (its main weights are the model's own). ZeRO's mixed
   precision count (Rajbhandari et al. 2020, sec. 3.1) is 2 + 2 + 12 = 16 bytes/param; megarl's
-  fp32 gradient buffer makes it 18.
+  fp32 gradient buffer makes it 18. An MoE model's experts are split over EP (and ETP) and
+  their Adam state is sharded over the expert-data-parallel group instead (plan/experts.py).
 - frozen models (reference, reward model): their weights only.
 - activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", sec. 4.1) per layer, re-derived for what the models are (RMSNorm,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 
 from megarl.models.arch import Arch  # the facts these formulas take
+from megarl.plan import experts
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -41,38 +43,80 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 
 
 # -- parameters ------------------------------------------------------------------------------
-def layer_params(a: Arch, tp: int = 1) -> float:
-    """Parameters of one transformer layer held by one TP rank. The four attention and three
-    SwiGLU matrices (and the QKV bias) are split over TP; the two RMSNorm weights are not."""
+def attention_params(a: Arch, tp: int = 1) -> float:
+    """One layer's attention and norms on one TP rank: the four attention matrices (and the QKV
+    bias) split over TP; the two RMSNorm weights and Qwen3's query/key norms (head_dim each,
+    shared by the heads) replicated."""
     q = a.heads * a.head_dim
     kv = 2 * a.kv_heads * a.head_dim
     attn = a.hidden * (q + kv) + q * a.hidden + ((q + kv) if a.qkv_bias else 0)
-    mlp = 3 * a.hidden * a.ffn
-    return (attn + mlp) / tp + 2 * a.hidden
+    return attn / tp + 2 * a.hidden + (2 * a.head_dim if a.qk_norm else 0)
+
+
+def layer_param_split(a: Arch, layer: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters of layer `layer` on one GPU: a dense layer's SwiGLU is split
+    over TP; an MoE layer's router, shared expert and local experts are `experts.sparse_mlp_params`.
+    The two parts differ in how the optimizer shards them (`trainable_bytes_per_param`)."""
+    attn = attention_params(a, tp)
+    if a.is_sparse(layer):
+        dense, local_experts = experts.sparse_mlp_params(a, tp, ep, etp)
+        return attn + dense, local_experts
+    return attn + 3 * a.hidden * a.ffn / tp, 0.0
+
+
+def layer_params(a: Arch, tp: int = 1, layer: int = 0, ep: int = 1, etp: int = 1) -> float:
+    """Parameters of one transformer layer held by one GPU (dense and expert parts)."""
+    return sum(layer_param_split(a, layer, tp, ep, etp))
 
 
 def total_params(a: Arch) -> int:
-    """Parameters of the HF model (untied: embedding and LM head each vocab x hidden)."""
+    """Parameters of the HF model (untied: embedding and LM head each vocab x hidden), every
+    expert included: what the weights weigh in memory and on the wire."""
     emb = a.vocab * a.hidden * (1 if a.tied else 2)
-    return int(a.layers * layer_params(a) + emb + a.hidden)
+    return int(sum(layer_params(a, layer=i) for i in range(a.layers)) + emb + a.hidden)
 
 
-def stage_params(a: Arch, tp: int, pp: int, stage: int, role: str, divisible_by: int = 128) -> float:
-    """Parameters of one (TP rank, PP stage) of a built model. role: actor | reference |
-    critic | reward. The first stage has the (padded, TP-split) embedding; the last the final
-    norm and the output layer: the LM head for actor/reference (a second copy of the embedding
-    when tied and pp > 1, as megatron keeps one), a 1 x hidden value head for critic/reward."""
+def active_params(a: Arch) -> int:
+    """Parameters one token computes with: total_params less, in every MoE layer, the routed
+    experts it is not sent to (experts - top_k of them). = total_params for a dense model. What
+    FLOPs per token follow (2 x active forward, 6 x active forward + backward)."""
+    idle = sum(a.experts - a.top_k for i in range(a.layers) if a.is_sparse(i))
+    return total_params(a) - idle * experts.expert_params(a)
+
+
+def stage_layers(a: Arch, pp: int, stage: int) -> range:
+    """The layers megatron builds on pipeline stage `stage` (layers / PP each, in order)."""
+    per = a.layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_param_split(a: Arch, tp: int, pp: int, stage: int, role: str, divisible_by: int = 128,
+                      ep: int = 1, etp: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters of one GPU of PP stage `stage` of a built model. role: actor |
+    reference | critic | reward. The first stage has the (padded, TP-split) embedding; the last
+    the final norm and the output layer: the LM head for actor/reference (a second copy of the
+    embedding when tied and pp > 1, as megatron keeps one), a 1 x hidden value head for
+    critic/reward. Experts (EP x ETP) only in MoE layers."""
     v = padded_vocab(a.vocab, divisible_by, tp)
-    n = a.layers // pp * layer_params(a, tp)
+    dense = local_experts = 0.0
+    for i in stage_layers(a, pp, stage):
+        d, e = layer_param_split(a, i, tp, ep, etp)
+        dense, local_experts = dense + d, local_experts + e
     if stage == 0:
-        n += v * a.hidden / tp
+        dense += v * a.hidden / tp
     if stage == pp - 1:
-        n += a.hidden  # final norm
+        dense += a.hidden  # final norm
         if role in ("critic", "reward"):
-            n += a.hidden
+            dense += a.hidden
         elif not a.tied or pp > 1:
-            n += v * a.hidden / tp
-    return n
+            dense += v * a.hidden / tp
+    return dense, local_experts
+
+
+def stage_params(a: Arch, tp: int, pp: int, stage: int, role: str, divisible_by: int = 128,
+                 ep: int = 1, etp: int = 1) -> float:
+    """All parameters of one GPU of a PP stage (`stage_param_split`, both parts)."""
+    return sum(stage_param_split(a, tp, pp, stage, role, divisible_by, ep, etp))
 
 
 def trainable_bytes_per_param(dtype: str, dp: int) -> dict[str, float]:
@@ -85,8 +129,9 @@ def trainable_bytes_per_param(dtype: str, dp: int) -> dict[str, float]:
 
 # -- activations -----------------------------------------------------------------------------
 def layer_activation_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int = 2,
-                           sequence_parallel: bool = False, fused: bool = True) -> float:
-    """Activations one layer keeps for backward, per micro-batch (Korthikanti et al. 2022
+                           sequence_parallel: bool = False, fused: bool = True, layer: int = 0,
+                           etp: int = 1) -> float:
+    """Activations layer `layer` keeps for backward, per micro-batch (Korthikanti et al. 2022
     sec. 4.1, terms re-derived for RMSNorm + GQA + SwiGLU, no dropout).
 
     Korthikanti's GPT layer stores sbh(34 + 5as/h) bytes at 2 bytes per value: sbh x {4 for the
@@ -106,14 +151,20 @@ def layer_activation_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int 
     `fused=False` is megatron's local spec (the CPU path, measured by bench/plan_check.py):
     each unfused RMSNorm also keeps its normalised value (+2h), K and V are expanded to every
     query head (2q instead of 2kv), the unfused SwiGLU keeps gate|up, the up copy, silu's
-    output and the product (5f), and the softmax output (a x s per token) is kept."""
+    output and the product (5f), and the softmax output (a x s per token) is kept.
+    An MoE layer's MLP term (3f or 5f) is `experts.sparse_layer_activation_bytes` instead:
+    router, routed copies (over ETP), shared expert."""
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    mlp = 0 if a.is_sparse(layer) else a.ffn
     if fused:
-        replicated, split = 4 * a.hidden, q + 2 * kv + a.hidden + 3 * a.ffn
+        replicated, split = 4 * a.hidden, q + 2 * kv + a.hidden + 3 * mlp
     else:
-        replicated, split = 6 * a.hidden, 3 * q + a.hidden + 5 * a.ffn + a.heads * seq
+        replicated, split = 6 * a.hidden, 3 * q + a.hidden + 5 * mlp + a.heads * seq
     per_token = replicated / (tp if sequence_parallel else 1) + split / tp
-    return act_bytes * seq * mbs * per_token
+    out = act_bytes * seq * mbs * per_token
+    if a.is_sparse(layer):
+        out += seq * mbs * experts.sparse_layer_activation_bytes(a, tp, etp, act_bytes, sequence_parallel, fused)
+    return out
 
 
 def layer_input_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int = 2,
@@ -144,29 +195,42 @@ def in_flight_microbatches(pp: int, stage: int, microbatches: int) -> int:
 def stage_activation_bytes(a: Arch, seq: int, mbs: int, tp: int, pp: int, stage: int, microbatches: int,
                            act_bytes: int = 2, sequence_parallel: bool = False, fused: bool = True,
                            recompute: str = "none", with_logits: bool = True,
-                           divisible_by: int = 128) -> float:
+                           divisible_by: int = 128, etp: int = 1) -> float:
     """Peak activations of one stage in a training pass. Without recomputation every layer
     of every in-flight micro-batch keeps its activations; with `full` only each layer's input
-    is kept, plus one layer's full set while it is recomputed in backward. The last stage
-    (one micro-batch in flight) adds its head."""
-    per_stage_layers = a.layers // pp
+    is kept, plus one layer's full set (the largest) while it is recomputed in backward. The
+    last stage (one micro-batch in flight) adds its head; a stage with MoE layers the
+    dispatcher's buffers of the layer in flight."""
+    layers = stage_layers(a, pp, stage)
     k = in_flight_microbatches(pp, stage, microbatches)
-    full = layer_activation_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel, fused)
+    each = [layer_activation_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel, fused, i, etp) for i in layers]
     if recompute == "full":
-        kept = k * per_stage_layers * layer_input_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel) + full
+        kept = k * len(layers) * layer_input_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel) + max(each)
     else:
-        kept = k * per_stage_layers * full
+        kept = k * sum(each)
+    kept += stage_dispatcher_bytes(a, seq, mbs, tp, pp, stage, act_bytes, sequence_parallel, etp)
     if stage == pp - 1:
         kept += head_bytes(a, seq, mbs, tp, act_bytes, divisible_by, fused, with_logits)
     return kept
 
 
+def stage_dispatcher_bytes(a: Arch, seq: int, mbs: int, tp: int, pp: int, stage: int, act_bytes: int = 2,
+                           sequence_parallel: bool = False, etp: int = 1) -> float:
+    """The MoE dispatcher's transient buffers (`experts.dispatcher_bytes`) on a stage with an MoE layer."""
+    if not any(a.is_sparse(i) for i in stage_layers(a, pp, stage)):
+        return 0.0
+    return experts.dispatcher_bytes(a, seq, mbs, tp, etp, act_bytes, sequence_parallel)
+
+
 def forward_only_bytes(a: Arch, seq: int, mbs: int, tp: int, pp: int, stage: int, act_bytes: int = 2,
                        sequence_parallel: bool = False, fused: bool = True, with_logits: bool = True,
-                       divisible_by: int = 128) -> float:
+                       divisible_by: int = 128, etp: int = 1) -> float:
     """A forward-only pass (old/reference logprobs, values, reward) frees each layer's
-    activations as it goes: one layer's set, and the head on the last stage."""
-    out = layer_activation_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel, fused)
+    activations as it goes: the largest layer's set (+ the dispatcher's buffers), and the
+    head on the last stage."""
+    out = max(layer_activation_bytes(a, seq, mbs, tp, act_bytes, sequence_parallel, fused, i, etp)
+              for i in stage_layers(a, pp, stage))
+    out += stage_dispatcher_bytes(a, seq, mbs, tp, pp, stage, act_bytes, sequence_parallel, etp)
     if stage == pp - 1:
         out += head_bytes(a, seq, mbs, tp, act_bytes, divisible_by, fused, with_logits)
     return out
@@ -188,10 +252,13 @@ def engine_weight_bytes(a: Arch, engine_tp: int, w_bytes: int = 2) -> float:
 def engine_workspace_bytes(a: Arch, engine_tp: int, seqs: int, batched_tokens: int = 8192) -> float:
     """vLLM's non-KV working memory, approximately: fp32 logits of the running batch over the
     full vocab (sampling), and one prefill chunk's activations (hidden, q/kv, gate/up) at
-    bf16. vLLM measures it in a profiling run; this is the same order of magnitude."""
+    bf16. vLLM measures it in a profiling run; this is the same order of magnitude. An MoE
+    model's MLP is the wider of its dense layers' and its fused-MoE caches
+    (`experts.sparse_mlp_workspace_width`)."""
     logits = seqs * a.vocab * 4
-    act = batched_tokens * 2 * 2 * (a.hidden + (a.heads + 2 * a.kv_heads) * a.head_dim / engine_tp
-                                    + 3 * a.ffn / engine_tp)
+    dense = 3 * a.ffn / engine_tp if len(a.dense_layers) or not a.moe else 0
+    mlp = max(dense, experts.sparse_mlp_workspace_width(a, engine_tp) if a.moe else 0)
+    act = batched_tokens * 2 * 2 * (a.hidden + (a.heads + 2 * a.kv_heads) * a.head_dim / engine_tp + mlp)
     return logits + act
 
 
@@ -202,8 +269,12 @@ MiB = 2 ** 20
 def largest_hf_tensor(a: Arch) -> int:
     """Elements of the largest tensor a weight sync sends: the sync sends full HF tensors (TP
     gathered), so the embedding or LM head (vocab x hidden), else an MLP (ffn x hidden) or
-    the query/output projection (heads x head_dim x hidden)."""
-    return max(a.vocab, a.ffn, a.heads * a.head_dim) * a.hidden
+    the query/output projection (heads x head_dim x hidden). An MoE model sends each expert's
+    projections apart (moe_ffn x hidden), the router (experts x hidden) and a shared expert's;
+    its dense ffn only where a layer has a dense MLP (Qwen3-MoE's config.json states one for
+    none)."""
+    dense_ffn = a.ffn if not a.moe or a.dense_layers else 0
+    return max(a.vocab, dense_ffn, a.heads * a.head_dim, a.moe_ffn, a.experts, a.shared_ffn) * a.hidden
 
 
 def transfer_buffer_bytes(a: Arch, bucket_mb: int, num_buffers: int, w_bytes: int) -> float:

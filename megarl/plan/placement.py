@@ -11,7 +11,16 @@ from megarl.plan import memory as mem
 from megarl.plan.engine import engine_memory
 from megarl.plan.inputs import resolve_cluster, reward_arch
 from megarl.plan.memory import GiB, gib
-from megarl.plan.trainer import Layout, best_layout, check_layout, trainer_fixes, trainer_memory
+from megarl.plan.trainer import (
+    best_layout,
+    check_expert_world,
+    check_layout,
+    expert_layout,
+    layout_of,
+    layout_setting,
+    trainer_fixes,
+    trainer_memory,
+)
 from megarl.plan.transfer import staging_note, transfer_buffers, transfer_formula
 
 FUSED = True   # GPU runs: Transformer Engine (fused norm + linear, flash attention), fused SwiGLU
@@ -25,6 +34,9 @@ ASSUMPTIONS = [
     "engine: bf16 weights / engine TP + KV cache 2 x layers x kv_heads x head_dim x 2 bytes per token "
     "for every in-flight request at rollout.engines.max_model_len, within rollout.engines.gpu_memory_utilization",
     "reserve per GPU (cluster.reserve_gb): CUDA context, NCCL buffers, allocator fragmentation",
+    "MoE: experts / parallel.ep per GPU, each over expert TP (megatron's default: = TP); their Adam state sharded "
+    "over expert DP = TP x DP / (EP x expert TP), the rest's over DP; routing balanced (dropless: a skewed router "
+    "puts more tokens on a rank than counted), alltoall dispatcher buffers for the layer in flight",
     "weight_sync.transport=collective (nccl): weight_sync.num_buffers packed buffers of up to weight_sync.bucket_mb "
     "+ the largest tensor on global rank 0's GPU (in every phase: a safe bound) and on every engine GPU "
     "(outside vLLM's gpu_memory_utilization share, less the reserve); (ipc, engines on global rank 0's node) "
@@ -51,6 +63,9 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
                              "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
                  "engines": {"nodes": cluster.engine_nodes, "gpus": cluster.engine_nodes * g, "count": engines,
                              "tp": etp, "gpus_used": engines * etp}}
+    if arch.moe:   # experts over EP x expert TP, their optimizer state over expert DP
+        lay = layout_of(cfg, cfg.parallel.tp, cfg.parallel.pp, dp or 0)
+        placement["trainer"].update(ep=lay.ep, etp=lay.etp, edp=lay.edp if dp else None)
     engine = None
     if cluster.engine_nodes or r.engines.mode == "remote":
         engine, more = engine_part(cfg, arch, cluster)
@@ -59,7 +74,8 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
     if note:
         notes.append(note)
     return {"fits": not problems, "problems": problems, "notes": notes,
-            "model": {**asdict(arch), "params": mem.total_params(arch), "source": arch_src},
+            "model": {**asdict(arch), "params": mem.total_params(arch), "active_params": mem.active_params(arch),
+                      "source": arch_src},
             "cluster": asdict(cluster), "placement": placement,
             "sequence_tokens": r.engines.max_model_len, "micro_batch_size": cfg.train.micro_batch_size,
             "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
@@ -76,7 +92,7 @@ def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None
     if g == 0:
         raise ConfigError("cluster.gpus_per_node=0 (a CPU-only recipe): nothing to place; give "
                           "--gpus-per-node and --nodes, or a recipe with a cluster: block")
-    check_layout(arch, cfg.parallel.tp, cfg.parallel.pp)
+    check_layout(arch, cfg.parallel.tp, cfg.parallel.pp, *expert_layout(cfg), cfg.parallel.sequence_parallel)
     etp = cfg.rollout.engines.tp
     if arch.heads % etp or (arch.kv_heads % etp and etp % arch.kv_heads):
         raise ConfigError(f"rollout.engines.tp={etp}: vLLM needs it to divide the {arch.heads} heads, and to divide "
@@ -96,7 +112,9 @@ def trainer_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: A
     if trainer_gpus < tp * pp or trainer_gpus % (tp * pp):
         return None, None, [indivisible_problem(cfg, arch, cluster, rm_arch, usable)]
     dp = validate_world(cfg, trainer_gpus)
-    lay = Layout(tp, pp, dp)
+    lay = layout_of(cfg, tp, pp, dp)
+    if check_expert_world(arch, lay):
+        return None, dp, [indivisible_problem(cfg, arch, cluster, rm_arch, usable, check_expert_world(arch, lay))]
     trainer = trainer_memory(cfg, arch, lay, FUSED, rm_arch)
     trainer["usable_bytes"] = usable
     trainer["fits"] = trainer["peak_bytes"] <= usable
@@ -114,24 +132,28 @@ def trainer_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: A
 
 
 def indivisible_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: Arch | None,
-                        usable: float) -> dict:
-    """One model copy (TP x PP GPUs) does not divide the trainer's GPUs: the node count that
-    would do, and the lightest layout of the GPUs there are."""
+                        usable: float, experts_why: str = "") -> dict:
+    """One model copy (TP x PP GPUs) does not divide the trainer's GPUs, or (`experts_why`) the
+    expert groups (EP x expert TP) do not divide a stage's: the node count that would do, and
+    the lightest layout of the GPUs there are."""
     g, tp, pp = cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp
     trainer_nodes = cluster.trainer_node_count
     trainer_gpus = trainer_nodes * g
     best = best_layout(cfg, arch, trainer_gpus, g, FUSED, rm_arch) if trainer_gpus else None
-    need = tp * pp // math.gcd(tp * pp, g)   # fewest whole nodes holding a multiple of TP x PP GPUs
-    fix = (f"TP={tp} x PP={pp} needs a multiple of {need} trainer nodes "
-           f"({need + cluster.engine_nodes} nodes with the engines)")
+    ep, etp = expert_layout(cfg)
+    group = tp * pp * (ep * etp // math.gcd(ep * etp, tp) if experts_why else 1)  # GPUs of one copy (of the experts)
+    need = group // math.gcd(group, g)   # fewest whole nodes holding a multiple of such groups
+    fix = (f"TP={tp} x PP={pp}" + (f" with EP={ep} x expert TP={etp}" if experts_why else "")
+           + f" needs a multiple of {need} trainer nodes ({need + cluster.engine_nodes} nodes with the engines)")
     if best:
         lay, peak = best
         fits = peak <= usable
-        fix += (f"; on {trainer_gpus} GPUs the lightest layout is parallel.tp={lay.tp} parallel.pp={lay.pp} "
+        fix += (f"; on {trainer_gpus} GPUs the lightest layout is {layout_setting(lay, arch)} "
                 f"(dp={lay.dp}), {gib(peak)} GiB per GPU, which "
                 + ("fits" if fits else f"does not fit either ({gib(peak - usable)} GiB over)"))
-    return {"role": "trainer", "what": f"one model copy needs TP x PP = {tp * pp} GPUs, which does not "
-            f"divide the trainer's {trainer_gpus} ({trainer_nodes} nodes x {g})",
+    what = experts_why or (f"one model copy needs TP x PP = {tp * pp} GPUs, which does not "
+                           f"divide the trainer's {trainer_gpus} ({trainer_nodes} nodes x {g})")
+    return {"role": "trainer", "what": what,
             "short_gib": None, "fix": fix}   # the GiB are in the fix: they are the best layout's
 
 

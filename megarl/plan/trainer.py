@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import ConfigError, RootConfig, validate_world
 from megarl.models.arch import Arch
+from megarl.plan import experts
 from megarl.plan import memory as mem
 from megarl.plan.memory import gib
 from megarl.plan.transfer import transfer_buffers
@@ -14,12 +15,33 @@ from megarl.plan.transfer import transfer_buffers
 
 @dataclass(frozen=True)
 class Layout:
+    """TP x PP x DP of the trainer's GPUs; an MoE model's experts over EP x ETP within TP x DP
+    (experts.expert_data_parallel: EDP = TP x DP / (ETP x EP))."""
     tp: int
     pp: int
     dp: int
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def edp(self) -> int:
+        return experts.expert_data_parallel(self.tp, self.dp, self.ep, self.etp)
 
 
-def check_layout(arch: Arch, tp: int, pp: int) -> None:
+def expert_layout(cfg: RootConfig, tp: int | None = None) -> tuple[int, int]:
+    """(EP, ETP) of the recipe. parallel.ep (1 when the setting is absent); parallel.etp when
+    the schema has it and it is set, else megatron's default: ETP = TP
+    (`initialize_model_parallel(expert_tensor_parallel_size=None)`)."""
+    tp = cfg.parallel.tp if tp is None else tp
+    return getattr(cfg.parallel, "ep", 1) or 1, getattr(cfg.parallel, "etp", 0) or tp
+
+
+def layout_of(cfg: RootConfig, tp: int, pp: int, dp: int) -> Layout:
+    """The recipe's layout with this TP x PP x DP (its EP, its ETP or megatron's default)."""
+    return Layout(tp, pp, dp, *expert_layout(cfg, tp))
+
+
+def check_layout(arch: Arch, tp: int, pp: int, ep: int = 1, etp: int = 1, sequence_parallel: bool = False) -> None:
     """What models/transformer_config.py refuses at build time, said before any GPU is allocated."""
     if arch.kv_heads % tp or arch.heads % tp:
         fits = [d for d in range(1, arch.kv_heads + 1) if arch.kv_heads % d == 0 and arch.heads % d == 0]
@@ -28,6 +50,37 @@ def check_layout(arch: Arch, tp: int, pp: int) -> None:
     if arch.layers % pp:
         raise ConfigError(f"parallel.pp={pp} must divide the model's {arch.layers} layers: use one of "
                           f"{[d for d in range(1, arch.layers + 1) if arch.layers % d == 0 and d <= 16]}")
+    check_expert_layout(arch, tp, ep, etp, sequence_parallel)
+
+
+def check_expert_layout(arch: Arch, tp: int, ep: int, etp: int, sequence_parallel: bool) -> None:
+    """What megatron-core refuses of an expert layout: EP on a dense model, EP not dividing the
+    experts (each EP rank holds whole experts), an MoE model trained over TP without sequence
+    parallelism (MoELayer.forward raises). EP x ETP dividing TP x DP: `check_expert_world`."""
+    if not arch.moe:
+        if ep > 1:
+            raise ConfigError(f"parallel.ep={ep}: the model has no experts (a dense model): use parallel.ep=1")
+        return
+    if arch.experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the model's {arch.experts} experts (each EP rank holds "
+                          f"whole experts): use one of {divisors(arch.experts)}")
+    if tp > 1 and not sequence_parallel:
+        raise ConfigError(f"parallel.tp={tp} with an MoE model needs parallel.sequence_parallel=true (megatron "
+                          f"trains MoE layers over TP only with it), or parallel.tp=1")
+
+
+def check_expert_world(arch: Arch, lay: Layout) -> str:
+    """'' when EP x ETP divides the GPUs of a pipeline stage (TP x DP), as megatron's expert
+    groups need; else why not and what would."""
+    if (lay.tp * lay.dp) % (lay.ep * lay.etp) == 0:
+        return ""
+    fits = [e for e in divisors(max(arch.experts, 1)) if (lay.tp * lay.dp) % (e * lay.etp) == 0]
+    return (f"parallel.ep={lay.ep} x expert TP {lay.etp} must divide the {lay.tp * lay.dp} GPUs of a pipeline "
+            f"stage (TP={lay.tp} x DP={lay.dp}): use parallel.ep in {fits} or more trainer GPUs")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def largest_micro_batch(cfg: RootConfig, dp: int) -> tuple[int, float, int]:
@@ -55,22 +108,28 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     sender = transfer_buffers(cfg, arch) if fused else 0
     div, wb = cfg.model.make_vocab_size_divisible_by, mem.DTYPE_BYTES[cfg.model.dtype]
     seq, mbs, micro = largest_micro_batch(cfg, dp)
+    # the distributed optimizer shards dense parameters' state over DP, experts' over expert DP
     per_param = mem.trainable_bytes_per_param(cfg.model.dtype, dp)
+    per_expert = mem.trainable_bytes_per_param(cfg.model.dtype, lay.edp) if arch.moe else per_param
     ppo = ADVANTAGES.get(cfg.algo.name).needs_critic   # a critic to place
     sp = cfg.parallel.sequence_parallel
     worst = None
 
+    def params(role, stage):
+        return mem.stage_param_split(arch, tp, pp, stage, role, div, lay.ep, lay.etp)
+
     def trainable(role, stage):
-        n = mem.stage_params(arch, tp, pp, stage, role, div)
-        return {k: n * b for k, b in per_param.items()}
+        dense, local_experts = params(role, stage)
+        return {k: dense * per_param[k] + local_experts * per_expert[k] for k in per_param}
 
     for stage in range(pp):
         actor = trainable("actor", stage)
         critic = trainable("critic", stage) if ppo else {"weights": 0, "grads": 0, "optimizer": 0}
-        ref = mem.stage_params(arch, tp, pp, stage, "reference", div) * wb
-        rm = mem.stage_params(rm_arch, tp, pp, stage, "reward", div) * wb if rm_arch else 0
+        ref = sum(params("reference", stage)) * wb
+        # a reward model is built with the trainer's layout too (its own experts, if any, over EP)
+        rm = mem.stage_params(rm_arch, tp, pp, stage, "reward", div, lay.ep, lay.etp) * wb if rm_arch else 0
         act = dict(seq=seq, mbs=mbs, tp=tp, pp=pp, stage=stage, act_bytes=wb, sequence_parallel=sp,
-                   fused=fused, divisible_by=div)
+                   fused=fused, divisible_by=div, etp=lay.etp)
         train_actor = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute, **act)
         train_critic = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute,
                                                   with_logits=False, **act)
@@ -108,29 +167,53 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     return worst
 
 
-def candidate_layouts(arch: Arch, gpus: int, gpus_per_node: int):
-    """Every TP x PP x DP the code accepts on `gpus` GPUs, TP within a node."""
+def candidate_layouts(arch: Arch, gpus: int, gpus_per_node: int, etp: int = 0, sequence_parallel: bool = True):
+    """Every TP x PP x DP (x EP for an MoE model) the code accepts on `gpus` GPUs, TP within a
+    node. etp: the expert TP (0: megatron's default, = TP). An MoE model over TP > 1 needs
+    sequence parallelism: without it only TP = 1 is offered."""
     for tp in range(1, min(gpus_per_node, arch.kv_heads) + 1):
-        if arch.kv_heads % tp or arch.heads % tp:
+        if arch.kv_heads % tp or arch.heads % tp or (arch.moe and tp > 1 and not sequence_parallel):
             continue
         for pp in range(1, arch.layers + 1):
-            if arch.layers % pp == 0 and gpus % (tp * pp) == 0:
-                yield Layout(tp, pp, gpus // (tp * pp))
+            if arch.layers % pp or gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if not arch.moe:
+                yield Layout(tp, pp, dp)
+                continue
+            for ep in divisors(arch.experts):
+                lay = Layout(tp, pp, dp, ep, etp or tp)
+                if not check_expert_world(arch, lay):
+                    yield lay
+
+
+def with_layout(cfg: RootConfig, lay: Layout) -> RootConfig:
+    """The recipe with the layout's TP, PP (and EP where the schema has parallel.ep)."""
+    par = replace(cfg.parallel, tp=lay.tp, pp=lay.pp)
+    if hasattr(par, "ep"):
+        par = replace(par, ep=lay.ep)
+    return replace(cfg, parallel=par)
 
 
 def best_layout(cfg, arch, gpus, gpus_per_node, fused, rm_arch) -> tuple[Layout, float] | None:
-    """The layout of `gpus` GPUs with the lowest peak (ties: least PP, then least TP)."""
+    """The layout of `gpus` GPUs with the lowest peak (ties: least PP, then least TP, then least EP)."""
     best = None
-    for lay in candidate_layouts(arch, gpus, gpus_per_node):
+    etp = getattr(cfg.parallel, "etp", 0)
+    for lay in candidate_layouts(arch, gpus, gpus_per_node, etp, cfg.parallel.sequence_parallel):
         try:
-            validate_world(replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp)), gpus)
+            validate_world(with_layout(cfg, lay), gpus)
         except ConfigError:
             continue
         peak = trainer_memory(cfg, arch, lay, fused, rm_arch)["peak_bytes"]
-        key = (peak, lay.pp, lay.tp)
+        key = (peak, lay.pp, lay.tp, lay.ep)
         if best is None or key < best[0]:
             best = (key, lay)
     return (best[1], best[0][0]) if best else None
+
+
+def layout_setting(lay: Layout, arch: Arch) -> str:
+    """The settings that give this layout, as a fix names them."""
+    return f"parallel.tp={lay.tp} parallel.pp={lay.pp}" + (f" parallel.ep={lay.ep}" if arch.moe else "")
 
 
 def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
@@ -154,8 +237,8 @@ def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
     elif not budget and t.micro_batch_size > 1:
         opts.append(("train.micro_batch_size=1", peak(replace(cfg, train=replace(t, micro_batch_size=1)), lay)))
     best = best_layout(cfg, arch, gpus, gpn, fused, rm_arch)
-    if best and (best[0].tp, best[0].pp) != (lay.tp, lay.pp):
-        opts.append((f"parallel.tp={best[0].tp} parallel.pp={best[0].pp}", best[1]))
+    if best and (best[0].tp, best[0].pp, best[0].ep) != (lay.tp, lay.pp, lay.ep):
+        opts.append((layout_setting(best[0], arch), best[1]))
     ws = cfg.weight_sync
     if transfer_buffers(cfg, arch):   # only global rank 0 holds them, but it may be the one that does not fit
         def sync(**kw):
@@ -165,7 +248,7 @@ def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
         if ws.bucket_mb > 128:
             opts.append(("weight_sync.bucket_mb=128", sync(bucket_mb=128)))
         opts.append(("weight_sync.transport=files (staged on disk, slower)", sync(transport="files")))
-    more = Layout(lay.tp, lay.pp, lay.dp * 2)
+    more = replace(lay, dp=lay.dp * 2)
     opts.append((f"twice the trainer nodes (dp={more.dp}: Adam state sharded twice as thin)", peak(cfg, more)))
     opts.sort(key=lambda o: o[1])
     return "; ".join(f"{name} -> {gib(p)} GiB" + (" (fits)" if p <= usable else "") for name, p in opts)
