@@ -40,3 +40,10 @@ def request_seed(sample_seed: int, tokens: int, restarts: int) -> int:
 def minibatch_seed(run_seed: int, step: int) -> int:
     """PPO's shuffle of the step's rows into mini-batches (drawn on the host)."""
     return run_seed * 7919 + step
+
+
+def eval_prompt_seed(run_seed: int, dataset: int, index: int) -> int:
+    """Held-out evaluation (eval.temperature > 0): prompt `index` of eval dataset `dataset`, the
+    same at every evaluation (each version is scored on the same draws); its samples use
+    `sample_seed`. A stream of its own: evaluating draws nothing from the training's seeds."""
+    return (run_seed * 1_000_033 + dataset * 100_003 + index * 10_009 + 1) % MODULUS

@@ -9,6 +9,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema.agents import EnvConfig, ServiceConfig
 from megarl.config.schema.algo import AlgoConfig, TrainConfig
 from megarl.config.schema.data import DataConfig, RewardConfig
+from megarl.config.schema.eval import EvalConfig
 from megarl.config.schema.model import ArchConfig, ModelConfig, ParallelConfig, RunConfig
 from megarl.config.schema.rollout import LOCAL_ENGINE_MODES, EnginesConfig, PartialConfig, RolloutConfig, SamplingConfig
 from megarl.config.schema.root import RootConfig, validate_world
@@ -31,6 +32,7 @@ __all__ = [
     "ServiceConfig",
     "DataConfig",
     "RewardConfig",
+    "EvalConfig",
     "WeightSyncConfig",
     "MetricsConfig",
     "CheckpointConfig",

@@ -7,6 +7,7 @@ from megarl.config.schema.agents import EnvConfig, ServiceConfig
 from megarl.config.schema.algo import AlgoConfig, TrainConfig
 from megarl.config.schema.checks import changed, require
 from megarl.config.schema.data import DataConfig, RewardConfig
+from megarl.config.schema.eval import EvalConfig, check_eval
 from megarl.config.schema.model import ModelConfig, ParallelConfig, RunConfig
 from megarl.config.schema.rollout import RolloutConfig
 from megarl.config.schema.run import CheckpointConfig, ClusterConfig, MetricsConfig, WeightSyncConfig
@@ -28,10 +29,12 @@ class RootConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)   # held-out evaluation (docs/evaluation.md)
 
     def __post_init__(self):
         self._check_episodes()
         self._check_weight_sync()
+        check_eval(self)   # eval.* against the rollout and reward.fn (schema/eval.py)
         budget, longest = self.train.max_tokens_per_micro_batch, self.rollout.engines.max_model_len
         if self.parallel.sequence_parallel:
             longest = -(-longest // self.parallel.tp) * self.parallel.tp

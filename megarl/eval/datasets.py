@@ -1,0 +1,40 @@
+"""The held-out datasets of eval.datasets, loaded and checked before anything starts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.config.errors import ConfigError
+from megarl.data.prompts import load_prompts
+from megarl.rewards import needs_answer
+
+
+@dataclass
+class EvalSet:
+    """One held-out dataset: its name in metric keys, its file, its verifier and its records."""
+    index: int            # position in eval.datasets (its seeds derive from it)
+    name: str
+    path: str
+    verifier: str         # a registered name or an import path
+    records: list
+
+
+def load_eval_sets(cfg) -> list[EvalSet]:
+    """Every file of cfg.eval.datasets read as data.prompts is (data.*_key fields; the gold
+    answer required where the dataset's verifier compares with one), cut to eval.max_prompts.
+    A missing or malformed file is a ConfigError naming eval.datasets[i]."""
+    e, d = cfg.eval, cfg.data
+    sets = []
+    for i, (path, name) in enumerate(zip(e.datasets, e.names)):
+        verifier = e.verifier_of(i, cfg.reward.fn)
+        try:
+            records = load_prompts(str(path), d.prompt_key, d.messages_key,
+                                   d.answer_key if needs_answer(verifier) else None)
+        except (ConfigError, FileNotFoundError) as err:
+            # load_prompts speaks of data.prompts: here the file is an evaluation dataset
+            message = str(err).replace("data.prompts=", f"eval.datasets[{i}]=").replace(
+                "point data.prompts at", f"point eval.datasets[{i}] at")
+            raise ConfigError(message) from None
+        if e.max_prompts:
+            records = records[: e.max_prompts]
+        sets.append(EvalSet(i, name, str(path), verifier, list(records)))
+    return sets
