@@ -58,7 +58,9 @@ class MetricsLogger:
         path.write_text("".join(line + "\n" for line in kept))
         return path.open("a")
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, line: str | None = None) -> None:
+        """One row at `step`. `line`: a row beside the step's own (the held-out evaluation,
+        megarl/eval/): printed as given, and the bar does not move."""
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         if self.jsonl is None:
             self.jsonl = self._open()
@@ -71,6 +73,9 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(row)
+        if line is not None:
+            self.bar.write(line)
+            return
         headline = " ".join(f"{k.replace('_mean', '').replace('_s', '')}={row[k]:.3g}"
                             for k in self.HEADLINE if isinstance(row.get(k), (int, float)))
         self.bar.update(1)
