@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megarl.config.schema import ConfigError, RootConfig
+from megarl.config.schema.unused import CHOICES, unused_under
 
 
 def _known_keys(cls=RootConfig, prefix="") -> list[str]:
@@ -177,6 +178,19 @@ def _drop_alternatives(cfg, layer, defaults) -> None:
                     OmegaConf.update(cfg, k, OmegaConf.select(defaults, k))
 
 
+def _drop_unused(cfg, layer, defaults) -> None:
+    """A layer that makes a choice (schema/unused.py CHOICES: `algo.name=grpo` on the command line)
+    drops what earlier layers set for the settings that choice leaves unused (the recipe's
+    train.critic_lr), as it would replace the same key; one layer setting both is refused."""
+    for choice in CHOICES:
+        value = OmegaConf.select(layer, choice, default=_MISSING)
+        if value is _MISSING:
+            continue
+        for key in unused_under(choice, value):
+            if OmegaConf.select(layer, key, default=_MISSING) is _MISSING:
+                OmegaConf.update(cfg, key, OmegaConf.select(defaults, key))
+
+
 def _apply_aliases(layer, source: str) -> None:
     """Moved keys to their new place (warning once per old key), then spellings to fields."""
     for old, new in MOVED.items():
@@ -216,6 +230,7 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
         if problem:
             raise ConfigError(f"{problem} (from {source})")
         _drop_alternatives(cfg, layer, defaults)
+        _drop_unused(cfg, layer, defaults)
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as err:

@@ -66,6 +66,12 @@ class AlgoConfig:
                  (self.is_low, self.is_high), "need is_low <= 1 <= is_high")
         self._check_stabilizers()
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether anything reads the reference model's logprobs: only the KL term (in the
+        reward or the loss), so without one the reference is neither built nor run."""
+        return self.kl_coef != 0
+
     def _check_stabilizers(self) -> None:
         require(self.m2po_tau is None or self.m2po_tau > 0, "algo.m2po_tau", self.m2po_tau,
                  "must be > 0 (the paper uses 0.04), or null to disable M2PO")

@@ -9,8 +9,10 @@ from megarl.config.schema.checks import changed, require
 from megarl.config.schema.data import DataConfig, RewardConfig
 from megarl.config.schema.eval import EvalConfig, check_eval
 from megarl.config.schema.model import ModelConfig, ParallelConfig, RunConfig
+from megarl.config.schema.moe import MoEConfig
 from megarl.config.schema.rollout import RolloutConfig
 from megarl.config.schema.run import CheckpointConfig, ClusterConfig, MetricsConfig, WeightSyncConfig
+from megarl.config.schema.unused import check_unused
 
 
 @dataclass
@@ -18,6 +20,7 @@ class RootConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -44,9 +47,7 @@ class RootConfig:
         if self.algo.name == "grpo":
             require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
                      "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
-            require(self.train.critic_warmup_steps == 0, "train.critic_warmup_steps",
-                     self.train.critic_warmup_steps, "algo.name=grpo has no critic to warm up: "
-                     "remove it, or use algo.name=ppo")
+        check_unused(self)   # settings of components this run does not build (schema/unused.py)
 
     def _check_episodes(self) -> None:
         mode = self.rollout.mode

@@ -1,0 +1,108 @@
+"""Settings that a choice elsewhere in the config leaves unused: refused, one line each.
+
+A value that differs from its default (`checks.changed`) and that the run would never read is
+a mistake in the recipe or on the command line (a critic learning rate under GRPO, a staging
+folder for a transfer that stages nothing). `CHOICES` says, for each setting that picks a
+component, which settings each of its values leaves unused and why; `check_unused` refuses the
+first such setting that was changed, naming it, the choice and the fix. The config loader reads
+the same table (`unused_under`): a layer that makes a choice (the command line's
+`algo.name=grpo`) drops what earlier layers (the recipe) set for the settings that choice leaves
+unused, as it replaces a key it sets itself; one layer that sets both is refused here.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from megarl.config.registry import ADVANTAGES
+from megarl.config.schema.checks import changed, plain, require
+
+_CRITIC = {"algo.value_clip", "algo.value_coef", "train.critic_lr", "train.critic_warmup_steps"}
+# the settings each built-in algo.name reads and the others do not (one registered elsewhere:
+# only the critic's settings are checked, by its needs_critic)
+ESTIMATOR_READS = {"ppo": {"algo.gamma", "algo.lam", "algo.whiten_advantages"} | _CRITIC,
+                   "grpo": {"algo.grpo_std_normalize"}}
+# the settings each built-in algo.is_mode reads
+IS_MODE_READS = {"tis": {"algo.is_cap"}, "mask": {"algo.is_low", "algo.is_high"}, "none": set()}
+_PARTIAL = {"rollout.partial.concurrency", "rollout.partial.max_staleness", "rollout.partial.stale_policy"}
+
+
+def _algo_name(value) -> tuple[set[str], str]:
+    if value in ESTIMATOR_READS:
+        others = set().union(*(r for n, r in ESTIMATOR_READS.items() if n != value))
+        return others - ESTIMATOR_READS[value], ("GRPO has no critic and no GAE" if value == "grpo"
+                                                  else "PPO's advantages are GAE's, not group-normalised")
+    if value in ADVANTAGES and not ADVANTAGES.get(value).needs_critic:
+        return set(_CRITIC), "it trains no critic"
+    return set(), ""
+
+
+def _is_mode(value) -> tuple[set[str], str]:
+    if value not in IS_MODE_READS:
+        return set(), ""
+    every = set().union(*IS_MODE_READS.values())
+    return every - IS_MODE_READS[value], "tis reads is_cap; mask reads is_low and is_high; none neither"
+
+
+def _rollout_mode(value) -> tuple[set[str], str]:
+    if value == "sync":
+        return _PARTIAL | {"rollout.update_mode"}, ("a sync round waits for every sample: no concurrency "
+                                                    "cap, no staleness, no request in flight at an update")
+    if value == "service":
+        return {"rollout.partial.concurrency"}, "outside agents set the concurrency (service.max_episodes)"
+    return set(), ""
+
+
+def _transport(value) -> tuple[set[str], str]:
+    if value == "collective":
+        return {"weight_sync.staging_dir"}, "nothing is staged on disk"
+    return ({"weight_sync.backend", "weight_sync.master_addr", "weight_sync.master_port", "weight_sync.num_buffers"},
+            "the engines read staged files; there is no weight group")
+
+
+# choice key -> (its value -> (the dotted keys that value leaves unused, why))
+CHOICES: dict[str, Callable] = {
+    "algo.name": _algo_name,
+    "algo.kl_coef": lambda v: ({"algo.kl_mode", "algo.kl_kind"}, "no KL term, so no reference model")
+    if not v else (set(), ""),
+    "algo.is_mode": _is_mode,
+    "train.lr_decay_style": lambda v: ({"train.min_lr_ratio"}, "a constant learning rate has no floor")
+    if v == "constant" else (set(), ""),
+    "rollout.mode": _rollout_mode,
+    "weight_sync.transport": _transport,
+    "reward.fn": lambda v: ({"reward.timeout_s"}, "no verifier runs") if v == "none" else (set(), ""),
+}
+
+
+def unused_under(choice: str, value) -> set[str]:
+    """The dotted keys that `choice`=`value` leaves unused (empty for a key not in CHOICES)."""
+    return CHOICES[choice](value)[0] if choice in CHOICES else set()
+
+
+def _section(cfg, dotted: str):
+    *path, name = dotted.split(".")
+    obj = cfg
+    for part in path:
+        obj = getattr(obj, part)
+    return obj, name
+
+
+def check_unused(cfg) -> None:
+    """ConfigError for the first changed setting of `cfg` (a RootConfig) that a choice leaves unused."""
+    for choice, rule in CHOICES.items():
+        obj, name = _section(cfg, choice)
+        value = getattr(obj, name)
+        keys, why = rule(value)
+        for key in sorted(keys):
+            section, field_name = _section(cfg, key)
+            require(not changed(section, {field_name}), key, plain(getattr(section, field_name)),
+                    f"is not used with {choice}={value} ({why}): remove it, or change {choice}")
+    _offload(cfg)
+
+
+def _offload(cfg) -> None:
+    """train.offload_idle moves the idle frozen or critic models to host memory: with none built it does nothing."""
+    idle = cfg.algo.uses_reference or bool(cfg.reward.model_path) or (
+        cfg.algo.name in ADVANTAGES and ADVANTAGES.get(cfg.algo.name).needs_critic)
+    require(idle or not cfg.train.offload_idle, "train.offload_idle", cfg.train.offload_idle,
+            "moves idle models (reference, critic, reward model) to host memory, and this run builds none "
+            "(algo.kl_coef=0, no critic, no reward.model_path): remove it")
