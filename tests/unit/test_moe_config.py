@@ -30,3 +30,15 @@ def test_ep_not_dividing_dp_names_the_settings(world, tp, pp, ep):
 def test_bad_values_are_refused(setting, value, fix):
     with pytest.raises(ConfigError, match=rf"{setting}.*{fix}"):
         cfg(f"{setting}={value}")
+
+
+def test_router_loss_defaults_follow_the_checkpoint():
+    """moe.aux_loss_coeff < 0 (default) takes config.json's router_aux_loss_coef; a value given
+    wins; load_balancing=none turns it off; a negative z-loss is refused naming the key."""
+    class Hf:
+        router_aux_loss_coef = 0.001
+    assert cfg().moe.aux_coeff(Hf()) == 0.001
+    assert cfg("moe.aux_loss_coeff=0.01").moe.aux_coeff(Hf()) == 0.01
+    assert cfg("moe.load_balancing=none").moe.aux_coeff(Hf()) == 0.0
+    with pytest.raises(ConfigError, match="moe.z_loss_coeff"):
+        cfg("moe.z_loss_coeff=-1")
