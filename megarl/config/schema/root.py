@@ -12,6 +12,7 @@ from megarl.config.schema.model import ModelConfig, ParallelConfig, RunConfig
 from megarl.config.schema.moe import MoEConfig
 from megarl.config.schema.rollout import RolloutConfig
 from megarl.config.schema.run import CheckpointConfig, ClusterConfig, MetricsConfig, WeightSyncConfig
+from megarl.config.schema.unused import check_unused
 
 
 @dataclass
@@ -46,9 +47,7 @@ class RootConfig:
         if self.algo.name == "grpo":
             require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
                      "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
-            require(self.train.critic_warmup_steps == 0, "train.critic_warmup_steps",
-                     self.train.critic_warmup_steps, "algo.name=grpo has no critic to warm up: "
-                     "remove it, or use algo.name=ppo")
+        check_unused(self)   # settings of components this run does not build (schema/unused.py)
 
     def _check_episodes(self) -> None:
         mode = self.rollout.mode
