@@ -29,6 +29,12 @@ class ExtensionError(ValueError):
     """What is wrong with one import path, without the setting (the registry adds it)."""
 
 
+def a(obj: Any) -> str:
+    """'a int' -> 'an int': the article and the type name of `obj`, for messages."""
+    name = type(obj).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def is_import_path(value: Any) -> bool:
     return isinstance(value, str) and ":" in value
 
@@ -112,7 +118,7 @@ def resolve(value: str) -> Any:
 def check_call(obj: Any, params: tuple[str, ...]) -> None:
     """ExtensionError unless `obj` can be called as obj(*params) (positionally, as megarl does)."""
     if not callable(obj):
-        raise ExtensionError(f"is a {type(obj).__name__}, not a function: name a function taking "
+        raise ExtensionError(f"is {a(obj)}, not a function: name a function taking "
                              f"({', '.join(params)})")
     try:
         sig = inspect.signature(obj)

@@ -99,7 +99,7 @@ class Registry:
         if self.kind:
             cls = extension.resolve(self.kind)
             if not isinstance(obj, cls):
-                raise extension.ExtensionError(f"is a {type(obj).__name__}, not a {cls.__module__}.{cls.__name__}: "
+                raise extension.ExtensionError(f"is {extension.a(obj)}, not a {cls.__module__}.{cls.__name__}: "
                                                f"name an instance of it")
             return obj
         extension.check_call(obj, self.takes)

@@ -27,7 +27,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from megarl.config.extension import ExtensionError
+from megarl.config.extension import ExtensionError, a
 from megarl.config.registry import ENVIRONMENTS
 
 
@@ -85,7 +85,7 @@ def spec_from_import(obj, value: str) -> EnvSpec:
     if isinstance(obj, EnvSpec):
         return obj
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
-        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else a(obj)
         raise ExtensionError(f"is {what}, not a subclass of megarl.envs.base.Environment: name a class "
                              f"deriving from it (docs/agents.md)")
     if inspect.isabstract(obj):

@@ -14,7 +14,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Callable
 
-from megarl.config.extension import ExtensionError
+from megarl.config.extension import ExtensionError, a
 from megarl.config.registry import VERIFIERS
 
 RewardFn = Callable[..., float]
@@ -54,7 +54,7 @@ def from_import(obj, value: str) -> VerifierEntry:
     if entry is None:
         entry = VerifierEntry(obj, needs_answer=False, isolated=False)
     if not callable(entry.fn) or isinstance(entry.fn, type):
-        raise ExtensionError(f"is a {type(entry.fn).__name__}, not a function: name a function "
+        raise ExtensionError(f"is {a(entry.fn)}, not a function: name a function "
                              f"fn(response_text, record, *, finished) -> float")
     _check_signature(entry)
     if entry.isolated:
