@@ -10,8 +10,12 @@ Two calibrations:
   of bytes / bandwidth and FLOPs / peak, over the engine's TP GPUs, plus a fixed per-step
   launch/scheduling cost. Training costs 6 x params FLOPs per trained token (forward +
   backward) for each trained model and 2 x params for each forward-only pass, at an achieved
-  fraction (MFU) of peak. `forward_s` is the forward-only share of that (old and reference
-  logprobs, values): what rollout.overlap runs while the round still generates.
+  fraction (MFU) of peak. A Mixture of Experts computes with its active parameters (attention,
+  router, top-k experts: `Model.active_params`) but holds and sends all of them: FLOPs follow
+  the active count, a decode step reads the weights of every expert some token of its batch
+  is routed to (`Model.step_weight_bytes`), and the weight push moves the total. `forward_s`
+  is the forward-only share of that (old and reference logprobs, values): what
+  rollout.overlap runs while the round still generates.
 - `WeightSyncCosts`: a weight sync by the route the recipe's weight_sync.transport takes (one
   broadcast over the trainer's link, or files written once and read by every engine).
 All pure functions of their inputs: the simulator's clock only ever advances by them.
@@ -27,7 +31,8 @@ from pathlib import Path
 
 from megarl.config import load_config
 from megarl.models.arch import Arch, resolve_arch
-from megarl.plan.memory import total_params
+from megarl.plan.experts import expert_params
+from megarl.plan.memory import active_params, total_params
 from megarl.ppo.microbatch import Batching, plan_rows, round_up
 
 # architecture facts of published models (config.json of each), one file per model
@@ -82,7 +87,10 @@ GPUS = {"h100": H100, "h200": H200}
 
 @dataclass(frozen=True)
 class Model:
-    """What the cost of a decoder depends on (from its HF config)."""
+    """What the cost of a decoder depends on (from its HF config). params: all of them (what
+    is held and pushed); active_params: those one token computes with (0: all, a dense model);
+    routed_params: every MoE layer's routed experts together (0: dense), of `experts` per
+    layer with `top_k` per token."""
     name: str
     params: float
     layers: int
@@ -90,14 +98,41 @@ class Model:
     kv_heads: int
     head_dim: int
     bytes_per_param: int = 2   # bf16
+    active_params: float = 0.0
+    routed_params: float = 0.0
+    experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def from_arch(cls, name: str, a: Arch) -> "Model":
-        return cls(name, float(total_params(a)), a.layers, a.hidden, a.kv_heads, a.head_dim)
+        routed = sum(a.experts for i in range(a.layers) if a.is_sparse(i)) * expert_params(a)
+        return cls(name, float(total_params(a)), a.layers, a.hidden, a.kv_heads, a.head_dim,
+                   active_params=float(active_params(a)), routed_params=float(routed), experts=a.experts,
+                   top_k=a.top_k)
+
+    @property
+    def active(self) -> float:
+        """Parameters one token computes with: FLOPs per token are 2x (forward), 6x (+ backward)."""
+        return self.active_params or self.params
 
     @property
     def weight_bytes(self) -> float:
+        """Every weight, experts included: what an engine holds and a weight sync sends."""
         return self.params * self.bytes_per_param
+
+    def experts_touched(self, tokens: int) -> float:
+        """The expected share of a layer's experts that `tokens` tokens route to, each to top_k
+        of them uniformly (balanced routing): 1 - (1 - k/E)^tokens. 1 for a dense model."""
+        if not self.experts:
+            return 1.0
+        return 1.0 - (1.0 - self.top_k / self.experts) ** max(tokens, 1)
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a forward of `tokens` tokens reads from memory: every dense weight, and of
+        the routed experts the share some token is sent to (a decode step of one sequence reads
+        top_k / E of them; 64 sequences at 8 of 128 experts, 98%)."""
+        dense = self.params - self.routed_params
+        return (dense + self.routed_params * self.experts_touched(tokens)) * self.bytes_per_param
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -130,9 +165,9 @@ class RooflineEngine:
     def step_s(self, batch: int, context_tokens: int, prefill_tokens: int, new_requests: int) -> float:
         bw = self.gpu.hbm_bytes_per_s * self.bandwidth_eff * self.tp
         flops = self.gpu.bf16_flops * self.flops_eff * self.tp
-        read = self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token
-        decode = max(read / bw, 2 * self.model.params * batch / flops)
-        prefill = 2 * self.model.params * prefill_tokens / flops
+        read = self.model.step_weight_bytes(batch + prefill_tokens) + context_tokens * self.model.kv_bytes_per_token
+        decode = max(read / bw, 2 * self.model.active * batch / flops)
+        prefill = 2 * self.model.active * prefill_tokens / flops
         # TP all-reduces per layer: 2 x hidden x batch bytes over NVLink, twice per layer
         comm = 0.0 if self.tp == 1 else (4 * self.model.layers * self.model.hidden * 2 * max(batch, 1)
                                          / self.gpu.link_bytes_per_s + 2 * self.model.layers * 8e-6)
@@ -203,8 +238,9 @@ class MeasuredTrainer:
 
 @dataclass
 class RooflineTrainer:
-    """PPO with actor and critic trained (6 x params FLOPs per token each) and forward passes
-    for old logprobs, reference logprobs and values (2 x params each); GRPO has no critic.
+    """PPO with actor and critic trained (6 x active params FLOPs per token each) and forward
+    passes for old logprobs, reference logprobs and values (2 x active params each); GRPO has
+    no critic.
     `shape`: the positions the trainer computes (StepShape: padding by the batching rule, the
     busiest DP rank) when the samples' lengths are given; None: their real tokens."""
     model: Model
@@ -232,7 +268,7 @@ class RooflineTrainer:
 
     def flops_per_token(self) -> float:
         trained, forward_only = self._passes()
-        return (6 * trained + 2 * forward_only) * self.model.params
+        return (6 * trained + 2 * forward_only) * self.model.active
 
     @property
     def forward_frac(self) -> float:
@@ -251,15 +287,15 @@ class RooflineTrainer:
     def train_s(self, trained_tokens: int, stitch_tokens: int = 0, samples: int = 0, lengths=None) -> float:
         update, forward = self.positions(trained_tokens, samples, lengths)
         trained, forward_only = self._passes()
-        flops = (6 * trained * update + 2 * forward_only * forward) * self.model.params
-        return (flops + 2 * self.model.params * stitch_tokens) / self._rate()
+        flops = (6 * trained * update + 2 * forward_only * forward) * self.model.active
+        return (flops + 2 * self.model.active * stitch_tokens) / self._rate()
 
     def forward_s(self, trained_tokens: int, samples: int = 0, lengths=None) -> float:
         """The forward-only passes of these samples over prompt + response (a part of their
         train_s; the stitched l_old of carried tokens is not: it runs when the round ends).
         With `lengths`, planned over these samples alone, as rollout.overlap computes a group."""
         forward = self.positions(trained_tokens, samples, lengths)[1]
-        return 2 * self._passes()[1] * self.model.params * forward / self._rate()
+        return 2 * self._passes()[1] * self.model.active * forward / self._rate()
 
 
 # -- weight sync ----------------------------------------------------------------------------
