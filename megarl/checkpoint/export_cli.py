@@ -27,6 +27,9 @@ def main(args) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from megarl.bootstrap import bootstrap
     bootstrap()
+    import warnings
+    for category in (UserWarning, FutureWarning, DeprecationWarning):   # megatron's "Apex is not installed"
+        warnings.filterwarnings("ignore", category=category)            # and the like: nothing to act on
     from megarl.checkpoint.hf_export import export_checkpoint
     from megarl.formats.hf_reader import ConversionError
     t0 = time.perf_counter()

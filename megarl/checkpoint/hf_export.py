@@ -92,7 +92,8 @@ def export_actor(model, info, out: str | os.PathLike, side_dir: str | os.PathLik
     if problem is None:
         files, error = _write_stage(model, info, tmp, max(1, shard_mb) << 20)
         gathered = _gather(((parallel.pp_rank(), files), error))
-        problem = _finish(tmp, out, gathered, side_dir, step) if _is_rank0() else None
+        record = {"step": step, "tp": parallel.tp_size(), "pp": parallel.pp_size()}
+        problem = _finish(tmp, out, gathered, side_dir, record) if _is_rank0() else None
         problem = from_rank0(problem)
     if problem:
         raise CheckpointError(f"HF export {out} could not be written: {problem}; nothing partial is left "
@@ -152,7 +153,7 @@ def _gather(obj) -> list:
     return out
 
 
-def _finish(tmp: Path, out: Path, gathered: list, side_dir, step) -> str | None:
+def _finish(tmp: Path, out: Path, gathered: list, side_dir, record: dict) -> str | None:
     """Rank 0: name the shards, write the index and side files, fsync, publish. Returns the
     problem (None when `out` is in place); the temporary folder is removed on a problem."""
     errors = [e for _, e in gathered if e]
@@ -161,7 +162,6 @@ def _finish(tmp: Path, out: Path, gathered: list, side_dir, step) -> str | None:
             shards = [f for _, f in sorted((stage, f) for (stage, files), _ in gathered for f in files)]
             write_index(tmp, shards)
             dtype = _dtype_of(tmp, "model-00001-of-" + f"{len(shards):05d}.safetensors") if shards else None
-            record = {"step": step, "tp": parallel.tp_size(), "pp": parallel.pp_size()}
             finish_side_files(tmp, Path(side_dir), dtype, record)
             publish(tmp, out)
             return None
