@@ -11,7 +11,8 @@ import time
 
 
 def add_parser(sub) -> None:
-    ex = sub.add_parser("export", help="a saved checkpoint's actor as a Hugging Face folder (docs/checkpoints.md)")
+    ex = sub.add_parser("export", help="a saved checkpoint's actor as a Hugging Face folder "
+                                       "(README.md: Hugging Face exports)")
     ex.add_argument("run_dir", help="the run's run.dir (its checkpoints/ folder), or a checkpoint.dir")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step_<N> (default: the newest complete one)")
     ex.add_argument("--out", required=True, help="new output folder (config.json, safetensors shards, tokenizer)")

@@ -99,8 +99,9 @@ class CheckpointConfig:
     keep: int = 2                      # newest complete checkpoints kept
     resume: bool = True                # continue from the newest complete checkpoint if one exists
     time_budget_min: float = 0.0       # save and stop after this many minutes of wall clock (0: none)
-    # Hugging Face exports of the actor (docs/checkpoints.md): <run.dir>/hf/step_<N> every this many
-    # steps (0: none), <run.dir>/hf/final after the run's last step; safetensors shards of hf_shard_mb
+    # Hugging Face exports of the actor (README.md, "Hugging Face exports"): <run.dir>/hf/step_<N>
+    # every this many steps (0: none), <run.dir>/hf/final after the run's last step; safetensors
+    # shards of about hf_shard_mb MiB
     hf_every: int = 0
     hf_final: bool = False
     hf_shard_mb: int = 2048
@@ -108,7 +109,8 @@ class CheckpointConfig:
     def __post_init__(self):
         require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
         require(self.hf_every >= 0, "checkpoint.hf_every", self.hf_every, "must be >= 0 (0: no export during the run)")
-        require(self.hf_shard_mb >= 1, "checkpoint.hf_shard_mb", self.hf_shard_mb, "must be >= 1 (MiB per safetensors shard)")
+        require(self.hf_shard_mb >= 1, "checkpoint.hf_shard_mb", self.hf_shard_mb,
+                "must be >= 1 (MiB per safetensors shard)")
         require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
         require(self.time_budget_min >= 0, "checkpoint.time_budget_min", self.time_budget_min, "must be >= 0")
 
