@@ -111,10 +111,10 @@ def trainer_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: A
     usable = (cluster.gpu_mem_gb - cluster.reserve_gb) * GiB
     if trainer_gpus < tp * pp or trainer_gpus % (tp * pp):
         return None, None, [indivisible_problem(cfg, arch, cluster, rm_arch, usable)]
+    lay = layout_of(cfg, tp, pp, trainer_gpus // (tp * pp))
+    if check_expert_world(arch, lay):   # before validate_world: a problem with its fixes, not a bare error
+        return None, lay.dp, [indivisible_problem(cfg, arch, cluster, rm_arch, usable, check_expert_world(arch, lay))]
     dp = validate_world(cfg, trainer_gpus)
-    lay = layout_of(cfg, tp, pp, dp)
-    if check_expert_world(arch, lay):
-        return None, dp, [indivisible_problem(cfg, arch, cluster, rm_arch, usable, check_expert_world(arch, lay))]
     trainer = trainer_memory(cfg, arch, lay, FUSED, rm_arch)
     trainer["usable_bytes"] = usable
     trainer["fits"] = trainer["peak_bytes"] <= usable

@@ -29,11 +29,10 @@ class Layout:
 
 
 def expert_layout(cfg: RootConfig, tp: int | None = None) -> tuple[int, int]:
-    """(EP, ETP) of the recipe. parallel.ep (1 when the setting is absent); parallel.etp when
-    the schema has it and it is set, else megatron's default: ETP = TP
-    (`initialize_model_parallel(expert_tensor_parallel_size=None)`)."""
+    """(EP, ETP) of the recipe: parallel.ep, and megatron's default expert TP, = TP (the trainer
+    sets no expert_tensor_parallel_size; a parallel.etp setting, where the schema has one, wins)."""
     tp = cfg.parallel.tp if tp is None else tp
-    return getattr(cfg.parallel, "ep", 1) or 1, getattr(cfg.parallel, "etp", 0) or tp
+    return cfg.parallel.ep, getattr(cfg.parallel, "etp", 0) or tp
 
 
 def layout_of(cfg: RootConfig, tp: int, pp: int, dp: int) -> Layout:
@@ -188,11 +187,8 @@ def candidate_layouts(arch: Arch, gpus: int, gpus_per_node: int, etp: int = 0, s
 
 
 def with_layout(cfg: RootConfig, lay: Layout) -> RootConfig:
-    """The recipe with the layout's TP, PP (and EP where the schema has parallel.ep)."""
-    par = replace(cfg.parallel, tp=lay.tp, pp=lay.pp)
-    if hasattr(par, "ep"):
-        par = replace(par, ep=lay.ep)
-    return replace(cfg, parallel=par)
+    """The recipe with the layout's TP, PP and EP."""
+    return replace(cfg, parallel=replace(cfg.parallel, tp=lay.tp, pp=lay.pp, ep=lay.ep))
 
 
 def best_layout(cfg, arch, gpus, gpus_per_node, fused, rm_arch) -> tuple[Layout, float] | None:
