@@ -15,8 +15,32 @@ _CPU = torch.device("cpu")
 _applied = False
 
 
+class _NullEvent:
+    """Stand-in for a CUDA event: on CPU every operation has finished when it returns."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
-    """Stand-in for a CUDA stream: megatron's DDP waits on events that do not exist on CPU."""
+    """Stand-in for a CUDA stream: megatron's DDP waits on events that do not exist on CPU, and
+    its MoE alltoall dispatcher makes a side stream (`torch.cuda.Stream()`) for its
+    device-to-host copies and synchronizes on the event it records there."""
+
+    def __init__(self, *a, **k):
+        pass
 
     def wait_event(self, *a, **k):
         pass
@@ -25,7 +49,7 @@ class _NullStream:
         pass
 
     def record_event(self, *a, **k):
-        return None
+        return _NullEvent()
 
     def synchronize(self):
         pass
@@ -100,6 +124,32 @@ def _patch_adam_step_on_load() -> None:
     dopt.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+def _patch_moe() -> None:
+    # megatron-core 0.16.1's MoE layers without Transformer Engine on a CPU build:
+    # 1. moe_utils binds te_general_gemm only inside its `import transformer_engine` block, yet
+    #    the router's gating reads the name on every call (NameError): None selects torch's matmul.
+    # 2. the alltoall dispatcher makes a torch.cuda.Stream at build (see _NullStream).
+    # 3. the alltoall dispatcher turns its split sizes into numpy only for CUDA tensors
+    #    (maybe_move_tensor_to_cpu(as_numpy=True) returns CPU tensors as they are), and gloo's
+    #    all_to_all_single refuses tensors as split sizes: here they become numpy too.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.Stream = _NullStream       # classes: megatron annotates `torch.cuda.Stream | None`
+    torch.cuda.Event = _NullEvent
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()   # a copy, as the CUDA path's DtoH is
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move_to_cpu.original = original
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
 def apply() -> None:
     """Install every patch once (idempotent). Call before megatron builds anything."""
     global _applied
@@ -112,6 +162,7 @@ def apply() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     _patch_rng()
     _patch_adam_step_on_load()
+    _patch_moe()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True
 

@@ -11,12 +11,15 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 
-def initialize(tp: int, pp: int, seed: int) -> None:
+def initialize(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """Build the TP x PP x DP groups (world order: TP fastest, then DP, then PP) and seed the
-    per-TP-rank RNG streams megatron uses for weight init and dropout."""
+    per-TP-rank RNG streams megatron uses for weight init and dropout. ep > 1: the expert
+    groups too, each `ep` consecutive DP ranks splitting an MoE layer's experts (expert TP =
+    tp); megatron keeps every expert's own data-parallel group for its gradients."""
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -51,6 +54,18 @@ def pp_rank() -> int:
 
 def pp_size() -> int:
     return ps.get_pipeline_model_parallel_world_size()
+
+
+def ep_group():
+    return ps.get_expert_model_parallel_group()
+
+
+def ep_rank() -> int:
+    return ps.get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    return ps.get_expert_model_parallel_world_size()
 
 
 def dp_rank() -> int:

@@ -1,4 +1,5 @@
-"""Declarative HF <-> megatron-core GPTModel parameter tables, one per architecture.
+"""HF <-> megatron-core GPTModel parameters through the per-architecture tables of
+`megarl.formats.tables`.
 
 A table row (`ParamMapping`) names one megatron parameter, the HF parameter(s) it holds and
 how it is laid out over tensor parallelism (`kind`). `ArchMapping` applies the rows with the
@@ -11,156 +12,43 @@ every stage); HF indices are global (local + the stage's layer offset). The embe
 the first stage, the final norm and output layer on the last. With tied embeddings and PP > 1
 megatron keeps a duplicate `output_layer.weight` on the last stage (kept equal to the
 embedding by an all-reduce); it is written on HF -> megatron and ignored on megatron -> HF,
-where the first stage's embedding is the source.
+where the first stage's embedding is the source. Experts ("{e}") are local to their
+expert-parallel rank in megatron's names (local + the rank's expert offset is the HF index).
 """
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from megarl.formats import experts as moe
 from megarl.formats import ops
-
-Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
-
-# The dim TP splits for each kind (None: every TP rank holds the full tensor).
-_PARTITION_DIM: dict[str, int | None] = {
-    "replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0}
-
-
-@dataclass(frozen=True)
-class ParamMapping:
-    """One megatron parameter and the HF parameter(s) it holds.
-
-    `megatron` and `hf` are name templates; "{i}" is the layer index (stage-local for megatron,
-    global for HF). `hf` has 3 names (q, k, v) for kind "qkv", 2 (gate, up) for "gate_up", else 1.
-    """
-    megatron: str
-    hf: tuple[str, ...]
-    kind: Kind
-
-    def __post_init__(self):
-        n = {"qkv": 3, "gate_up": 2}.get(self.kind, 1)
-        if self.kind not in _PARTITION_DIM or len(self.hf) != n:
-            raise ValueError(f"bad mapping row {self}: kind {self.kind!r} needs {n} HF names")
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.megatron
-
-    @property
-    def partition_dim(self) -> int | None:
-        return _PARTITION_DIM[self.kind]
-
-
-_L, _HL = "decoder.layers.{i}.", "model.layers.{i}."
-
-LLAMA_TABLE: tuple[ParamMapping, ...] = (
-    ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    ParamMapping(_L + "input_layernorm.weight", (_HL + "input_layernorm.weight",), "replicated"),
-    ParamMapping(_L + "self_attention.linear_qkv.weight",
-                 (_HL + "self_attn.q_proj.weight", _HL + "self_attn.k_proj.weight",
-                  _HL + "self_attn.v_proj.weight"), "qkv"),
-    ParamMapping(_L + "self_attention.linear_proj.weight", (_HL + "self_attn.o_proj.weight",), "row"),
-    ParamMapping(_L + "pre_mlp_layernorm.weight", (_HL + "post_attention_layernorm.weight",),
-                 "replicated"),
-    ParamMapping(_L + "mlp.linear_fc1.weight",
-                 (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"), "gate_up"),
-    ParamMapping(_L + "mlp.linear_fc2.weight", (_HL + "mlp.down_proj.weight",), "row"),
-    ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-    ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab"),
+from megarl.formats.tables import (  # noqa: F401  (the tables' names, re-exported)
+    _HF_IGNORED_SUFFIXES,
+    _L,
+    _MCORE_EXPERT,
+    _MCORE_LAYER,
+    _MODEL_TYPES,
+    _OUTPUT,
+    _TIED_OUTPUT,
+    EXPERT_ROWS,
+    LLAMA_TABLE,
+    MISTRAL_TABLE,
+    QWEN2_MOE_TABLE,
+    QWEN2_TABLE,
+    QWEN3_MOE_TABLE,
+    QWEN3_TABLE,
+    SHARED_EXPERT_ROWS,
+    TABLES,
+    TE_NAMES,
+    Kind,
+    ModelDims,
+    ParamMapping,
+    is_extra_state,
+    padded_vocab_size,
 )
-QWEN2_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE + (
-    ParamMapping(_L + "self_attention.linear_qkv.bias",
-                 (_HL + "self_attn.q_proj.bias", _HL + "self_attn.k_proj.bias",
-                  _HL + "self_attn.v_proj.bias"), "qkv"),
-)
-MISTRAL_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE
-# Qwen3: RMSNorm over each head's query and key (head_dim wide, shared by the heads) before RoPE;
-# megatron's qk_layernorm holds the same weight, on every TP rank
-QWEN3_TABLE: tuple[ParamMapping, ...] = LLAMA_TABLE + (
-    ParamMapping(_L + "self_attention.q_layernorm.weight", (_HL + "self_attn.q_norm.weight",),
-                 "replicated"),
-    ParamMapping(_L + "self_attention.k_layernorm.weight", (_HL + "self_attn.k_norm.weight",),
-                 "replicated"),
-)
-
-TABLES: dict[str, tuple[ParamMapping, ...]] = {
-    "LlamaForCausalLM": LLAMA_TABLE,
-    "Qwen2ForCausalLM": QWEN2_TABLE,
-    "MistralForCausalLM": MISTRAL_TABLE,
-    "Qwen3ForCausalLM": QWEN3_TABLE,
-}
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-# The Transformer Engine spec fuses the norms into the following linear layer.
-TE_NAMES = {
-    _L + "input_layernorm.weight": _L + "self_attention.linear_qkv.layer_norm_weight",
-    _L + "pre_mlp_layernorm.weight": _L + "mlp.linear_fc1.layer_norm_weight",
-}
-
-# HF keys that carry no weights (non-persistent buffers saved by old transformers versions).
-_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_OUTPUT = "output_layer.weight"
-_TIED_OUTPUT = ParamMapping(_OUTPUT, ("model.embed_tokens.weight",), "vocab")
-_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+|\{i\})\.(.+)$")
-
-
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocab: `vocab` rounded up to a multiple of divisible_by * tp."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab / multiple) * multiple)
-
-
-def is_extra_state(name: str) -> bool:
-    """True for megatron/TE `_extra_state` keys (fp8 metadata), which hold no weights."""
-    return name.endswith("_extra_state")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The sizes the mapping needs, read from an HF config."""
-    hidden: int
-    ffn: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab: int
-    num_layers: int
-    tied: bool
-
-    @classmethod
-    def from_hf_config(cls, cfg) -> "ModelDims":
-        heads = cfg.num_attention_heads
-        return cls(hidden=cfg.hidden_size, ffn=cfg.intermediate_size, num_heads=heads,
-                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                   vocab=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                   tied=bool(getattr(cfg, "tie_word_embeddings", False)))
-
-    def hf_shape(self, template: str) -> tuple[int, ...]:
-        """Full HF shape of the parameter named by `template` (layer index "{i}" or a number)."""
-        H, F, d = self.hidden, self.ffn, self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        suffix = _HF_LAYER.sub(r"\2", template)
-        return {
-            "model.embed_tokens.weight": (self.vocab, H), "lm_head.weight": (self.vocab, H),
-            "model.norm.weight": (H,), "input_layernorm.weight": (H,),
-            "post_attention_layernorm.weight": (H,),
-            "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-            "self_attn.v_proj.weight": (kv, H), "self_attn.q_proj.bias": (q,),
-            "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-            "self_attn.o_proj.weight": (H, q),
-            "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-            "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H),
-            "mlp.down_proj.weight": (H, F),
-        }[suffix]
 
 
 def refuse_unsupported(hf_config, arch: str) -> None:
@@ -189,9 +77,10 @@ def mapping_for(hf_config, te_names: bool = False) -> "ArchMapping":
     if arch not in TABLES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(TABLES)}")
     refuse_unsupported(hf_config, arch)
+    moe.check_moe_options(hf_config, arch)
     dims = ModelDims.from_hf_config(hf_config)
     rows = tuple(ParamMapping(TE_NAMES.get(m.megatron, m.megatron) if te_names else m.megatron,
-                              m.hf, m.kind)
+                              m.hf, m.kind, m.mlp)
                  for m in TABLES[arch] if not (dims.tied and m.megatron == _OUTPUT))
     return ArchMapping(arch=arch, dims=dims, table=rows, te_names=te_names)
 
@@ -206,7 +95,10 @@ class ArchMapping:
     _by_megatron: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_by_megatron", {m.megatron: m for m in self.table})
+        by_name = {m.megatron: m for m in self.table}
+        if self.te_names:   # TE's MoE layers keep a pre-MLP norm of their own (no fc1 to fuse it in)
+            by_name.update({local: by_name[te] for local, te in TE_NAMES.items() if te in by_name})
+        object.__setattr__(self, "_by_megatron", by_name)
 
     # ---- names -------------------------------------------------------------------------
 
@@ -215,43 +107,60 @@ class ArchMapping:
 
     def find(self, mcore_name: str) -> tuple[ParamMapping, int | None]:
         """The table row of a megatron name and its stage-local layer index (None if not a layer)."""
+        row, local, _ = self.locate(mcore_name)
+        return row, local
+
+    def locate(self, mcore_name: str) -> tuple[ParamMapping, int | None, int | None]:
+        """The table row of a megatron name, its stage-local layer index and its local expert
+        index (None where the name has none)."""
         if self.dims.tied and mcore_name == _OUTPUT:
-            return _TIED_OUTPUT, None
+            return _TIED_OUTPUT, None, None
         match = _MCORE_LAYER.match(mcore_name)
         template, local = (_L + match.group(2), int(match.group(1))) if match else (mcore_name, None)
+        expert = None
+        if match and (x := _MCORE_EXPERT.match(match.group(2))):
+            template, expert = _L + x.group(1) + "{e}" + x.group(3), int(x.group(2))
         row = self._by_megatron.get(template)
         if row is None:
             raise ValueError(f"unknown megatron parameter {mcore_name!r} for {self._describe()}; "
                              f"known: {sorted(self._by_megatron)}")
-        return row, local
+        return row, local, expert
 
     def partition_dim(self, mcore_name: str) -> int | None:
         """The dim TP splits `mcore_name` along (0 or 1), or None if every TP rank holds all of it."""
         return self.find(mcore_name)[0].partition_dim
 
     def megatron_names(self, num_local_layers: int, first_stage: bool, last_stage: bool,
-                       pp: int = 1) -> list[str]:
-        """Parameter names (no `_extra_state`) of one PP stage's megatron GPTModel state dict."""
-        return [m.megatron.format(i=i) for m, layers in self._stage_rows(num_local_layers,
-                                                                          first_stage, last_stage, pp)
-                for i in layers]
+                       pp: int = 1, layer_offset: int = 0, local_experts: int | None = None) -> list[str]:
+        """Parameter names (no `_extra_state`) of one PP stage's megatron GPTModel state dict
+        (its first global layer `layer_offset`, `local_experts` experts per EP rank: default all)."""
+        return [m.megatron.format(i=i, e=e) for m, i, e in self._stage_rows(
+            num_local_layers, first_stage, last_stage, pp, layer_offset, local_experts)]
 
     def hf_names(self, num_layers: int | None = None) -> list[str]:
         """All HF parameter names of the model (no `lm_head.weight` when tied)."""
         n = self.dims.num_layers if num_layers is None else num_layers
-        return [h.format(i=i) for m in self.table for i in (range(n) if m.per_layer else [None])
+        return [h.format(i=i, e=e) for m, i, e in self._stage_rows(n, True, True, 1, 0, None)
                 for h in m.hf]
 
-    def _stage_rows(self, num_local_layers, first_stage, last_stage, pp):
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.dims.moe_layers
+
+    def _stage_rows(self, num_local_layers, first_stage, last_stage, pp, layer_offset=0,
+                    local_experts=None):
+        """(row, local layer or None, local expert or None) of every parameter of one stage."""
+        experts = self.dims.num_experts if local_experts is None else local_experts
         for m in self.table:
             if m.per_layer:
-                yield m, range(num_local_layers)
+                for i in range(num_local_layers):
+                    if m.in_layer(self.is_moe_layer(i + layer_offset)):
+                        yield from ((m, i, e) for e in (range(experts) if m.per_expert else [None]))
             elif m.megatron.startswith("embedding.") and first_stage:
-                yield m, [None]
+                yield m, None, None
             elif not m.megatron.startswith("embedding.") and last_stage:
-                yield m, [None]
+                yield m, None, None
         if self.dims.tied and last_stage and pp > 1:
-            yield _TIED_OUTPUT, [None]
+            yield _TIED_OUTPUT, None, None
 
     # ---- one parameter -----------------------------------------------------------------
 
@@ -289,15 +198,15 @@ class ArchMapping:
                                  f"{shape}, expected {want} for {self._describe()}")
 
     def megatron_to_hf(self, mcore_name: str, shards: Sequence[Tensor],
-                       layer_offset: int = 0) -> dict[str, Tensor]:
+                       layer_offset: int = 0, expert_offset: int = 0) -> dict[str, Tensor]:
         """Full HF tensors from the TP shards of ONE megatron parameter.
 
         shards: the parameter on each TP rank, in TP-rank order (for a replicated parameter, one
-        tensor or all TP copies). layer_offset: the PP stage's first global layer. Returns
-        {hf_name: full tensor} with vocab padding removed; {} for the tied duplicate
-        `output_layer.weight` of the last PP stage.
+        tensor or all TP copies). layer_offset: the PP stage's first global layer; expert_offset:
+        the EP rank's first global expert. Returns {hf_name: full tensor} with vocab padding
+        removed; {} for the tied duplicate `output_layer.weight` of the last PP stage.
         """
-        m, local = self.find(mcore_name)
+        m, local, expert = self.locate(mcore_name)
         if m is _TIED_OUTPUT:
             return {}
         shards = list(shards)
@@ -319,7 +228,8 @@ class ArchMapping:
         else:  # gate_up
             tensors = ops.gate_up_from_fc1_shards(shards)
         layer = None if local is None else local + layer_offset
-        return {h.format(i=layer): t for h, t in zip(m.hf, tensors)}
+        e = None if expert is None else expert + expert_offset
+        return {h.format(i=layer, e=e): t for h, t in zip(m.hf, tensors)}
 
     def to_shards(self, m: ParamMapping, tensors: list[Tensor], tp: int,
                   padded_vocab: int) -> list[Tensor]:
@@ -365,13 +275,23 @@ class ArchMapping:
                              f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
         return out
 
+    def local_experts(self, ep: int) -> int:
+        """Experts per expert-parallel rank; raises naming parallel.ep when ep does not divide them."""
+        if self.dims.num_experts % ep:
+            raise ValueError(f"parallel.ep={ep} must divide the model's {self.dims.num_experts} experts "
+                             f"(num_experts in config.json): each EP rank holds an equal share")
+        return self.dims.num_experts // ep
+
     def hf_to_megatron(self, hf_tensors: Mapping[str, Tensor], tp: int, pp: int,
-                       num_layers: int, padded_vocab: int) -> list[list[dict[str, Tensor]]]:
-        """Split a full HF state dict into megatron local state dicts: result[pp_stage][tp_rank].
+                       num_layers: int, padded_vocab: int, ep: int = 1) -> list[list[dict[str, Tensor]]]:
+        """Split a full HF state dict into megatron local state dicts: result[pp_stage][rank],
+        rank = ep_rank * tp + tp_rank (TP fastest, as megatron orders an expert group).
 
         Layers are split evenly over PP (stage s holds HF layers s*k .. s*k+k-1 as local 0..k-1,
         k = num_layers / pp). Vocab tensors [V, H] are zero-padded to [padded_vocab, H] and
-        split on dim 0. Replicated tensors are shared (not copied) between TP ranks.
+        split on dim 0. Replicated tensors are shared (not copied) between TP ranks. Experts
+        are split over EP (rank e holds experts e*n .. e*n+n-1 as local 0..n-1); every other
+        parameter is the same on each EP rank.
         """
         if num_layers % pp:
             raise ValueError(f"num_layers={num_layers} is not divisible by pp={pp}; pick a "
@@ -379,49 +299,58 @@ class ArchMapping:
         if padded_vocab < self.dims.vocab or padded_vocab % tp:
             raise ValueError(f"padded_vocab={padded_vocab} must be >= vocab_size={self.dims.vocab} "
                              f"and a multiple of tp={tp}; use padded_vocab_size()")
+        n_exp = self.local_experts(ep) if self.dims.num_experts else 0
         hf = self.check_hf(hf_tensors, num_layers)
         k = num_layers // pp
-        out: list[list[dict[str, Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
+        out: list[list[dict[str, Tensor]]] = [[{} for _ in range(tp * ep)] for _ in range(pp)]
         for s in range(pp):
-            for m, layers in self._stage_rows(k, s == 0, s == pp - 1, pp):
-                for local in layers:
-                    layer = None if local is None else s * k + local
-                    shards = self.to_shards(m, [hf[h.format(i=layer)] for h in m.hf], tp,
-                                             padded_vocab)
+            for m, local, expert in self._stage_rows(k, s == 0, s == pp - 1, pp, s * k, n_exp):
+                layer = None if local is None else s * k + local
+                for g in range(ep):
+                    e = None if expert is None else g * n_exp + expert
+                    shards = self.to_shards(m, [hf[h.format(i=layer, e=e)] for h in m.hf], tp,
+                                            padded_vocab)
                     for r in range(tp):
-                        out[s][r][m.megatron.format(i=local)] = shards[r]
+                        out[s][g * tp + r][m.megatron.format(i=local, e=expert)] = shards[r]
         return out
 
     def megatron_shards_to_hf(
-            self, stage_rank_state_dicts: Sequence[Sequence[Mapping[str, Tensor]]]
+            self, stage_rank_state_dicts: Sequence[Sequence[Mapping[str, Tensor]]], ep: int = 1
     ) -> dict[str, Tensor]:
-        """Merge megatron local state dicts [pp_stage][tp_rank] into one full HF state dict.
+        """Merge megatron local state dicts [pp_stage][rank] (rank = ep_rank * tp + tp_rank)
+        into one full HF state dict.
 
         Inverse of `hf_to_megatron`. Layer offsets come from each stage's layer count, so
-        uneven PP splits work too; `_extra_state` keys are ignored. Every stage must hold
-        exactly the expected names (missing or unknown ones raise).
+        uneven PP splits work too; `_extra_state` keys are ignored. Every rank must hold
+        exactly the expected names (missing or unknown ones raise); experts come from their
+        EP rank, every other parameter from EP rank 0.
         """
         pp = len(stage_rank_state_dicts)
-        tps = sorted({len(ranks) for ranks in stage_rank_state_dicts})
-        if pp == 0 or len(tps) != 1 or tps[0] == 0:
-            raise ValueError(f"expected [pp_stage][tp_rank] state dicts with the same TP size on "
-                             f"every stage, got TP sizes {tps} over {pp} stages")
+        sizes = sorted({len(ranks) for ranks in stage_rank_state_dicts})
+        if pp == 0 or len(sizes) != 1 or sizes[0] == 0 or sizes[0] % ep:
+            raise ValueError(f"expected [pp_stage][rank] state dicts with the same EP x TP size on "
+                             f"every stage (ep={ep}), got sizes {sizes} over {pp} stages")
+        tp = sizes[0] // ep
+        n_exp = self.local_experts(ep) if self.dims.num_experts else 0
         out: dict[str, Tensor] = {}
         offset = 0
         for s, ranks in enumerate(stage_rank_state_dicts):
             names = [{n for n in sd if not is_extra_state(n)} for sd in ranks]
             for r, rank_names in enumerate(names):
                 if rank_names != names[0]:
-                    raise ValueError(f"PP stage {s}: TP rank {r} and rank 0 hold different "
-                                     f"parameters: {sorted(rank_names ^ names[0])[:8]}")
+                    raise ValueError(f"PP stage {s}: rank {r} (ep {r // tp}, tp {r % tp}) and rank 0 "
+                                     f"hold different parameters: {sorted(rank_names ^ names[0])[:8]}")
             layers = {int(mt.group(1)) for n in names[0] if (mt := _MCORE_LAYER.match(n))}
             n_local = max(layers) + 1 if layers else 0
-            expected = set(self.megatron_names(n_local, s == 0, s == pp - 1, pp))
+            expected = set(self.megatron_names(n_local, s == 0, s == pp - 1, pp, offset, n_exp))
             unknown, missing = sorted(names[0] - expected), sorted(expected - names[0])
             if unknown or missing:
                 raise ValueError(f"PP stage {s} of {pp} for {self._describe()}: unknown megatron "
                                  f"parameters {unknown[:8]}, missing {missing[:8]}")
             for name in sorted(names[0]):
-                out.update(self.megatron_to_hf(name, [sd[name] for sd in ranks], offset))
+                groups = range(ep) if self.locate(name)[2] is not None else [0]
+                for g in groups:
+                    out.update(self.megatron_to_hf(name, [sd[name] for sd in ranks[g * tp:(g + 1) * tp]],
+                                                   offset, g * n_exp))
             offset += n_local
         return out

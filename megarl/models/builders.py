@@ -32,7 +32,12 @@ def use_te() -> bool:
 
 def layer_spec(config: TransformerConfig):
     """The decoder layer's spec: TE's on a GPU with TE, megatron's local one otherwise; the
-    query / key norms where the config asks for them (Qwen3)."""
+    query / key norms where the config asks for them (Qwen3). An MoE model gets a block spec
+    of its own, dense and MoE layers as config.moe_layer_freq says."""
+    if config.num_moe_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te(), normalization="RMSNorm",
+                                          pp_rank=parallel.pp_rank())
     if use_te():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
@@ -87,6 +92,7 @@ class ModelInfo:
     vocab_size: int          # the tokenizer's vocab; logits beyond it are padding
     padded_vocab: int
     layer_offset: int        # first HF layer index held by this PP stage
+    expert_offset: int = 0   # first global expert held by this EP rank (MoE)
 
 
 def build_model(hf_config, config: TransformerConfig, divisible_by: int, role: str):
@@ -112,7 +118,9 @@ def build_model(hf_config, config: TransformerConfig, divisible_by: int, role: s
     if role == "critic" and parallel.is_last_stage():
         model.output_layer = ValueHead(config.hidden_size, config.params_dtype, config.sequence_parallel)
     per_stage = hf_config.num_hidden_layers // pp
-    info = ModelInfo(hf_config, config, vocab, padded, parallel.pp_rank() * per_stage)
+    local_experts = (config.num_moe_experts or 0) // parallel.ep_size()
+    info = ModelInfo(hf_config, config, vocab, padded, parallel.pp_rank() * per_stage,
+                     parallel.ep_rank() * local_experts)
     return model, info
 
 

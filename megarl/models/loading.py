@@ -40,10 +40,11 @@ def _split_range(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
 
 
 def shard_from_hf(mapping, row, hf: HFCheckpoint, layer: int | None, tp: int, tp_rank: int,
-                  padded_vocab: int) -> torch.Tensor:
-    """TP rank `tp_rank`'s tensor of one mapping row, read as slices of its HF tensors."""
+                  padded_vocab: int, expert: int | None = None) -> torch.Tensor:
+    """TP rank `tp_rank`'s tensor of one mapping row (of global `layer` and `expert`), read as
+    slices of its HF tensors. An expert's MLP is split over TP as a dense MLP is."""
     d = mapping.dims
-    names = [h.format(i=layer) for h in row.hf]
+    names = [h.format(i=layer, e=expert) for h in row.hf]
     if row.kind == "replicated":
         return hf.get(names[0])
     if row.kind in ("column", "row"):
@@ -92,18 +93,21 @@ def load_hf_shard(model: torch.nn.Module, info, hf: HFCheckpoint, role: str, map
     if role == "critic":
         own = {k: v for k, v in own.items() if not k.startswith("output_layer.")}
 
+    def position(name):  # the row, global layer and global expert of a megatron name
+        row, local, expert = mapping.locate(name)
+        return (row, None if local is None else local + info.layer_offset,
+                None if expert is None else expert + info.expert_offset)
+
     def hf_position(name):  # HF file order, so each file is opened about once
-        row, local = mapping.find(name)
-        layer = None if local is None else local + info.layer_offset
-        f = hf.files.get(row.hf[0].format(i=layer))
+        row, layer, expert = position(name)
+        f = hf.files.get(row.hf[0].format(i=layer, e=expert))
         return str(f), -1 if layer is None else layer
 
     order = sorted(own, key=hf_position)
     with torch.no_grad():
         for name in (progress(order) if progress else order):
-            row, local = mapping.find(name)
-            layer = None if local is None else local + info.layer_offset
-            shard = shard_from_hf(mapping, row, hf, layer, tp, tp_rank, info.padded_vocab)
+            row, layer, expert = position(name)
+            shard = shard_from_hf(mapping, row, hf, layer, tp, tp_rank, info.padded_vocab, expert)
             target = own[name]
             if tuple(shard.shape) != tuple(target.shape):
                 raise ValueError(f"{name}: megatron shape {tuple(target.shape)} != mapped HF shape "

@@ -5,9 +5,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+from megarl.formats import experts as moe
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+             *moe.MOE_ARCHS)
 # architectures whose attention normalises each head's query and key (RMSNorm) before RoPE
-QK_NORM = ("Qwen3ForCausalLM",)
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def architecture(hf_config) -> str:
@@ -17,12 +21,54 @@ def architecture(hf_config) -> str:
     return arch
 
 
+def moe_settings(hf_config, arch: str, ep: int, dispatcher: str, variable_lengths: bool,
+                 aux_loss_coeff: float = 0.0, load_balancing: str = "aux_loss",
+                 z_loss_coeff: float = 0.0) -> dict:
+    """The TransformerConfig fields of an MoE checkpoint's blocks ({} for a dense model).
+
+    The router: softmax over every expert's logit, the top-k kept; with norm_topk_prob the k
+    weights are renormalised, which is megatron's softmax over the top-k logits
+    (moe_router_pre_softmax=False), else they stay the full softmax's (pre_softmax=True).
+    Experts are SequentialMLP (moe_grouped_gemm off): the parameter names of the mapping
+    table on CPU and GPU alike.
+    """
+    if arch not in moe.MOE_ARCHS:
+        return {}
+    moe.check_moe_options(hf_config, arch)
+    n = moe.num_experts(hf_config)
+    if n % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the model's {n} experts (num_experts in "
+                         f"config.json): pick an expert-parallel size that divides {n}")
+    if dispatcher == "allgather" and variable_lengths:
+        raise ValueError("parallel.moe_dispatcher=allgather does not take micro-batches of varying "
+                         "shapes, which pipeline parallelism sends: use alltoall with parallel.pp > 1")
+    layers = moe.moe_layers(hf_config)
+    out = dict(
+        num_moe_experts=n, moe_router_topk=int(hf_config.num_experts_per_tok),
+        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        moe_layer_freq=[int(i in layers) for i in range(hf_config.num_hidden_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ep,
+        moe_router_load_balancing_type=load_balancing if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff, moe_z_loss_coeff=z_loss_coeff or None,
+    )
+    shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    if arch == "Qwen2MoeForCausalLM" and shared:
+        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return out
+
+
 def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool,
-                       recompute: str = "none", sequence_parallel: bool = False) -> TransformerConfig:
-    """A TransformerConfig reproducing the HF model's forward (RMSNorm, SwiGLU, RoPE, GQA).
+                       recompute: str = "none", sequence_parallel: bool = False, ep: int = 1,
+                       dispatcher: str = "alltoall", router: dict | None = None) -> TransformerConfig:
+    """A TransformerConfig reproducing the HF model's forward (RMSNorm, SwiGLU, RoPE, GQA; QK
+    norms; MoE blocks with `ep` expert-parallel ranks and the `dispatcher`).
 
     Dropout is off: RL recomputes logprobs that must match the engine's, and dropout would
-    make the trainer's policy differ from the one that sampled.
+    make the trainer's policy differ from the one that sampled. router: aux_loss_coeff,
+    load_balancing, z_loss_coeff (moe_settings; default: no router loss).
     """
     arch = architecture(hf_config)
     heads = hf_config.num_attention_heads
@@ -48,7 +94,7 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch == "Qwen2ForCausalLM",
+        add_qkv_bias=arch in QKV_BIAS,
         qk_layernorm=arch in QK_NORM,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -61,8 +107,9 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         # pipeline stages is preceded by its shape
         variable_seq_lengths=pp > 1,
         # megatron refuses variable_seq_lengths with its default MoE token dispatcher
-        # (allgather) even in a dense model; these have no experts, no dispatcher is built
-        moe_token_dispatcher_type="alltoall",
+        # (allgather) even in a dense model, which builds no dispatcher
+        **{"moe_token_dispatcher_type": "alltoall",
+           **moe_settings(hf_config, arch, ep, dispatcher, pp > 1, **(router or {}))},
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         # fusions need Apex/TE kernels; on CPU the unfused paths are the only ones
