@@ -104,7 +104,7 @@ class Trainer:
         reaper.guard_descendants()   # engines, checkpoint writers: nothing outlives a SIGKILLed rank
         if bootstrap():   # on CPU: the ranks of this machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.env.world_size))
-        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
+        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed, cfg.parallel.ep)
         torch.manual_seed(cfg.run.seed)
 
     def check_inputs(self) -> None:

@@ -64,6 +64,14 @@ def weight_source(cfg: RootConfig, hf_config):
     return load, cfg.model.make_vocab_size_divisible_by
 
 
+def moe_layout(cfg: RootConfig, hf_config) -> dict:
+    """transformer_config's MoE arguments from parallel.ep / moe_dispatcher and moe.*."""
+    m = cfg.moe
+    return dict(ep=cfg.parallel.ep, dispatcher=cfg.parallel.moe_dispatcher,
+                router=dict(aux_loss_coeff=m.aux_coeff(hf_config), load_balancing=m.load_balancing,
+                            z_loss_coeff=m.z_loss_coeff))
+
+
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     check_model_dir(cfg.model.path, "model.path")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
@@ -78,7 +86,7 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
         tcfg = transformer_config(hf_config, tp, pp, dtype, on_gpu, cfg.train.recompute,
-                                  cfg.parallel.sequence_parallel)
+                                  cfg.parallel.sequence_parallel, **moe_layout(cfg, hf_config))
         model, info = build_model(hf_config, tcfg, divisible_by, role)
         load(model, info, role)
         return model, info
