@@ -13,10 +13,14 @@ def format_plan(p: dict) -> str:
     c, pl, m = p["cluster"], p["placement"], p["model"]
     tr, en = pl["trainer"], pl["engines"]
     lines = [f"model: {m['params'] / 1e9:.2f}B params, {m['layers']} layers, hidden {m['hidden']}, "
-             f"heads {m['heads']}/{m['kv_heads']} kv, ffn {m['ffn']}, vocab {m['vocab']} (from {m['source']})",
+             f"heads {m['heads']}/{m['kv_heads']} kv, ffn {m['ffn']}, vocab {m['vocab']} (from {m['source']})"
+             + (f"; MoE: {m['experts']} experts of ffn {m['moe_ffn']}, {m['top_k']} per token, "
+                f"{m['active_params'] / 1e9:.2f}B active" if m.get("experts") else ""),
              f"cluster: {c['nodes']} nodes x {c['gpus_per_node']} GPUs x {c['gpu_mem_gb']} GiB {c['gpu']}".rstrip()
              + f", {c['reserve_gb']} GiB reserved per GPU",
-             f"trainer: {tr['nodes']} nodes = {tr['gpus']} GPUs, TP={tr['tp']} PP={tr['pp']} DP={tr['dp'] or '-'}",
+             f"trainer: {tr['nodes']} nodes = {tr['gpus']} GPUs, TP={tr['tp']} PP={tr['pp']} DP={tr['dp'] or '-'}"
+             + (f", experts over EP={tr['ep']} x expert TP={tr['etp']} (expert DP={tr['edp'] or '-'})"
+                if "ep" in tr else ""),
              f"engines: {en['count']} x TP={en['tp']} = {en['gpus_used']} of {en['gpus']} GPUs on {en['nodes']} nodes",
              f"sequence {p['sequence_tokens']} tokens, {micro_batches(p)}, "
              f"recompute {p['recompute']}, offload_idle {p['offload_idle']}"]
