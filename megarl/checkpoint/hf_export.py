@@ -119,12 +119,13 @@ def _write_stage(model, info, tmp: Path, shard_bytes: int) -> tuple[list, str | 
             for _ in named:      # only the gathers
                 pass
             return [], None
-        for k, bucket in enumerate(source.buckets(named, shard_bytes)):
+        # each tensor to the host as it comes: a shard waits in host memory, not the GPU's
+        on_host = ((n, _owned(t)) for n, t in named)
+        for k, host in enumerate(source.buckets(on_host, shard_bytes)):
             if error is not None:
                 continue
             name = f"stage{parallel.pp_rank():03d}-{k:05d}.safetensors"
             try:
-                host = {n: _owned(t) for n, t in bucket.items()}
                 save_file(host, str(tmp / name), metadata={"format": "pt"})
                 _fsync(tmp / name)
                 files.append((name, list(host), sum(t.numel() * t.element_size() for t in host.values())))
