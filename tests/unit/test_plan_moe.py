@@ -156,3 +156,48 @@ def test_training_flops_follow_active_and_the_push_total_parameters():
     assert t_moe.flops_per_token() == 10 * moe.active and t_dense.flops_per_token() == 10 * dense.params
     assert t_moe.train_s(1000, 0, 4) / t_dense.train_s(1000, 0, 4) == pytest.approx(moe.active / moe.params)
     assert weight_push_s(moe, H100, 8, 2) == weight_push_s(dense, H100, 8, 2)
+
+
+# -- the MoE recipes on their clusters ----------------------------------------------------------
+MOE_RECIPES = {"recipes/qwen3_30b_a3b.yaml": "TP=1 PP=1 DP=16, experts over EP=8 x expert TP=1 (expert DP=2)",
+               "recipes/qwen3_235b_a22b.yaml": "TP=4 PP=2 DP=8, experts over EP=8 x expert TP=4 (expert DP=1)"}
+
+
+def _plan_cli(*args):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "plan", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("recipe", sorted(MOE_RECIPES))
+def test_moe_recipe_fits_on_its_cluster(recipe):
+    r = _plan_cli(recipe)
+    assert r.returncode == 0, r.stderr
+    assert MOE_RECIPES[recipe] in r.stdout and "active" in r.stdout and r.stdout.rstrip().endswith("fits")
+
+
+@pytest.mark.parametrize("recipe", sorted(MOE_RECIPES))
+def test_moe_recipe_on_half_the_nodes_does_not_fit(recipe):
+    """Half the nodes: no layout of the trainer's half fits (the experts' Adam state alone is 12
+    bytes x their parameters / the GPUs of a stage); the message says by how much and what to change."""
+    cfg = load_config(recipe)
+    r = _plan_cli(recipe, "--nodes", str(cfg.cluster.nodes // 2))
+    assert r.returncode == 2
+    assert "plan does not fit" in r.stderr and "trainer" in r.stderr
+    assert "GiB" in r.stderr and ("short" in r.stderr or "over" in r.stderr)
+    assert "parallel.ep=" in r.stderr or "trainer nodes" in r.stderr
+
+
+def test_moe_half_cluster_fits_by_no_layout():
+    """On the half of the 30B cluster (8 trainer GPUs) every layout the code accepts is over the
+    usable memory: the recipe's size is needed, not a better layout."""
+    from megarl.plan.trainer import best_layout
+    cfg = load_config("recipes/qwen3_30b_a3b.yaml")
+    arch = resolve_arch(cfg)[0]
+    usable = (cfg.cluster.gpu_mem_gb - cfg.cluster.reserve_gb) * mem.GiB
+    assert best_layout(cfg, arch, 8, 8, True, None)[1] > usable
+    full, peak = best_layout(cfg, arch, 16, 8, True, None)
+    assert peak <= usable and full.ep > 1   # on the recipe's 16 GPUs the lightest layout spreads the experts
