@@ -4,6 +4,11 @@
 #                                               the batch shell, after its own settings
 #   bash slurm/common.sh trainer_task|engine_task RECIPE [key=value ...]
 #                                               one srun task (the batch shell starts these)
+# The job's layout comes from the recipe's `cluster:` section (megarl/plan/job.py): trainer and
+# engine nodes, GPUs per node, engine TP (rollout.engines.tp), one server per ENGINE_TP GPUs of an
+# engine node. A variable of the same name in sbatch's environment (TRAINER_NODES, ENGINE_NODES,
+# GPUS_PER_NODE, ENGINE_TP, ENGINES_PER_NODE, TRAINER_PROCS_PER_NODE) replaces the recipe's value;
+# the job log says which, and says when the servers it starts replace rollout.engines.count.
 # The job: the first TRAINER_NODES nodes run the trainer (srun: one task per node, each a
 # torchrun with TRAINER_PROCS_PER_NODE ranks; global rank 0 on the head node), the next
 # ENGINE_NODES nodes run ENGINES_PER_NODE vLLM servers each (srun: one step per node), bound
@@ -144,6 +149,8 @@ write_job_info() {  # the per-job log folder: revision, resolved config, nodes, 
         echo "trainer nodes: ${TRAINER_NODE_LIST[*]} ($TRAINER_PROCS_PER_NODE ranks each)"
         echo "engine nodes: ${ENGINE_NODE_LIST[*]} ($ENGINES_PER_NODE servers each, tp $ENGINE_TP)"
         echo "master $MASTER_ADDR:$MASTER_PORT"
+        local note
+        for note in "${LAYOUT_NOTES[@]}"; do echo "layout: $note"; done
         echo "engine urls: ${ENGINE_URLS[*]}"
     } >"$dir/job.txt"
     printf '%s\n' "$@" >"$dir/overrides.txt"
@@ -158,11 +165,8 @@ write_job_info() {  # the per-job log folder: revision, resolved config, nodes, 
 }
 
 # The settings every job shares, as ${VAR:-default}: a value in sbatch's environment wins. The
-# per-size scripts set RECIPE, TRAINER_NODES, ENGINE_NODES, ENGINE_TP and MEGARL_ROOT first.
+# per-size scripts set RECIPE and MEGARL_ROOT first; the layout is the recipe's (megarl_layout).
 megarl_settings() {
-    GPUS_PER_NODE=${GPUS_PER_NODE:-8}                  # 0: CPU (the local stand-in)
-    TRAINER_PROCS_PER_NODE=${TRAINER_PROCS_PER_NODE:-$GPUS_PER_NODE}   # torchrun ranks per trainer node
-    ENGINES_PER_NODE=${ENGINES_PER_NODE:-$((GPUS_PER_NODE / ENGINE_TP))}
     PORT_BASE=${PORT_BASE:-8100}                       # servers listen on PORT_BASE, PORT_BASE+1, ...
     MASTER_PORT=${MASTER_PORT:-29500}                  # torchrun rendezvous on the first trainer node
     WEIGHT_PORT=${WEIGHT_PORT:-29600}                  # the weight group's rendezvous on the first trainer node (engines connect)
@@ -175,10 +179,40 @@ megarl_settings() {
     NODE_ADDRS=${NODE_ADDRS:-}                         # node=addr,... : the address each node is reached at
     REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-1}              # 1: a job stopped by SIGTERM requeues itself
     STOP_TIMEOUT=${STOP_TIMEOUT:-60}                   # seconds between SIGTERM and SIGKILL for the servers
+    DOCTOR=${DOCTOR:-1}                                # 1: `megarl doctor` on a trainer and an engine node first
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}   # megatron TP comm overlap
     # NCCL_CUMEM_ENABLE is left as the user has it: with vLLM >= 0.16 and NCCL >= 2.27, 0
     # breaks the weight group's communicator init (docs/cluster.md)
-    : "${RECIPE:?set by slurm/ppo_<size>.sh}" "${TRAINER_NODES:?}" "${ENGINE_NODES:?}" "${ENGINE_TP:?}"
+    : "${RECIPE:?set by slurm/ppo_<size>.sh}"
+}
+
+# The layout (megarl/plan/job.py): the recipe's cluster: section, sbatch's environment on top;
+# sets TRAINER_NODES ENGINE_NODES GPUS_PER_NODE ENGINE_TP ENGINES_PER_NODE TRAINER_PROCS_PER_NODE
+# JOB_NODES WEIGHT_TRANSPORT LAYOUT_OVERRIDES LAYOUT_NOTES and logs what replaced a recipe value
+megarl_layout() {
+    local layout note
+    layout=$("$MEGARL_PY" -m megarl.plan.job_shell "$RECIPE" "$@") \
+        || die "the job's layout (above): fix the recipe's cluster: section or the variable named" 2
+    eval "$layout"
+    log "layout (recipe's cluster: section): $TRAINER_NODES trainer node(s) x $TRAINER_PROCS_PER_NODE ranks," \
+        "$ENGINE_NODES engine node(s) x $ENGINES_PER_NODE server(s) of ENGINE_TP=$ENGINE_TP, GPUS_PER_NODE=$GPUS_PER_NODE"
+    for note in "${LAYOUT_NOTES[@]}"; do log "layout: $note"; done
+}
+
+# `megarl doctor` on the first trainer node and the first engine node, at once (srun options:
+# "$@"): a missing feature stops the job before any server starts, its report in the job log
+run_doctor() {
+    local -a pids=()
+    local kind node rc=0 pid
+    for kind in trainer engine; do
+        if [[ $kind == trainer ]]; then node=${TRAINER_NODE_LIST[0]}; else node=${ENGINE_NODE_LIST[0]}; fi
+        srun --nodes=1 --ntasks=1 --nodelist="$node" "$@" "$MEGARL_PY" -m megarl.cli doctor \
+            >"$JOB_LOG_DIR/doctor_$kind.txt" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    for kind in trainer engine; do log "doctor ($kind node): $(tail -n 1 "$JOB_LOG_DIR/doctor_$kind.txt")"; done
+    ((rc == 0)) || die "megarl doctor found a problem on a node (above; $JOB_LOG_DIR/doctor_*.txt)" 2
 }
 
 megarl_job() {
@@ -194,12 +228,15 @@ megarl_job() {
     RECIPE=$(realpath "$RECIPE")
     [[ $RUN_DIR == /* ]] || RUN_DIR="$MEGARL_ROOT/$RUN_DIR"
     [[ $STAGING_DIR == /* ]] || STAGING_DIR="$MEGARL_ROOT/$STAGING_DIR"
-    ((ENGINES_PER_NODE >= 1)) || die "ENGINES_PER_NODE=$ENGINES_PER_NODE: must be >= 1 (GPUS_PER_NODE / ENGINE_TP)"
+    local -a extra_args=()
+    read -r -a extra_args <<<"$EXTRA"
+    megarl_layout "${extra_args[@]}"
 
     local -a nodes=()
     mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-    local need=$((TRAINER_NODES + ENGINE_NODES))
-    ((${#nodes[@]} >= need)) || die "the job has ${#nodes[@]} nodes; TRAINER_NODES + ENGINE_NODES = $need (sbatch --nodes=$need)"
+    local need=$JOB_NODES
+    ((${#nodes[@]} >= need)) || die "the job has ${#nodes[@]} nodes; the layout needs $need ($TRAINER_NODES trainer + $ENGINE_NODES engine): sbatch --nodes=$need, or change the recipe's cluster: section"
+    ((${#nodes[@]} == need)) || log "layout: the job has ${#nodes[@]} nodes; the layout uses the first $need"
     TRAINER_NODE_LIST=("${nodes[@]:0:TRAINER_NODES}")
     ENGINE_NODE_LIST=("${nodes[@]:TRAINER_NODES:ENGINE_NODES}")
     MASTER_ADDR=$(node_addr "${TRAINER_NODE_LIST[0]}")
@@ -225,16 +262,15 @@ megarl_job() {
     done
     local urls
     urls=$(IFS=,; echo "${ENGINE_URLS[*]}")
-    local -a extra_args=() overrides=()
-    read -r -a extra_args <<<"$EXTRA"
-    overrides=("run.dir=$RUN_DIR" "rollout.engines.mode=remote" "rollout.engines.urls=[$urls]"
-               "rollout.engines.count=${#ENGINE_URLS[@]}" "rollout.engines.tp=$ENGINE_TP" "rollout.engines.start_timeout_s=$ENGINE_START_TIMEOUT"
-               "weight_sync.staging_dir=$STAGING_DIR"
-               # global rank 0 hosts the weight group; every engine worker connects to it
-               "weight_sync.master_addr=$MASTER_ADDR" "weight_sync.master_port=$WEIGHT_PORT"
-               # the layout of this job, which `megarl plan` checks (memory per GPU)
-               "cluster.nodes=$need" "cluster.trainer_nodes=$TRAINER_NODES" "cluster.engine_nodes=$ENGINE_NODES")
-    ((GPUS_PER_NODE == 0)) || overrides+=("cluster.gpus_per_node=$GPUS_PER_NODE")
+    local -a overrides=()
+    # the layout of this job (`megarl plan` checks it: memory per GPU) and the servers it starts
+    overrides=("run.dir=$RUN_DIR" "${LAYOUT_OVERRIDES[@]}" "rollout.engines.mode=remote" "rollout.engines.urls=[$urls]"
+               "rollout.engines.start_timeout_s=$ENGINE_START_TIMEOUT")
+    if [[ $WEIGHT_TRANSPORT == files ]]; then
+        overrides+=("weight_sync.staging_dir=$STAGING_DIR")
+    else    # global rank 0 hosts the weight group; every engine worker connects to it
+        overrides+=("weight_sync.master_addr=$MASTER_ADDR" "weight_sync.master_port=$WEIGHT_PORT")
+    fi
     overrides+=("${extra_args[@]}")
 
     # the resolved config (the plan as comments); a bad recipe or override, or a plan that does
@@ -251,6 +287,7 @@ megarl_job() {
     local -a srun_args=()
     read -r -a srun_args <<<"$SRUN_EXTRA"
     local common="$MEGARL_ROOT/slurm/common.sh"
+    ((DOCTOR == 0)) || run_doctor "${gres[@]}" "${srun_args[@]}"
     for i in "${!ENGINE_NODE_LIST[@]}"; do
         ENGINE_NODE_INDEX=$i ENGINE_ADDR=${addrs[$i]} srun --nodes=1 --ntasks="$ENGINES_PER_NODE" \
             --ntasks-per-node="$ENGINES_PER_NODE" --nodelist="${ENGINE_NODE_LIST[$i]}" \

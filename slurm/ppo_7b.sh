@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# PPO on Qwen2.5-7B-Instruct (recipes/qwen2.5_7b.yaml): 1 trainer node + 1 engine node
-# of 8 GPUs, as the recipe's `cluster:` section sizes it. Submit from the repository root
+# PPO on Qwen2.5-7B-Instruct (recipes/qwen2.5_7b.yaml), on the nodes of the recipe's
+# `cluster:` section: it sets the job's layout (trainer and engine nodes, GPUs per node,
+# engine TP; slurm/common.sh), and #SBATCH --nodes below must equal its cluster.nodes.
+# Submit from the repository root
 # (docs/cluster.md):
 #   sbatch slurm/ppo_7b.sh
 #   EXTRA="train.steps=500 checkpoint.every=5" RUN_DIR=runs/my_exp sbatch slurm/ppo_7b.sh
@@ -21,9 +23,8 @@ set -euo pipefail
 # ---- settings: this job's defaults. Every other setting and its default is in
 # megarl_settings (slurm/common.sh) and docs/cluster.md; all can be set in sbatch's environment.
 RECIPE=${RECIPE:-recipes/qwen2.5_7b.yaml}
-TRAINER_NODES=${TRAINER_NODES:-1}        # the first nodes of the job; rank 0 on the first
-ENGINE_NODES=${ENGINE_NODES:-1}          # the next nodes: vLLM servers
-ENGINE_TP=${ENGINE_TP:-1}             # GPUs per vLLM server (rollout.engines.tp)
+# the layout is the recipe's cluster: section; TRAINER_NODES, ENGINE_NODES, GPUS_PER_NODE,
+# ENGINE_TP, ENGINES_PER_NODE, TRAINER_PROCS_PER_NODE in the environment replace its values
 # the batch script runs from a copy in slurm's spool folder: find the repository from where
 # sbatch was called
 MEGARL_ROOT=${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}

@@ -10,6 +10,7 @@ from megarl.models.arch import Arch, resolve_arch
 from megarl.plan import memory as mem
 from megarl.plan.engine import engine_memory
 from megarl.plan.inputs import resolve_cluster, reward_arch
+from megarl.plan.job import job_engines
 from megarl.plan.memory import GiB, gib
 from megarl.plan.trainer import (
     best_layout,
@@ -50,6 +51,8 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
     arch, arch_src = resolve_arch(cfg)
     rm_arch, rm_note = reward_arch(cfg, arch)
     cluster, notes = resolve_cluster(cfg, nodes, gpus_per_node, gpu_mem_gb)
+    cfg, job_note = job_engines(cfg, cluster)   # the servers a slurm job starts (plan/job.py)
+    notes += [job_note] if job_note else []
     if rm_note and rm_arch is arch:
         notes.append(f"reward model: {rm_note}")
     check_placeable(cfg, arch, cluster)

@@ -104,7 +104,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", f"data.prompts={model_dir}/prompts.jsonl", "run.dir=unused",
         "rollout.engines.count=1", f"rollout.sampling.temperature={TEMPERATURE}",
-        f"weight_sync.staging_dir={staging}", "rollout.engines.timeout_s=60"])
+        # files: staging_dir is read (each transport below is this config with its own transport)
+        "weight_sync.transport=files", f"weight_sync.staging_dir={staging}", "rollout.engines.timeout_s=60"])
     env = init_distributed("gloo")
     cpu.apply()
     torch.set_num_threads(1)

@@ -71,7 +71,7 @@ def _env(tmp_path, run_dir, extra: str, **settings) -> dict:
            "RECIPE": "recipes/tiny_cpu.yaml", "TRAINER_NODES": "1", "ENGINE_NODES": "1",
            "GPUS_PER_NODE": "0", "TRAINER_PROCS_PER_NODE": "1", "ENGINE_TP": "1", "ENGINES_PER_NODE": "1",
            "PORT_BASE": str(_free_port()), "MASTER_PORT": str(_free_port()), "WEIGHT_PORT": str(_free_port()),
-           "RUN_DIR": str(run_dir),
+           "RUN_DIR": str(run_dir), "DOCTOR": "0",
            "MEGARL_PY": sys.executable, "EXTRA": extra, **settings}
     for var in ("NODE_ADDRS", "SLURM_JOB_ID", "MEGARL_ENGINE_API_KEY", "RANK", "WORLD_SIZE"):
         env.pop(var, None)
@@ -208,13 +208,22 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
 
 
 def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_model, tmp_path):
-    """Contract: a server that does not answer /health within ENGINE_START_TIMEOUT stops the
-    job: exit 1, the batch output names the server and shows the last lines of its log, the
-    trainer step that was starting is stopped too, and no process is left."""
+    """Contract: the job's layout is the recipe's `cluster:` section (2 nodes: 1 trainer, 1
+    engine node); ENGINES_PER_NODE in the environment replaces its derived value and the log
+    says so, and says the one server it starts replaces the recipe's rollout.engines.count=2;
+    `megarl doctor` runs first on a trainer and an engine node. A server that does not answer
+    /health within ENGINE_START_TIMEOUT stops the job: exit 1, the batch output names the server
+    and shows the last lines of its log, the trainer step that was starting is stopped too, and
+    no process is left."""
     run_dir = tmp_path / "run"
+    recipe = tmp_path / "cluster.yaml"
+    recipe.write_text(f"defaults: [{ROOT / 'recipes' / 'tiny_cpu.yaml'}]\ncluster:\n  nodes: 2\n"
+                      "  trainer_nodes: 1\n  engine_nodes: 1\nrollout:\n  engines:\n    count: 2\n")
     env = _env(tmp_path, run_dir, f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1",
                # long enough for `megarl.rollout.serve` to print its first line under load (12 s was not)
-               STOP_TIMEOUT="10", ENGINE_START_TIMEOUT="25")
+               STOP_TIMEOUT="10", ENGINE_START_TIMEOUT="25", RECIPE=str(recipe), ENGINES_PER_NODE="1", DOCTOR="1")
+    for var in ("TRAINER_NODES", "ENGINE_NODES", "GPUS_PER_NODE", "TRAINER_PROCS_PER_NODE", "ENGINE_TP"):
+        del env[var]     # the recipe's
     with Submission("slurm/ppo_7b.sh", env, tmp_path) as sub:
         out, _ = sub.proc.communicate(timeout=300)
     proc = sub.proc
@@ -224,6 +233,13 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     assert "not healthy after 25 s" in batch and "Last lines of its log" in batch, batch
     assert "# megarl: engine 0 at http://127.0.0.1:" in batch        # the server log's first line
     assert "the engines did not come up" in batch
+    assert "1 trainer node(s) x 1 ranks, 1 engine node(s) x 1 server(s) of ENGINE_TP=1" in batch, batch
+    assert "ENGINES_PER_NODE=1 from the environment replaces the default 2" in batch, batch
+    assert "rollout.engines.count=2 is replaced by the 1 servers the slurm job starts" in batch, batch
+    assert batch.count("megarl doctor: OK") == 2, batch    # a trainer and an engine node
+    job_log = next(run_dir.glob("slurm-*"))
+    assert "rollout.engines.count=1" in (job_log / "overrides.txt").read_text().split()
+    assert "layout: rollout.engines.count=2 is replaced" in (job_log / "job.txt").read_text()
     # no step was trained: no step's checkpoint, and no metrics row (the file is made at the first step)
     assert not list(run_dir.glob("checkpoints/step_*")), list(run_dir.glob("checkpoints/*"))
     assert not (run_dir / "metrics.jsonl").exists()

@@ -79,8 +79,7 @@ def main():
     model, out, staging = sys.argv[1:4]
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model}", "model.dtype=float32",
                       "rollout.engines.count=1", "rollout.engines.enforce_eager=false",
-                      "rollout.sampling.temperature=0.7",
-                      f"weight_sync.staging_dir={staging}"])
+                      "rollout.sampling.temperature=0.7"])
     init_distributed()
     parallel.initialize(1, 1, 0)
     from megarl.models.setup import build_all
