@@ -187,3 +187,15 @@ def test_unknown_names_mention_the_import_path_form():
     with pytest.raises(ConfigError, match=r"^reward\.fn='maths': unknown verifier; use one of .*, or your own as "
                                           r"package\.module:attr or path/to/file\.py:attr"):
         RewardConfig(fn="maths")
+
+
+def test_the_docs_examples_load_by_the_paths_the_docs_give(monkeypatch):
+    """docs/data.md and docs/agents.md name examples/my_rl_code.py's verifier and environment."""
+    from conftest import ROOT
+    monkeypatch.chdir(ROOT)
+    for doc, setting in (("docs/data.md", "reward.fn=examples/my_rl_code.py:short_score"),
+                         ("docs/agents.md", "env.name=examples/my_rl_code.py:KeywordEnv")):
+        assert setting in (ROOT / doc).read_text()
+    assert verifier_entry("examples/my_rl_code.py:short_score").fn("ok", {}, finished=True) == 1.0
+    env = env_spec(EnvConfig(name="examples/my_rl_code.py:KeywordEnv").name).factory(seed=0)
+    assert isinstance(env, Environment)
