@@ -24,7 +24,7 @@ from megarl.models.transformer_config import transformer_config
 @dataclass
 class Models:
     actor: Trainable
-    reference: torch.nn.Module
+    reference: torch.nn.Module | None   # None: algo.kl_coef=0, nothing reads its logprobs
     critic: Trainable | None
     tokenizer: object
     reward_model: torch.nn.Module | None = None
@@ -95,8 +95,10 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     schedule = dict(warmup=t.lr_warmup_steps, total_updates=updates, decay_style=t.lr_decay_style,
                     min_lr_ratio=t.min_lr_ratio)
     actor = make_trainable(*make("actor"), t.actor_lr, t.weight_decay, t.grad_clip, **schedule)
-    reference, _ = make("reference")
-    reference.eval().requires_grad_(False)
+    reference = None   # only the KL term reads its logprobs (algo.uses_reference): else neither built nor run
+    if cfg.algo.uses_reference:
+        reference, _ = make("reference")
+        reference.eval().requires_grad_(False)
     critic = None
     if ADVANTAGES.get(cfg.algo.name).needs_critic:
         critic = make_trainable(*make("critic"), t.critic_lr, t.weight_decay, t.grad_clip, **schedule)

@@ -124,7 +124,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     for stage in range(pp):
         actor = trainable("actor", stage)
         critic = trainable("critic", stage) if ppo else {"weights": 0, "grads": 0, "optimizer": 0}
-        ref = sum(params("reference", stage)) * wb
+        ref = sum(params("reference", stage)) * wb if cfg.algo.uses_reference else 0   # built only for a KL term
         # a reward model is built with the trainer's layout too (its own experts, if any, over EP)
         rm = mem.stage_params(rm_arch, tp, pp, stage, "reward", div, lay.ep, lay.etp) * wb if rm_arch else 0
         act = dict(seq=seq, mbs=mbs, tp=tp, pp=pp, stage=stage, act_bytes=wb, sequence_parallel=sp,

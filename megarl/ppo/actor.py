@@ -46,7 +46,9 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     statistic policy_loss reports, entropy and KL sums, the gradient norm) for the step to
     reduce over DP (megarl.ppo.reports says how each key reduces).
     """
-    extras = {"old_logp": old_logp, "ref_logp": ref_logp, "adv": advantages, "is_w": is_weights}
+    extras = {"old_logp": old_logp, "adv": advantages, "is_w": is_weights}
+    if ref_logp is not None:   # None: no reference model (algo.kl_coef=0), no KL term
+        extras["ref_logp"] = ref_logp
     if keep is not None:
         extras["keep"] = keep
     clip_low, clip_high = clip or (algo.clip_low, algo.clip_high)
@@ -66,14 +68,15 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
         # the normaliser counts every response token: a masked token adds 0 (M2PO's M * r * A)
         pg = aggregate(per_token, mask, algo.loss_agg, normalizer)
         total = pg - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, normalizer)
-        kl = kl_penalty(logp, mb["ref_logp"], algo.kl_kind)
-        if algo.kl_mode == "loss" and algo.kl_coef:
-            total = total + algo.kl_coef * aggregate(kl, mask, algo.loss_agg, normalizer)
         tokens = mask.sum()
         report = {"policy_loss": pg.detach(), "tokens": tokens, **token_sums(stats, tokens),
-                  "entropy_sum": masked_sum(entropy.detach(), mask),
-                  # the algo.kl_kind penalty under the weights being updated (metric kl_penalty)
-                  "kl_penalty_sum": masked_sum(kl.detach(), mask)}
+                  "entropy_sum": masked_sum(entropy.detach(), mask)}
+        if "ref_logp" in mb:
+            kl = kl_penalty(logp, mb["ref_logp"], algo.kl_kind)
+            if algo.kl_mode == "loss" and algo.kl_coef:
+                total = total + algo.kl_coef * aggregate(kl, mask, algo.loss_agg, normalizer)
+            # the algo.kl_kind penalty under the weights being updated (metric kl_penalty)
+            report["kl_penalty_sum"] = masked_sum(kl.detach(), mask)
         return total * scale, report
 
     actor.model.zero_grad_buffer()

@@ -56,14 +56,16 @@ class Pass:
 
 def forward_passes(cfg: RootConfig, actor, reference, critic) -> dict[str, Pass]:
     """The step's forward-only passes by name: `logp` (old logprobs, current weights), `ref`
-    and, when algo.name needs a critic, `values`."""
+    when the reference model is built (algo.uses_reference) and, when algo.name needs a
+    critic, `values`."""
     vocab = actor.info.vocab_size
     temp = cfg.rollout.sampling.temperature   # the engine sampled from softmax(z / T): so must every logprob here
 
     def logprobs(m, b, s):
         return actor_ops.logprobs(m, b, s, vocab, temp)
-    out = {"logp": Pass("logp", actor.model, logprobs),
-           "ref": Pass("ref", reference, logprobs, resident=reference, versioned=False)}
+    out = {"logp": Pass("logp", actor.model, logprobs)}
+    if reference is not None:
+        out["ref"] = Pass("ref", reference, logprobs, resident=reference, versioned=False)
     if ADVANTAGES.get(cfg.algo.name).needs_critic:
         out["values"] = Pass("values", critic.model, critic_ops.values, resident=critic.model)
     return out
@@ -82,8 +84,9 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     passes = forward_passes(cfg, actor, reference, critic)
 
     old_logp = forward(passes["logp"])
-    ref_logp = forward(passes["ref"])
-    kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask
+    # no reference (algo.kl_coef=0): no KL term, so a KL of 0 changes neither rewards nor advantages
+    ref_logp = forward(passes["ref"]) if "ref" in passes else None
+    kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask if ref_logp is not None else torch.zeros_like(mask)
     estimator = ADVANTAGES.get(algo.name)
     old_values = forward(passes["values"]) if "values" in passes else None
     advantages, returns = estimator.fn(batch.scores, kl, mask, old_values, algo, cfg.rollout.sampling.n)
@@ -94,7 +97,9 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                                        algo.is_cap, algo.is_low, algo.is_high)
     # NaN/Inf anywhere the update reads: stop or skip before any optimizer step (collective)
     inputs = {"rewards (scores)": batch.scores, "behaviour logprobs": batch.behav_logp,
-              "old logprobs": old_logp, "reference logprobs": ref_logp, "advantages": advantages}
+              "old logprobs": old_logp, "advantages": advantages}
+    if ref_logp is not None:
+        inputs["reference logprobs"] = ref_logp
     if old_values is not None:
         inputs.update({"values": old_values, "returns": returns})
     bad = first_nonfinite(inputs, mask)
@@ -121,7 +126,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                                                   batch.behav_logp, advantages, is_w, mask)
                     for k, v in stats.items():
                         stabilized.setdefault(k, []).append(v)
-                    report = actor_ops.update(actor, local, old_logp[rows], ref_logp[rows], advantages[rows],
+                    report = actor_ops.update(actor, local, old_logp[rows],
+                                              None if ref_logp is None else ref_logp[rows], advantages[rows],
                                               is_w[rows], algo, micro, norm, temp,
                                               keep=None if keep is None else keep[at], clip=clip, align=align)
                     reports.add(sums, report, "actor")
@@ -134,14 +140,16 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     own = parallel.is_last_stage() and parallel.tp_rank() == 0   # one copy of the reports per DP rank
     totals = reports.sum_over_ranks(sums, batch.device, own)
     on_device = {
-        # the k1 estimate of KL(current weights || reference) whatever algo.kl_kind shapes the
-        # penalty with: from the logprobs of the current weights, as the penalty itself, never
-        # the stitched l_old (carried tokens keep older versions' values there)
-        "kl": masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask, mask),
         "advantage_mean": masked_mean(advantages, mask),
         **is_stats, **mismatch_stats(old_logp, batch.behav_logp, mask),
         **masked_frac_by_age(is_w, mask, batch.versions, step),   # drift vs mismatch (docs/partial_rollout.md)
     }
+    if ref_logp is not None:
+        # the k1 estimate of KL(current weights || reference) whatever algo.kl_kind shapes the
+        # penalty with: from the logprobs of the current weights, as the penalty itself, never
+        # the stitched l_old (carried tokens keep older versions' values there)
+        on_device["kl"] = masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask,
+                                      mask)
     if old_values is not None:
         on_device["value_mean"] = masked_mean(old_values, mask)
     on_device.update({k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean()

@@ -25,7 +25,8 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.distributed import parallel
     from megarl.distributed.env import init_distributed
     cfg = load_config("recipes/tiny_cpu.yaml", [
-        f"model.path={model_dir}", "algo.name=grpo", "rollout.sampling.n=4", "train.groups_per_step=8",
+        f"model.path={model_dir}", "algo.name=grpo", "algo.kl_coef=0.001", "rollout.sampling.n=4",
+        "train.groups_per_step=8",
         "train.mini_batches=2", "train.micro_batch_size=8", "rollout.sampling.temperature=0.7"])
     env = init_distributed()
     validate_world(cfg, env.world_size)
@@ -78,6 +79,7 @@ def main(model_dir: str, out_path: str) -> None:
         cfg.algo.kl_kind = kind
         metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, 0)
         result["kl"][kind] = {"metric": metrics["kl"], "expected": expected}
+    result["no_reference"] = without_reference(cfg, batch)
     gathered = [None] * env.world_size if env.world_size > 1 else None
     if env.world_size > 1:
         dist.gather_object(result, gathered if env.rank == 0 else None, dst=0)
@@ -85,6 +87,36 @@ def main(model_dir: str, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump(gathered or [result], f)
     parallel.destroy()
+
+
+def without_reference(cfg, batch) -> dict:
+    """algo.kl_coef=0: the models build_all makes (megatron GPTModels created, counted by their
+    constructor) and the step's metrics; with a KL term for comparison."""
+    import dataclasses
+
+    from megatron.core.models.gpt import GPTModel
+
+    from megarl.models.setup import build_all
+    from megarl.ppo.step import ppo_step
+    made = []
+    original = GPTModel.__init__
+
+    def counting(self, *a, **kw):
+        made.append(1)
+        original(self, *a, **kw)
+    out = {}
+    GPTModel.__init__ = counting
+    try:
+        for name, coef in (("kl0", 0.0), ("kl", 0.001)):
+            c = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, kl_coef=coef, kl_kind="k1"))
+            made.clear()
+            models = build_all(c, with_tokenizer=False)
+            metrics = ppo_step(c, models.actor, models.reference, models.critic, batch, 0)
+            out[name] = {"models_built": len(made), "reference": models.reference is not None,
+                         "keys": sorted(metrics), "policy_loss": metrics["policy_loss"]}
+    finally:
+        GPTModel.__init__ = original
+    return out
 
 
 if __name__ == "__main__":

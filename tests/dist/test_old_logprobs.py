@@ -46,6 +46,18 @@ def test_kl_metric_is_the_current_weights_estimate_for_every_kl_kind(ranks):
         assert abs(v["metric"] - v["expected"]) < 1e-5, (kind, v)   # a mean of ~0.12: noise <= 3e-8
 
 
+def test_no_reference_model_without_a_kl_term(ranks):
+    """algo.kl_coef=0 (GRPO: no critic): only the actor is built, the step runs no reference
+    pass and reports no KL; with algo.kl_coef > 0 the reference is built and the KL reported."""
+    for r in ranks:
+        off, on = r["no_reference"]["kl0"], r["no_reference"]["kl"]
+        assert off["models_built"] == 1 and not off["reference"], off
+        assert on["models_built"] == 2 and on["reference"], on
+        assert "kl" not in off["keys"] and "kl_penalty" not in off["keys"], off["keys"]
+        assert {"kl", "kl_penalty"} <= set(on["keys"]), on["keys"]
+        assert set(on["keys"]) - set(off["keys"]) == {"kl", "kl_penalty"}
+
+
 @pytest.mark.parametrize("count,dp,mbs,want", [
     (61, 1, 16, (64, 16)), (3, 1, 16, (3, 3)), (17, 1, 16, (18, 9)), (61, 2, 8, (32, 8)),
     (1, 4, 8, (1, 1)), (64, 2, 16, (32, 16)),
