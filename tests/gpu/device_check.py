@@ -95,7 +95,7 @@ def child_updates() -> dict:
     from megarl.ppo.step import ppo_step
     from megarl.rollout.dump import read_samples
 
-    cfg = _setup(["model.dtype=float32"])
+    cfg = _setup(["model.dtype=float32", "algo.kl_coef=0.01"])   # a KL term: the reference is built and compared
     samples = read_samples(str(RECORDED))
     out = {}
     for algo in ("ppo", "grpo"):
