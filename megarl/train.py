@@ -29,7 +29,10 @@ from megarl.distributed import faults, parallel
 from megarl.distributed.device_guard import DeviceGuard
 from megarl.distributed.env import from_rank0, init_distributed
 from megarl.distributed.stop import StopSignal
+from megarl.eval.datasets import load_eval_sets
+from megarl.eval.runner import Evaluator
 from megarl.metrics.logger import MetricsLogger
+from megarl.metrics.speed import SpeedMeter
 from megarl.metrics.step import rollout_metrics, trainer_idle_frac
 from megarl.metrics.wandb_sink import check_installed
 from megarl.models.loading import check_megatron_dir
@@ -69,7 +72,7 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
-        self.pool = self.logger = self.rollout = self.lock = self.transport = self.overlap = None
+        self.pool = self.logger = self.rollout = self.lock = self.transport = self.overlap = self.evaluator = None
         self.lag = None                     # rollout.lag > 0: the driver's queue of rounds (rollout/lag.py)
         self.state = StateRegistry()        # what a checkpoint keeps besides the models
         self.start, self.last = 0, {}
@@ -124,6 +127,7 @@ class Trainer:
         _agree(lambda: preflight.check_episodes(cfg, self.records, tokenizer), self.is_driver)
         # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
         self.reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
+        self.eval_sets = load_eval_sets(cfg)   # eval.datasets, read and checked as data.prompts is
         if cfg.reward.model_path:
             check_model_dir(cfg.reward.model_path, "reward.model_path")
             preflight.check_model_files(cfg.reward.model_path, "reward.model_path", tokenizer=False)
@@ -157,6 +161,7 @@ class Trainer:
         if os.environ.get("MEGARL_DEVICE_GUARD") == "1":   # debugging: fail on any host/device mix-up
             DeviceGuard().__enter__()
         self.stop = StopSignal(self.cfg.checkpoint.time_budget_min)
+        self.speed = SpeedMeter(self.cfg, self.env.world_size)   # lr, tokens/s, mfu, peak memory per step
         if self.cfg.rollout.overlap:   # the step's forward-only passes, run during the round too
             self.overlap = _overlap(self.cfg, self.models, self.tokenizer.pad_token_id)
 
@@ -174,6 +179,8 @@ class Trainer:
         # partial samples and untrained groups; checkpoints older than the carry lack it
         self.state.register("rollout", self.rollout, optional=True)
         self.logger = MetricsLogger.for_run(cfg, start)
+        if self.eval_sets:   # held-out evaluation (eval.*, megarl/eval/runner.py)
+            self.evaluator = Evaluator(cfg, self.eval_sets, self.pool, self.tokenizer, self.logger)
         if resume_from is not None:
             self.logger.bar.write(f"resumed from {resume_from} at step {start}")
         if start >= cfg.train.steps:
@@ -193,9 +200,14 @@ class Trainer:
                 break
         if step >= self.start and not self._on_schedule(step):
             self.save(step)
+        if self.evaluator is not None:   # the final weights (eval.*)
+            self.evaluator.at_end(step, self.start)
 
     def step(self, step: int) -> None:
+        if self.evaluator is not None:   # version `step` on held-out data when due, before its round (eval.*)
+            self.evaluator.at(step)
         t_step = time.perf_counter()
+        self.speed.start()
         lagged = self.cfg.rollout.lag > 0
         samples, partials, round_metrics = self.generate_lagged(step) if lagged else self.generate(step)
         rollout_s = time.perf_counter() - t_step
@@ -207,7 +219,8 @@ class Trainer:
         if self.is_driver:
             step_s = time.perf_counter() - t_step
             self.last = {**rollout_metrics(samples, batch), **round_metrics, **self.reward_fn.take_counts(),
-                         **metrics, **sync,
+                         **metrics, **sync, **self.speed.metrics(step, self.models, samples, round_metrics,
+                                                                 rollout_s, train_s),
                          "rollout_time_s": rollout_s, "train_time_s": train_s, "step_time_s": step_s,
                          "trainer_idle_frac": trainer_idle_frac(train_s, step_s, metrics.get("overlap_forward_s", 0.0)),
                          "weight_version": self.pool.version}
@@ -301,6 +314,8 @@ class Trainer:
     def finish(self) -> None:
         self.reward_fn.close()
         if self.is_driver:
+            if self.evaluator is not None:
+                self.evaluator.close()
             self.transport.close()
             self.logger.close()
             try:   # the environments' loop, the agent service: closed before the engines they use

@@ -1,0 +1,124 @@
+"""Held-out evaluation (eval.*) end to end: `megarl train` on the tiny model with a held-out
+file whose prompts the training data does not hold, on the shared vLLM server
+(`remote_engine`). One sync run with evaluation, the same run without it, and one async
+partial run with evaluation beside its prefetched rounds."""
+import itertools
+import json
+
+import pytest
+from conftest import ROOT, run_py
+
+HELDOUT = ROOT / "tests" / "data" / "countdown_heldout.jsonl"
+STEPS, EVERY, N, KS = 4, 2, 4, (1, 2, 4)
+SYNC = ("rollout.mode=sync", f"train.steps={STEPS}", "train.groups_per_step=8", "rollout.dump_every=1",
+        "metrics.tensorboard=false")
+EVAL = (f"eval.datasets=[{HELDOUT}]", f"eval.every={EVERY}", f"eval.n={N}", "eval.temperature=1.0",
+        f"eval.k=[{','.join(map(str, KS))}]")
+
+
+def _train(tiny_model, remote_engine, run_dir, prompts, *overrides):
+    proc = run_py(["-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
+                   f"data.prompts={prompts}", f"run.dir={run_dir}", *remote_engine.overrides, *overrides],
+                  env=remote_engine.env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return proc, rows
+
+
+@pytest.fixture(scope="module")
+def training_prompts(tiny_model, tmp_path_factory):
+    """The tiny model's prompts without those of the held-out file."""
+    held = {json.loads(line)["prompt"] for line in HELDOUT.read_text().splitlines()}
+    rows = [line for line in (tiny_model / "prompts.jsonl").read_text().splitlines()
+            if line.strip() and json.loads(line)["prompt"] not in held]
+    path = tmp_path_factory.mktemp("eval_data") / "train.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tiny_model, remote_engine, training_prompts, tmp_path_factory):
+    base = tmp_path_factory.mktemp("eval_runs")
+    on = _train(tiny_model, remote_engine, base / "on", training_prompts, *SYNC, *EVAL)
+    off = _train(tiny_model, remote_engine, base / "off", training_prompts, *SYNC)
+    return base, on, off
+
+
+def _eval_rows(rows):
+    return [r for r in rows if any(k.startswith("eval/") for k in r)]
+
+
+def test_eval_rows_at_start_every_and_end_with_one_console_line_each(sync_runs):
+    base, (proc, rows), _ = sync_runs
+    evals = _eval_rows(rows)
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    # the engines held the version each row is logged at
+    assert [r["eval/weight_version"] for r in evals] == [0, 2, 4]
+    assert [r["step"] for r in rows if "reward_mean" in r] == list(range(STEPS))
+    prefix = "eval/countdown_heldout/"
+    for r in evals:
+        keys = {f"mean@{N}", f"maj@{N}", *(f"pass@{k}" for k in KS), "response_len_mean", "prompts"}
+        assert {prefix + k for k in keys} <= set(r), sorted(r)
+        assert r[prefix + "prompts"] == len(HELDOUT.read_text().splitlines())
+    out = proc.stdout + proc.stderr
+    assert sum(f"eval {v:4d} | countdown_heldout mean@{N}=" in out for v in (0, 2, 4)) == 3
+
+
+def _choose_share(correct, k):
+    subsets = list(itertools.combinations(correct, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_logged_figures_match_a_direct_computation_from_the_dumped_samples(sync_runs):
+    """pass@k as the share of k-subsets of each prompt's samples holding a correct one, mean@n
+    and maj@n recomputed from the dump's rewards and answers, against the logged row."""
+    base, (_, rows), _ = sync_runs
+    prefix = "eval/countdown_heldout/"
+    nontrivial = False
+    for row in _eval_rows(rows):
+        dumped = [json.loads(x) for x in (base / "on" / "eval" / "countdown_heldout" /
+                                          f"step_{row['step']}.jsonl").read_text().splitlines()]
+        prompts = sorted({d["prompt_index"] for d in dumped})
+        assert len(dumped) == N * len(prompts)
+        by_prompt = [[d for d in dumped if d["prompt_index"] == p] for p in prompts]
+        for k in KS:
+            want = sum(_choose_share([d["reward"] >= 1.0 for d in g], k) for g in by_prompt) / len(by_prompt)
+            assert row[prefix + f"pass@{k}"] == pytest.approx(want, abs=1e-12), (row["step"], k)
+        mean = sum(d["reward"] for d in dumped) / len(dumped)
+        assert row[prefix + f"mean@{N}"] == pytest.approx(mean, abs=1e-12)
+        votes = []
+        for g in by_prompt:
+            stated = [d["answer"] for d in g if d["answer"] is not None]
+            top = max(stated, key=lambda a: (stated.count(a), -stated.index(a))) if stated else None
+            votes.append(next((d["reward"] >= 1.0 for d in g if d["answer"] == top), False) if top else False)
+        assert row[prefix + f"maj@{N}"] == pytest.approx(sum(votes) / len(votes), abs=1e-12)
+        nontrivial |= 0.0 < row[prefix + "pass@1"] < row[prefix + f"pass@{N}"]
+    assert nontrivial, "every evaluation was all right or all wrong: the comparison above proves little"
+
+
+def test_a_sync_run_trains_the_same_samples_with_evaluation_on_and_off(sync_runs):
+    base, (_, on_rows), (_, off_rows) = sync_runs
+    assert not _eval_rows(off_rows) and not (base / "off" / "eval").exists()
+    for step in range(STEPS):
+        on = (base / "on" / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+        off = (base / "off" / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+        assert on == off, f"step {step}: the trained samples differ with evaluation on"
+    trained_on = [r for r in on_rows if "reward_mean" in r]
+    trained_off = [r for r in off_rows if "reward_mean" in r]
+    assert [r["policy_loss"] for r in trained_on] == [r["policy_loss"] for r in trained_off]
+
+
+def test_async_partial_rounds_run_beside_the_evaluation(tiny_model, remote_engine, training_prompts, tmp_path):
+    """rollout.partial.async: the evaluation at each step runs while the prefetched round
+    generates on the same engine; each evaluation sees the step's weights and every round
+    still trains its groups."""
+    _, rows = _train(tiny_model, remote_engine, tmp_path / "async", training_prompts, "train.steps=2",
+                     "train.groups_per_step=8", "rollout.partial.async=true", "rollout.update_mode=abort",
+                     f"eval.datasets=[{HELDOUT}]", "eval.every=1", "metrics.tensorboard=false")
+    evals = _eval_rows(rows)
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert [r["eval/weight_version"] for r in evals] == [0, 1, 2]
+    trained = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in trained] == [0, 1] and all(r["samples"] > 0 for r in trained)
+    # the controller's book counts its own requests only: its in-flight mean stays within its bound
+    assert all(r["rollout_inflight_mean"] <= r["rollout_concurrency"] for r in trained), trained
