@@ -1,11 +1,15 @@
 """The held-out datasets of eval.datasets, loaded and checked before anything starts."""
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 
 from megarl.config.errors import ConfigError
 from megarl.data.prompts import load_prompts
 from megarl.rewards import needs_answer
+
+log = logging.getLogger("megarl.eval")
 
 
 @dataclass
@@ -18,10 +22,11 @@ class EvalSet:
     records: list
 
 
-def load_eval_sets(cfg) -> list[EvalSet]:
+def load_eval_sets(cfg, training: list | None = None) -> list[EvalSet]:
     """Every file of cfg.eval.datasets read as data.prompts is (data.*_key fields; the gold
     answer required where the dataset's verifier compares with one), cut to eval.max_prompts.
-    A missing or malformed file is a ConfigError naming eval.datasets[i]."""
+    A missing or malformed file is a ConfigError naming eval.datasets[i]; a dataset sharing
+    prompts with the `training` records is warned about (its score is not held-out)."""
     e, d = cfg.eval, cfg.data
     sets = []
     for i, (path, name) in enumerate(zip(e.datasets, e.names)):
@@ -37,4 +42,16 @@ def load_eval_sets(cfg) -> list[EvalSet]:
         if e.max_prompts:
             records = records[: e.max_prompts]
         sets.append(EvalSet(i, name, str(path), verifier, list(records)))
+        shared = _shared_prompts(records, training or [], d.prompt_key, d.messages_key)
+        if shared:
+            log.warning("megarl: eval.datasets[%d]=%r: %d of its %d prompts are also in data.prompts, so its "
+                        "figures are not held-out on them", i, str(path), shared, len(records))
     return sets
+
+
+def _shared_prompts(records: list, training: list, prompt_key: str, messages_key: str) -> int:
+    """How many of `records` have a prompt (text or chat) that a training record has too."""
+    def prompt(r):
+        return json.dumps(r.get(prompt_key, r.get(messages_key)), sort_keys=True)
+    seen = {prompt(r) for r in training}
+    return sum(prompt(r) in seen for r in records)

@@ -1,6 +1,7 @@
 """The evaluation's maths (megarl/eval/scores.py), its schedule (eval/schedule.py), its answer
 extractors (eval/answers.py) and the eval.* settings' checks."""
 import itertools
+import json
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from megarl.config import ConfigError
 from megarl.config.loader import load_config
 from megarl.eval.answers import countdown_answer, extractor_of, final_answer
+from megarl.eval.datasets import load_eval_sets
 from megarl.eval.schedule import due, planned
 from megarl.eval.scores import dataset_scores, majority_correct, pass_at_k, prompt_scores
 
@@ -123,3 +125,25 @@ def test_good_eval_settings_load():
     assert cfg.eval.names == ["a", "b"]
     assert [cfg.eval.verifier_of(i, cfg.reward.fn) for i in (0, 1)] == ["math", "math"]
     assert _load("eval.datasets=[a.jsonl]").eval.verifier_of(0, "countdown") == "countdown"
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_datasets_are_read_as_data_prompts_and_named_in_errors(tmp_path, caplog):
+    good = _write(tmp_path / "held.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)])
+    sets = load_eval_sets(_load(f"eval.datasets=[{good}]", "eval.max_prompts=3", "eval.verifiers=[math]"),
+                          training=[{"prompt": "q1"}, {"prompt": "other"}])
+    assert [(s.name, s.verifier, len(s.records)) for s in sets] == [("held", "math", 3)]
+    assert "1 of its 3 prompts are also in data.prompts" in caplog.text
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ConfigError, match=r"^eval\.datasets\[1\]='.*nope\.jsonl' does not exist"):
+        load_eval_sets(_load(f"eval.datasets=[{good},{missing}]"))
+    # math compares with a gold answer: a row without one is named before anything starts
+    bad = _write(tmp_path / "noanswer.jsonl", [{"prompt": "q"}])
+    with pytest.raises(ConfigError, match=r"eval\.datasets\[0\]='.*noanswer\.jsonl', row 1: no field 'answer'"):
+        load_eval_sets(_load(f"eval.datasets=[{bad}]", "eval.verifiers=[math]"))
+    # countdown's record needs no answer field check at load (it reads record["answer"] itself)
+    assert load_eval_sets(_load(f"eval.datasets=[{good}]"))[0].verifier == "countdown"
