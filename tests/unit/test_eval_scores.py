@@ -96,6 +96,14 @@ def test_answer_extractors():
     assert extractor_of("format") is None
 
 
+def test_a_verifier_outside_megarl_opts_into_majority_votes(tmp_path):
+    (tmp_path / "myverifier.py").write_text(
+        "def score(response_text, record, *, finished):\n    return 1.0\n"
+        "score.extract_answer = lambda text, finished: text.strip()[:1] or None\n")
+    extract = extractor_of(f"{tmp_path / 'myverifier.py'}:score")
+    assert extract is not None and extract(" 42", True) == "4"
+
+
 def _load(*overrides):
     return load_config("recipes/tiny_cpu.yaml", list(overrides))
 
