@@ -25,7 +25,7 @@ TINY = ROOT / "artifacts" / "tiny_countdown"
 LONGEST_FIRST = [
     "tests/e2e/test_engine_failure.py", "tests/e2e/test_slurm.py", "tests/dist/test_conversion_tools.py",
     "tests/e2e/test_train_cli.py", "tests/e2e/test_agents.py", "tests/dist/test_layouts.py",
-    "tests/e2e/test_crash_resume.py", "tests/e2e/test_chaos.py",
+    "tests/e2e/test_crash_resume.py", "tests/e2e/test_chaos.py", "tests/e2e/test_eval.py",
     "tests/dist/test_megatron_load.py", "tests/e2e/test_pool_sync.py", "tests/e2e/test_http_engine.py",
     "tests/e2e/test_request_errors.py", "tests/dist/test_token_budget.py",
     "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_bad_inputs.py",
