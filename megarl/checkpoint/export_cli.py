@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     """Run the export of parsed `args`; a user error is one line on stderr and exit code 2."""
+    problem = input_problem(args.run_dir, args.out, args.force)
+    if problem:   # before the seconds of imports below
+        print(f"megarl export: error: {problem}", file=sys.stderr)
+        return 2
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from megarl.bootstrap import bootstrap
     bootstrap()
@@ -42,3 +46,12 @@ def main(args) -> int:
         return 2
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def input_problem(run_dir: str, out: str, force: bool) -> str | None:
+    """What is wrong with the command's paths, judged without importing anything heavy."""
+    if not os.path.isdir(run_dir):
+        return f"run directory {run_dir!r} does not exist"
+    if os.path.exists(out) and not force and not (os.path.isdir(out) and not os.listdir(out)):
+        return f"--out {out!r} already exists: choose a new folder, or pass --force to replace it"
+    return None

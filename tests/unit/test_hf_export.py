@@ -129,3 +129,21 @@ def test_export_command_refuses_bad_input(tmp_path):
     with pytest.raises(ConversionError, match="already exists"):
         hf_export.export_checkpoint(str(run), None, str(folder(tmp_path / "o4", x="1")))
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
+
+
+def test_export_command_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """`megarl export`: a missing run directory, an existing --out, a missing step: exit 2 and
+    one line naming it; nothing written."""
+    from megarl import cli
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # main hides the GPUs; restored after the test
+    run = folder(tmp_path / "run")
+    folder(run / "checkpoints" / "step_4", COMPLETE="4")
+    cases = (([str(tmp_path / "nope"), "--out", str(tmp_path / "o1")], "run directory", "does not exist"),
+             ([str(run), "--out", str(folder(tmp_path / "o2", x="1"))], "--out", "already exists"),
+             ([str(run), "--step", "2", "--out", str(tmp_path / "o3")], "--step 2", "complete ones: step_4"))
+    for args, first, second in cases:
+        assert cli.main(["export", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("megarl export: error:"), err
+        assert first in err[0] and second in err[0], err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
