@@ -28,7 +28,8 @@ LONGEST_FIRST = [
     "tests/e2e/test_crash_resume.py", "tests/e2e/test_chaos.py", "tests/e2e/test_eval.py",
     "tests/dist/test_megatron_load.py", "tests/e2e/test_pool_sync.py", "tests/e2e/test_http_engine.py",
     "tests/e2e/test_request_errors.py", "tests/dist/test_token_budget.py",
-    "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_bad_inputs.py",
+    "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_extensions.py",
+    "tests/e2e/test_bad_inputs.py",
     "tests/dist/test_reward_model.py", "tests/e2e/test_disk_full.py", "tests/dist/test_device_placement.py",
     "tests/e2e/test_math_data.py", "tests/dist/test_overlap.py", "tests/dist/test_nonfinite.py",
 ]
