@@ -5,9 +5,11 @@ import os
 import pytest
 from conftest import ROOT, run_py
 
-REQUIRED = ("step", "reward_mean", "response_len_mean", "response_len_max", "kl", "policy_loss",
+REQUIRED = ("step", "reward_mean", "response_len_mean", "response_len_max", "policy_loss",
             "value_loss", "clip_frac", "entropy", "step_time_s", "rollout_time_s", "train_time_s",
-            "sync_time_s", "logprob_mismatch_mean", "weight_version")
+            "sync_time_s", "logprob_mismatch_mean", "weight_version",
+            # speed and resources (docs/metrics.md); mfu and gpu_mem_peak_gb on GPUs only
+            "lr_actor", "lr_critic", "rollout_tokens_per_s", "train_tokens_per_s", "host_mem_peak_gb")
 
 
 def train(tiny_model, run_dir, *overrides, nproc=1, env=None):
@@ -41,6 +43,11 @@ def test_ppo_run_writes_metrics_tensorboard_and_config(ppo_run):
         assert r["logprob_mismatch_mean"] < 1e-3
         assert r["sync_verify_gap"] < 1e-3
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
+    for r in rows:   # the recipe's constant rates; tokens per second of real work; a process of some size
+        assert (r["lr_actor"], r["lr_critic"]) == (1e-4, 1e-3)
+        assert r["rollout_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and r["host_mem_peak_gb"] > 0.1
+        assert "mfu" not in r and "gpu_mem_peak_gb" not in r     # CPU: no GPU, no peak to compare with
+        assert "kl" not in r and "kl_penalty" not in r           # algo.kl_coef=0: no reference model
     assert rows[-1]["value_loss"] > 0 and rows[-1]["grad_norm"] > 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "steps: 3" in (run_dir / "config.yaml").read_text()
@@ -101,11 +108,20 @@ def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_pat
     engines, and the trainer's logprobs of the sampled tokens (logits / 0.7) equal the
     engines' processed logprobs at the fp32 level. The dumped samples carry, per token, the
     version it was generated under (within the staleness bound) and the engine's logprob. GRPO:
-    no critic is built or trained."""
+    no critic is built or trained. checkpoint.hf_every=1 and hf_final: the actor exported after
+    each step, gathered over TP (the export's logprobs: tests/dist/test_hf_export.py)."""
     run_dir = tmp_path / "tp2"
     _, rows = train(tiny_model, run_dir, "train.steps=2", "parallel.tp=2", "rollout.engines.count=2",
                     "rollout.sampling.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true",
-                    "algo.name=grpo", nproc=2)
+                    "algo.name=grpo", "checkpoint.hf_every=1", "checkpoint.hf_final=true", nproc=2)
+    exports = {p.name: p for p in (run_dir / "hf").iterdir()}
+    assert sorted(exports) == ["final", "step_0", "step_1"]
+    for folder in exports.values():
+        assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors.index.json"} <= {
+            p.name for p in folder.iterdir()}
+    final = (exports["final"] / "model-00001-of-00001.safetensors").read_bytes()
+    assert final == (exports["step_1"] / "model-00001-of-00001.safetensors").read_bytes()
+    assert final != (exports["step_0"] / "model-00001-of-00001.safetensors").read_bytes()
     assert len(rows) == 2
     assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows
     # GRPO trains without a critic: no value loss, group-normalised advantages, only the actor learns
