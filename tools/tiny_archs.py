@@ -2,7 +2,8 @@
 
 Every architecture shares the countdown tokenizer's vocab and special ids, and has head_dim
 >= 32 (vLLM's CPU attention refuses 16). `qwen2` is the default policy of the CPU recipes;
-`qwen3` adds per-head query / key norms with head_dim apart from hidden / heads.
+`qwen3` adds per-head query / key norms with head_dim apart from hidden / heads; `qwen3_moe`
+is Qwen3 with a Mixture-of-Experts block in every layer (`make moe-model`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     # 4 heads of 64: the attention is 256 wide over a hidden size of 128
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=64)),
+    # 4 experts of 256, 2 per token (as many active MLP weights as the dense 512), renormalised
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
 }
 DEFAULT = "qwen2"
 

@@ -39,9 +39,12 @@ def moe_settings(hf_config, arch: str, ep: int, dispatcher: str, variable_length
     if n % ep:
         raise ValueError(f"parallel.ep={ep} must divide the model's {n} experts (num_experts in "
                          f"config.json): pick an expert-parallel size that divides {n}")
-    if dispatcher == "allgather" and variable_lengths:
-        raise ValueError("parallel.moe_dispatcher=allgather does not take micro-batches of varying "
-                         "shapes, which pipeline parallelism sends: use alltoall with parallel.pp > 1")
+    if dispatcher == "allgather" and (variable_lengths or ep > 1):
+        # megatron's allgather dispatcher gathers equal token counts from every EP rank, and
+        # megarl's micro-batches are padded to their own longest sequence, rank by rank
+        raise ValueError(f"parallel.moe_dispatcher=allgather needs micro-batches of one shape on every "
+                         f"rank (parallel.ep={ep}, parallel.pp={'>1' if variable_lengths else 1}): "
+                         f"use parallel.moe_dispatcher=alltoall, or allgather with ep=1 and pp=1")
     layers = moe.moe_layers(hf_config)
     out = dict(
         num_moe_experts=n, moe_router_topk=int(hf_config.num_experts_per_tok),

@@ -80,7 +80,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
         "train.micro_batch_size=4", "algo.is_mode=none", "train.actor_lr=2e-4", "train.critic_lr=2e-4",
         *overrides])
     validate_world(cfg, world_size)
-    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed)
+    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.run.seed, cfg.parallel.ep)
     from megarl.models.setup import build_all
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch

@@ -169,3 +169,14 @@ def test_megatron_model_matches_transformers(megatron_world, saved, arch, dispat
         ref = model_hf(ids).logits
         out = gpt(ids, torch.arange(12).expand(2, 12), causal_mask(12, ids.device))
     torch.testing.assert_close(out[..., :100], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp,pp,ep,dispatcher,setting", [
+    (1, 1, 3, "alltoall", r"parallel\.ep=3 must divide the model's 4 experts"),
+    (1, 1, 2, "allgather", r"parallel\.moe_dispatcher=allgather needs micro-batches of one shape.*alltoall"),
+    (1, 2, 1, "allgather", r"parallel\.moe_dispatcher=allgather needs micro-batches of one shape.*alltoall")])
+def test_layouts_megatron_cannot_run_are_named(tp, pp, ep, dispatcher, setting):
+    from megarl.models.transformer_config import transformer_config
+    with pytest.raises(ValueError, match=setting):
+        transformer_config(hf_config("qwen3_moe"), tp, pp, torch.float32, on_gpu=False, ep=ep,
+                           dispatcher=dispatcher)
