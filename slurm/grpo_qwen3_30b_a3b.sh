@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GRPO on Qwen3-30B-A3B, a Mixture of Experts (recipes/qwen3_30b_a3b.yaml), on the nodes of
+# the recipe's `cluster:` section: it sets the job's layout (trainer and engine nodes, GPUs per
+# node, engine TP; slurm/common.sh; the trainer's TP x PP x EP is the recipe's parallel:), and
+# #SBATCH --nodes below must equal its cluster.nodes. Submit from the repository root
+# (docs/cluster.md):
+#   sbatch slurm/grpo_qwen3_30b_a3b.sh
+#   EXTRA="train.steps=500 checkpoint.every=5" RUN_DIR=runs/my_exp sbatch slurm/grpo_qwen3_30b_a3b.sh
+# Every setting (below, and megarl_settings in slurm/common.sh) can be set in the environment
+# of sbatch. The same RUN_DIR resumes from its newest complete checkpoint: on requeue, and on a
+# new submission.
+#SBATCH --job-name=megarl-grpo-qwen3-30b-a3b
+#SBATCH --nodes=4
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:TERM@900
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+
+# ---- settings: this job's defaults. Every other setting and its default is in
+# megarl_settings (slurm/common.sh) and docs/cluster.md; all can be set in sbatch's environment.
+RECIPE=${RECIPE:-recipes/qwen3_30b_a3b.yaml}
+# the layout is the recipe's cluster: section; TRAINER_NODES, ENGINE_NODES, GPUS_PER_NODE,
+# ENGINE_TP, ENGINES_PER_NODE, TRAINER_PROCS_PER_NODE in the environment replace its values
+# the batch script runs from a copy in slurm's spool folder: find the repository from where
+# sbatch was called
+MEGARL_ROOT=${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+# -------------------------------------------------------------------------------------------
+
+[[ -f $MEGARL_ROOT/slurm/common.sh ]] || {
+    echo "megarl: $MEGARL_ROOT is not the repository: submit from its root or set MEGARL_ROOT" >&2
+    exit 2
+}
+# shellcheck source=slurm/common.sh
+source "$MEGARL_ROOT/slurm/common.sh"
+megarl_settings
+megarl_job
