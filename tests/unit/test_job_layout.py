@@ -16,7 +16,8 @@ from megarl.plan.job import job_layout
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_RECIPES = [p for p in sorted((ROOT / "recipes").glob("*.yaml"))
                    if p.name != "base.yaml" and load_config(p).cluster.gpus_per_node]
-SCRIPTS = {"ppo_7b.sh": "qwen2.5_7b.yaml", "ppo_32b.sh": "qwen2.5_32b.yaml", "ppo_70b.sh": "llama3.1_70b.yaml"}
+SCRIPTS = {"ppo_7b.sh": "qwen2.5_7b.yaml", "ppo_32b.sh": "qwen2.5_32b.yaml", "ppo_70b.sh": "llama3.1_70b.yaml",
+           "grpo_qwen3_30b_a3b.sh": "qwen3_30b_a3b.yaml", "grpo_qwen3_235b_a22b.sh": "qwen3_235b_a22b.yaml"}
 
 
 def job_overrides(cfg, env=None) -> list[str]:
