@@ -147,3 +147,13 @@ def test_export_command_errors_are_one_line(tmp_path, capsys, monkeypatch):
         assert len(err) == 1 and err[0].startswith("megarl export: error:"), err
         assert first in err[0] and second in err[0], err
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+
+
+def test_a_killed_exports_leftover_is_replaced(tmp_path):
+    """What an export killed mid-way leaves (`.tmp_final`, half written) is never read as an
+    export and is removed by the next one; the final name only ever holds a whole folder."""
+    src = folder(tmp_path / "step_3", **{"model-00001-of-00001.safetensors": "w", "config.json": "{}"})
+    folder(tmp_path / ".tmp_final", **{"model-00001-of-00002.safetensors": "half"})
+    out = hf_export._copy_export(src, tmp_path / "final")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step_3"]
