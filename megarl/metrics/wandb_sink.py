@@ -63,4 +63,9 @@ class WandbSink:
         self.run.log(row)
 
     def close(self) -> None:
+        """Finish the W&B run and wait until its files are written: `finish` returns before
+        W&B's service process has written the last rows (seen under load); its atexit hook does
+        the same, which is not reliable under torchrun's or multiprocessing's exits."""
+        import wandb
         self.run.finish()
+        wandb.teardown()

@@ -109,6 +109,11 @@ def test_a_verifier_from_a_package_and_a_relative_file_path(user_package, user_f
     entry = verifier_entry(value)
     assert not entry.needs_answer and not entry.isolated      # unmarked: in this process, no answer
     assert build_verifier(value, timeout_s=5.0)("abc", {}, finished=True) == 3.0
+    isolated = build_verifier(f"{user_package}:where", timeout_s=60.0)   # the worker imports the package
+    try:
+        assert isolated("n3", {"answer": "n4"}, finished=True) == 1.0
+    finally:
+        isolated.close()
     monkeypatch.chdir(user_file.parent)
     assert verifier_entry("my_extensions.py:plain").fn("ab", {}, finished=False) == 2.0
     # the file is one module however it is named: loaded once
