@@ -172,6 +172,27 @@ def batching_configs(cfg, budget: int):
     return removed, padded
 
 
+def parse_keep_kind(kind: str, default_staleness: int) -> dict:
+    """A --keep-modes entry: keep, then optional parts kv (keep_kv=true), overlap (rollout.overlap),
+    s<K> (rollout.partial.max_staleness=K; default --max-staleness), m<M>
+    (rollout.partial.max_step_multiple=M; default --step-multiple), e.g. keep_s2, keep_s2_m1."""
+    parts = kind.split("_")
+    out = {"keep_kv": False, "overlap": False, "max_staleness": default_staleness, "multiple": None}
+    if parts[0] != "keep":
+        raise SystemExit(f"--keep-modes: {kind!r} must start with keep (keep, keep_kv, keep_overlap, keep_s2, "
+                         f"keep_s2_m1)")
+    for part in parts[1:]:
+        if part == "kv":
+            out["keep_kv"] = True
+        elif part == "overlap":
+            out["overlap"] = True
+        elif part[:1] in "sm" and part[1:].isdigit():
+            out["max_staleness" if part[0] == "s" else "multiple"] = int(part[1:])
+        else:
+            raise SystemExit(f"--keep-modes: {kind!r}: {part!r} is not kv, overlap, s<K> or m<M>")
+    return out
+
+
 # -- engine measurements ------------------------------------------------------------------
 async def _batch(pool, engine, reqs, limit=None):
     sem = asyncio.Semaphore(limit or len(reqs))
@@ -267,6 +288,9 @@ def main() -> None:
                         "keep_kv=true), keep_overlap (partial_keep_overlap: keep + rollout.overlap, the "
                         "forward-only passes of emitted groups during the round; real train only); '' for "
                         "none. `partial` runs rollout.update_mode=abort")
+    p.add_argument("--step-multiple", type=int, default=None,
+                   help="rollout.partial.max_step_multiple of the partial modes (default: the schema's; 1: every "
+                        "step trains exactly --groups-per-step groups); a keep mode's m<M> part overrides it")
     p.add_argument("--with-fix", action="store_true",
                    help="also run a third, interleaved mode partial_fix (EndOnTarget; identical to partial "
                         "since 2fff5a0: shows run-to-run noise)")
@@ -286,6 +310,9 @@ def main() -> None:
     dist_spec = parse_dist(args.length_dist)
     train_spec = parse_train(args.train)
     args.max_staleness = 10**9 if str(args.max_staleness).lower() in ("none", "inf") else int(args.max_staleness)
+    if args.step_multiple is None:
+        from megarl.config.schema.rollout import PartialConfig
+        args.step_multiple = PartialConfig.max_step_multiple
     G, n, C, E = args.groups_per_step, args.n, args.concurrency, args.engines
 
     import torch
@@ -353,10 +380,9 @@ def main() -> None:
         # keep modes: their requests live through the weight updates, so each has engines of
         # its own (interleaved modes on one pool would run its held requests in their phases);
         # a keep pool is paused whenever its mode is not rolling out
-        keep_pools = {}
+        keep_pools, keep_kinds = {}, {}
         for kind in [k for k in args.keep_modes.split(",") if k]:
-            if kind not in ("keep", "keep_kv", "keep_overlap"):
-                raise SystemExit(f"--keep-modes: {kind!r} is not keep, keep_kv or keep_overlap")
+            keep_kinds[f"partial_{kind}"] = parse_keep_kind(kind, args.max_staleness)
             if args.fake_engine:
                 raise SystemExit("--fake-engine has no held requests: add --keep-modes ''")
             mine = (build_engines(cfg.rollout, str(model), args.seed, str(run_dir / f"engines_{kind}"))
@@ -366,7 +392,7 @@ def main() -> None:
                     e.engine_args["enable_chunked_prefill"] = False
             keep_pools[f"partial_{kind}"] = SyncPool(
                 EnginePool([Tracked(e, rec) for e in mine], cfg.rollout.engines.timeout_s, update_mode="keep",
-                           keep_kv=kind == "keep_kv"), loop, cfg.rollout.engines.start_timeout_s)
+                           keep_kv=keep_kinds[f"partial_{kind}"]["keep_kv"]), loop, cfg.rollout.engines.start_timeout_s)
     except BaseException:
         loop.stop()
         raise
@@ -457,7 +483,7 @@ def main() -> None:
         def score_one(s: Sample) -> float:   # (named score_sample, it called itself)
             return score_sample(s, tokenizer, reward_fn)
 
-        def make_controller(cls, max_staleness=args.max_staleness, pool=None):
+        def make_controller(cls, max_staleness=args.max_staleness, pool=None, multiple=args.step_multiple):
             counter = [0]
 
             def new_group():
@@ -467,7 +493,7 @@ def main() -> None:
             return cls((pool or spool).pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
                        max_staleness=max_staleness, stale_policy=cfg.rollout.partial.stale_policy,
                        new_group=new_group, score=score_one, seed=args.seed, budget_of=length_of,
-                       ignore_eos=True)
+                       ignore_eos=True, step_multiple=multiple)
 
         controllers = {"partial": make_controller(Measured)}     # the stock controller, measured
         if str(args.bounded_staleness).lower() != "off":
@@ -477,8 +503,9 @@ def main() -> None:
             controllers["partial_fix"] = make_controller(EndOnTarget)
         overlaps = {}
         for mode, kp in keep_pools.items():
-            controllers[mode] = make_controller(Measured, pool=kp)
-            if mode.endswith("_overlap"):
+            kk = keep_kinds[mode]
+            controllers[mode] = make_controller(Measured, kk["max_staleness"], kp, kk["multiple"] or args.step_multiple)
+            if kk["overlap"]:
                 if models is None:
                     raise SystemExit("--keep-modes keep_overlap needs --train real (the passes are the trainer's)")
                 overlaps[mode] = Overlap(list(forward_passes(cfg, models.actor, models.reference,
@@ -569,6 +596,8 @@ def main() -> None:
 
         steps = {m: [] for m in modes}
         trained = {m: [] for m in modes}            # per step: the trained response lengths
+        stale_max = {m: 0 for m in modes}           # the oldest trained token, in versions before its step
+        group_max = {m: [] for m in modes}          # per trained group: its longest sample
         push(0)                                     # every mode's rollout k runs at version k
         for kp in keep_pools.values():
             push(0, kp)
@@ -586,6 +615,9 @@ def main() -> None:
                 key = len(modes) * k + i   # the train step's index: the overlap cache's version key too
                 samples, info, controller = sync_step(k, k) if mode == "sync" else partial_step(mode, k, k, key)
                 trained[mode].append([len(x.response_ids) for x in samples])
+                stale_max[mode] = max([stale_max[mode], *(k - v for x in samples for v in x.versions)])
+                group_max[mode] += [max(len(x.response_ids) for x in samples[i:i + n])
+                                    for i in range(0, len(samples), n)]
                 partials = on_loop(controller.pending_old_logprobs) if controller is not None else None
                 padded_twin = twin and mode not in overlaps   # (overlap's passes ran in the round)
                 if padded_twin and k % 2:   # alternate which trainer goes first
@@ -642,7 +674,14 @@ def main() -> None:
         gen_tokens = {m: rec.tokens[m] for m in modes}
         trained_tokens = {m: sum(sum(x) for x in trained[m]) for m in modes}
         samples_n = {m: sum(len(x) for x in trained[m]) for m in modes}
-        assert all(v == n_steps * G * n for v in samples_n.values()), samples_n
+        # elastic steps (rollout.partial.max_step_multiple): a partial step trains a whole multiple of G groups
+        assert all(v % (G * n) == 0 and v >= n_steps * G * n for v in samples_n.values()), samples_n
+        assert samples_n["sync"] == n_steps * G * n, samples_n
+        # a "long" sample: longer than the distribution's 90th percentile
+        long_len = float(np.percentile([length_of(g, j) for g in range(4000) for j in range(n)], 90))
+
+        def long_share(m: str) -> float:
+            return sum(x > long_len for x in group_max[m]) / max(1, len(group_max[m]))
         t_full = interp(curve, C / E)
         busy = {m: rec.busy(m, E) for m in modes}
         ideal_sync = sum(ideal_sync_step(ls, curve, E) for ls in trained["sync"])
@@ -657,10 +696,13 @@ def main() -> None:
                        if sl.response_ids or sl.attempts)
 
         def partial_figures(m: str) -> dict:
+            # speedups per trained token: elastic steps train more per step than sync does
+            # (1.0 when both trained the same samples)
+            scale = trained_tokens[m] / trained_tokens["sync"]
             ideal_p = ideal_partial(trained_tokens[m], curve, C, E)
-            rs = roll["sync"] / roll[m]
+            rs = roll["sync"] * scale / roll[m]
             # the ideal speedup with each pass's curve alone: how much the load drift moves it
-            per_pass = [sum(ideal_sync_step(ls, c, E) for ls in trained["sync"])
+            per_pass = [sum(ideal_sync_step(ls, c, E) for ls in trained["sync"]) * scale
                         / ideal_partial(trained_tokens[m], c, C, E) for _, c in curve_passes]
             ideal_range = [float(np.min(per_pass)), float(np.median(per_pass)), float(np.max(per_pass))]
             carry = gen_tokens[m] - trained_tokens[m]
@@ -675,21 +717,27 @@ def main() -> None:
             bounds["residual_s"] = roll[m] - sum(bounds.values())
             last = steps[m][-1] if steps[m] else {}
             return {
-                "speedup": wall["sync"] / wall[m], "rollout_speedup": rs,
-                "ideal_rollout_speedup": ideal_sync / ideal_p,
+                "speedup": wall["sync"] * scale / wall[m], "rollout_speedup": rs,
+                "ideal_rollout_speedup": ideal_sync * scale / ideal_p,
                 "ideal_rollout_speedup_min_median_max_over_curve_passes": ideal_range,
-                "efficiency_vs_ideal": rs / (ideal_sync / ideal_p),
+                "efficiency_vs_ideal": rs / (ideal_sync * scale / ideal_p),
                 # the run's end leaves a carry (tokens of unfinished samples) that a longer run
                 # would train: credit it at the rounds' mean rate (steady state)
-                "rollout_speedup_carry_credited": roll["sync"] / (roll[m] * trained_tokens[m] / gen_tokens[m]),
+                "rollout_speedup_carry_credited": roll["sync"] * scale / (roll[m] * trained_tokens[m] / gen_tokens[m]),
                 "efficiency_vs_ideal_carry_credited":
                     roll["sync"] / (roll[m] * trained_tokens[m] / gen_tokens[m]) / (ideal_sync / ideal_p),
                 # the train phase (real megarl steps on shared, loaded cores) is noisy: the same e2e
                 # with each mode's median train step, without train, and the Amdahl bound
                 "speedup_median_train": (roll["sync"] + total("sync", "push_s") + n_steps * median_train["sync"])
-                / (roll[m] + total(m, "push_s") + n_steps * median_train[m]),
-                "speedup_without_train": (roll["sync"] + total("sync", "push_s")) / (roll[m] + total(m, "push_s")),
-                "speedup_bound_zero_rollout": wall["sync"] / (total(m, "train_s") + total(m, "push_s")),
+                * scale / (roll[m] + total(m, "push_s") + n_steps * median_train[m]),
+                "speedup_without_train": (roll["sync"] + total("sync", "push_s")) * scale
+                / (roll[m] + total(m, "push_s")),
+                "speedup_bound_zero_rollout": wall["sync"] * scale / (total(m, "train_s") + total(m, "push_s")),
+                "trained_samples": samples_n[m], "groups_per_step_mean": samples_n[m] / n / n_steps,
+                "step_multiple": controllers[m].step_multiple,
+                "staleness_max_trained": stale_max[m], "long_group_share": long_share(m),
+                "long_group_share_vs_sync": long_share(m) / max(1e-9, long_share("sync")),
+                "due_wait_s": total(m, "due_wait_s"), "due_wait_samples": total(m, "due_wait_samples"),
                 "median_train_step_s": median_train[m],
                 "wall_s": wall[m], "rollout_s": roll[m], "train_s": total(m, "train_s"),
                 "stitch_s": total(m, "stitch_s"), "push_s": total(m, "push_s"),
@@ -784,6 +832,7 @@ def main() -> None:
                              "slot_utilization": busy["sync"]["inflight_mean"] / C},
             "partial": pf, **{m: f for m, f in figs.items() if m != "partial"},
             "sync_trained_response_len_mean": trained_tokens["sync"] / samples_n["sync"],
+            "long_sample_len": long_len, "sync_long_group_share": long_share("sync"),
             "sync_rollout_bounds_s": {"ideal_s": ideal_sync, "request_overhead_s": rec.requests["sync"] * req_ovh,
                                       "residual_s": roll["sync"] - ideal_sync - rec.requests["sync"] * req_ovh},
             "max_staleness": None if args.max_staleness >= 10**9 else args.max_staleness,
@@ -829,6 +878,10 @@ def main() -> None:
                   f"{f['trained_response_len_mean']:.1f} (sync {result['sync_trained_response_len_mean']:.1f}); "
                   f"requests per trained / started sample {f['requests_per_trained_sample']:.2f} / "
                   f"{f['requests_per_started_sample']:.2f}, re-prefilled {f['reprefill_tokens']}; "
+                  f"slots used {f['slot_utilization']:.2f}, groups/step {f['groups_per_step_mean']:.1f} "
+                  f"(multiple {f['step_multiple']}), oldest trained token {f['staleness_max_trained']} versions, "
+                  f"long-group share {f['long_group_share']:.3f} ({f['long_group_share_vs_sync']:.2f} of sync's), "
+                  f"due waits {f['due_wait_s']:.1f}s / {f['due_wait_samples']} samples; "
                   f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
         for m, f in result["train_padding"].items():

@@ -111,7 +111,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     if algo.grad_align != "off" and actor.align is None:   # kept across steps: it holds the last gradient
         actor.align = GradAlign(algo.grad_align_threshold, project=algo.grad_align == "project")
     align = actor.align if algo.grad_align != "off" else None
-    n_mini = cfg.train.mini_batches
+    n_mini = mini_batch_count(cfg.train.mini_batches, cfg.samples_per_step, batch.size)
     train_actor = not estimator.needs_critic or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(minibatch_seed(cfg.run.seed, step))
@@ -157,6 +157,17 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     updates = cfg.train.ppo_epochs * n_mini
     return {**reports.to_metrics(totals, updates, parallel.dp_size()), **(align.take() if align else {}),
             **usage.metrics(), **dev.host_values(on_device)}   # one device-to-host copy for all of them
+
+
+def mini_batch_count(mini_batches: int, samples_per_step: int, rows: int) -> int:
+    """Optimizer updates per epoch for a step of `rows` samples: train.mini_batches for a step
+    of samples_per_step; a step of k times as many (partial rollout's elastic steps,
+    rollout.partial.max_step_multiple) makes k times as many updates, each of the same size, so
+    the optimizer sees the mini-batch, and the learning rate per sample, of a fixed step."""
+    per = samples_per_step // mini_batches
+    if rows > samples_per_step and rows % per == 0:
+        return rows // per
+    return mini_batches
 
 
 def dp_share(batch: Batch, chunk: list[int], batching, usage: Usage) -> tuple:

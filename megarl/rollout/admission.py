@@ -52,7 +52,7 @@ class Admission:
         deadline = None
         if self.stale_policy == "finish":
             deadline = staleness.new_group_deadline(self._untrained(), self._train_version, self.pool.version,
-                                                    self.max_staleness, self._target)
+                                                    self.max_staleness, self.step_cap)
             if deadline is None:
                 self.stats.throttled += 1
                 return None

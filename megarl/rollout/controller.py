@@ -87,7 +87,7 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
                  sample_every_s: Optional[float] = 0.05, episodes=None,
-                 loop: Optional[asyncio.AbstractEventLoop] = None):
+                 loop: Optional[asyncio.AbstractEventLoop] = None, step_multiple: int = 1):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.partial.stale_policy={stale_policy!r}: choose one of "
                              f"{', '.join(STALE_POLICIES)}")
@@ -96,6 +96,9 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
+        # elastic steps: a step trains up to step_multiple x its target groups (whole multiples
+        # of the target; rollout.partial.max_step_multiple); 1: exactly the target
+        self.step_multiple = max(1, int(step_multiple))
         self.new_group, self.score, self.seed, self.scorer = new_group, score, seed, scorer
         # multi-turn episodes: an envs.episodes.EpisodeDriver (None: single-turn samples)
         self.episodes = episodes
@@ -126,6 +129,7 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         self._ending = False
         self._holding = False
         self._round_done: Optional[asyncio.Event] = None
+        self._wanted: Optional[asyncio.Event] = None   # async mode: the step asked for the round
         self._error: Optional[BaseException] = None
         self._refusal: Optional[RequestError] = None   # the round's first refused request
         self._refused_total = 0
@@ -282,8 +286,17 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         next runs (requests finishing in the meantime must not start new ones)."""
         if self._round_done is None or len(self.completed) < self._target:
             return
-        if any(self._due(g) for g in self.groups.values()):
-            return   # a group due this step is still generating (or being scored): it finishes first
+        if self._wanted is not None and not self._wanted.is_set():
+            return   # async mode: the step before still trains; the engines go on meanwhile
+        due_open = [g for g in self.groups.values() if self._due(g)]
+        due_complete = sum(1 for g in self.completed if self._due(g))
+        if due_open and self.stats.due_wait_from is None:
+            # the round has its groups but a due one still generates (or is being scored):
+            # it finishes first; the wait and the samples it waits for are counted
+            self.stats.due_wait_from = self.clock()
+            self.stats.due_wait_samples = sum(1 for g in due_open for s in g.slots if not s.done)
+        if not staleness.round_may_end(len(self.completed), due_complete, len(due_open), self._target):
+            return
         self._ending = True
         self._round_done.set()
 
@@ -304,6 +317,11 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
             self._sample_occupancy()
 
     # -- rounds ----------------------------------------------------------------------------
+    @property
+    def step_cap(self) -> int:
+        """The most groups the current round's step trains (also the deadline room per step)."""
+        return self._target * self.step_multiple
+
     def _untrained(self) -> Iterable[Group]:
         return [*self.groups.values(), *self.completed]
 
@@ -317,7 +335,7 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
                     s.clip(self._budget(s))
         if self.stale_policy == "finish":
             self.completed, lost = staleness.check_deadlines(self.groups, self.completed, version, self.pool.version,
-                                                             self.max_staleness, max(1, self._target))
+                                                             self.max_staleness, max(1, self.step_cap))
         else:
             self.completed, lost = staleness.discard_stale(self.groups, self.completed, version, self.max_staleness,
                                                            drop=self.stale_policy == "drop")
@@ -327,12 +345,17 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         self.stats.dropped_groups += lost.dropped
         self.stats.discarded_tokens += lost.tokens
 
-    async def run_round(self, target: int, train_version: int) -> list[Group]:
+    async def run_round(self, target: int, train_version: int,
+                        wanted: Optional[asyncio.Event] = None) -> list[Group]:
         """Generate until `target` groups are complete (counting ones completed earlier but not
         yet trained) and every group due at `train_version` is complete; abort the rest into the
-        carry. Returns exactly `target` groups (due ones, then the oldest), also kept
-        in `ready` until `take_ready()`. `train_version`: the weight version of the step that
-        will train them (the staleness bound is measured against it)."""
+        carry. Returns the step's groups (due ones, then the oldest): `target` of them, or with
+        elastic steps (`step_multiple` > 1) every complete one up to `step_cap`, in whole
+        multiples of `target` (staleness.step_groups); also kept in `ready` until `take_ready()`.
+        `train_version`: the weight version of the step that will train them (the staleness
+        bound is measured against it). `wanted` (async mode: a round started before its step
+        may take it): the round ends no sooner than this event is set, so the engines keep
+        generating while the trainer trains the step before."""
         self._on_loop("run_round")
         if self.stale_policy == "finish" and self.pool.engines and \
                 self.pool.version + self.max_staleness < train_version:
@@ -345,12 +368,14 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
             await self._before_keep_round(train_version)
         self.stats = RoundStats()
         self.stats.started = self.clock()
-        self._target, self._train_version = target, train_version
+        self._target, self._train_version, self._wanted = target, train_version, wanted
         self._ending, self._refusal = False, None
         self._round_done = asyncio.Event()
-        timer = None
+        helpers = []
         if self.sample_every_s:
-            timer = asyncio.ensure_future(self._occupancy_timer())
+            helpers.append(asyncio.ensure_future(self._occupancy_timer()))
+        if wanted is not None and not wanted.is_set():
+            helpers.append(asyncio.ensure_future(self._end_when_wanted(wanted)))
         try:
             self._prepare_round(train_version)
             for g in [g for g in self.groups.values() if g.complete and not g.reward_done]:
@@ -363,19 +388,36 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         try:
             await self._round_done.wait()
         finally:
-            self._ending = True
-            self._sample_occupancy()
-            self.stats.carried = len(self._inflight)
-            await self._carry_inflight()
-            if self._scoring:
-                await asyncio.gather(*list(self._scoring), return_exceptions=True)
-            if timer is not None:
-                timer.cancel()
-            self.stats.ended = self.clock()
-            self._round_done = None
+            await self._end_round(helpers)
         self._raise_error()
+        return self._take_step(target, train_version)
+
+    async def _end_when_wanted(self, wanted: asyncio.Event) -> None:
+        await wanted.wait()
+        self._maybe_end()
+
+    async def _end_round(self, helpers: list) -> None:
+        """Stop admitting, carry what is in flight, wait for the scorings, close the stats."""
+        self._ending = True
+        self._sample_occupancy()
+        self.stats.carried = len(self._inflight)
+        await self._carry_inflight()
+        if self._scoring:
+            await asyncio.gather(*list(self._scoring), return_exceptions=True)
+        for task in helpers:
+            task.cancel()
+        self.stats.ended = self.clock()
+        if self.stats.due_wait_from is not None:
+            self.stats.due_wait_s = self.stats.ended - self.stats.due_wait_from
+        self._round_done = self._wanted = None
+
+    def _take_step(self, target: int, train_version: int) -> list[Group]:
+        """The step's groups out of the complete ones (due first, then the oldest)."""
         self.completed.sort(key=lambda g: staleness.training_order(g, train_version))
-        self.ready, self.completed = self.completed[:target], self.completed[target:]
+        take = staleness.step_groups(len(self.completed), sum(1 for g in self.completed if self._due(g)),
+                                     target, self.step_cap)
+        self.ready, self.completed = self.completed[:take], self.completed[take:]
+        self.stats.groups_trained = len(self.ready)
         refused = [s for g in self.ready for s in g.slots if s.finish_reason == REFUSED]
         if self.ready and len(refused) == sum(len(g.slots) for g in self.ready):
             raise all_refused(len(refused), self._refusal)

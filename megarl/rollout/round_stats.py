@@ -37,6 +37,10 @@ class RoundStats:
     groups_emitted: int = 0
     void_scores: int = 0                 # scores that landed after their samples were restarted / dropped
     refused: int = 0                     # samples whose request the engine refused as invalid (RequestError)
+    groups_trained: int = 0              # groups the round handed to its step (elastic steps: a multiple of the target)
+    due_wait_from: Optional[float] = None  # when the round had its groups but waited for due ones
+    due_wait_s: float = 0.0              # how long it waited for them
+    due_wait_samples: int = 0            # the due samples still generating when the wait began
 
     def occupancy(self, now: float, inflight: int, busy: int, counting: bool) -> None:
         """Integrate in-flight count and busy engines up to `now`; `counting`: the round is
@@ -64,7 +68,10 @@ def round_metrics(st: RoundStats, *, concurrency: int, engines: int, reprefill_e
            "dropped_groups": st.dropped_groups, "stale_tokens_discarded": st.discarded_tokens,
            "admission_throttled": st.throttled, "rollout_loop_lag_max_s": st.loop_lag_max,
            "groups_emitted": st.groups_emitted, "void_scores": st.void_scores,
-           "refused_samples": st.refused}
+           "refused_samples": st.refused, "groups_trained": st.groups_trained,
+           # slot utilisation during the round: requests in flight over the concurrency
+           "rollout_slots_used": st.inflight_area / wall / max(1, concurrency),
+           "due_wait_s": st.due_wait_s, "due_wait_samples": st.due_wait_samples}
     if st.inflight_min is not None:   # absent when the round had its groups without generating
         out["rollout_inflight_min"] = st.inflight_min
     return out

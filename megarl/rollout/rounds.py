@@ -1,6 +1,7 @@
 """What the driver asks of the rollout each step, whatever `rollout.mode` is.
 
-`Rollout.round(step)` returns the step's samples (train.groups_per_step groups of rollout.sampling.n)
+`Rollout.round(step)` returns the step's samples (train.groups_per_step groups of rollout.sampling.n;
+partial mode: a whole multiple of them, up to rollout.partial.max_step_multiple, elastic steps)
 and its metrics; `pending()` the partial samples whose newest tokens still need the trainer's
 logprobs (stitching, partial mode only) and `store(...)` takes them back; `state_dict()` is
 what a checkpoint keeps (the data cursor and, in partial mode, the whole carry).
@@ -61,6 +62,7 @@ class RoundStepper:
         self.controller, self.groups, self.asynchronous = controller, groups, asynchronous
         self.fresh = fresh
         self._next: asyncio.Future | None = None     # the prefetched round (async mode)
+        self._wanted: asyncio.Event | None = None    # set when its step asks for it: it may end then
         self._pending: list = []
 
     async def round(self, step: int) -> list:
@@ -68,14 +70,19 @@ class RoundStepper:
         if self.controller is None:
             return await self.fresh(step)
         started = self._next or asyncio.ensure_future(self.controller.run_round(self.groups, step))
-        self._next = None
+        if self._wanted is not None:   # a prefetched round generated while the trainer trained: it may end now
+            self._wanted.set()
+        self._next = self._wanted = None
         await started
         return self.controller.take_ready()
 
     def prefetch(self, step: int) -> None:
         """Async mode: start the round of `step` now (the trainer is about to train)."""
         if self.controller is not None and self.asynchronous:
-            self._next = asyncio.ensure_future(self.controller.run_round(self.groups, step))
+            # elastic steps: the round generates until its step asks for it, then takes every
+            # complete group it may; fixed steps: it ends as soon as it has its groups
+            self._wanted = asyncio.Event() if self.controller.step_multiple > 1 else None
+            self._next = asyncio.ensure_future(self.controller.run_round(self.groups, step, self._wanted))
 
     def pending(self) -> list[tuple]:
         """(slot, restarts, length, sample) of each slot whose tokens of this round need l_old
@@ -93,7 +100,7 @@ class RoundStepper:
         """Drop a prefetched round nobody will train (the last step's, at the end of a run)."""
         if self._next is not None:
             self._next.cancel()
-            self._next = None
+            self._next = self._wanted = None
 
 
 class Rollout:
@@ -122,7 +129,7 @@ class Rollout:
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
                 max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
                 new_group=self._new_group, score=score, seed=cfg.run.seed, scorer=scorer,
-                episodes=self.episodes, loop=pool.loop.loop)
+                episodes=self.episodes, loop=pool.loop.loop, step_multiple=r.partial.max_step_multiple)
         # sync mode: `_fresh` runs on the loop thread like the controller's rounds (and the
         # simulator's); its samples are scored back on the driver thread
         self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous,
@@ -169,7 +176,8 @@ class Rollout:
         intra-step overlap, ppo/overlap.py `Overlap.serve`) runs on this thread while the round
         runs: `finished(timeout)` waits up to `timeout` s and says whether it ended,
         `emitted(seen)` is (the uids of every complete, scored group not taken by a step; the
-        samples of those among the first train.groups_per_step in the order the step takes
+        samples of those among the first train.groups_per_step x rollout.partial.max_step_multiple
+        (the most a step trains) in the order the step takes
         groups, due ones then the oldest, whose uid is not in `seen`), read on the loop thread.
         Once the round ended its groups are taken: the uids are then those left waiting."""
         if self.service is not None:
@@ -220,7 +228,7 @@ class Rollout:
             return staleness.training_order(g, step)
         groups = sorted([*self.controller.ready, *self.controller.completed], key=key)
         due_open = sorted(key(g) for g in self.controller.groups.values() if not key(g)[0])
-        target = self.cfg.train.groups_per_step
+        target = self.cfg.train.groups_per_step * self.controller.step_multiple   # the most a step trains
         fresh = [self.controller.samples_of(g) for i, g in enumerate(groups)
                  if i + bisect.bisect_left(due_open, key(g)) < target and g.gid not in seen]
         return [g.gid for g in groups], fresh

@@ -56,6 +56,22 @@ def new_group_deadline(untrained, step: int, engine_version: int, max_staleness:
     return free_deadline(taken, step, engine_version + max_staleness, per_step)
 
 
+def step_groups(complete: int, due: int, per_step: int, cap: int) -> int:
+    """How many of `complete` groups a step trains (elastic steps, rollout.partial.max_step_multiple):
+    whole multiples of `per_step` (train.groups_per_step), so each optimizer update sees the
+    mini-batch of a fixed step; as many as are complete, up to `cap`; and always every one of
+    the `due` groups (rounded up to a whole multiple), also past the cap (a restored carry).
+    With cap == per_step: exactly per_step, the fixed step."""
+    due_need = -(-due // per_step) * per_step
+    return max(due_need, min(cap, complete // per_step * per_step))
+
+
+def round_may_end(complete: int, due_complete: int, due_open: int, per_step: int) -> bool:
+    """A round may end once no group due at its step is open and the complete groups fill a
+    step that trains every due one: at least per_step, and a whole multiple covering them."""
+    return due_open == 0 and complete >= max(per_step, -(-due_complete // per_step) * per_step)
+
+
 def training_order(group, step: int) -> tuple:
     """Sort key of the complete groups a step trains: due ones first (they must), then the
     oldest (the order the prompts were drawn in)."""

@@ -126,31 +126,51 @@ def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
                         concurrency=r.partial.concurrency, engines=r.engines.count,
                         max_staleness=max(r.partial.max_staleness, 1) if mode == "async" else r.partial.max_staleness,
                         stale_policy=r.partial.stale_policy, seed=seed, update_mode=r.update_mode,
-                        keep_kv=r.keep_kv, overlap=r.overlap and mode != "sync")
+                        keep_kv=r.keep_kv, overlap=r.overlap and mode != "sync",
+                        max_step_multiple=r.partial.max_step_multiple)
         out["modes"][mode] = _figures(simulate(s, Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed),
                                                engine, trainer), steps)
         if padded is not None:
             out["padded"][mode] = _figures(simulate(s, Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed),
                                                     engine, padded), steps)
+    add_ceilings(out["modes"])
     return out
+
+
+def add_ceilings(modes: dict) -> None:
+    """Each mode's ceiling: the sync step over the mode's ideal step (per groups_per_step
+    groups: train + push + ideal rollout; async: the larger of train + push and the ideal
+    rollout), beside the speedup it reaches (sync step / its own)."""
+    sync = modes["sync"]["unit_s"]
+    for m in modes.values():
+        m["speedup"] = sync / m["unit_s"]
+        m["ceiling"] = sync / m["ideal_unit_s"]
+        m["of_ceiling"] = m["speedup"] / m["ceiling"]
 
 
 def _figures(res: dict, steps: int) -> dict:
     return {k: res[k] for k in ("step_s_mean", "engine_busy_frac", "trainer_idle_frac", "trained_tokens_per_s",
                                 "staleness_max", "requests_per_trained_sample", "reprefill_tokens",
-                                "multi_version_tokens", "computed_per_real")} | {
+                                "multi_version_tokens", "computed_per_real", "unit_s", "ideal_unit_s",
+                                "rollout_unit_s", "train_unit_s", "push_unit_s", "units")} | {
         "rollout_s_mean": res["rollout_s"] / steps, "train_s_mean": res["train_s"] / steps,
-        "overlap_s_mean": res["overlap_s"] / steps}
+        "overlap_s_mean": res["overlap_s"] / steps, "groups_per_step_mean": res["groups_trained"] / steps}
 
 
 def format_table(result: dict) -> str:
     lines = ["mode      step s  rollout s  train s  engine busy  trainer idle  trained tok/s  staleness"]
     for mode, m in result["modes"].items():
         mark = "*" if mode == result["recipe_mode"] else " "
-        lines.append(f"{mode:8s}{mark} {m['step_s_mean']:6.2f}  {m['rollout_s_mean']:9.2f}  {m['train_s_mean']:7.2f}  "
+        lines.append(f"{mode:8s}{mark} {m['unit_s']:6.2f}  {m['rollout_unit_s']:9.2f}  {m['train_unit_s']:7.2f}  "
                      f"{m['engine_busy_frac']:11.2f}  {m['trainer_idle_frac']:12.2f}  "
                      f"{m['trained_tokens_per_s']:13.0f}  {m['staleness_max']:9d}")
-    lines.append("(* the recipe's rollout mode)")
+    lines.append("(* the recipe's rollout mode; seconds per train.groups_per_step groups: a partial step trains "
+                 "a whole multiple of them, rollout.partial.max_step_multiple)")
+    lines.append("mode      speedup  ceiling  of ceiling  groups per step  (ceiling: sync step / (train + push + "
+                 "ideal rollout); async: / max(train + push, ideal rollout))")
+    for mode, m in result["modes"].items():
+        lines.append(f"{mode:8s}  {m['speedup']:7.2f}  {m['ceiling']:7.2f}  {m['of_ceiling']:10.2f}  "
+                     f"{m['groups_per_step_mean']:15.1f}")
     lines.append("mode      requests/sample  re-prefilled tokens  tokens of requests over >1 version  overlap s")
     for mode, m in result["modes"].items():
         lines.append(f"{mode:8s}  {m['requests_per_trained_sample']:15.2f}  {m['reprefill_tokens']:19d}  "
@@ -159,7 +179,7 @@ def format_table(result: dict) -> str:
         lines.append("trainer     mode      step s  train s  trained tok/s  computed/real tokens")
         for rule, figures in (("padded", result["padded"]), ("recipe's", result["modes"])):
             for mode, m in figures.items():
-                lines.append(f"{rule:10s}  {mode:8s}{m['step_s_mean']:7.2f}  {m['train_s_mean']:7.2f}  "
+                lines.append(f"{rule:10s}  {mode:8s}{m['unit_s']:7.2f}  {m['train_unit_s']:7.2f}  "
                              f"{m['trained_tokens_per_s']:13.0f}  {m['computed_per_real']:20.2f}")
         lines.append("(padded: every row at the step's longest; recipe's: its batching rule, "
                      "docs/design.md \"Batching\")")

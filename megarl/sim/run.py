@@ -55,6 +55,7 @@ class SimSettings:
     update_mode: str = "keep"                  # rollout.update_mode (the schema's default)
     keep_kv: bool = False                      # rollout.keep_kv
     overlap: bool = False                      # rollout.overlap
+    max_step_multiple: int = 8                 # rollout.partial.max_step_multiple (elastic steps; 1: fixed)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -67,7 +68,7 @@ class SimSettings:
         if self.overlap and self.mode == "sync":
             raise ValueError("simulation overlap=True: needs mode partial or async (a sync round hands every "
                              "group over at its end); set overlap=False or another mode")
-        for name in ("steps", "groups_per_step", "concurrency", "engines"):
+        for name in ("steps", "groups_per_step", "concurrency", "engines", "max_step_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"simulation {name}={getattr(self, name)}: must be >= 1")
         if self.mode == "async" and self.max_staleness < 1:   # the rule of rollout.partial.async in the schema
@@ -144,7 +145,28 @@ async def _simulate(s: SimSettings, w: Workload, engine_costs, trainer, record_t
         c = stepper.controller
         trace.started([*c.groups.values(), *c.completed, *c.ready])
     await pool.close()
-    return _summary(s, steps, wall, engines, record_timeline, trace)
+    out = _summary(s, steps, wall, engines, record_timeline, trace)
+    out.update(ideal_rollout(s, w, engine_costs, out))
+    return out
+
+
+def ideal_rollout(s: SimSettings, w: Workload, engine_costs, out: dict) -> dict:
+    """The rollout time of the trained tokens with every engine full (concurrency / engines
+    requests each, at the trained samples' mean context, no prefill), and each mode's ceiling
+    in seconds per `groups_per_step` groups: train + push + ideal rollout (sync, partial: the
+    engines idle while the trainer trains), max(train + push, ideal rollout) (async: they
+    overlap). Figures per `groups_per_step` groups, so modes whose steps train more compare."""
+    units = max(1e-9, out["trained_samples"] / (s.groups_per_step * w.n))
+    per_engine = max(1.0, s.concurrency / s.engines)
+    mean_len = out["trained_tokens"] / max(1, out["trained_samples"])
+    context = per_engine * (w.prompt_len(0) + mean_len / 2)
+    ideal = out["trained_tokens"] / (per_engine * s.engines) * engine_costs.step_s(round(per_engine), context, 0, 0)
+    train, push = out["train_s"] / units, out["push_s"] / units
+    floor = max(train + push, ideal / units) if s.mode == "async" else train + push + ideal / units
+    return {"units": units, "groups_trained": out["trained_samples"] / w.n,
+            "unit_s": out["wall_s"] / units, "ideal_rollout_s": ideal,
+            "ideal_unit_s": floor, "rollout_unit_s": out["rollout_s"] / units,
+            "train_unit_s": train, "push_unit_s": push}
 
 
 def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace) -> RoundStepper:
@@ -168,7 +190,7 @@ def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace)
         pool, n=n, concurrency=s.concurrency, max_new_tokens=w.max_len, temperature=1.0,
         max_staleness=s.max_staleness, stale_policy=s.stale_policy, new_group=new_group,
         score=trace.score, seed=s.seed, budget_of=w.length_of, ignore_eos=True,
-        clock=loop.time)
+        clock=loop.time, step_multiple=s.max_step_multiple)
     return RoundStepper(controller, G, asynchronous=s.mode == "async")
 
 

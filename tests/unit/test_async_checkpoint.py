@@ -27,16 +27,17 @@ class Tok:
         return ""
 
 
-def config():
+def config(step_multiple: int = 1):
     return SimpleNamespace(
         rollout=SimpleNamespace(
             mode="partial", sampling=SimpleNamespace(n=4, max_new_tokens=64, temperature=1.0),
-            partial=SimpleNamespace(concurrency=12, max_staleness=2, stale_policy="finish", asynchronous=True)),
+            partial=SimpleNamespace(concurrency=12, max_staleness=2, stale_policy="finish", asynchronous=True,
+                                    max_step_multiple=step_multiple)),
         run=SimpleNamespace(seed=0), train=SimpleNamespace(groups_per_step=3),
         data=SimpleNamespace(prompt_key="prompt", messages_key="messages"), env=SimpleNamespace(name=""))
 
 
-def open_rollout(update_mode: str = "abort"):
+def open_rollout(update_mode: str = "abort", step_multiple: int = 1):
     loop = LoopThread(LOOP_THREAD)
     clock = Clock()
 
@@ -46,7 +47,7 @@ def open_rollout(update_mode: str = "abort"):
     engines = EnginePool([WorkloadEngine(f"e{i}", clock, long_tail) for i in range(2)], 30, update_mode=update_mode)
     pool = SyncPool(engines, loop, 10)
     records = [{"prompt": f"q{i}"} for i in range(10_000)]
-    rollout = Rollout(config(), pool, records, PromptSampler(len(records), seed=0), Tok(),
+    rollout = Rollout(config(step_multiple), pool, records, PromptSampler(len(records), seed=0), Tok(),
                       lambda text, record, finished: 0.0)
     return rollout, clock
 
@@ -99,3 +100,39 @@ def test_a_snapshot_at_any_loop_offset_around_an_async_round_end_keeps_every_gro
             close(fresh, clock)
         assert len(again) == 3 and not set(again) & trained, offset
         assert all(uid in saved or uid >= drawn for uid in again), offset
+
+
+def test_an_elastic_async_round_generates_until_its_step_takes_it_and_a_snapshot_keeps_every_group_once():
+    """Elastic steps (rollout.partial.max_step_multiple > 1) in async mode: the prefetched round
+    does not end on its own (the engines keep generating while the trainer trains); a snapshot
+    taken meanwhile holds every drawn, untrained group once; the step then takes a whole
+    multiple of groups_per_step, none of them trained before."""
+    for offset in (0, 7, 40):
+        rollout, clock = open_rollout(step_multiple=4)
+        try:
+            samples, _ = rollout.round(0)
+            trained = {s.uid for s in samples}
+            ctl, before = rollout.controller, rollout.controller.stats
+
+            async def snapshot_at(offset=offset, ctl=ctl, before=before, rollout=rollout):
+                while ctl.stats is before:   # round 1 started
+                    await asyncio.sleep(0)
+                for _ in range(offset):
+                    await asyncio.sleep(0)
+                return await rollout.snapshot()
+            rollout.prefetch(1)
+            state, sampler = rollout.pool.loop.submit(snapshot_at()).result(30)
+
+            async def still_open(ctl=ctl):
+                for _ in range(200):
+                    await asyncio.sleep(0)
+                return ctl._round_done is not None and not ctl._ending
+            assert rollout.pool.call(still_open(), "reading"), offset   # not taken: still generating
+            taken = [s.uid for s in rollout.round(1)[0][::4]]
+        finally:
+            close(rollout, clock)
+        saved = gids(state)
+        drawn = sampler["epoch"] * 10_000 + sampler["cursor"]
+        assert len(saved) == len(set(saved)) and not trained & set(saved), offset
+        assert trained | set(saved) == set(range(drawn)), offset
+        assert len(taken) % 3 == 0 and 3 <= len(taken) <= 12 and not set(taken) & trained, offset

@@ -57,7 +57,7 @@ LONG = 32     # a sample longer than this is "long"
 
 async def drive(length_of, rounds, *, concurrency=32, n=4, target=3, max_new=64, max_staleness=2,
                 policy="finish", asynchronous=False, score=None, scorer=None, new_group=None,
-                engines=2, sample_every_s=None, clock=None):
+                engines=2, sample_every_s=None, clock=None, step_multiple=1):
     """`rounds` training steps as train.py runs them (push version k+1 after step k; with
     `asynchronous`, round k+1 starts before the push, as rollout.partial.async does)."""
     clock = clock or Clock()
@@ -68,7 +68,7 @@ async def drive(length_of, rounds, *, concurrency=32, n=4, target=3, max_new=64,
         max_staleness=max_staleness, stale_policy=policy,
         new_group=new_group or (lambda: ({}, list(PROMPT))),
         score=score or (lambda s: float(len(s.response_ids))), seed=0, scorer=scorer,
-        sample_every_s=sample_every_s)
+        sample_every_s=sample_every_s, step_multiple=step_multiple)
     clock.is_pending = lambda: ctl._round_done is not None and not ctl._ending
     trained, metrics, nxt = [], [], None
     try:

@@ -247,15 +247,15 @@ def test_overlap_hides_forward_passes_behind_the_round():
 
 
 def test_overlap_runs_groups_left_for_later_steps_and_keeps_their_frozen_passes():
-    """Rounds that complete groups for later steps (staleness bound 2: round 0 completes the
-    next steps' groups too): the trainer also spends round time on those, and a later step
+    """Rounds that complete groups for later steps (staleness bound 2 with fixed steps: round 0
+    completes the next steps' groups too): the trainer also spends round time on those, and a later step
     runs again their trained models' passes (only the frozen share is kept over the update),
     so the run's pass work during and right after rounds exceeds what it spared the steps;
     it can never spare more than it did."""
     trainer = MeasuredTrainer(0.0, 2e-3, forward_frac=0.9, frozen_frac=0.5)
     w = Workload(parse_dist("lognormal:mu=3,sigma=1.2"), n=4, max_len=200, seed=1)
     out = simulate(SimSettings(mode="partial", steps=6, groups_per_step=2, concurrency=16, overlap=True,
-                               max_staleness=2), w, Linear(a=0.01), trainer)
+                               max_staleness=2, max_step_multiple=1), w, Linear(a=0.01), trainer)
     assert sum(x["rollout_s"] == 0.0 for x in out["per_step"]) >= 1   # a step whose groups were ready
     worked = out["overlap_s"] + sum(x["overlap_after_s"] for x in out["per_step"])
     assert worked > out["overlap_hidden_s"] > 0.0

@@ -110,12 +110,21 @@ class PartialConfig:
     # `rollout.partial.async` in recipes: round k+1 generates under version k while the trainer
     # trains round k
     asynchronous: bool = False
+    # elastic steps: a step trains every complete group it may, from train.groups_per_step up to
+    # this many times that, in whole multiples (each optimizer update keeps the size of a fixed
+    # step's: train.mini_batches per groups_per_step), and admission counts that room per step.
+    # At a bounded staleness the engines then keep generating while a round waits for a due
+    # long sample, instead of idling; every trained token stays within max_staleness.
+    # 1: exactly groups_per_step per step (docs/partial_rollout.md "Elastic steps")
+    max_step_multiple: int = 8
 
     def __post_init__(self):
         require(self.concurrency >= 1, "rollout.partial.concurrency", self.concurrency, "must be >= 1")
         require(self.max_staleness >= 0, "rollout.partial.max_staleness", self.max_staleness,
                  "must be >= 0 (0: every sample is trained at the version that generated it)")
         one_of("rollout.partial.stale_policy", self.stale_policy, {"finish", "restart", "drop"})
+        require(self.max_step_multiple >= 1, "rollout.partial.max_step_multiple", self.max_step_multiple,
+                 "must be >= 1 (1: every step trains exactly train.groups_per_step groups)")
 
 
 @dataclass
