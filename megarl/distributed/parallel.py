@@ -68,6 +68,11 @@ def ep_size() -> int:
     return ps.get_expert_model_parallel_world_size()
 
 
+def edp_rank() -> int:
+    """This rank's index among the ranks holding the same experts (expert data parallelism)."""
+    return ps.get_expert_data_parallel_rank()
+
+
 def dp_rank() -> int:
     return ps.get_data_parallel_rank()
 

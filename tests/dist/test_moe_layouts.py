@@ -72,3 +72,22 @@ def test_expert_parallel_matches_single_rank(runs, name):
 def test_a_wrong_expert_shard_fails_the_comparison(runs):
     errs = errors(runs["ep2_swapped"], runs["ref"])
     assert errs["grad_norm"] > 1 and errs["logp_start"] > 1, errs
+
+
+@pytest.mark.parametrize("nproc,overrides", [(2, ["parallel.ep=2"]), (4, ["parallel.ep=2", "parallel.tp=2"])],
+                         ids=["ep2", "tp2ep2"])
+def test_weight_push_gathers_every_expert_once(moe_model, tmp_path, nproc, overrides):
+    """The collective route's sender side at EP=2 (and TP=2 x EP=2 on 4 ranks): every HF tensor
+    of the checkpoint, each expert's included, is sent exactly once and bitwise equal to the
+    checkpoint (no step taken), from buckets no larger than the bucket size allows (the largest
+    tensor, 128 KiB, alone)."""
+    out = tmp_path / "push.json"
+    proc = run_py(["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                   "tests/dist/moe_push_probe.py", str(moe_model), str(out), str(64 << 10), *overrides])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = json.loads(out.read_text())
+    assert sorted(got["tensors"]) == got["expected"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in got["tensors"]
+    bad = {n: e for n, e in got["tensors"].items() if e[0] != 1 or not e[1]}
+    assert not bad, bad
+    assert got["largest_bucket"] <= 128 << 10

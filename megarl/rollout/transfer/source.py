@@ -33,11 +33,21 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
+def joins_gathers() -> bool:
+    """Whether this rank takes part in a push's gathers: DP replica 0's ranks, and with expert
+    parallelism the other ranks of their expert groups (they hold the other experts)."""
+    return parallel.dp_rank() == 0 or (parallel.ep_size() > 1 and parallel.edp_rank() == 0)
+
+
 def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This stage's parameters as full HF tensors (TP gathered). All TP ranks must iterate.
-    `timers` (optional) accumulates seconds spent in "gather" and "convert"."""
+    """This stage's parameters as full HF tensors (TP gathered; with expert parallelism each
+    expert tensor gathered from its EP owner, one local expert at a time, so no rank holds
+    more than `ep` copies of one expert's tensor). All TP ranks, and the EP ranks of an
+    expert group, must iterate (`joins_gathers`). `timers` (optional) accumulates seconds
+    spent in "gather" and "convert"."""
     table = mapping_for(info.hf_config, te_names=use_te())
-    tp = parallel.tp_size()
+    tp, ep = parallel.tp_size(), parallel.ep_size()
+    local_experts = (info.config.num_moe_experts or 0) // ep
     timers = timers if timers is not None else {}
     for name, param in unwrap(model).named_parameters():
         t0 = time.perf_counter()
@@ -47,8 +57,20 @@ def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[t
             dist.all_gather(shards, data.contiguous(), group=parallel.tp_group())
         else:
             shards = [data]
+        # an expert's tensor (megatron marks them allreduce=False): its EP peers' same local
+        # expert, after each one's own TP gather
+        owners = [shards]
+        if ep > 1 and not getattr(param, "allreduce", True):
+            full = shards[0] if len(shards) == 1 else None
+            stacked = torch.stack(shards) if full is None else full
+            gathered = [torch.empty_like(stacked) for _ in range(ep)]
+            dist.all_gather(gathered, stacked.contiguous(), group=parallel.ep_group())
+            owners = [[g] if full is not None else list(g.unbind(0)) for g in gathered]
         t1 = time.perf_counter()
-        converted = table.megatron_to_hf(name, shards, info.layer_offset)
+        converted = {}
+        for g, owner in enumerate(owners):
+            start = info.expert_offset if len(owners) == 1 else g * local_experts
+            converted.update(table.megatron_to_hf(name, owner, info.layer_offset, start))
         timers["gather"] = timers.get("gather", 0.0) + t1 - t0
         timers["convert"] = timers.get("convert", 0.0) + time.perf_counter() - t1
         yield from converted.items()
@@ -79,7 +101,11 @@ def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | Non
     If a stage's own part raises, its ranks raise that error once their relay has ended; rank 0
     reads every stage to its end marker, then raises `StageError` naming each failed stage."""
     timers = timers if timers is not None else {}
-    if parallel.dp_rank() != 0:
+    if not joins_gathers():
+        return
+    if parallel.dp_rank() != 0:          # an expert group's other ranks: only the gathers
+        for _ in hf_tensors(model, info, timers):
+            pass
         return
     lead = parallel.tp_rank() == 0
     me = dist.get_rank() if dist.is_initialized() else 0
@@ -155,7 +181,9 @@ def _device() -> torch.device:
 
 
 def stage_bytes(model) -> int:
-    """Bytes this rank's stage writes per sync: its parameters at full (TP-gathered) size."""
-    tp = parallel.tp_size()
+    """Bytes this rank's stage writes per sync: its parameters at full (TP-gathered) size, every
+    expert (EP-gathered) included."""
+    tp, ep = parallel.tp_size(), parallel.ep_size()
     return sum(p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               * (ep if not getattr(p, "allreduce", True) else 1)
                for p in unwrap(model).parameters())
