@@ -17,6 +17,7 @@ beside the step's row, with one console line.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from megarl.data.prompts import encode_prompts
@@ -30,6 +31,8 @@ from megarl.rewards import build_verifier
 from megarl.rollout.engine import RequestError
 from megarl.rollout.scoring import score_sample
 
+log = logging.getLogger("megarl.eval")
+
 
 class Evaluator:
     """Evaluations of the run's held-out datasets on the engine pool (a SyncPool)."""
@@ -41,6 +44,7 @@ class Evaluator:
         self.verifiers = [build_verifier(s.verifier, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
                           for s in sets]
         self.extractors = [extractor_of(s.verifier) for s in sets]
+        self._cache_warned = False
 
     def at(self, step: int) -> None:
         """Evaluate version `step` if the schedule says so (at the top of step `step`)."""
@@ -94,10 +98,18 @@ class Evaluator:
 
     def _empty_prefix_cache(self) -> None:
         """Sync mode: drop the prefix cache the evaluation's prompts filled (no request runs
-        between rounds). Engines that cannot (simulated, scripted) keep theirs."""
+        between rounds). An engine that cannot (a remote server without VLLM_SERVER_DEV_MODE, a
+        simulated one) keeps its cache, said once: its rounds may then reuse the evaluation's
+        prompt blocks, computed in other batches, and differ from a run without evaluation in
+        the last bits."""
         async def empty():
-            await asyncio.gather(*(e.clear_kv() for e in self.pool.engines), return_exceptions=True)
-        self.pool.call(empty(), "emptying the engines' prefix cache after the evaluation")
+            return await asyncio.gather(*(e.clear_kv() for e in self.pool.engines), return_exceptions=True)
+        failed = [r for r in self.pool.call(empty(), "emptying the engines' prefix cache after the evaluation")
+                  if isinstance(r, Exception)]
+        if failed and not self._cache_warned:
+            self._cache_warned = True
+            log.warning("megarl: the engines' prefix cache could not be emptied after the evaluation (%s); "
+                        "the rounds after it may reuse the evaluation's prompt blocks", failed[0])
 
     def close(self) -> None:
         for v in self.verifiers:
