@@ -11,14 +11,13 @@ One round (docs/design.md "One training step"; docs/partial_rollout.md), on the 
 - a group whose n samples are all done (stopped, or at the token budget) is scored (off
   the loop when a `scorer` executor is given) and queued for the trainer.
 - the round ends when `train.groups_per_step` groups are complete AND every group due this
-  step (below) is complete. What is still in flight is carried (`pool.update_mode`,
-  rollout.update_mode): keep (default) pauses the engines with the requests held; their tokens,
-  behaviour logprobs and versions so far are copied into their slots (`pool.partial`), and
-  after the weight update the same requests go on under the new version (no resubmission, no
-  re-prefill). abort aborts them; their partials stay in their slots and each is sent again
-  as a continuation (prompt + tokens so far) in a later round. The round's groups stay in
-  `ready` until the driver takes them (`take_ready`), so a snapshot taken at any moment holds
-  every untrained group exactly once.
+  step (below) is complete; the step takes every complete group it may, in whole multiples of
+  groups_per_step up to `step_multiple` times it (elastic steps). What is still in flight is
+  carried (rollout.update_mode): keep (default) pauses the engines with the requests held,
+  copies their tokens so far into their slots (`pool.partial`) and resumes the same requests
+  under the new version; abort aborts them and sends each again as a continuation (prompt +
+  tokens so far) in a later round. The round's groups stay in `ready` until the driver takes
+  them (`take_ready`): a snapshot taken at any moment holds every untrained group once.
 - any exception (engine, scoring, the data stream, building a request) ends the round at once
   and is raised by `run_round`.
 

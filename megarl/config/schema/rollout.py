@@ -100,9 +100,15 @@ class EnginesConfig:
 class PartialConfig:
     """Partial rollout (`rollout.mode=partial`, `rollout.partial.*`, docs/partial_rollout.md):
     fixed concurrency, carry-over, bounded staleness."""
-    concurrency: int = 64              # sample requests kept in flight across all engines
+    # sample requests kept in flight across all engines. 64: the tiny recipe's step (16 x 4);
+    # with elastic steps the engines stay at it under the bound, so raising it only pays where
+    # the engines' decode step grows slower than the batch (bench/RESULTS.md "Elastic steps")
+    concurrency: int = 64
     # a token may be at most this many weight versions older than the step training on it
-    # (rollout.mode=service keeps it too: megarl/service/bound.py)
+    # (rollout.mode=service keeps it too: megarl/service/bound.py). 2: with elastic steps the
+    # engines stay full at 2 on the long-tailed benchmark workloads (slot use >= 0.9), so a
+    # larger bound buys no throughput there, only older tokens (the tiny task degrades mildly
+    # only at lag 16: bench/RESULTS.md "Staleness study")
     max_staleness: int = 2
     # finish (a sample about to pass max_staleness is finished before the round ends; admission
     # throttled; nothing discarded) | restart (from its prompt) | drop (its whole group)
