@@ -51,11 +51,17 @@ class WandbSink:
         import wandb
         folder = Path(run_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or folder.resolve().name,
-                              tags=list(w.tags) or None, mode=w.mode or None, dir=str(folder),
-                              id=run_id(folder, resumed), resume="allow", config=config,
-                              # the console stays megarl's own (progress bar, one line per step)
-                              settings=wandb.Settings(console="off"))
+        try:
+            self.run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or folder.resolve().name,
+                                  tags=list(w.tags) or None, mode=w.mode or None, dir=str(folder),
+                                  id=run_id(folder, resumed), resume="allow", config=config,
+                                  # the console stays megarl's own (progress bar, one line per step)
+                                  settings=wandb.Settings(console="off"))
+        except wandb.errors.Error as err:   # not logged in, no network, a project of someone else's
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(f"metrics.wandb.project={w.project!r}: W&B did not start the run ({first}): log in "
+                              f"(`wandb login` or $WANDB_API_KEY), check metrics.wandb.entity, or set "
+                              f"metrics.wandb.mode=offline and `wandb sync` later") from err
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

@@ -68,3 +68,19 @@ def test_wandb_settings_without_a_project_and_unknown_modes_are_refused(tmp_path
         load_config("recipes/tiny_cpu.yaml", ["metrics.wandb.mode=offline"])
     with pytest.raises(ConfigError, match=r"^metrics\.wandb\.mode='local': must be one of"):
         cfg_for(tmp_path, "metrics.wandb.mode=local")
+
+
+def test_a_run_wandb_cannot_start_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    """wandb.init refusing the run (as it does online without credentials, with its UsageError)
+    becomes one ConfigError line naming the setting and the ways out (log in, offline)."""
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError) as e:
+        MetricsLogger.for_run(cfg_for(tmp_path / "run", "metrics.wandb.mode=online"), 0)
+    msg = str(e.value)
+    assert msg.startswith("metrics.wandb.project='megarl-test': W&B did not start the run (No API key configured.")
+    assert "metrics.wandb.mode=offline" in msg and "\n" not in msg
