@@ -72,13 +72,15 @@ def sparse_layer_activation_bytes(a: Arch, tp: int, etp: int, act_bytes: int, se
     """Bytes an MoE layer's MLP keeps for backward per token of the micro-batch (what replaces
     a dense layer's 3f/TP, or 5f/TP unfused):
     - router: its logits and probabilities over the experts, 2 x experts fp32 per routed token;
-    - each routed copy: the experts' input (h) and output (h, for the probability weighting in
-      unpermute), the gate|up output (2f) and SwiGLU's output (f) at f = moe_ffn / ETP; the
-      unfused local spec (SequentialMLP, the CPU path) keeps 5f as a dense SwiGLU does;
+    - each routed copy: three hidden-wide tensors of the dispatch and the experts (the experts'
+      input, their output and the combine's copy, 3h: measured on the CPU path with megatron's
+      alltoall dispatcher, tests/dist/test_plan_moe_memory.py), the gate|up output (2f) and
+      SwiGLU's output (f) at f = moe_ffn / ETP; the unfused local spec (SequentialMLP, the CPU
+      path) keeps 5f as a dense SwiGLU does;
     - the shared expert, a dense SwiGLU over TP (3 or 5 x shared_ffn / TP)."""
     tokens = 1 / (tp if sequence_parallel else 1)
     f = a.moe_ffn / etp
-    per_copy = 2 * a.hidden + (3 if fused else 5) * f
+    per_copy = 3 * a.hidden + (3 if fused else 5) * f
     routed = routed_copies_per_token(a, tp, etp, sequence_parallel) * per_copy * act_bytes
     shared = (3 if fused else 5) * a.shared_ffn / tp * act_bytes
     return tokens * 2 * a.experts * 4 + routed + shared

@@ -152,14 +152,18 @@ def layer_activation_bytes(a: Arch, seq: int, mbs: int, tp: int, act_bytes: int 
     each unfused RMSNorm also keeps its normalised value (+2h), K and V are expanded to every
     query head (2q instead of 2kv), the unfused SwiGLU keeps gate|up, the up copy, silu's
     output and the product (5f), and the softmax output (a x s per token) is kept.
+    Qwen3's query/key norms (over TP with their heads) keep their inputs, q + kv, fused; the
+    unfused norms 3 x (q + kv) and a statistic per head, measured on the CPU path
+    (tests/dist/test_plan_moe_memory.py).
     An MoE layer's MLP term (3f or 5f) is `experts.sparse_layer_activation_bytes` instead:
     router, routed copies (over ETP), shared expert."""
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     mlp = 0 if a.is_sparse(layer) else a.ffn
     if fused:
-        replicated, split = 4 * a.hidden, q + 2 * kv + a.hidden + 3 * mlp
+        replicated, split = 4 * a.hidden, q + 2 * kv + a.hidden + 3 * mlp + (q + kv if a.qk_norm else 0)
     else:
-        replicated, split = 6 * a.hidden, 3 * q + a.hidden + 5 * mlp + a.heads * seq
+        qk = 3 * (q + kv) + a.heads + a.kv_heads if a.qk_norm else 0
+        replicated, split = 6 * a.hidden, 3 * q + a.hidden + 5 * mlp + a.heads * seq + qk
     per_token = replicated / (tp if sequence_parallel else 1) + split / tp
     out = act_bytes * seq * mbs * per_token
     if a.is_sparse(layer):

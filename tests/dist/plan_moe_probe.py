@@ -34,7 +34,7 @@ def build(ep: int, dtype: torch.dtype):
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=KV, kv_channels=HEAD_DIM,
         ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, qk_layernorm=True, num_moe_experts=EXPERTS, moe_router_topk=TOP_K,
-        moe_ffn_hidden_size=MOE_FFN, moe_layer_freq=[0, 1], moe_token_dispatcher_type="allgather",
+        moe_ffn_hidden_size=MOE_FFN, moe_layer_freq=[0, 1], moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False, expert_model_parallel_size=ep, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
@@ -72,14 +72,55 @@ def measure(t) -> dict:
     return {"weights": w, "grads": g, "optimizer": opt}
 
 
-def predict(ep: int, dp: int, dtype: str) -> dict:
+def arch():
     from megarl.models.arch import Arch
+    return Arch(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV, head_dim=HEAD_DIM, ffn=FFN, vocab=VOCAB,
+                qk_norm=True, experts=EXPERTS, top_k=TOP_K, moe_ffn=MOE_FFN, dense_layers=(0,))
+
+
+def saved_by_layer(model, seq: int, mbs: int) -> list[int]:
+    """Bytes autograd keeps for backward in each decoder layer during one forward of random
+    tokens (saved-tensor hooks; each storage once, parameters excluded), then backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    per_layer: list[dict[int, int]] = [{} for _ in model.decoder.layers]
+    current = [-1]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if current[0] >= 0 and ptr not in params:
+            seen = per_layer[current[0]]
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda *_: current.__setitem__(0, -1))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, VOCAB, (mbs, seq), generator=g)
+    positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions, mask).float().sum().backward()
+    return [sum(s.values()) for s in per_layer]
+
+
+def activations(ep: int) -> dict:
+    """Measured and predicted (`memory.layer_activation_bytes`, the unfused CPU path, fp32) bytes
+    kept by the dense layer and the MoE layer for one micro-batch of 2 x 64 tokens."""
+    from megarl.plan import memory as mem
+    model, _ = build(ep, torch.float32)
+    seq, mbs = 64, 2
+    return {"measured": saved_by_layer(model, seq, mbs),
+            "predicted": [mem.layer_activation_bytes(arch(), seq, mbs, 1, act_bytes=4, fused=False, layer=i)
+                          for i in range(LAYERS)]}
+
+
+def predict(ep: int, dp: int, dtype: str) -> dict:
     from megarl.plan import memory as mem
     from megarl.plan.trainer import Layout
-    arch = Arch(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV, head_dim=HEAD_DIM, ffn=FFN, vocab=VOCAB,
-                qk_norm=True, experts=EXPERTS, top_k=TOP_K, moe_ffn=MOE_FFN, dense_layers=(0,))
+    arch_ = arch()
     lay = Layout(1, 1, dp, ep, 1)
-    dense, local_experts = mem.stage_param_split(arch, 1, 1, 0, "actor", 128, ep, 1)
+    dense, local_experts = mem.stage_param_split(arch_, 1, 1, 0, "actor", 128, ep, 1)
     per, per_expert = mem.trainable_bytes_per_param(dtype, dp), mem.trainable_bytes_per_param(dtype, lay.edp)
     return {k: dense * per[k] + local_experts * per_expert[k] for k in per} | {
         "dense_params": dense, "expert_params": local_experts, "edp": lay.edp}
@@ -99,7 +140,7 @@ def main(ep: int, dtype: str, out_path: str) -> None:
     t = make_trainable(model, SimpleNamespace(config=cfg), lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup=0,
                        total_updates=1)
     row = {"rank": env.rank, "measured": measure(t), "predicted": predict(ep, env.world_size, dtype),
-           "local_params": sum(p.numel() for p in model.parameters())}
+           "local_params": sum(p.numel() for p in model.parameters()), "activations": activations(ep)}
     rows = [None] * env.world_size
     dist.all_gather_object(rows, row)
     if env.rank == 0:

@@ -38,3 +38,19 @@ def test_expert_optimizer_state_is_sharded_over_expert_dp(ranks):
         unsharded = 12 * p["dense_params"] / 4 + 12 * p["expert_params"]
         assert abs(m["optimizer"] - over_dp) > 0.3 * m["optimizer"]
         assert abs(m["optimizer"] - unsharded) > 0.5 * m["optimizer"]
+
+
+def test_layer_activations_as_predicted(ranks):
+    """Bytes each decoder layer keeps for backward (fp32, the unfused CPU path, 2 x 64 tokens)
+    against memory.layer_activation_bytes. The MoE layer is compared as the mean over the ranks:
+    every rank routes the same tokens (same router, same input), so a rank's copies depend on
+    which experts it holds, while the mean is exactly top-k copies per token, the balance the
+    plan assumes. Measured / predicted: dense layer 1.025, MoE layer 1.017 (the rest: the mask
+    and rotary tables, shared by the layers, counted in each here). Deterministic byte counts; the
+    catch: the routed copies' three hidden-wide tensors counted as two give 1.064, Qwen3's QK
+    norms left out 1.244 on the dense layer."""
+    pred = ranks[0]["activations"]["predicted"]
+    dense = ranks[0]["activations"]["measured"][0]
+    moe = sum(r["activations"]["measured"][1] for r in ranks) / len(ranks)
+    assert 1.0 <= dense / pred[0] < 1.04, (dense, pred)
+    assert 1.0 <= moe / pred[1] < 1.04, (moe, pred)

@@ -77,8 +77,8 @@ def test_ep_moves_expert_weights_but_not_their_optimizer_state_per_gpu():
 def test_moe_layer_activations_by_hand():
     """Per token at 2 bytes: attention as a dense layer less its MLP (4h + q + 2kv + h = 28
     values); router logits and probabilities 2 x 4 experts fp32 = 32 bytes; 2 routed copies
-    each keeping input + output (2h) and gate|up + SwiGLU output (3 x 3): 2 x 17 values."""
-    per_token = 2 * 28 + 32 + 2 * 2 * 17
+    each keeping three hidden-wide tensors (3h) and gate|up + SwiGLU output (3 x 3): 2 x 21 values."""
+    per_token = 2 * 28 + 32 + 2 * 2 * 21
     assert mem.layer_activation_bytes(MOE, seq=10, mbs=1, tp=1, layer=1) == 10 * per_token
     assert mem.layer_activation_bytes(MOE, seq=10, mbs=1, tp=1, layer=0) == mem.layer_activation_bytes(DENSE, 10, 1, 1)
     # the dispatcher's send + receive buffers: 2 x 2 copies x h per token, once per pass
@@ -92,8 +92,18 @@ def test_sequence_parallel_splits_routed_tokens_and_etp_gathers_them():
     peer's copies back and halves each expert's width."""
     assert experts.routed_copies_per_token(MOE, tp=2, etp=1, sequence_parallel=True) == 1
     assert experts.routed_copies_per_token(MOE, tp=2, etp=2, sequence_parallel=True) == 2
-    # 2 copies x (2h + 3 x 3/2) x 2 bytes + router 2 x 4 x 4 / 2
-    assert experts.sparse_layer_activation_bytes(MOE, 2, 2, 2, True, True) == 2 * (8 + 4.5) * 2 + 16
+    # 2 copies x (3h + 3 x 3/2) x 2 bytes + router 2 x 4 x 4 / 2
+    assert experts.sparse_layer_activation_bytes(MOE, 2, 2, 2, True, True) == 2 * (12 + 4.5) * 2 + 16
+
+
+def test_qk_norm_activations_by_hand():
+    """Qwen3's query/key norms keep q + kv values per token fused (their inputs), 3 x (q + kv)
+    + a statistic per head unfused (measured on the CPU path: tests/dist/test_plan_moe_memory.py)."""
+    qk = Arch(**{**DENSE.__dict__, "qk_norm": True})
+    assert mem.layer_activation_bytes(qk, 10, 1, 1) - mem.layer_activation_bytes(DENSE, 10, 1, 1) == 2 * 10 * (4 + 2)
+    unfused = mem.layer_activation_bytes(qk, 10, 1, 1, fused=False) - mem.layer_activation_bytes(DENSE, 10, 1, 1,
+                                                                                               fused=False)
+    assert unfused == 2 * 10 * (3 * (4 + 2) + 2 + 1)
 
 
 # -- layouts -----------------------------------------------------------------------------------
