@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from megarl.config.errors import ConfigError
-from megarl.data.prompts import load_prompts
+from megarl.data.prompts import check_chat_template, load_prompts
 from megarl.rewards import needs_answer
 
 log = logging.getLogger("megarl.eval")
@@ -24,7 +24,8 @@ class EvalSet:
 
 def load_eval_sets(cfg, training: list | None = None) -> list[EvalSet]:
     """Every file of cfg.eval.datasets read as data.prompts is (data.*_key fields; the gold
-    answer required where the dataset's verifier compares with one), cut to eval.max_prompts.
+    answer required where the dataset's verifier compares with one, chat rows rendered by the
+    model's chat template), cut to eval.max_prompts.
     A missing or malformed file is a ConfigError naming eval.datasets[i]; a dataset sharing
     prompts with the `training` records is warned about (its score is not held-out)."""
     e, d = cfg.eval, cfg.data
@@ -34,6 +35,8 @@ def load_eval_sets(cfg, training: list | None = None) -> list[EvalSet]:
         try:
             records = load_prompts(str(path), d.prompt_key, d.messages_key,
                                    d.answer_key if needs_answer(verifier) else None)
+            # chat rows need the model's chat template (the tokenizer is loaded only for them)
+            check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, str(path))
         except (ConfigError, FileNotFoundError) as err:
             # load_prompts speaks of data.prompts: here the file is an evaluation dataset
             message = str(err).replace("data.prompts=", f"eval.datasets[{i}]=").replace(

@@ -155,3 +155,10 @@ def test_eval_datasets_are_read_as_data_prompts_and_named_in_errors(tmp_path, ca
         load_eval_sets(_load(f"eval.datasets=[{bad}]", "eval.verifiers=[math]"))
     # countdown's record needs no answer field check at load (it reads record["answer"] itself)
     assert load_eval_sets(_load(f"eval.datasets=[{good}]"))[0].verifier == "countdown"
+
+
+def test_chat_rows_of_an_eval_dataset_need_the_models_chat_template(tmp_path, tiny_model):
+    """The tiny model's tokenizer has no chat template: a chat row is named before anything starts."""
+    chat = _write(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "n5 ="}]}])
+    with pytest.raises(ConfigError, match=r"eval\.datasets\[0\]='.*chat\.jsonl' hold chat messages"):
+        load_eval_sets(_load(f"model.path={tiny_model}", f"eval.datasets=[{chat}]"))
