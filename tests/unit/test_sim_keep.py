@@ -265,7 +265,8 @@ def test_async_rounds_ready_before_the_trainer_leave_nothing_to_overlap():
     """Async with training far longer than a round: from step 1 on, each round ended while the
     trainer still trained the step before (one resource), so only step 0 overlaps."""
     trainer = MeasuredTrainer(2.0, 1e-3, forward_frac=0.5)
-    out = simulate(SimSettings(mode="async", steps=4, groups_per_step=2, concurrency=4, overlap=True),
+    out = simulate(SimSettings(mode="async", steps=4, groups_per_step=2, concurrency=4, overlap=True,
+                               max_step_multiple=1),   # fixed steps: a round ends once it has its groups
                    _fixed(), Linear(a=0.01), trainer)
     assert out["per_step"][0]["overlap_s"] > 0.0
     assert all(s["overlap_s"] == 0.0 for s in out["per_step"][1:])

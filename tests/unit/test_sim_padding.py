@@ -44,7 +44,8 @@ def test_roofline_trainer_charges_the_positions_of_its_shape():
 
 
 def test_simulate_shows_the_padded_and_the_recipes_trainer_side_by_side():
-    cfg = load_config(R7, ["train.groups_per_step=8", "rollout.partial.concurrency=64"])
+    cfg = load_config(R7, ["train.groups_per_step=8", "rollout.partial.concurrency=64",
+                           "rollout.partial.max_step_multiple=1"])   # the same steps in both runs
     costs = sim.roofline_costs(cfg, "h100", "", 1, 8)
     out = sim.run(cfg, "pareto:alpha=1.3,xmin=20", costs, steps=1)
     for mode in ("sync", "partial"):

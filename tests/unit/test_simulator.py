@@ -150,7 +150,9 @@ def test_async_hides_rollout_behind_training():
     ready when the trainer asks (only the in-round weight update waits), tokens are 1 version
     old, and the trainer is idle only during the first rollout and the pushes. (abort mode: in
     keep mode the first round also waits for the engine step in flight at its end.)"""
-    out = simulate(SimSettings(mode="async", steps=5, groups_per_step=2, concurrency=4, update_mode="abort"),
+    # fixed steps: the round ends once it has its groups (elastic ones generate until the step asks)
+    out = simulate(SimSettings(mode="async", steps=5, groups_per_step=2, concurrency=4, update_mode="abort",
+                               max_step_multiple=1),
                    _fixed(),
                    Linear(a=0.01), MeasuredTrainer(2.0, 0.0))
     assert out["per_step"][0]["rollout_s"] == pytest.approx(0.1)
