@@ -84,8 +84,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     passes = forward_passes(cfg, actor, reference, critic)
 
     old_logp = forward(passes["logp"])
-    # no reference (algo.kl_coef=0): no KL term, so a KL of 0 changes neither rewards nor advantages
-    ref_logp = forward(passes["ref"]) if "ref" in passes else None
+    ref_logp = forward(passes["ref"]) if "ref" in passes else None   # None: no KL term, a KL of 0 changes nothing
     kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask if ref_logp is not None else torch.zeros_like(mask)
     estimator = ADVANTAGES.get(algo.name)
     old_values = forward(passes["values"]) if "values" in passes else None
@@ -97,9 +96,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                                        algo.is_cap, algo.is_low, algo.is_high)
     # NaN/Inf anywhere the update reads: stop or skip before any optimizer step (collective)
     inputs = {"rewards (scores)": batch.scores, "behaviour logprobs": batch.behav_logp,
-              "old logprobs": old_logp, "advantages": advantages}
-    if ref_logp is not None:
-        inputs["reference logprobs"] = ref_logp
+              "old logprobs": old_logp, "advantages": advantages,
+              **({"reference logprobs": ref_logp} if ref_logp is not None else {})}
     if old_values is not None:
         inputs.update({"values": old_values, "returns": returns})
     bad = first_nonfinite(inputs, mask)
@@ -145,11 +143,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
         **masked_frac_by_age(is_w, mask, batch.versions, step),   # drift vs mismatch (docs/partial_rollout.md)
     }
     if ref_logp is not None:
-        # the k1 estimate of KL(current weights || reference) whatever algo.kl_kind shapes the
-        # penalty with: from the logprobs of the current weights, as the penalty itself, never
-        # the stitched l_old (carried tokens keep older versions' values there)
-        on_device["kl"] = masked_mean(kl if algo.kl_kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask,
-                                      mask)
+        on_device["kl"] = kl_metric(algo.kl_kind, kl, cur_logp, ref_logp, mask)
     if old_values is not None:
         on_device["value_mean"] = masked_mean(old_values, mask)
     on_device.update({k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean()
@@ -157,6 +151,13 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     updates = cfg.train.ppo_epochs * n_mini
     return {**reports.to_metrics(totals, updates, parallel.dp_size()), **(align.take() if align else {}),
             **usage.metrics(), **dev.host_values(on_device)}   # one device-to-host copy for all of them
+
+
+def kl_metric(kind: str, kl, cur_logp, ref_logp, mask):
+    """The k1 estimate of KL(current weights || reference) whatever algo.kl_kind shapes the
+    penalty with (`kl`, that penalty): from the logprobs of the current weights, as the penalty
+    itself, never the stitched l_old (carried tokens keep older versions' values there)."""
+    return masked_mean(kl if kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask, mask)
 
 
 def mini_batch_count(mini_batches: int, samples_per_step: int, rows: int) -> int:

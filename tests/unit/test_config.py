@@ -166,7 +166,8 @@ def test_override_values_that_are_not_yaml_or_not_a_list():
     (["rollout.engines.urls=[http://node1:8000]"], r"rollout\.engines\.urls=.*only with rollout\.engines\.mode=remote"),
     (["rollout.engines.mode=local_servers", "rollout.engines.urls=[http://node1:8000]"], r"'local_servers'"),
     (["rollout.engines.api_key=secret"], r"rollout\.engines\.api_key='<set>': is used only by engine servers"),
-    (["algo.name=grpo", "train.critic_warmup_steps=3"], r"train\.critic_warmup_steps=3: is not used with algo\.name=grpo"),
+    (["algo.name=grpo", "train.critic_warmup_steps=3"],
+     r"train\.critic_warmup_steps=3: is not used with algo\.name=grpo"),
     (["reward.model_coef=0.5"], r"reward\.model_coef=0\.5: .*reward\.model_path is empty"),
     # issue 20's settings: each one only where it acts
     (["rollout.update_mode=abort", "rollout.keep_kv=true"],

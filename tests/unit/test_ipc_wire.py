@@ -41,8 +41,9 @@ def test_ipc_with_remote_engines_is_refused_naming_the_fix():
         load_config(TINY, ["weight_sync.backend=ipc", *REMOTE])
     with pytest.raises(ConfigError, match="rollout.engines.mode=remote"):
         build.weight_backend(WeightSyncConfig(backend="ipc"), "remote")   # what `serve` asks for
-    # files: the backend is unused, so nothing to refuse; auto with remote engines is nccl
-    load_config(TINY, ["weight_sync.backend=ipc", "weight_sync.transport=files", *REMOTE])
+    # files: the backend is unused, so it is refused as such; auto with remote engines is nccl
+    with pytest.raises(ConfigError, match=r"weight_sync\.backend='ipc': is not used with weight_sync\.transport=files"):
+        load_config(TINY, ["weight_sync.backend=ipc", "weight_sync.transport=files", *REMOTE])
     assert load_config(TINY, REMOTE).weight_sync.resolved_backend(True, "remote") == "nccl"
 
 

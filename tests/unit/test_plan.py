@@ -168,7 +168,8 @@ def test_collective_buffers_grow_the_estimate_by_exactly_their_size(num_buffers,
     """On the sending trainer GPU (global rank 0, PP stage 0: the worst stage here) and on every
     engine GPU; nothing with transport=files, which stages the model on disk instead."""
     sync = [f"weight_sync.num_buffers={num_buffers}", f"weight_sync.bucket_mb={bucket_mb}"]
-    files = make_plan(load_config(R7, sync + ["weight_sync.transport=files"]))
+    # files reads bucket_mb only (num_buffers would be refused as unused there)
+    files = make_plan(load_config(R7, [f"weight_sync.bucket_mb={bucket_mb}", "weight_sync.transport=files"]))
     coll = make_plan(load_config(R7, sync + ["weight_sync.transport=collective"]))
     arch = resolve_arch(load_config(R7))[0]
     size = num_buffers * (bucket_mb * 2**20 + mem.largest_hf_tensor(arch) * 2)   # bf16

@@ -273,5 +273,8 @@ def test_a_weight_rendezvous_rank_0_cannot_host_is_refused_before_anything_start
         holder.close()
     monkeypatch.setenv("RANK", "0")
     preflight.check_backends(load_config("recipes/tiny_cpu.yaml", ["weight_sync.master_addr=127.0.0.1"]))
-    files = load_config("recipes/tiny_cpu.yaml", ["weight_sync.transport=files", "weight_sync.master_addr=192.0.2.1"])
-    preflight.check_backends(files)                      # the files route has no rendezvous
+    # the files route has no rendezvous: its address is refused as unused, and nothing is checked
+    with pytest.raises(ConfigError, match=r"weight_sync\.master_addr='192\.0\.2\.1': is not used with "
+                                          r"weight_sync\.transport=files"):
+        load_config("recipes/tiny_cpu.yaml", ["weight_sync.transport=files", "weight_sync.master_addr=192.0.2.1"])
+    preflight.check_backends(load_config("recipes/tiny_cpu.yaml", ["weight_sync.transport=files"]))
