@@ -36,7 +36,7 @@ def test_elastic_steps_keep_the_engines_full_within_the_bound(length_of, asynchr
     once, and the long-sample share is the sync rollout's within 10%. (A cap of 16 steps'
     groups: a long sample here is 5-20 times the others, and the steps are 12 samples
     against 32 in flight.)"""
-    rounds, target, multiple, S = 40, 3, 16, 2
+    rounds, target, multiple, S = 20, 3, 16, 2
     from scripted_engine import Clock
     clock = Clock()
     ctl, trained, metrics = asyncio.run(drive(length_of, rounds, max_staleness=S, asynchronous=asynchronous,
@@ -71,6 +71,6 @@ def test_fixed_steps_leave_the_engines_idle_at_the_same_bound():
     staleness window fills and admission waits while a due long sample finishes."""
     from scripted_engine import Clock
     clock = Clock()
-    asyncio.run(drive(long_tail, 20, max_staleness=2, step_multiple=1, clock=clock))
+    asyncio.run(drive(long_tail, 12, max_staleness=2, step_multiple=1, clock=clock))
     busy = [r for r, pending in zip(clock.running_total, clock.pending) if pending]
     assert sum(busy) / len(busy) < 0.5 * 32
