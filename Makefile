@@ -4,9 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 MODEL  ?= artifacts/tiny_countdown
 AGENT_MODEL ?= artifacts/tiny_guess
+MOE_MODEL ?= artifacts/tiny_moe_countdown
 STAMP  := $(VENV)/.megarl-installed
 
-.PHONY: demo test lint venv model agent-model agent-demo clean-venv gpu-wheels
+.PHONY: demo test lint venv model agent-model agent-demo moe-model clean-venv gpu-wheels
 
 venv: $(STAMP)
 
@@ -30,6 +31,10 @@ agent-model: $(STAMP)
 # multi-turn episodes (docs/agents.md): PPO on guess-the-number with the environment in the loop
 agent-demo: agent-model
 	$(VENV)/bin/megarl train recipes/tiny_agent_cpu.yaml checkpoint.resume=false
+
+# the tiny Qwen3-MoE countdown policy of recipes/tiny_moe_cpu.yaml (docs/moe.md; a no-op when built)
+moe-model: $(STAMP)
+	$(PY) tools/make_tiny_model.py --arch qwen3_moe --out $(MOE_MODEL)
 
 # a fresh run each time (checkpoint.resume=false); `megarl train` alone resumes by default
 demo: model
