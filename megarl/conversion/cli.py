@@ -60,6 +60,7 @@ def cli_hf_to_megatron(argv=None) -> int:
     p.add_argument("--out", required=True, help="output folder for the dist checkpoint")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter dtype (auto: the HF embedding's)")
     p.add_argument("--vocab-divisible-by", type=int, default=DEFAULT_DIVISIBLE_BY,
@@ -71,8 +72,8 @@ def cli_hf_to_megatron(argv=None) -> int:
     def run(argv):
         a = p.parse_args(argv)
         rec = hf_to_megatron(a.hf, a.out, a.tp, a.pp, a.dtype, a.vocab_divisible_by, a.force,
-                             not a.no_progress)
-        print(f"wrote {a.out}: {rec['architecture']} tp={rec['tp']} pp={rec['pp']} "
+                             not a.no_progress, a.ep)
+        print(f"wrote {a.out}: {rec['architecture']} tp={rec['tp']} pp={rec['pp']} ep={rec['ep']} "
               f"dtype={rec['dtype']} padded_vocab={rec['padded_vocab_size']} "
               f"({rec['seconds']} s)")
     return _run_cli("convert_hf_to_megatron", run, argv)

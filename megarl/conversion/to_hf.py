@@ -23,6 +23,8 @@ from megarl.formats.hf_reader import INDEX_JSON, ST_TO_TORCH, ConversionError, l
 from megarl.formats.mapping import is_extra_state, mapping_for
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# megatron saves an MoE layer's experts as one tensor per weight with the expert axis first
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 _ST_DTYPES = {t: s for s, t in ST_TO_TORCH.items()}   # torch dtype -> safetensors name
@@ -97,16 +99,21 @@ class ShardWriter:
         return index
 
 
-def _ckpt_key(name: str, metadata: dict) -> tuple[str, int | None]:
-    """The checkpoint key of a (TE-named, PP=1) megatron parameter and its index on the
-    prepended layer axis (megatron stacks homogeneous layers as one [num_layers, ...] tensor;
-    None when the key has no such axis)."""
+def _ckpt_key(name: str, metadata: dict) -> tuple[str, int | None, int | None]:
+    """The checkpoint key of a (TE-named, PP=1, all experts local) megatron parameter, its index
+    on the prepended layer axis (megatron stacks homogeneous layers as one [num_layers, ...]
+    tensor; None when the key has no such axis) and its expert's index on the expert axis that
+    follows (None for a parameter that is not an expert's)."""
     m = _LAYER.match(name)
     if m is None:
-        return name, None
-    if name in metadata:
-        return name, None  # non-homogeneous layout: one key per layer
-    return f"decoder.layers.{m.group(2)}", int(m.group(1))
+        return name, None, None
+    rest, expert = m.group(2), None
+    if x := _EXPERT.match(rest):
+        rest, expert = f"mlp.experts.experts.{x.group(2)}", int(x.group(1))
+    per_layer = f"decoder.layers.{m.group(1)}.{rest}"
+    if per_layer in metadata:
+        return per_layer, None, expert  # non-homogeneous layout: one key per layer
+    return f"decoder.layers.{rest}", int(m.group(1)), expert
 
 
 def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config_dir: str | None = None,
@@ -132,14 +139,14 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
                 if not k.startswith("optimizer.") and not is_extra_state(k)}
     names = mapping.megatron_names(dims.num_layers, True, True, 1)
     keys = {n: _ckpt_key(n, metadata) for n in names}
-    used = {k for k, _ in keys.values()}
+    used = {k for k, _, _ in keys.values()}
     missing = sorted(used - metadata.keys())
     unknown = sorted(metadata.keys() - used - ({"output_layer.weight"} if dims.tied else set()))
     if missing or unknown:
         raise ConversionError(f"the checkpoint does not match {mapping.arch} with {dims.num_layers} "
                               f"layers (config {str(side)!r}): missing megatron parameters "
                               f"{missing[:8]}, unknown {unknown[:8]}")
-    for key, layer in keys.values():
+    for key, layer, _ in keys.values():
         if layer is not None and reader.shape(key)[0] != dims.num_layers:
             raise ConversionError(f"checkpoint tensor {key!r} has {reader.shape(key)[0]} layers, "
                                   f"the config {dims.num_layers}")
@@ -155,8 +162,8 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
     plan = []
     for g in sorted(groups):
         for n in groups[g]:
-            key, layer = keys[n]
-            shape = reader.shape(key)[0 if layer is None else 1:]
+            key, layer, expert = keys[n]
+            shape = reader.shape(key)[(layer is not None) + (expert is not None):]
             meta = torch.empty(shape, dtype=reader.dtype(key), device="meta")
             plan += [(h, tuple(t.shape), t.dtype) for h, t in mapping.megatron_to_hf(n, [meta]).items()]
     out_path = prepare_out(out, force)
@@ -164,12 +171,16 @@ def megatron_to_hf(megatron_dir: str, out: str, shard_mb: float = 500, hf_config
     bar = tqdm(total=len(names), desc="megatron -> HF", unit="tensor", disable=not progress,
                file=sys.stderr)
     for g in sorted(groups):
+        # a layer's experts share one key: read once, one expert sliced off at a time
         loaded = reader.read({keys[n][0]: None if keys[n][1] is None else (keys[n][1],)
                               for n in groups[g]})
         for n in groups[g]:
-            for hf_name, t in mapping.megatron_to_hf(n, [loaded.pop(keys[n][0])]).items():
-                writer.add(hf_name, t)
+            key, _, expert = keys[n]
+            t = loaded[key] if expert is None else loaded[key][expert]
+            for hf_name, hf_t in mapping.megatron_to_hf(n, [t]).items():
+                writer.add(hf_name, hf_t)
             bar.update(1)
+        del loaded
     bar.close()
     index = writer.close()
     copy_side_files(side, out_path)

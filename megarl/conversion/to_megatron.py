@@ -54,8 +54,8 @@ def _model_dtype(hf: HFCheckpoint, requested: str) -> torch.dtype:
 
 def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir: str, out: str,
                          tp: int, pp: int, dtype_name: str, divisible_by: int,
-                         progress: bool) -> None:
-    """One gloo rank: build this (tp, pp) position's GPTModel, fill it from the HF files, save."""
+                         progress: bool, ep: int = 1) -> None:
+    """One gloo rank: build this (tp, pp, ep) position's GPTModel, fill it from the HF files, save."""
     init_world(rank, world, port, threads)
     # megatron, and the megarl modules that import it, inside functions: the CLI
     # (conversion.cli._run_cli) hides the GPUs before megatron reads torch.cuda at import
@@ -68,9 +68,9 @@ def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir:
     from megarl.models.loading import load_hf_shard
     from megarl.models.transformer_config import transformer_config
 
-    parallel.initialize(tp, pp, seed=0)
+    parallel.initialize(tp, pp, seed=0, ep=ep)
     hf_config = load_hf_config(hf_dir)
-    cfg = transformer_config(hf_config, tp, pp, _DTYPES[dtype_name], on_gpu=False)
+    cfg = transformer_config(hf_config, tp, pp, _DTYPES[dtype_name], on_gpu=False, ep=ep)
     cfg.perform_initialization = False  # every parameter is overwritten below
     model, info = build_model(hf_config, cfg, divisible_by, "actor")
     # the trainer's loader: this rank reads only its TP slices of its PP stage's tensors
@@ -87,34 +87,35 @@ def _hf_to_megatron_rank(rank: int, world: int, port: int, threads: int, hf_dir:
 
 def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str = "auto",
                    divisible_by: int = DEFAULT_DIVISIBLE_BY, force: bool = False,
-                   progress: bool = True) -> dict:
-    """Convert an HF folder into a megatron dist checkpoint at TP x PP (launches tp*pp ranks).
+                   progress: bool = True, ep: int = 1) -> dict:
+    """Convert an HF folder into a megatron dist checkpoint at TP x PP (x EP for an MoE model:
+    each rank saves only its experts; launches tp*pp*ep ranks).
 
     Returns the megarl_conversion.json record.
     """
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"--tp and --pp must be >= 1, got tp={tp}, pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"--tp, --pp and --ep must be >= 1, got tp={tp}, pp={pp}, ep={ep}")
     hf = HFCheckpoint(hf_dir)
     hf_config = load_hf_config(hf_dir)
     from megarl.models.transformer_config import transformer_config  # imports megatron: see _hf_to_megatron_rank
     mapping = mapping_for(hf_config)
     model_dtype = _model_dtype(hf, dtype)
     dtype_name = str(model_dtype).removeprefix("torch.")
-    transformer_config(hf_config, tp, pp, model_dtype, on_gpu=False)  # TP/PP vs heads/layers
+    transformer_config(hf_config, tp, pp, model_dtype, on_gpu=False, ep=ep)  # TP/PP/EP vs the model
     check_hf_checkpoint(hf, mapping)
     hf.close()
 
     out_path = prepare_out(out, force)
 
-    world = tp * pp
+    world = tp * pp * ep
     threads = max(1, (os.cpu_count() or 1) // world)
     args = (str(hf_dir), str(out_path), tp, pp, dtype_name,
-            divisible_by, progress)
+            divisible_by, progress, ep)
     t0 = time.perf_counter()
     launch(_hf_to_megatron_rank, world, threads, args, "convert_hf_to_megatron")
     record = {
         "format": "megatron-core torch_dist", "key": "model",
-        "tp": tp, "pp": pp, "source": str(Path(hf_dir).resolve()),
+        "tp": tp, "pp": pp, "ep": ep, "source": str(Path(hf_dir).resolve()),
         "architecture": mapping.arch, "dtype": dtype_name,
         "vocab_size": mapping.dims.vocab, "make_vocab_size_divisible_by": divisible_by,
         "padded_vocab_size": padded_vocab_size(mapping.dims.vocab, divisible_by, tp),

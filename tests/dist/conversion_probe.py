@@ -23,11 +23,13 @@ from megarl.bootstrap import bootstrap
 
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen2_moe")
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
-# Qwen3 adds only rows of the replicated kind to Llama's table: its widest layout is enough
-ARCH_LAYOUTS = {"qwen3": ((2, 2),)}
+# Qwen3 adds only rows of the replicated kind to Llama's table: its widest layout is enough;
+# the MoE families at expert parallelism (tp, pp, ep), 4 ranks at most
+ARCH_LAYOUTS = {"qwen3": ((2, 2),), "qwen3_moe": ((1, 1, 2), (2, 1, 2)), "qwen2_moe": ((2, 2),)}
 QWEN3_HEAD_DIM = 32    # apart from hidden / heads = 16
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
 
@@ -43,7 +45,12 @@ def make_hf_model(arch: str, out: Path, tokenizer_dir: Path | None, seed: int = 
            "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=True, **SIZES),
            "mistral": lambda: transformers.MistralConfig(tie_word_embeddings=False, **SIZES),
            "qwen3": lambda: transformers.Qwen3Config(tie_word_embeddings=False,
-                                                     head_dim=QWEN3_HEAD_DIM, **SIZES)}[arch]()
+                                                     head_dim=QWEN3_HEAD_DIM, **SIZES),
+           "qwen3_moe": lambda: transformers.Qwen3MoeConfig(tie_word_embeddings=False, norm_topk_prob=True,
+                                                            head_dim=QWEN3_HEAD_DIM, **SIZES, **MOE),
+           "qwen2_moe": lambda: transformers.Qwen2MoeConfig(tie_word_embeddings=False,
+                                                            shared_expert_intermediate_size=48,
+                                                            **SIZES, **MOE)}[arch]()
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():
@@ -68,18 +75,20 @@ def roundtrip(work: Path, tokenizer_dir: Path) -> None:
     for arch in ARCHS:
         hf = work / arch
         make_hf_model(arch, hf, tokenizer_dir if arch == "qwen2" else None)
-        for tp, pp in ARCH_LAYOUTS.get(arch, LAYOUTS):
-            mdir, back = work / f"{arch}_tp{tp}pp{pp}", work / f"{arch}_tp{tp}pp{pp}_hf"
+        for tp, pp, *ep in ARCH_LAYOUTS.get(arch, LAYOUTS):
+            ep = ep[0] if ep else 1
+            name = f"{arch}_tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
+            mdir, back = work / name, work / f"{name}_hf"
             t0 = time.perf_counter()
             rc1 = cli_hf_to_megatron(["--hf", str(hf), "--out", str(mdir), "--tp", str(tp),
-                                      "--pp", str(pp), "--no-progress"])
+                                      "--pp", str(pp), "--ep", str(ep), "--no-progress"])
             t1 = time.perf_counter()
             rc2 = cli_megatron_to_hf(["--megatron", str(mdir), "--out", str(back),
                                       "--shard-mb", "0.1", "--no-progress"])
-            results[f"{arch}_tp{tp}pp{pp}"] = {
+            results[name] = {
                 "hf": str(hf), "megatron": str(mdir), "back": str(back), "rc": [rc1, rc2],
                 "seconds": [round(t1 - t0, 2), round(time.perf_counter() - t1, 2)]}
-            print(arch, tp, pp, results[f"{arch}_tp{tp}pp{pp}"]["seconds"], flush=True)
+            print(name, results[name]["seconds"], flush=True)
     (work / "results.json").write_text(json.dumps(results, indent=2))
 
 

@@ -35,15 +35,18 @@ def roundtrips(tiny_model, tmp_path_factory):
     return json.loads((work / "results.json").read_text())
 
 
-CASES = [(a, tp, pp) for a in ARCHS for tp, pp in LAYOUTS] + [("qwen3", 2, 2)]
+CASES = ([f"{a}_tp{tp}pp{pp}" for a in ARCHS for tp, pp in LAYOUTS]
+         + ["qwen3_tp2pp2", "qwen3_moe_tp1pp1ep2", "qwen3_moe_tp2pp1ep2", "qwen2_moe_tp2pp2"])
 
 
-@pytest.mark.parametrize("arch,tp,pp", CASES, ids=[f"{a}-tp{t}pp{p}" for a, t, p in CASES])
-def test_round_trip_is_bitwise_exact(roundtrips, arch, tp, pp):
-    """HF -> megatron dist checkpoint at (TP, PP) -> HF gives the same tensor names and
+@pytest.mark.parametrize("case", CASES)
+def test_round_trip_is_bitwise_exact(roundtrips, case):
+    """HF -> megatron dist checkpoint at (TP, PP, EP) -> HF gives the same tensor names and
     torch.equal tensors (Llama untied, Qwen2 tied + qkv bias, Mistral, Qwen3 QK norms with
-    head_dim apart from hidden / heads; vocab 100 padded)."""
-    r = roundtrips[f"{arch}_tp{tp}pp{pp}"]
+    head_dim apart from hidden / heads, Qwen3-MoE with its experts over 2 and over 2 x TP 2
+    ranks and a dense layer, Qwen2-MoE's shared expert and gate at TP=2 x PP=2; vocab 100
+    padded)."""
+    r = roundtrips[case]
     assert r["rc"] == [0, 0]
     before, after = hf_tensors(r["hf"]), hf_tensors(r["back"])
     assert sorted(before) == sorted(after)
@@ -90,7 +93,8 @@ def test_round_trip_output_loads_in_transformers(roundtrips):
 
 
 @pytest.mark.parametrize("arch,layout", [("qwen2", "tp2pp2"), ("llama", "tp1pp2"),
-                                         ("mistral", "tp2pp1"), ("qwen3", "tp2pp2")])
+                                         ("mistral", "tp2pp1"), ("qwen3", "tp2pp2"),
+                                         ("qwen3_moe", "tp2pp1ep2"), ("qwen2_moe", "tp2pp2")])
 def test_megatron_forward_matches_transformers(roundtrips, tmp_path, arch, layout):
     """compare_logits: megarl's GPTModel forward of the converted checkpoint (resharded to
     TP=PP=1 on load) matches transformers' within 1e-4 max abs logit difference (fp32). The two
