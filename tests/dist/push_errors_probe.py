@@ -50,11 +50,11 @@ def inject_failure() -> None:
     from megarl.formats.mapping import ArchMapping
     original = ArchMapping.megatron_to_hf
 
-    def failing(self, mcore_name, shards, layer_offset=0):
+    def failing(self, mcore_name, shards, layer_offset=0, expert_offset=0):
         _, local = self.find(mcore_name)
         if local is not None and local + layer_offset == FAIL["layer"] and mcore_name.endswith("linear_fc1.weight"):
             raise KeyError(f"no HF name for {mcore_name} of layer {local + layer_offset}")
-        return original(self, mcore_name, shards, layer_offset)
+        return original(self, mcore_name, shards, layer_offset, expert_offset)
     ArchMapping.megatron_to_hf = failing
 
 
