@@ -105,17 +105,19 @@ def export_actor(model, info, out: str | os.PathLike, side_dir: str | os.PathLik
 
 
 def _write_stage(model, info, tmp: Path, shard_bytes: int) -> tuple[list, str | None]:
-    """This stage's HF tensors, TP-gathered one parameter at a time; its first TP rank of DP
-    replica 0 writes them as `stage<pp>-<k>.safetensors` of about `shard_bytes` each. Returns
+    """This stage's HF tensors, TP-gathered (and EP-gathered) one parameter at a time; its first
+    TP rank of DP replica 0 writes them as `stage<pp>-<k>.safetensors` of about `shard_bytes` each. Returns
     [(file, names, bytes)] and the error that stopped the writes (None). A write error does not
     stop the iteration: the stage's other TP ranks are gathering in lockstep with this one."""
-    if parallel.dp_rank() != 0:
+    if not source.joins_gathers():
         return [], None
     files: list = []
     error = None
     try:
         named = source.hf_tensors(model, info)
-        if parallel.tp_rank() != 0:
+        # with expert parallelism the other ranks of DP replica 0's expert groups hold the other
+        # experts: they join the gathers (without them replica 0 would wait forever) but write nothing
+        if parallel.tp_rank() != 0 or parallel.dp_rank() != 0:
             for _ in named:      # only the gathers
                 pass
             return [], None

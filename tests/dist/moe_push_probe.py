@@ -2,9 +2,12 @@
 the launched layout (key=value overrides: parallel.ep, parallel.tp), then the collective
 route's sender side (`source.sender_buckets`, small buckets) run as a push runs it; global rank 0
 unpacks what it would send and writes {name: [count, bitwise equal to the checkpoint's tensor,
-shape]} and the largest bucket's bytes to OUT_JSON.
+shape]} and the largest bucket's bytes to OUT_JSON. Then the same actor exported as an HF folder
+(`hf_export.export_actor`, every rank: the experts' other owners join its gathers) beside
+OUT_JSON; rank 0 adds whether the folder's tensors equal the checkpoint's.
 usage: moe_push_probe.py MODEL_DIR OUT_JSON BUCKET_BYTES key=value...
 """
+import glob
 import json
 import sys
 
@@ -34,7 +37,6 @@ def main(model_dir: str, out_path: str, bucket_bytes: int, overrides: list[str])
     largest = 0
     want = {}
     if env.rank == 0:
-        import glob
         for f in glob.glob(f"{model_dir}/*.safetensors"):
             want.update(load_file(f))
     for meta, buf in source.sender_buckets(models.actor.model, models.actor.info, bucket_bytes):
@@ -44,8 +46,14 @@ def main(model_dir: str, out_path: str, bucket_bytes: int, overrides: list[str])
             entry[0] += 1
             entry[1] = entry[1] and name in want and torch.equal(t, want[name])
     dist.barrier()
+    from megarl.checkpoint import hf_export
+    folder = hf_export.export_actor(models.actor.model, models.actor.info, f"{out_path}.hf", model_dir, 1)
     if env.rank == 0:
-        json.dump({"tensors": seen, "largest_bucket": largest, "expected": sorted(want)},
+        got = {}
+        for f in glob.glob(f"{folder}/*.safetensors"):
+            got.update(load_file(f))
+        exported = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        json.dump({"tensors": seen, "largest_bucket": largest, "expected": sorted(want), "exported": exported},
                   open(out_path, "w"))
     parallel.destroy()
 

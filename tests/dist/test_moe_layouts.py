@@ -80,7 +80,8 @@ def test_weight_push_gathers_every_expert_once(moe_model, tmp_path, nproc, overr
     """The collective route's sender side at EP=2 (and TP=2 x EP=2 on 4 ranks): every HF tensor
     of the checkpoint, each expert's included, is sent exactly once and bitwise equal to the
     checkpoint (no step taken), from buckets no larger than the bucket size allows (the largest
-    tensor, 128 KiB, alone)."""
+    tensor, 128 KiB, alone); and an HF export of the same actor (which gathers as the push does)
+    holds every tensor bitwise."""
     out = tmp_path / "push.json"
     proc = run_py(["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
                    "tests/dist/moe_push_probe.py", str(moe_model), str(out), str(64 << 10), *overrides])
@@ -91,3 +92,4 @@ def test_weight_push_gathers_every_expert_once(moe_model, tmp_path, nproc, overr
     bad = {n: e for n, e in got["tensors"].items() if e[0] != 1 or not e[1]}
     assert not bad, bad
     assert got["largest_bucket"] <= 128 << 10
+    assert got["exported"]
