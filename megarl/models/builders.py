@@ -132,6 +132,10 @@ class Trainable:
     scheduler: OptimizerParamScheduler
     info: ModelInfo
     align: object = None    # the actor's gradient-alignment control (ppo/grad_align.py), made on first use
+    # the LR schedule's advance per optimizer update (ppo/step.py sets it each step): 1 / k in a
+    # step of k times train.groups_per_step (partial rollout's elastic steps), so the schedule
+    # counts weight versions and spans train.steps whatever each step's size
+    schedule_increment: float = 1.0
 
 
 def make_trainable(model: GPTModel, info: ModelInfo, lr: float, weight_decay: float,

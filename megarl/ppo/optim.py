@@ -23,5 +23,5 @@ def optimizer_step(trainable, name: str, align=None) -> tuple[float, dict]:
         stats = {}
     else:
         grad_norm, stats = align.step(trainable.optimizer)
-    trainable.scheduler.step(increment=1)
+    trainable.scheduler.step(increment=trainable.schedule_increment)
     return float(grad_norm or 0.0), stats

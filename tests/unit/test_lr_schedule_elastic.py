@@ -1,0 +1,48 @@
+"""The LR schedule counts weight versions, not updates: a step of k times train.groups_per_step
+(partial rollout's elastic steps) makes k times the updates, each moving megatron's scheduler
+1/k of a fixed step's update (Trainable.schedule_increment), so a decay reaches its floor at
+train.steps, not after the samples a fixed run trains."""
+import pytest
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megarl.ppo.step import mini_batch_count
+
+
+def _scheduler(warmup: int, total: int, style: str) -> OptimizerParamScheduler:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return OptimizerParamScheduler(opt, init_lr=0.0 if warmup else 1.0, max_lr=1.0, min_lr=0.1,
+                                   lr_warmup_steps=warmup, lr_decay_steps=total, lr_decay_style=style,
+                                   start_wd=0.0, end_wd=0.0, wd_incr_steps=total, wd_incr_style="constant")
+
+
+def _lr_after_each_step(multiples, mini_batches: int, warmup: int, style: str) -> list[float]:
+    """The learning rate after each step of a run whose step i trains multiples[i] x the groups
+    of a fixed step (samples_per_step 8), advanced as ppo_step and optimizer_step advance it."""
+    samples, total = 8, len(multiples) * mini_batches
+    sched = _scheduler(warmup, total, style)
+    out = []
+    for k in multiples:
+        n_mini = mini_batch_count(mini_batches, samples, k * samples)
+        assert n_mini == k * mini_batches          # each update the size of a fixed step's
+        for _ in range(n_mini):
+            sched.step(increment=mini_batches / n_mini)   # ppo_step's schedule_increment
+        out.append(sched.get_lr(sched.optimizer.param_groups[0]))
+    return out
+
+
+@pytest.mark.parametrize("style,warmup", [("linear", 0), ("cosine", 2), ("linear", 3)])
+def test_elastic_steps_follow_the_fixed_schedule_per_version(style, warmup):
+    fixed = _lr_after_each_step([1] * 6, 2, warmup, style)
+    elastic = _lr_after_each_step([1, 3, 8, 1, 5, 2], 2, warmup, style)
+    assert elastic == pytest.approx(fixed, abs=1e-9)
+    assert fixed[-1] == pytest.approx(0.1) and fixed[-2] > 0.1 + 1e-3   # the floor at the last step, not before
+
+
+def test_counting_updates_would_reach_the_floor_early():
+    """What the increment prevents: one per update, the elastic run is at its floor by step 3."""
+    sched = _scheduler(0, 12, "linear")
+    for k in (1, 3, 8):
+        for _ in range(2 * k):
+            sched.step(increment=1)
+    assert sched.get_lr(sched.optimizer.param_groups[0]) == pytest.approx(0.1)
