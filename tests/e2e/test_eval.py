@@ -109,11 +109,12 @@ def test_a_sync_run_trains_the_same_samples_with_evaluation_on_and_off(sync_runs
 
 
 def test_async_partial_rounds_run_beside_the_evaluation(tiny_model, remote_engine, training_prompts, tmp_path):
-    """rollout.partial.async: the evaluation at each step runs while the prefetched round
-    generates on the same engine; each evaluation sees the step's weights and every round
-    still trains its groups."""
+    """rollout.partial.async in keep mode (the defaults): the evaluation at each step runs while
+    the prefetched round generates on the same engine (which ends only when its step asks for
+    it, so it never holds the evaluation's requests); each evaluation sees the step's weights
+    and every round still trains its groups."""
     _, rows = _train(tiny_model, remote_engine, tmp_path / "async", training_prompts, "train.steps=2",
-                     "train.groups_per_step=8", "rollout.partial.async=true", "rollout.update_mode=abort",
+                     "train.groups_per_step=8", "rollout.partial.async=true",
                      f"eval.datasets=[{HELDOUT}]", "eval.every=1", "metrics.tensorboard=false")
     evals = _eval_rows(rows)
     assert [r["step"] for r in evals] == [0, 1, 2]

@@ -117,7 +117,8 @@ def _load(*overrides):
     (("eval.datasets=[a.jsonl,b.jsonl]", "eval.verifiers=[math,exact,exact]"), "eval.verifiers="),
     (("eval.datasets=[a.jsonl]", "eval.verifiers=[nope]"), "eval.verifiers[0]='nope'"),
     (("eval.datasets=[a.jsonl]", "eval.temperature=-1"), "eval.temperature=-1"),
-    (("eval.datasets=[a.jsonl]", "rollout.partial.async=true"), "rollout.update_mode='keep'"),
+    (("eval.datasets=[a.jsonl]", "rollout.partial.async=true", "rollout.partial.max_step_multiple=1"),
+     "rollout.update_mode='keep'"),
     (("eval.datasets=[a.jsonl]", "reward.fn=none", "reward.model_path=rm"), "eval.verifiers=[]"),
 ])
 def test_bad_eval_settings_are_one_line_naming_the_setting(overrides, named):
@@ -133,6 +134,8 @@ def test_good_eval_settings_load():
     assert cfg.eval.names == ["a", "b"]
     assert [cfg.eval.verifier_of(i, cfg.reward.fn) for i in (0, 1)] == ["math", "math"]
     assert _load("eval.datasets=[a.jsonl]").eval.verifier_of(0, "countdown") == "countdown"
+    # async keep mode with elastic steps (the default): the round ends only when its step asks
+    assert _load("eval.datasets=[a.jsonl]", "rollout.partial.async=true").rollout.update_mode == "keep"
 
 
 def _write(path, rows):

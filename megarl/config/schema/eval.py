@@ -76,11 +76,16 @@ def check_eval(cfg) -> None:
     e, r = cfg.eval, cfg.rollout
     if not e.datasets:
         return
-    # keep mode: a round's end pauses the engines holding every request on them, and an async
-    # round may end at any moment of an evaluation, whose requests would wait for the next push
-    require(not (r.mode == "partial" and r.partial.asynchronous and r.update_mode == "keep"), "rollout.update_mode",
-            r.update_mode, "with rollout.partial.async the round may end during an evaluation and hold its "
-            "requests until the next push: use rollout.update_mode=abort with eval.datasets, or remove eval.datasets")
+    # keep mode: a round's end pauses the engines holding every request on them. An async round of
+    # elastic steps (max_step_multiple > 1) ends only when its step asks for it, after the step's
+    # evaluation; one of fixed steps ends on its own as soon as it has its groups, which may be in
+    # the middle of an evaluation, whose requests would then wait for the next push
+    fixed = r.partial.max_step_multiple == 1
+    require(not (r.mode == "partial" and r.partial.asynchronous and r.update_mode == "keep" and fixed),
+            "rollout.update_mode", r.update_mode, "with rollout.partial.async and rollout.partial.max_step_multiple=1 "
+            "the round may end during an evaluation and hold its requests until the next push: use "
+            "rollout.update_mode=abort or rollout.partial.max_step_multiple > 1 with eval.datasets, "
+            "or remove eval.datasets")
     if e.verifiers and len(e.verifiers) in (1, len(e.datasets)):
         return
     scored_elsewhere = cfg.env.name or cfg.rollout.mode == "service" or cfg.reward.fn == "none"
