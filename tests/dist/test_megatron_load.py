@@ -34,7 +34,7 @@ def test_tp2_run_from_megatron_equals_run_from_hf(tiny_model, megatron_tp2, tmp_
     """Actor, reference and critic (value head freshly zeroed) built from the checkpoint: the
     first step's numbers (old logprobs -> ratios -> losses -> grads) and the logprobs after the
     update are bitwise those of the run built from the HF files."""
-    base = ["parallel.tp=2", "train.steps=1"]
+    base = ["parallel.tp=2", "train.steps=1", "algo.kl_coef=0.01"]   # a KL term: the reference is built too
     from_hf = probe(tiny_model, tmp_path / "hf.json", 2, base)
     from_mg = probe(tiny_model, tmp_path / "mg.json", 2, base + [f"model.megatron_path={megatron_tp2}"])
     assert from_hf == from_mg
@@ -46,7 +46,7 @@ def test_tp2_checkpoint_loads_at_tp1(tiny_model, megatron_tp2, tmp_path):
     padding rows are masked, so the numbers match the HF run up to fp32 reduction order (the
     longer vocabulary's reductions): within the layout tests' tolerances (parity.py: the
     logprobs of the loaded weights tightly, those after the update's Adam steps less so)."""
-    base = ["train.steps=1"]
+    base = ["train.steps=1", "algo.kl_coef=0.01"]
     from_hf = probe(tiny_model, tmp_path / "hf.json", 1, base)
     from_mg = probe(tiny_model, tmp_path / "mg.json", 1, base + [f"model.megatron_path={megatron_tp2}"])
     assert_parity(from_mg, from_hf, what="TP=2 checkpoint at TP=1")

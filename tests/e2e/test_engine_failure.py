@@ -83,7 +83,7 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
            f"model.path={tiny_model}", f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}",
            "train.steps=500", "rollout.engines.mode=local_servers", "rollout.engines.count=2",
            "rollout.engines.timeout_s=30", "rollout.engines.failures_max=1",
-           "rollout.dump_every=1", "checkpoint.resume=false"]
+           "rollout.dump_every=1", "checkpoint.resume=false", "rollout.partial.max_step_multiple=2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:

@@ -197,7 +197,10 @@ def test_folder_is_private_and_removed_afterwards(mode):
     assert res.timed_out and not os.path.exists(res.stdout.split()[0])   # also after a kill
 
 
-def test_cancelling_a_run_kills_it_and_cleans_up():
+def test_cancelling_a_run_kills_it_and_cleans_up(tmp_path, monkeypatch):
+    # a temporary folder of this test's own: sandboxes of other tests running beside it (the
+    # suite's other worker) must not count as this run's
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     pattern = os.path.join(tempfile.gettempdir(), "megarl-sandbox-*")
     before = set(glob.glob(pattern))
 
