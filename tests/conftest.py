@@ -30,7 +30,8 @@ LONGEST_FIRST = [
     "tests/e2e/test_http_engine.py",
     "tests/e2e/test_request_errors.py", "tests/dist/test_token_budget.py",
     "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_extensions.py",
-    "tests/e2e/test_bad_inputs.py",
+    "tests/dist/test_moe_layouts.py", "tests/e2e/test_bad_inputs.py", "tests/unit/test_job_layout.py",
+    "tests/dist/test_plan_moe_memory.py",
     "tests/dist/test_reward_model.py", "tests/e2e/test_disk_full.py", "tests/dist/test_device_placement.py",
     "tests/e2e/test_math_data.py", "tests/dist/test_overlap.py", "tests/dist/test_nonfinite.py",
 ]
