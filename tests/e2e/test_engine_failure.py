@@ -124,8 +124,11 @@ def test_a_dead_server_is_replaced_and_too_many_failures_stop_the_run(tiny_model
     assert all(r["engine_restarts"] == (r["engines_alive"] == 2) for r in after), after
     # a full batch every step (tiny recipe: 16 groups x 4 samples), all of it generated
     # (elastic steps, rollout.partial.max_step_multiple: a step may train a whole multiple of 16 groups)
-    assert all(r["samples"] % (16 * 4) == 0 < r["samples"] and r["response_len_mean"] > 0 for r in after), after
-    assert all(len(samples) % (16 * 4) == 0 < len(samples) for samples in audit_dumps(run_dir, len(rows), 56).values())
+    batch = 16 * 4
+    assert all(r["samples"] % batch == 0 < r["samples"] <= 2 * batch and r["response_len_mean"] > 0
+               for r in after), after
+    dumps = audit_dumps(run_dir, len(rows), 56)
+    assert all(len(samples) % batch == 0 < len(samples) <= 2 * batch for samples in dumps.values())
     assert err.count("failed and was retired") >= 2 and "restarted; it joins" in err, err[-3000:]
     assert proc.returncode not in (0, None)
     assert elapsed < 120, elapsed
