@@ -109,7 +109,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
         actor.align = GradAlign(algo.grad_align_threshold, project=algo.grad_align == "project")
     align = actor.align if algo.grad_align != "off" else None
     n_mini = mini_batch_count(cfg.train.mini_batches, cfg.samples_per_step, batch.size)
-    _pace_schedules(cfg.train.mini_batches / n_mini, actor, critic)
+    pace_schedules(cfg.train.mini_batches / n_mini, actor, critic)
     train_actor = not estimator.needs_critic or step >= cfg.train.critic_warmup_steps
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(minibatch_seed(cfg.run.seed, step))
@@ -160,7 +160,7 @@ def kl_metric(kind: str, kl, cur_logp, ref_logp, mask):
     return masked_mean(kl if kind == "k1" else kl_penalty(cur_logp, ref_logp, "k1") * mask, mask)
 
 
-def _pace_schedules(increment: float, *trainables) -> None:
+def pace_schedules(increment: float, *trainables) -> None:
     """A step of k times the groups makes k times the updates: each moves the LR schedule 1/k
     of a fixed step's update, so the schedule counts weight versions (models/builders.py
     Trainable.schedule_increment)."""

@@ -6,7 +6,16 @@ import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megarl.ppo.step import mini_batch_count
+from megarl.models.builders import Trainable
+from megarl.ppo.optim import optimizer_step
+from megarl.ppo.step import mini_batch_count, pace_schedules
+
+
+class _Optimizer:
+    """megatron's optimizer interface, as optimizer_step reads it: step() -> (ok, grad norm, zeros)."""
+
+    def step(self):
+        return True, 0.0, None
 
 
 def _scheduler(warmup: int, total: int, style: str) -> OptimizerParamScheduler:
@@ -21,12 +30,14 @@ def _lr_after_each_step(multiples, mini_batches: int, warmup: int, style: str) -
     of a fixed step (samples_per_step 8), advanced as ppo_step and optimizer_step advance it."""
     samples, total = 8, len(multiples) * mini_batches
     sched = _scheduler(warmup, total, style)
+    actor = Trainable(model=object(), optimizer=_Optimizer(), scheduler=sched, info=None)
     out = []
     for k in multiples:
         n_mini = mini_batch_count(mini_batches, samples, k * samples)
         assert n_mini == k * mini_batches          # each update the size of a fixed step's
+        pace_schedules(mini_batches / n_mini, actor, None)   # as ppo_step paces them
         for _ in range(n_mini):
-            sched.step(increment=mini_batches / n_mini)   # ppo_step's schedule_increment
+            optimizer_step(actor, "actor")
         out.append(sched.get_lr(sched.optimizer.param_groups[0]))
     return out
 
