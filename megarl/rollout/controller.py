@@ -288,12 +288,15 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         if self._wanted is not None and not self._wanted.is_set():
             return   # async mode: the step before still trains; the engines go on meanwhile
         due_open = [g for g in self.groups.values() if self._due(g)]
-        due_complete = sum(1 for g in self.completed if self._due(g))
-        if due_open and self.stats.due_wait_from is None:
+        if due_open:
             # the round has its groups but a due one still generates (or is being scored):
-            # it finishes first; the wait and the samples it waits for are counted
-            self.stats.due_wait_from = self.clock()
-            self.stats.due_wait_samples = sum(1 for g in due_open for s in g.slots if not s.done)
+            # it finishes first; the wait and the samples it waits for are counted. (Called per
+            # emitted group: the complete ones are counted only once no due group is open.)
+            if self.stats.due_wait_from is None:
+                self.stats.due_wait_from = self.clock()
+                self.stats.due_wait_samples = sum(1 for g in due_open for s in g.slots if not s.done)
+            return
+        due_complete = sum(1 for g in self.completed if self._due(g))
         if not staleness.round_may_end(len(self.completed), due_complete, len(due_open), self._target):
             return
         self._ending = True
@@ -406,8 +409,6 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         for task in helpers:
             task.cancel()
         self.stats.ended = self.clock()
-        if self.stats.due_wait_from is not None:
-            self.stats.due_wait_s = self.stats.ended - self.stats.due_wait_from
         self._round_done = self._wanted = None
 
     def _take_step(self, target: int, train_version: int) -> list[Group]:

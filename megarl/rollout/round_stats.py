@@ -39,7 +39,6 @@ class RoundStats:
     refused: int = 0                     # samples whose request the engine refused as invalid (RequestError)
     groups_trained: int = 0              # groups the round handed to its step (elastic steps: a multiple of the target)
     due_wait_from: Optional[float] = None  # when the round had its groups but waited for due ones
-    due_wait_s: float = 0.0              # how long it waited for them
     due_wait_samples: int = 0            # the due samples still generating when the wait began
 
     def occupancy(self, now: float, inflight: int, busy: int, counting: bool) -> None:
@@ -71,7 +70,8 @@ def round_metrics(st: RoundStats, *, concurrency: int, engines: int, reprefill_e
            "refused_samples": st.refused, "groups_trained": st.groups_trained,
            # slot utilisation during the round: requests in flight over the concurrency
            "rollout_slots_used": st.inflight_area / wall / max(1, concurrency),
-           "due_wait_s": st.due_wait_s, "due_wait_samples": st.due_wait_samples}
+           "due_wait_s": 0.0 if st.due_wait_from is None else st.ended - st.due_wait_from,
+           "due_wait_samples": st.due_wait_samples}
     if st.inflight_min is not None:   # absent when the round had its groups without generating
         out["rollout_inflight_min"] = st.inflight_min
     return out
