@@ -1,6 +1,6 @@
 """The evaluation's requests, sent to the engine pool beside whatever else runs there.
 
-Requests go through `EnginePool.generate` under keys of their own (`eval<version>-d<dataset>-p<i>s<j>`),
+Requests go through `EnginePool.generate` under keys of their own (`eval<version>-d<dataset>-g<i>s<j>`),
 so the partial-rollout controller's book (its concurrency, carry and staleness, all counted
 over its own keys) never sees them, and an engine that fails mid-evaluation is retired and the
 request continued elsewhere, as for any request. At most eval.concurrency are in flight; the
@@ -14,22 +14,19 @@ from concurrent.futures import wait
 
 from tqdm import tqdm
 
-from megarl.data.seeds import eval_prompt_seed, sample_seed
+from megarl.data.seeds import eval_prompt_seed
 from megarl.rollout.engine import GenRequest, RequestError
+from megarl.rollout.sync_rollout import group_requests
 
 
 def eval_requests(version: int, dataset: int, prompts: list[list[int]], n: int, max_tokens: int,
                   temperature: float, run_seed: int) -> list[GenRequest]:
-    """n requests per prompt, in prompt order. Greedy (temperature 0) requests carry no seed;
-    sampled ones a seed of the evaluation's own stream (seeds.eval_prompt_seed), the same at
-    every version, so two evaluations differ by the weights, not by the draws."""
-    out = []
-    for i, prompt in enumerate(prompts):
-        base = eval_prompt_seed(run_seed, dataset, i)
-        for j in range(n):
-            out.append(GenRequest(f"eval{version}-d{dataset}-p{i}s{j}", prompt, max_tokens, temperature,
-                                  seed=sample_seed(base, j) if temperature > 0 else None))
-    return out
+    """n requests per prompt, in prompt order (the sync round's `group_requests`). Greedy
+    (temperature 0) requests carry no seed; sampled ones a seed of the evaluation's own stream
+    (seeds.eval_prompt_seed), the same at every version, so two evaluations differ by the
+    weights, not by the draws."""
+    seeds = [eval_prompt_seed(run_seed, dataset, i) for i in range(len(prompts))] if temperature > 0 else None
+    return group_requests(prompts, n, max_tokens, temperature, seeds, tag=f"eval{version}-d{dataset}-")
 
 
 async def generate_limited(pool, requests: list[GenRequest], limit: int, done: list[int]) -> list:

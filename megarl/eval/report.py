@@ -16,8 +16,7 @@ from typing import Callable, Optional
 from megarl.data.sample import Sample
 from megarl.eval.scores import dataset_scores, prompt_scores
 from megarl.rollout.dump import sample_record
-
-REFUSED = "refused"
+from megarl.rollout.sync_rollout import REFUSED
 
 
 def per_prompt(samples: list[Sample], n: int, threshold: float, ks, answers: Optional[list]) -> list[dict]:

@@ -25,11 +25,10 @@ from megarl.data.sample import Sample
 from megarl.eval.answers import extractor_of
 from megarl.eval.datasets import EvalSet
 from megarl.eval.generate import eval_requests, run_requests
-from megarl.eval.report import REFUSED, answers_of, console_line, dataset_metrics, dump_eval
+from megarl.eval.report import answers_of, console_line, dataset_metrics, dump_eval
 from megarl.eval.schedule import due
 from megarl.rewards import build_verifier
-from megarl.rollout.engine import RequestError
-from megarl.rollout.scoring import score_sample
+from megarl.rollout.sync_rollout import samples_of, score_all
 
 log = logging.getLogger("megarl.eval")
 
@@ -77,20 +76,11 @@ class Evaluator:
         requests = eval_requests(version, s.index, prompts, e.n, e.max_new_tokens or r.max_new_tokens,
                                  e.temperature, self.cfg.run.seed)
         outcomes = run_requests(self.pool, requests, e.concurrency, f"eval {s.name}", self.cfg.metrics.progress)
-        samples = []
-        for k, o in enumerate(outcomes):
-            i = k // e.n
-            if isinstance(o, RequestError):   # the request's own error: scored 0, counted (refused)
-                samples.append(Sample(prompts[i], [], [], [], False, i, s.records[i], finish_reason=REFUSED, uid=i))
-            else:
-                samples.append(Sample(prompts[i], o.token_ids, o.logprobs, o.versions, o.stopped, i, s.records[i],
-                                      finish_reason=o.finish_reason, uid=i))
-        return samples
+        return samples_of(outcomes, s.records, prompts, e.n)   # a refused request: scored 0, counted
 
     def _score(self, s: EvalSet, samples: list[Sample], verifier, extract, version: int) -> dict:
         e = self.cfg.eval
-        for sample in samples:
-            sample.reward = 0.0 if sample.finish_reason == REFUSED else score_sample(sample, self.tokenizer, verifier)
+        score_all(samples, self.tokenizer, verifier)
         answers = answers_of(samples, self.tokenizer, extract)
         if e.dump:
             dump_eval(self.cfg.run.dir, s.name, version, samples, answers, e.n, e.pass_threshold, self.tokenizer)

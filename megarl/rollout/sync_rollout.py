@@ -49,6 +49,13 @@ async def generate_groups(pool, records: list[dict], prompts: list[list[int]], n
     if refused:
         log.warning("megarl: the engines refused %d of %d samples as invalid; they score 0 (finish_reason %r). "
                     "The first: %s", len(refused), len(outcomes), REFUSED, refused[0])
+    return samples_of(outcomes, records, prompts, n, first_uid)
+
+
+def samples_of(outcomes: list, records: list[dict], prompts: list[list[int]], n: int,
+               first_uid: int = 0) -> list[Sample]:
+    """The unscored samples of `outcomes` (n per prompt, in group order: results, or the
+    RequestError a request was refused with, which gives a refused sample)."""
     samples = []
     for k, r in enumerate(outcomes):
         g = k // n
