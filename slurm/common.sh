@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Shared by slurm/ppo_*.sh (docs/cluster.md). Two uses:
-#   source slurm/common.sh; megarl_settings; megarl_job
-#                                               the batch shell, after its own settings
+# Shared by the per-size scripts slurm/ppo_*.sh, grpo_*.sh (docs/cluster.md). Two uses:
+#   source slurm/common.sh; megarl_batch       the batch shell, after its RECIPE and MEGARL_ROOT
 #   bash slurm/common.sh trainer_task|engine_task RECIPE [key=value ...]
 #                                               one srun task (the batch shell starts these)
 # The job's layout comes from the recipe's `cluster:` section (megarl/plan/job.py): trainer and
@@ -349,6 +348,12 @@ megarl_job() {
         scontrol requeue "$SLURM_JOB_ID" || log "scontrol requeue failed: resubmit to resume"
     fi
     return "$trainer_rc"
+}
+
+# The batch shell of every per-size script: the shared settings, then the job
+megarl_batch() {
+    megarl_settings
+    megarl_job
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then     # run, not sourced: one srun task

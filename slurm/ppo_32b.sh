@@ -6,9 +6,9 @@
 # (docs/cluster.md):
 #   sbatch slurm/ppo_32b.sh
 #   EXTRA="train.steps=500 checkpoint.every=5" RUN_DIR=runs/my_exp sbatch slurm/ppo_32b.sh
-# Every setting (below, and megarl_settings in slurm/common.sh) can be set in the environment
-# of sbatch. The same RUN_DIR resumes from its newest complete checkpoint: on requeue, and on a
-# new submission.
+# Every setting (megarl_settings in slurm/common.sh, docs/cluster.md; the layout: the recipe's
+# cluster: section) can be set in the environment of sbatch. The same RUN_DIR resumes from its
+# newest complete checkpoint: on requeue, and on a new submission.
 #SBATCH --job-name=megarl-ppo-32b
 #SBATCH --nodes=6
 #SBATCH --gpus-per-node=8
@@ -20,21 +20,13 @@
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 
-# ---- settings: this job's defaults. Every other setting and its default is in
-# megarl_settings (slurm/common.sh) and docs/cluster.md; all can be set in sbatch's environment.
-RECIPE=${RECIPE:-recipes/qwen2.5_32b.yaml}
-# the layout is the recipe's cluster: section; TRAINER_NODES, ENGINE_NODES, GPUS_PER_NODE,
-# ENGINE_TP, ENGINES_PER_NODE, TRAINER_PROCS_PER_NODE in the environment replace its values
-# the batch script runs from a copy in slurm's spool folder: find the repository from where
-# sbatch was called
+RECIPE=${RECIPE:-recipes/qwen2.5_32b.yaml}   # the rest: megarl_batch (slurm/common.sh)
+# slurm runs a copy of this script from its spool folder: the repository is where sbatch was called
 MEGARL_ROOT=${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
-# -------------------------------------------------------------------------------------------
-
 [[ -f $MEGARL_ROOT/slurm/common.sh ]] || {
     echo "megarl: $MEGARL_ROOT is not the repository: submit from its root or set MEGARL_ROOT" >&2
     exit 2
 }
 # shellcheck source=slurm/common.sh
 source "$MEGARL_ROOT/slurm/common.sh"
-megarl_settings
-megarl_job
+megarl_batch
