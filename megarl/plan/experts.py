@@ -38,11 +38,6 @@ def router_params(a: Arch) -> int:
     return a.experts * a.hidden
 
 
-def shared_expert_params(a: Arch) -> int:
-    """The shared expert's SwiGLU (3 x hidden x shared_ffn) and, for Qwen2-MoE, its 1 x hidden gate."""
-    return 3 * a.hidden * a.shared_ffn + (a.hidden if a.shared_gate else 0)
-
-
 def expert_params(a: Arch) -> int:
     """One routed expert's SwiGLU: gate, up and down projections."""
     return 3 * a.hidden * a.moe_ffn
@@ -50,15 +45,10 @@ def expert_params(a: Arch) -> int:
 
 def sparse_mlp_params(a: Arch, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[float, float]:
     """(dense part, expert part) of one MoE layer's MLP on one GPU: the router (replicated)
-    and the shared expert (its matrices over TP, its gate replicated); experts / EP local
-    experts, each over ETP."""
+    and the shared expert (its SwiGLU, 3 x hidden x shared_ffn, over TP; Qwen2-MoE's 1 x hidden
+    gate replicated); experts / EP local experts, each over ETP."""
     shared = 3 * a.hidden * a.shared_ffn / tp + (a.hidden if a.shared_gate else 0)
     return router_params(a) + shared, a.experts / ep * expert_params(a) / etp
-
-
-def active_mlp_params(a: Arch) -> int:
-    """The MLP parameters one token uses in an MoE layer: router, shared expert, top-k experts."""
-    return router_params(a) + shared_expert_params(a) + a.top_k * expert_params(a)
 
 
 def routed_copies_per_token(a: Arch, tp: int, etp: int, sequence_parallel: bool) -> float:
