@@ -97,7 +97,10 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         # elastic steps: a step trains up to step_multiple x its target groups (whole multiples
         # of the target; rollout.partial.max_step_multiple); 1: exactly the target
-        self.step_multiple = max(1, int(step_multiple))
+        if step_multiple < 1:   # a clamp would hide the mistake: refused like the schema refuses it
+            raise ValueError(f"rollout.partial.max_step_multiple={step_multiple}: must be >= 1 "
+                             f"(1: every step trains exactly train.groups_per_step groups)")
+        self.step_multiple = step_multiple
         self.new_group, self.score, self.seed, self.scorer = new_group, score, seed, scorer
         # multi-turn episodes: an envs.episodes.EpisodeDriver (None: single-turn samples)
         self.episodes = episodes

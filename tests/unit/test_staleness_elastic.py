@@ -5,7 +5,7 @@ are trained as often as the sync rollout trains them."""
 import asyncio
 
 import pytest
-from test_rollout_stress import bimodal, drive, has_long, long_tail, sync_share
+from test_rollout_stress import WorkloadEngine, bimodal, drive, has_long, long_tail, sync_share
 
 from megarl.rollout.staleness import round_may_end, step_groups
 
@@ -25,6 +25,21 @@ def test_a_round_ends_only_with_a_whole_multiple_covering_the_due_groups():
     assert not round_may_end(5, 4, 0, 3)             # 4 due complete: the step needs 6
     assert round_may_end(6, 4, 0, 3)
     assert not round_may_end(9, 1, 1, 3)             # a due group still open
+
+
+@pytest.mark.parametrize("multiple", [0, -2])
+def test_a_step_multiple_below_one_is_refused_not_clamped(multiple):
+    """A controller built outside the schema (the simulator, the bench) gets the schema's rule:
+    a clamp to 1 would run fixed steps where the caller asked for something else."""
+    from scripted_engine import Clock
+
+    from megarl.rollout.controller import PartialRolloutController
+    from megarl.rollout.pool import EnginePool
+    pool = EnginePool([WorkloadEngine("e0", Clock(), bimodal)], 30)
+    with pytest.raises(ValueError, match=rf"rollout.partial.max_step_multiple={multiple}: must be >= 1"):
+        PartialRolloutController(pool, n=2, concurrency=4, max_new_tokens=8, temperature=1.0, max_staleness=2,
+                                 stale_policy="finish", new_group=lambda: ({}, [7, 7]), score=lambda s: 0.0,
+                                 seed=0, step_multiple=multiple)
 
 
 @pytest.mark.parametrize("length_of", [bimodal, long_tail], ids=["bimodal", "long_tail"])
