@@ -44,12 +44,16 @@ def train_flops_per_token(cfg, active: int, train_actor: bool = True) -> float:
     return flops
 
 
-def throughput(samples, round_metrics: dict, rollout_s: float, train_s: float) -> dict:
+def real_tokens(samples) -> int:
+    """The step's real tokens: prompt + response of every sample (no padding)."""
+    return sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+
+
+def throughput(samples, round_metrics: dict, rollout_s: float, train_s: float, tokens: int) -> dict:
     """rollout_tokens_per_s: tokens the engines generated in the round (partial rollout: this
     round's, carried ones included) per second of the rollout; train_tokens_per_s: the step's
-    real tokens (prompt + response) per second of the trainer's work."""
+    real tokens (`tokens`, prompt + response) per second of the trainer's work."""
     generated = round_metrics.get("rollout_tokens") or sum(len(s.response_ids) for s in samples)
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     return {"rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
             "train_tokens_per_s": tokens / max(train_s, 1e-9)}
 
@@ -83,13 +87,13 @@ class SpeedMeter:
             torch.cuda.reset_peak_memory_stats()
 
     def metrics(self, step: int, models, samples, round_metrics: dict, rollout_s: float, train_s: float) -> dict:
-        out = {**learning_rates(models), **throughput(samples, round_metrics, rollout_s, train_s),
+        tokens = real_tokens(samples)
+        out = {**learning_rates(models), **throughput(samples, round_metrics, rollout_s, train_s, tokens),
                "host_mem_peak_gb": host_mem_peak_gb()}
         if self.cuda:
             out["gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / GiB
             if self.peak and self.active:
                 warm = ADVANTAGES.get(self.cfg.algo.name).needs_critic and step < self.cfg.train.critic_warmup_steps
-                tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
                 flops = tokens * train_flops_per_token(self.cfg, self.active, train_actor=not warm)
                 out["mfu"] = flops / (max(train_s, 1e-9) * self.peak * self.world)
         return out
