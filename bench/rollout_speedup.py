@@ -510,7 +510,8 @@ def main() -> None:
         overlaps = {}
         for mode, kp in keep_pools.items():
             kk = keep_kinds[mode]
-            controllers[mode] = make_controller(Measured, kk["max_staleness"], kp, kk["multiple"] or args.step_multiple)
+            controllers[mode] = make_controller(Measured, kk["max_staleness"], kp,
+                                                args.step_multiple if kk["multiple"] is None else kk["multiple"])
             if kk["overlap"]:
                 if models is None:
                     raise SystemExit("--keep-modes keep_overlap needs --train real (the passes are the trainer's)")
