@@ -39,7 +39,7 @@ from megarl.checkpoint import CheckpointError
 from megarl.conversion.output import copy_side_files
 from megarl.distributed import parallel
 from megarl.distributed.env import from_rank0
-from megarl.formats.hf_reader import INDEX_JSON
+from megarl.formats.hf_reader import INDEX_JSON, ST_TO_TORCH
 from megarl.rollout.transfer import source
 
 TMP_PREFIX = ".tmp_"
@@ -193,7 +193,8 @@ def _dtype_of(folder: Path, shard: str) -> str:
         return str(f.get_slice(next(iter(f.keys()))).get_dtype())
 
 
-_ST_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+# safetensors dtype name -> config.json's ("BF16" -> "bfloat16")
+_ST_DTYPE_NAMES = {st: str(t).removeprefix("torch.") for st, t in ST_TO_TORCH.items()}
 
 
 def finish_side_files(folder: Path, side_dir: Path, st_dtype: str | None, record: dict) -> None:
