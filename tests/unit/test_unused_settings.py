@@ -27,6 +27,9 @@ CASES = [
     ("algo.is_cap=3", "algo.is_mode=mask", "algo.is_mode=tis"),
     ("algo.is_low=0.2", "algo.is_mode=tis", "algo.is_mode=mask"),
     ("algo.is_high=3", "algo.is_mode=none", "algo.is_mode=mask"),
+    ("algo.grad_align_threshold=0.5", "algo.grad_align=log", "algo.grad_align=project"),
+    ("algo.bapo_rho=0.5", "algo.bapo=false", "algo.bapo=true"),
+    ("algo.bapo_steps=[0.01,0.02]", "algo.bapo=false", "algo.bapo=true"),
     ("train.min_lr_ratio=0.2", "train.lr_decay_style=constant", "train.lr_decay_style=cosine"),
     ("rollout.partial.concurrency=8", "rollout.mode=sync", "rollout.mode=partial"),
     ("rollout.partial.max_staleness=1", "rollout.mode=sync", "rollout.mode=partial"),
@@ -78,3 +81,20 @@ def test_a_choice_on_the_command_line_drops_the_recipes_unused_settings(tmp_path
     cfg = load_config(recipe, ["algo.name=grpo", "rollout.mode=sync"])
     assert cfg.algo.name == "grpo" and cfg.rollout.mode == "sync"
     assert not changed(cfg.train, {"critic_lr"}) and not changed(cfg.rollout.partial, {"concurrency"})
+
+
+def test_turning_an_option_off_on_the_command_line_drops_its_settings(tmp_path):
+    """Options whose settings only they read (algo.grad_align=project's threshold, algo.bapo's
+    bounds) are choices like the others: the command line turning one off drops what the recipe
+    set for it, and one layer setting both is refused."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"defaults: [{Path(RECIPE).resolve()}]\n"
+                      "algo:\n  grad_align: project\n  grad_align_threshold: 0.5\n"
+                      "  bapo: true\n  bapo_rho: 0.5\n")
+    on = load_config(recipe)
+    assert changed(on.algo, {"grad_align_threshold", "bapo_rho"}) == ["bapo_rho", "grad_align_threshold"]
+    cfg = load_config(recipe, ["algo.grad_align=log", "algo.bapo=false"])
+    assert cfg.algo.grad_align == "log" and not cfg.algo.bapo
+    assert not changed(cfg.algo, {"grad_align_threshold", "bapo_rho"})
+    with pytest.raises(ConfigError, match=r"^algo\.bapo_rho=0\.5: .*algo\.bapo=False"):
+        load_config(RECIPE, ["algo.bapo=false", "algo.bapo_rho=0.5"])

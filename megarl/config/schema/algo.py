@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS
-from megarl.config.schema.checks import changed, one_of, plain, require
+from megarl.config.schema.checks import changed, one_of, require
 
 
 @dataclass
@@ -82,19 +82,12 @@ class AlgoConfig:
         one_of("algo.grad_align", self.grad_align, {"off", "log", "project"})
         require(0 <= self.grad_align_threshold < 1, "algo.grad_align_threshold", self.grad_align_threshold,
                  "must be in [0, 1) (a cosine; 0 removes the whole aligned component)")
-        # a setting the chosen options leave unused is refused, not silently ignored
-        require(self.grad_align == "project" or not changed(self, {"grad_align_threshold"}),
-                 "algo.grad_align_threshold",
-                 self.grad_align_threshold,
-                 "is used only with algo.grad_align=project: set algo.grad_align=project, or remove the threshold")
+        # the threshold and BAPO's settings unused when off: schema/unused.py CHOICES
         replaced = "M2PO (algo.m2po_tau)" if self.m2po_tau is not None else "BAPO (algo.bapo)" if self.bapo else None
         require(replaced is None or not changed(self, {"clip_low", "clip_high"}), "algo.clip_low/clip_high",
                  (self.clip_low, self.clip_high), f"{replaced} replaces the fixed ratio clip, so these would be "
                  f"ignored: remove them (BAPO's bounds are algo.bapo_low / algo.bapo_high)")
         if not self.bapo:
-            moved = changed(self, {"bapo_rho", "bapo_low", "bapo_high", "bapo_steps"})
-            require(not moved, f"algo.{moved[0] if moved else ''}", plain(getattr(self, moved[0])) if moved else None,
-                     "is used only with algo.bapo=true: set algo.bapo=true, or remove it")
             return
         for key in ("bapo_low", "bapo_high", "bapo_steps"):
             value = list(getattr(self, key))

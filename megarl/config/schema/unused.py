@@ -65,6 +65,10 @@ CHOICES: dict[str, Callable] = {
     "algo.kl_coef": lambda v: ({"algo.kl_mode", "algo.kl_kind"}, "no KL term, so no reference model")
     if not v else (set(), ""),
     "algo.is_mode": _is_mode,
+    "algo.grad_align": lambda v: ({"algo.grad_align_threshold"}, "only project removes the aligned component")
+    if v != "project" else (set(), ""),
+    "algo.bapo": lambda v: ({"algo.bapo_rho", "algo.bapo_low", "algo.bapo_high", "algo.bapo_steps"},
+                            "no adaptive clip bounds") if not v else (set(), ""),
     "train.lr_decay_style": lambda v: ({"train.min_lr_ratio"}, "a constant learning rate has no floor")
     if v == "constant" else (set(), ""),
     "rollout.mode": _rollout_mode,
