@@ -124,9 +124,12 @@ def test_an_elastic_async_round_generates_until_its_step_takes_it_and_a_snapshot
             state, sampler = rollout.pool.loop.submit(snapshot_at()).result(30)
 
             async def still_open(ctl=ctl):
-                for _ in range(200):
+                # until a fixed step's round would end (its groups complete, none due still open)
+                for _ in range(100_000):
+                    if len(ctl.completed) >= 3 and not any(ctl._due(g) for g in ctl.groups.values()):
+                        return ctl._round_done is not None and not ctl._ending
                     await asyncio.sleep(0)
-                return ctl._round_done is not None and not ctl._ending
+                return False
             assert rollout.pool.call(still_open(), "reading"), offset   # not taken: still generating
             taken = [s.uid for s in rollout.round(1)[0][::4]]
         finally:
