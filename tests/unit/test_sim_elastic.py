@@ -43,4 +43,9 @@ def test_each_mode_is_printed_beside_its_ceiling():
         assert m["ceiling"] > 0 and m["of_ceiling"] == m["speedup"] / m["ceiling"]
     table = format_table({"recipe_mode": "partial", "modes": figures,
                           "weight_sync": {"route": "x", "trainer_s": 0.0, "engine_s": 0.0}})
-    assert "ceiling" in table and "of ceiling" in table
+    assert "of ceiling" in table
+    lines = table.splitlines()
+    for mode, m in figures.items():   # each mode's row: its speedup, beside its ceiling and the share of it
+        row = [ln.split() for ln in lines if ln.split()[:1] == [mode] and len(ln.split()) == 5]
+        assert row and [float(x) for x in row[0][1:4]] == [round(m[k], 2) for k in ("speedup", "ceiling",
+                                                                                   "of_ceiling")], (mode, row)
