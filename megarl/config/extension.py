@@ -115,8 +115,9 @@ def resolve(value: str) -> Any:
                              f"name one of them after the ':'") from None
 
 
-def check_call(obj: Any, params: tuple[str, ...]) -> None:
-    """ExtensionError unless `obj` can be called as obj(*params) (positionally, as megarl does)."""
+def check_call(obj: Any, params: tuple[str, ...], kwargs: dict | None = None, call: str = "") -> None:
+    """ExtensionError unless `obj` can be called as obj(*params, **kwargs) (positionally, then
+    by keyword, as megarl does); `call` shows that call in the message (default: name(params))."""
     if not callable(obj):
         raise ExtensionError(f"is {a(obj)}, not a function: name a function taking "
                              f"({', '.join(params)})")
@@ -125,7 +126,7 @@ def check_call(obj: Any, params: tuple[str, ...]) -> None:
     except (TypeError, ValueError):     # a builtin without a signature: trust it
         return
     try:
-        sig.bind(*params)
-    except TypeError:
-        raise ExtensionError(f"has the signature {sig}, but megarl calls it as "
-                             f"{getattr(obj, '__name__', 'fn')}({', '.join(params)})") from None
+        sig.bind(*params, **(kwargs or {}))
+    except TypeError as err:
+        call = call or f"{getattr(obj, '__name__', 'fn')}({', '.join(params)})"
+        raise ExtensionError(f"has the signature {sig}, but megarl calls it as {call} ({err})") from None

@@ -9,12 +9,11 @@ path/to/file.py:function) and says what it needs with `@verifier(...)` (`from_im
 """
 from __future__ import annotations
 
-import inspect
 import pickle
 from dataclasses import dataclass
 from typing import Callable
 
-from megarl.config.extension import ExtensionError, a
+from megarl.config.extension import ExtensionError, a, check_call
 from megarl.config.registry import VERIFIERS
 
 RewardFn = Callable[..., float]
@@ -68,13 +67,6 @@ def from_import(obj, value: str) -> VerifierEntry:
 
 def _check_signature(entry: VerifierEntry) -> None:
     """The verifier can be called as the rollout calls it (megarl.rewards.verify.Verifier)."""
-    try:
-        sig = inspect.signature(entry.fn)
-    except (TypeError, ValueError):     # a builtin without a signature: trust it
-        return
-    call = "fn(response_text, record, *, finished" + (", answer_key)" if entry.needs_answer else ")")
     kwargs = {"finished": False, **({"answer_key": "answer"} if entry.needs_answer else {})}
-    try:
-        sig.bind("response_text", {}, **kwargs)
-    except TypeError as err:
-        raise ExtensionError(f"has the signature {sig}, but megarl calls it as {call} ({err})") from None
+    call = "fn(response_text, record, *, finished" + (", answer_key)" if entry.needs_answer else ")")
+    check_call(entry.fn, ("response_text", {}), kwargs, call)
