@@ -27,40 +27,41 @@ class Records(list):
 
 
 def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "messages",
-                 answer_key: str | None = None) -> list[dict]:
+                 answer_key: str | None = None, setting: str = "data.prompts") -> list[dict]:
     """Records of a .jsonl or .parquet file. Each row must hold `prompt_key` (a non-empty text)
     or `messages_key` (a non-empty list of {"role", "content"} texts); with `answer_key` set
-    (the verifier needs a gold answer) also that field, a text or a number."""
+    (the verifier needs a gold answer) also that field, a text or a number. Errors name the
+    file as `setting` (the setting that gave it)."""
     p = Path(path)
     if p.is_dir():
-        raise FileNotFoundError(f"data.prompts={path!r} is a folder: point it at a .jsonl or .parquet file in it")
+        raise FileNotFoundError(f"{setting}={path!r} is a folder: point it at a .jsonl or .parquet file in it")
     if not p.is_file():
-        raise FileNotFoundError(f"data.prompts={path!r} does not exist: {how_to_build(path)}, or point "
-                                f"data.prompts at a .jsonl or .parquet file")
+        raise FileNotFoundError(f"{setting}={path!r} does not exist: {how_to_build(path)}, or point "
+                                f"{setting} at a .jsonl or .parquet file")
     records = Records()
-    for row, rec in _rows(p, path):
-        _check_row(rec, path, row, prompt_key, messages_key, answer_key)
+    for row, rec in _rows(p, path, setting):
+        _check_row(rec, path, row, prompt_key, messages_key, answer_key, setting)
         records.append(rec)
         records.rows.append(row)
     if not records:
-        raise ConfigError(f"data.prompts={path!r} holds no records: point it at a .jsonl file with one "
+        raise ConfigError(f"{setting}={path!r} holds no records: point it at a .jsonl file with one "
                           f"{{\"{prompt_key}\": ...}} object per line, or a .parquet file with rows")
     return records
 
 
-def _rows(p: Path, path: str):
+def _rows(p: Path, path: str, setting: str):
     """(row number, record) pairs: JSONL rows are line numbers (blank lines skipped), parquet
     rows count from 1."""
     if p.suffix.lower() == ".parquet":
         try:   # here: only parquet datasets need pyarrow
             import pyarrow.parquet as pq
         except ImportError:
-            raise ConfigError(f"data.prompts={path!r}: reading parquet needs pyarrow (a megarl "
+            raise ConfigError(f"{setting}={path!r}: reading parquet needs pyarrow (a megarl "
                               f"dependency): `pip install pyarrow`, or give a .jsonl file") from None
         try:
             table = pq.read_table(p)
         except Exception as err:   # pyarrow raises several types for a file that is not parquet
-            raise ConfigError(f"data.prompts={path!r}: not a readable parquet file ({err}): "
+            raise ConfigError(f"{setting}={path!r}: not a readable parquet file ({err}): "
                               f"rewrite it, or give a .jsonl file") from None
         # a column holds a null where a row has no such field (mixed text and chat rows):
         # a missing field, as in JSONL
@@ -77,16 +78,17 @@ def _rows(p: Path, path: str):
                 except ValueError as err:
                     hint = (" (the file looks like one JSON array or object: write one JSON object per "
                             "line, JSONL)") if line.strip() in ("[", "{") else ""
-                    raise ConfigError(f"data.prompts={path!r}, row {lineno}: not JSON ({err}){hint}: fix or "
+                    raise ConfigError(f"{setting}={path!r}, row {lineno}: not JSON ({err}){hint}: fix or "
                                       f"remove that row") from None
                 yield lineno, rec
     except UnicodeDecodeError as err:
-        raise ConfigError(f"data.prompts={path!r}: not a text file ({err.reason} at byte {err.start}): give a "
+        raise ConfigError(f"{setting}={path!r}: not a text file ({err.reason} at byte {err.start}): give a "
                           f"UTF-8 .jsonl file (one JSON object per line) or a .parquet file") from None
 
 
-def _check_row(rec, path: str, row: int, prompt_key: str, messages_key: str, answer_key: str | None) -> None:
-    where = f"data.prompts={path!r}, row {row}"
+def _check_row(rec, path: str, row: int, prompt_key: str, messages_key: str, answer_key: str | None,
+               setting: str) -> None:
+    where = f"{setting}={path!r}, row {row}"
     if not isinstance(rec, dict) or (prompt_key not in rec and messages_key not in rec):
         fields = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
         raise ConfigError(f"{where}: no field {prompt_key!r} (data.prompt_key) nor {messages_key!r} "
@@ -141,7 +143,7 @@ def encode_prompts(tokenizer, records: list[dict], key: str, messages_key: str =
 
 
 def check_chat_template(records: list[dict], model_path: str, prompt_key: str, messages_key: str,
-                        path: str, tokenizer=None) -> None:
+                        path: str, tokenizer=None, setting: str = "data.prompts") -> None:
     """Chat rows need a tokenizer with a chat template: checked (and the first chat row rendered)
     before any model is built. Loads the tokenizer of `model_path` only when there is a chat row."""
     first = next((r for r in records if not isinstance(r.get(prompt_key), str)), None)
@@ -152,7 +154,7 @@ def check_chat_template(records: list[dict], model_path: str, prompt_key: str, m
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     chats = sum(not isinstance(r.get(prompt_key), str) for r in records)
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"data.messages_key={messages_key!r}: {chats} rows of data.prompts={path!r} hold chat "
+        raise ConfigError(f"data.messages_key={messages_key!r}: {chats} rows of {setting}={path!r} hold chat "
                           f"messages, but the tokenizer of model.path={model_path!r} has no chat template: "
                           f"add a \"chat_template\" to its tokenizer_config.json, use a chat model, or give "
                           f"the rows a prompt text (data.prompt_key={prompt_key!r})")
@@ -160,7 +162,7 @@ def check_chat_template(records: list[dict], model_path: str, prompt_key: str, m
         prompt_text(first, tokenizer, prompt_key, messages_key)
     except Exception as err:   # jinja raises its own types (e.g. a template's raise_exception)
         raise ConfigError(f"data.messages_key={messages_key!r}: the chat template of model.path={model_path!r} "
-                          f"cannot render the first chat row of data.prompts={path!r} ({err}): fix the "
+                          f"cannot render the first chat row of {setting}={path!r} ({err}): fix the "
                           f"messages (roles, order) or the template") from None
 
 

@@ -32,16 +32,14 @@ def load_eval_sets(cfg, training: list | None = None) -> list[EvalSet]:
     sets = []
     for i, (path, name) in enumerate(zip(e.datasets, e.names)):
         verifier = e.verifier_of(i, cfg.reward.fn)
+        setting = f"eval.datasets[{i}]"   # errors name the file by the setting that gave it
         try:
             records = load_prompts(str(path), d.prompt_key, d.messages_key,
-                                   d.answer_key if needs_answer(verifier) else None)
-            # chat rows need the model's chat template (the tokenizer is loaded only for them)
-            check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, str(path))
-        except (ConfigError, FileNotFoundError) as err:
-            # load_prompts speaks of data.prompts: here the file is an evaluation dataset
-            message = str(err).replace("data.prompts=", f"eval.datasets[{i}]=").replace(
-                "point data.prompts at", f"point eval.datasets[{i}] at")
-            raise ConfigError(message) from None
+                                   d.answer_key if needs_answer(verifier) else None, setting=setting)
+        except FileNotFoundError as err:   # a setting's bad value, found before anything starts
+            raise ConfigError(str(err)) from None
+        # chat rows need the model's chat template (the tokenizer is loaded only for them)
+        check_chat_template(records, cfg.model.path, d.prompt_key, d.messages_key, str(path), setting=setting)
         if e.max_prompts:
             records = records[: e.max_prompts]
         sets.append(EvalSet(i, name, str(path), verifier, list(records)))
