@@ -25,14 +25,20 @@ def num_experts(hf_config) -> int:
     return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
 
 
+def sparse_layer_indices(layers: int, sparse_step: int | None, mlp_only) -> frozenset[int]:
+    """The layers of an MoE model that hold an MoE block, by transformers' rule (module docstring):
+    the one home of the rule (the plan's `models.arch.Arch` reads it too)."""
+    step = max(1, int(sparse_step or 1))
+    dense = set(mlp_only or ())
+    return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
 def moe_layers(hf_config) -> frozenset[int]:
     """The global indices of the layers that hold an MoE block (empty for a dense model)."""
     if not num_experts(hf_config):
         return frozenset()
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    return frozenset(i for i in range(hf_config.num_hidden_layers)
-                     if i not in dense and (i + 1) % step == 0)
+    return sparse_layer_indices(hf_config.num_hidden_layers, getattr(hf_config, "decoder_sparse_step", 1),
+                                getattr(hf_config, "mlp_only_layers", None))
 
 
 def check_moe_options(hf_config, arch: str) -> None:

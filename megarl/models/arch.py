@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from megarl.config.schema import ConfigError, RootConfig
+from megarl.formats.experts import sparse_layer_indices
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,13 @@ class Arch:
 
 
 def dense_layer_indices(layers: int, experts: int, sparse_step: int, mlp_only: list[int]) -> tuple[int, ...]:
-    """The layers of an MoE model that keep a dense MLP, by transformers' rule for Qwen2-MoE and
-    Qwen3-MoE: layer i is sparse when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step
-    == 0. A dense model has none (every layer is dense, none is listed)."""
+    """The layers of an MoE model that keep a dense MLP: those transformers' rule for Qwen2-MoE
+    and Qwen3-MoE (`formats.experts.sparse_layer_indices`) does not make sparse. A dense model
+    has none (every layer is dense, none is listed)."""
     if not experts:
         return ()
-    step = max(1, sparse_step)
-    return tuple(i for i in range(layers) if i in set(mlp_only) or (i + 1) % step)
+    sparse = sparse_layer_indices(layers, sparse_step, mlp_only)
+    return tuple(i for i in range(layers) if i not in sparse)
 
 
 def _experts_from_hf(d: dict) -> dict:

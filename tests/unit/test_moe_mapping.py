@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from megarl.formats.mapping import mapping_for
+from megarl.models.arch import arch_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,6 +124,17 @@ def test_decoder_sparse_step_picks_the_moe_layers():
     assert m.dims.moe_layers == frozenset({1, 3})
     names = m.hf_names()
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+
+
+@pytest.mark.parametrize("step,mlp_only", [(1, []), (2, []), (1, [0, 2]), (2, [1]), (3, [])])
+def test_the_plan_and_the_mapping_agree_on_the_moe_layers(step, mlp_only):
+    """The plan sizes memory from models.arch.Arch's dense layers, the trainer builds and maps
+    from the mapping's MoE layers: the same layers, each exactly one of the two."""
+    cfg = hf_config("qwen2_moe", decoder_sparse_step=step, mlp_only_layers=mlp_only)
+    arch = arch_from_hf(cfg.to_dict())
+    sparse = mapping_for(cfg).dims.moe_layers
+    assert {i for i in range(cfg.num_hidden_layers) if arch.is_sparse(i)} == set(sparse)
+    assert set(arch.dense_layers) == set(range(cfg.num_hidden_layers)) - sparse
 
 
 # ---- against megarl's own megatron model (1 rank, gloo) ---------------------------------
