@@ -51,21 +51,7 @@ def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[t
     timers = timers if timers is not None else {}
     for name, param in unwrap(model).named_parameters():
         t0 = time.perf_counter()
-        data = param.detach()
-        if tp > 1 and getattr(param, "tensor_model_parallel", False):
-            shards = [torch.empty_like(data) for _ in range(tp)]
-            dist.all_gather(shards, data.contiguous(), group=parallel.tp_group())
-        else:
-            shards = [data]
-        # an expert's tensor (megatron marks them allreduce=False): its EP peers' same local
-        # expert, after each one's own TP gather
-        owners = [shards]
-        if ep > 1 and not getattr(param, "allreduce", True):
-            full = shards[0] if len(shards) == 1 else None
-            stacked = torch.stack(shards) if full is None else full
-            gathered = [torch.empty_like(stacked) for _ in range(ep)]
-            dist.all_gather(gathered, stacked.contiguous(), group=parallel.ep_group())
-            owners = [[g] if full is not None else list(g.unbind(0)) for g in gathered]
+        owners = _gathered(param, tp, ep)
         t1 = time.perf_counter()
         converted = {}
         for g, owner in enumerate(owners):
@@ -74,6 +60,42 @@ def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[t
         timers["gather"] = timers.get("gather", 0.0) + t1 - t0
         timers["convert"] = timers.get("convert", 0.0) + time.perf_counter() - t1
         yield from converted.items()
+
+
+def _is_expert(param) -> bool:
+    """An expert's tensor: megatron marks them allreduce=False (reduced over the expert-data
+    group, not the whole DP group)."""
+    return not getattr(param, "allreduce", True)
+
+
+def _gathered(param, tp: int, ep: int) -> list[list[torch.Tensor]]:
+    """`param`'s TP shards (one tensor where it is not TP-split), per EP owner: an expert's
+    tensor is its EP peers' same local expert too, after each one's own TP gather (one list per
+    peer, in EP rank order); any other tensor is this rank's alone (one list)."""
+    data = param.detach()
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        shards = [torch.empty_like(data) for _ in range(tp)]
+        dist.all_gather(shards, data.contiguous(), group=parallel.tp_group())
+    else:
+        shards = [data]
+    if ep == 1 or not _is_expert(param):
+        return [shards]
+    full = shards[0] if len(shards) == 1 else None
+    stacked = torch.stack(shards) if full is None else full
+    gathered = [torch.empty_like(stacked) for _ in range(ep)]
+    dist.all_gather(gathered, stacked.contiguous(), group=parallel.ep_group())
+    return [[g] if full is not None else list(g.unbind(0)) for g in gathered]
+
+
+def expert_gathers(model) -> None:
+    """This rank's part of a stage's expert gathers, for the ranks of an expert group outside DP
+    replica 0 (`joins_gathers`): each expert tensor's TP and EP gathers, in the order replica
+    0's ranks run them in `hf_tensors`; nothing converted or kept. Their other tensors are
+    gathered by no one: replica 0 holds them, and a TP group lies within one replica."""
+    tp, ep = parallel.tp_size(), parallel.ep_size()
+    for param in unwrap(model).parameters():
+        if _is_expert(param):
+            _gathered(param, tp, ep)
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict]:
@@ -103,9 +125,8 @@ def sender_buckets(model, info: ModelInfo, bucket_bytes: int, timers: dict | Non
     timers = timers if timers is not None else {}
     if not joins_gathers():
         return
-    if parallel.dp_rank() != 0:          # an expert group's other ranks: only the gathers
-        for _ in hf_tensors(model, info, timers):
-            pass
+    if parallel.dp_rank() != 0:          # an expert group's other ranks: only the expert gathers
+        expert_gathers(model)
         return
     lead = parallel.tp_rank() == 0
     me = dist.get_rank() if dist.is_initialized() else 0
@@ -185,5 +206,5 @@ def stage_bytes(model) -> int:
     expert (EP-gathered) included."""
     tp, ep = parallel.tp_size(), parallel.ep_size()
     return sum(p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-               * (ep if not getattr(p, "allreduce", True) else 1)
+               * (ep if _is_expert(p) else 1)
                for p in unwrap(model).parameters())
