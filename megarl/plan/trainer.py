@@ -30,9 +30,8 @@ class Layout:
 
 def expert_layout(cfg: RootConfig, tp: int | None = None) -> tuple[int, int]:
     """(EP, ETP) of the recipe: parallel.ep, and megatron's default expert TP, = TP (the trainer
-    sets no expert_tensor_parallel_size; a parallel.etp setting, where the schema has one, wins)."""
-    tp = cfg.parallel.tp if tp is None else tp
-    return cfg.parallel.ep, getattr(cfg.parallel, "etp", 0) or tp
+    sets no expert_tensor_parallel_size, so the recipe has no expert TP of its own)."""
+    return cfg.parallel.ep, cfg.parallel.tp if tp is None else tp
 
 
 def layout_of(cfg: RootConfig, tp: int, pp: int, dp: int) -> Layout:
@@ -194,8 +193,7 @@ def with_layout(cfg: RootConfig, lay: Layout) -> RootConfig:
 def best_layout(cfg, arch, gpus, gpus_per_node, fused, rm_arch) -> tuple[Layout, float] | None:
     """The layout of `gpus` GPUs with the lowest peak (ties: least PP, then least TP, then least EP)."""
     best = None
-    etp = getattr(cfg.parallel, "etp", 0)
-    for lay in candidate_layouts(arch, gpus, gpus_per_node, etp, cfg.parallel.sequence_parallel):
+    for lay in candidate_layouts(arch, gpus, gpus_per_node, sequence_parallel=cfg.parallel.sequence_parallel):
         try:
             validate_world(with_layout(cfg, lay), gpus)
         except ConfigError:
