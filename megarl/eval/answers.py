@@ -15,6 +15,7 @@ from typing import Callable, Optional
 from megarl.data.countdown import EOS_TOKEN
 from megarl.rewards import verifier_entry
 from megarl.rewards.answer import extract_answer, normalize
+from megarl.rewards.countdown import response_words
 
 Extractor = Callable[[str, bool], Optional[str]]
 
@@ -26,13 +27,12 @@ def final_answer(text: str, finished: bool) -> Optional[str]:
 
 
 def countdown_answer(text: str, finished: bool) -> Optional[str]:
-    """countdown: the words up to <eos>, with the <eos> when the response ended on it."""
-    words = text.split()
-    if EOS_TOKEN in words:
-        words, finished = words[: words.index(EOS_TOKEN)], True
-    if not words:
+    """countdown: the words up to <eos>, with the <eos> when the response ended on it (what its
+    verifier compares with the target)."""
+    words = response_words(text, finished)
+    if words in ([], [EOS_TOKEN]):   # no word before the end: no answer stated
         return None
-    return " ".join(words + ([EOS_TOKEN] if finished else []))
+    return " ".join(words)
 
 
 BUILT_IN: dict[str, Extractor] = {"math": final_answer, "exact": final_answer, "countdown": countdown_answer}

@@ -22,6 +22,16 @@ from megarl.data.countdown import EOS_TOKEN
 from megarl.rewards.entry import register_verifier
 
 
+def response_words(response_text: str, finished: bool) -> list[str]:
+    """The response as the verifier reads it: its words up to a literal "<eos>" word (which
+    ends it, as if finished), followed by eos when it finished."""
+    words = response_text.split()
+    if EOS_TOKEN in words:
+        words = words[: words.index(EOS_TOKEN)]
+        finished = True
+    return words + ([EOS_TOKEN] if finished else [])
+
+
 @register_verifier("countdown")
 def countdown_score(response_text: str, record: dict, *, finished: bool) -> float:
     """Reward in [0, 1] for one response.
@@ -34,11 +44,7 @@ def countdown_score(response_text: str, record: dict, *, finished: bool) -> floa
         finished: True when the model emitted eos (vs. hit the length limit / was cut).
     """
     target = record["answer"].split() + [EOS_TOKEN]
-    words = response_text.split()
-    if EOS_TOKEN in words:
-        words = words[: words.index(EOS_TOKEN)]
-        finished = True
-    resp = words + ([EOS_TOKEN] if finished else [])
+    resp = response_words(response_text, finished)
     if resp == target:
         return 1.0
     prefix = 0
