@@ -120,8 +120,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                 mini, local, rows, at, micro = dp_share(batch, chunk.tolist(), batching, usage)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
-                    keep, clip, stats = stabilize(algo, dev.put(chunk, batch.device), cur_logp, old_logp,
-                                                  batch.behav_logp, advantages, is_w, mask)
+                    keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp, advantages,
+                                                  is_w, mask)
                     for k, v in stats.items():
                         stabilized.setdefault(k, []).append(v)
                     report = actor_ops.update(actor, local, old_logp[rows],
@@ -210,6 +210,9 @@ def stabilize(algo, chunk, cur_logp, old_logp, behav_logp, advantages, is_w, mas
     - algo.bapo: bounds on the loss's own ratio pi / l_old (l_old is the version that
       generated each token: staleness shows there), weighted by the IS weights the loss uses.
     """
+    if algo.m2po_tau is None and not algo.bapo:   # neither: nothing to copy or gather per mini-batch
+        return None, (algo.clip_low, algo.clip_high), {}
+    chunk = dev.put(chunk, mask.device)   # the rows, drawn on the host
     mask = mask[chunk]    # only the mini-batch's rows are computed on (this runs per mini-batch)
     if algo.m2po_tau is not None:
         log_r = torch.where(mask.bool(), cur_logp[chunk] - behav_logp[chunk], 0.0)
