@@ -169,13 +169,18 @@ _MISSING = object()
 ALTERNATIVES = ({"train.micro_batch_size": None, "train.max_tokens_per_micro_batch": 0},)
 
 
+def _reset_unless_given(cfg, layer, defaults, keys) -> None:
+    """`keys` the layer does not set go back to their defaults in `cfg` (what earlier layers set
+    is dropped, as a later layer replaces a key it sets itself)."""
+    for key in keys:
+        if OmegaConf.select(layer, key, default=_MISSING) is _MISSING:
+            OmegaConf.update(cfg, key, OmegaConf.select(defaults, key))
+
+
 def _drop_alternatives(cfg, layer, defaults) -> None:
     for group in ALTERNATIVES:
-        given = {k: OmegaConf.select(layer, k, default=_MISSING) for k in group}
-        if any(v is not _MISSING and v != group[k] for k, v in given.items()):
-            for k, v in given.items():
-                if v is _MISSING:
-                    OmegaConf.update(cfg, k, OmegaConf.select(defaults, k))
+        if any(OmegaConf.select(layer, k, default=_MISSING) not in (_MISSING, unused) for k, unused in group.items()):
+            _reset_unless_given(cfg, layer, defaults, group)
 
 
 def _drop_unused(cfg, layer, defaults) -> None:
@@ -184,11 +189,8 @@ def _drop_unused(cfg, layer, defaults) -> None:
     train.critic_lr), as it would replace the same key; one layer setting both is refused."""
     for choice in CHOICES:
         value = OmegaConf.select(layer, choice, default=_MISSING)
-        if value is _MISSING:
-            continue
-        for key in unused_under(choice, value):
-            if OmegaConf.select(layer, key, default=_MISSING) is _MISSING:
-                OmegaConf.update(cfg, key, OmegaConf.select(defaults, key))
+        if value is not _MISSING:
+            _reset_unless_given(cfg, layer, defaults, unused_under(choice, value))
 
 
 def _apply_aliases(layer, source: str) -> None:
