@@ -195,7 +195,8 @@ def test_override_values_that_are_not_yaml_or_not_a_list():
      r"algo\.grad_align_threshold=1\.0: must be in \[0, 1\)"),
     (["algo.grad_align=log", "algo.grad_align_threshold=0.5"],
      r"algo\.grad_align_threshold=0\.5: is not used with algo\.grad_align=log .*remove it"),
-    (["algo.grad_align_threshold=0.5"], r"algo\.grad_align_threshold=0\.5: is not used with algo\.grad_align=off .*remove it"),
+    (["algo.grad_align_threshold=0.5"],
+     r"algo\.grad_align_threshold=0\.5: is not used with algo\.grad_align=off .*remove it"),
     (["rollout.mode=sync", "rollout.lag=-1"], r"rollout\.lag=-1: must be >= 0"),
     (["rollout.lag=2"], r"rollout\.lag=2: needs rollout\.mode=sync"),
     # issue 22's episodes and service: unknown, out of range, unused, contradictory
