@@ -62,14 +62,18 @@ def step_groups(complete: int, due: int, per_step: int, cap: int) -> int:
     mini-batch of a fixed step; as many as are complete, up to `cap`; and always every one of
     the `due` groups (rounded up to a whole multiple), also past the cap (a restored carry).
     With cap == per_step: exactly per_step, the fixed step."""
-    due_need = -(-due // per_step) * per_step
-    return max(due_need, min(cap, complete // per_step * per_step))
+    return max(_covering(due, per_step), min(cap, complete // per_step * per_step))
 
 
 def round_may_end(complete: int, due_complete: int, due_open: int, per_step: int) -> bool:
     """A round may end once no group due at its step is open and the complete groups fill a
     step that trains every due one: at least per_step, and a whole multiple covering them."""
-    return due_open == 0 and complete >= max(per_step, -(-due_complete // per_step) * per_step)
+    return due_open == 0 and complete >= max(per_step, _covering(due_complete, per_step))
+
+
+def _covering(due: int, per_step: int) -> int:
+    """The smallest whole multiple of per_step that holds `due` groups."""
+    return -(-due // per_step) * per_step
 
 
 def training_order(group, step: int) -> tuple:
