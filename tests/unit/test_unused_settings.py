@@ -40,6 +40,8 @@ CASES = [
     ("weight_sync.master_port=29999", "weight_sync.transport=files", "weight_sync.transport=collective"),
     ("weight_sync.backend=gloo", "weight_sync.transport=files", "weight_sync.transport=collective"),
     ("reward.timeout_s=3", "reward.fn=none reward.model_path=rm", "reward.fn=countdown"),
+    ("service.max_episodes=8", "rollout.mode=partial", "rollout.mode=service"),
+    ("reward.timeout_s=3", "env.name=guess rollout.mode=partial", "rollout.mode=partial"),
 ]
 
 
@@ -98,3 +100,21 @@ def test_turning_an_option_off_on_the_command_line_drops_its_settings(tmp_path):
     assert not changed(cfg.algo, {"grad_align_threshold", "bapo_rho"})
     with pytest.raises(ConfigError, match=r"^algo\.bapo_rho=0\.5: .*algo\.bapo=False"):
         load_config(RECIPE, ["algo.bapo=false", "algo.bapo_rho=0.5"])
+
+
+def test_leaving_service_mode_on_the_command_line_drops_the_service_settings(tmp_path):
+    """service.* and reward.fn answer to rollout.mode and env.name as every other choice's
+    settings do: the command line leaving rollout.mode=service drops the recipe's service.*,
+    naming an environment drops the recipe's reward.fn."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"defaults: [{Path(RECIPE).resolve()}]\n"
+                      "rollout:\n  mode: service\nservice:\n  max_episodes: 8\n")
+    assert load_config(recipe).service.max_episodes == 8
+    cfg = load_config(recipe, ["rollout.mode=partial"])
+    assert cfg.rollout.mode == "partial" and not changed(cfg.service, {"max_episodes"})
+    with pytest.raises(ConfigError, match=r"^service\.max_episodes=8: .*rollout\.mode=partial"):
+        load_config(RECIPE, ["rollout.mode=partial", "service.max_episodes=8"])
+    fn = tmp_path / "fn.yaml"
+    fn.write_text(f"defaults: [{Path(RECIPE).resolve()}]\nreward:\n  fn: math\n")
+    cfg = load_config(fn, ["env.name=guess", "rollout.mode=partial"])
+    assert cfg.env.name == "guess" and not changed(cfg.reward, {"fn"})

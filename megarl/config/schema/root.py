@@ -1,11 +1,11 @@
 """The whole config: every section, the checks that span sections, and the world-size check."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from megarl.config.schema.agents import EnvConfig, ServiceConfig
 from megarl.config.schema.algo import AlgoConfig, TrainConfig
-from megarl.config.schema.checks import changed, require
+from megarl.config.schema.checks import require
 from megarl.config.schema.data import DataConfig, RewardConfig
 from megarl.config.schema.eval import EvalConfig, check_eval
 from megarl.config.schema.model import ModelConfig, ParallelConfig, RunConfig
@@ -55,15 +55,7 @@ class RootConfig:
             require(mode == "partial", "rollout.mode", mode,
                      f"env.name={self.env.name} runs episodes in the partial-rollout controller: set "
                      f"rollout.mode=partial (rollout.mode=service: outside agents bring their own environments)")
-        if self.env.name or mode == "service":
-            what = f"env.name={self.env.name}" if self.env.name else "rollout.mode=service"
-            require(not changed(self.reward, {"fn", "timeout_s"}), "reward.fn", self.reward.fn,
-                     f"is unused with {what}: the episode's reward comes from the "
-                     f"{'environment' if self.env.name else 'outside agent'}; remove reward.fn / reward.timeout_s")
-        unused = [] if mode == "service" else changed(self.service, {f.name for f in fields(self.service)})
-        if unused:
-            require(False, f"service.{unused[0]}", getattr(self.service, unused[0]),
-                     "the service.* settings apply only to rollout.mode=service: set it, or remove them")
+        # reward.* under an environment or a service, service.* outside one: schema/unused.py CHOICES
         if mode == "service":
             require(not self.rollout.overlap and not self.rollout.partial.asynchronous, "rollout.mode", mode,
                      "outside agents generate continuously already: remove rollout.overlap / rollout.partial.async")

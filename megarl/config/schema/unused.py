@@ -11,9 +11,11 @@ unused, as it replaces a key it sets itself; one layer that sets both is refused
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Callable
 
 from megarl.config.registry import ADVANTAGES
+from megarl.config.schema.agents import ServiceConfig
 from megarl.config.schema.checks import changed, plain, require
 
 _CRITIC = {"algo.value_clip", "algo.value_coef", "train.critic_lr", "train.critic_warmup_steps"}
@@ -24,6 +26,8 @@ ESTIMATOR_READS = {"ppo": {"algo.gamma", "algo.lam", "algo.whiten_advantages"} |
 # the settings each built-in algo.is_mode reads
 IS_MODE_READS = {"tis": {"algo.is_cap"}, "mask": {"algo.is_low", "algo.is_high"}, "none": set()}
 _PARTIAL = {"rollout.partial.concurrency", "rollout.partial.max_staleness", "rollout.partial.stale_policy"}
+_SERVICE = {f"service.{f.name}" for f in fields(ServiceConfig)}
+_REWARD = {"reward.fn", "reward.timeout_s"}   # an environment or an outside agent gives the reward
 
 
 def _algo_name(value) -> tuple[set[str], str]:
@@ -45,11 +49,13 @@ def _is_mode(value) -> tuple[set[str], str]:
 
 def _rollout_mode(value) -> tuple[set[str], str]:
     if value == "sync":
-        return _PARTIAL | {"rollout.update_mode"}, ("a sync round waits for every sample: no concurrency "
-                                                    "cap, no staleness, no request in flight at an update")
+        return _PARTIAL | {"rollout.update_mode"} | _SERVICE, (
+            "a sync round waits for every sample: no concurrency cap, no staleness, no request in flight "
+            "at an update; the service.* settings apply only to rollout.mode=service")
     if value == "service":
-        return {"rollout.partial.concurrency"}, "outside agents set the concurrency (service.max_episodes)"
-    return set(), ""
+        return {"rollout.partial.concurrency"} | _REWARD, ("outside agents set the concurrency "
+                                                           "(service.max_episodes) and the episode's reward")
+    return set(_SERVICE), "the service.* settings apply only to rollout.mode=service"
 
 
 def _transport(value) -> tuple[set[str], str]:
@@ -72,6 +78,7 @@ CHOICES: dict[str, Callable] = {
     "train.lr_decay_style": lambda v: ({"train.min_lr_ratio"}, "a constant learning rate has no floor")
     if v == "constant" else (set(), ""),
     "rollout.mode": _rollout_mode,
+    "env.name": lambda v: (set(_REWARD), "the episode's reward comes from the environment") if v else (set(), ""),
     "weight_sync.transport": _transport,
     "reward.fn": lambda v: ({"reward.timeout_s"}, "no verifier runs") if v == "none" else (set(), ""),
 }
