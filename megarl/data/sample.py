@@ -30,6 +30,12 @@ class Sample:
     # Empty: every response token is the model's (single-turn samples).
     mask: list[int] = field(default_factory=list)
     turns: int = 0                 # model turns of an episode (0: a single-turn sample)
+    # Mixture-of-Experts routing replay: the experts the engine chose for each input token, a
+    # numpy array [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k] (uint8, uint16
+    # past 255 experts), row i for token i of prompt + response (the last token is never fed
+    # back, so it has no row); each row from the weights that produced the token after it.
+    # None: not captured (dense models, or algo.routing_replay other than r3).
+    routes: object = None
 
     @property
     def loss_mask(self) -> list[int]:

@@ -1,7 +1,7 @@
 """vLLM general plugin (entry point `vllm.general_plugins` in setup.py): registers megarl's
-`gloo` weight-transfer backend, and the engine core's count of held tokens
-(`rollout/held_tokens.py`), in every vLLM process (API server, engine core, workers), so
-servers started by megarl, by slurm or by hand accept `--weight-transfer-config
+`gloo` weight-transfer backend, the engine core's count of held tokens (`rollout/held_tokens.py`)
+and the CPU MoE reload fix (`transfer/moe_reload.py`) in every vLLM process (API server, engine
+core, workers), so servers started by megarl, by slurm or by hand accept `--weight-transfer-config
 '{"backend": "gloo"}'`. vLLM may call it several times per process: registering is idempotent.
 Lazy: the backend module is imported only where an engine is built with it."""
 from __future__ import annotations
@@ -13,7 +13,9 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from megarl.rollout.held_tokens import install_core_utility
+    from megarl.rollout.transfer import moe_reload
     install_core_utility()     # the engine core's count of held tokens (pause contract)
+    moe_reload.install()       # CPU MoE experts keep their kernel layout over weight updates
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "megarl.rollout.transfer.gloo_backend", "GlooWeightTransferEngine")
