@@ -48,10 +48,15 @@ class AlgoConfig:
     # gradient so the cosine is at most grad_align_threshold)
     grad_align: str = "off"
     grad_align_threshold: float = 0.3
+    # Mixture-of-Experts routing replay (docs/moe.md "Routing replay"): off | r3 (the trainer's
+    # routers take the experts the engine chose for each token, Sample.routes) | r2 (the experts
+    # the trainer chose in the step's old-logprob pass, replayed in its policy-loss forwards)
+    routing_replay: str = "off"
 
     def __post_init__(self):
         ADVANTAGES.check(self.name)
         one_of("algo.kl_mode", self.kl_mode, {"reward", "loss"})
+        one_of("algo.routing_replay", self.routing_replay, {"off", "r2", "r3"})
         KL_KINDS.check(self.kl_kind)
         LOSS_AGGS.check(self.loss_agg)
         IS_MODES.check(self.is_mode)
