@@ -605,6 +605,7 @@ def main() -> None:
         trained = {m: [] for m in modes}            # per step: the trained response lengths
         stale_max = {m: 0 for m in modes}           # the oldest trained token, in versions before its step
         group_max = {m: [] for m in modes}          # per trained group: its longest sample
+        group_start = {m: [] for m in modes}        # per trained group: the version its first token had
         push(0)                                     # every mode's rollout k runs at version k
         for kp in keep_pools.values():
             push(0, kp)
@@ -625,6 +626,8 @@ def main() -> None:
                 stale_max[mode] = max([stale_max[mode], *(k - v for x in samples for v in x.versions)])
                 group_max[mode] += [max(len(x.response_ids) for x in samples[i:i + n])
                                     for i in range(0, len(samples), n)]
+                group_start[mode] += [min(x.versions[0] for x in samples[i:i + n])
+                                      for i in range(0, len(samples), n)]
                 partials = on_loop(controller.pending_old_logprobs) if controller is not None else None
                 padded_twin = twin and mode not in overlaps   # (overlap's passes ran in the round)
                 if padded_twin and k % 2:   # alternate which trainer goes first
@@ -689,6 +692,26 @@ def main() -> None:
 
         def long_share(m: str) -> float:
             return sum(x > long_len for x in group_max[m]) / max(1, len(group_max[m]))
+        # Sync trains groups in draw order, so its share's expectation is the population's (the
+        # same draws over 4000 groups); a run of G x steps groups sees it with a binomial error.
+        # A partial run's end leaves its longest groups in flight (a finite-run effect, not a
+        # bias of the steps it trained): under a bound S every group opened at version <= last
+        # step - S had to be trained by the last step, so the share over those ("settled") is a
+        # selection by opening time only, independent of length.
+        population_share = float(np.mean([max(length_of(g, j) for j in range(n)) > long_len
+                                          for g in range(4000)]))
+
+        def share_se(groups: int) -> float:
+            return float(np.sqrt(population_share * (1 - population_share) / max(1, groups)))
+
+        def settled(m: str) -> list[int]:
+            bound = controllers[m].max_staleness if m != "sync" else 0
+            last = n_steps - 1 - min(bound, n_steps - 1)
+            return [x for x, v in zip(group_max[m], group_start[m]) if v <= last] if m != "sync" else group_max[m]
+
+        def settled_share(m: str) -> float:
+            xs = settled(m)
+            return sum(x > long_len for x in xs) / max(1, len(xs))
         t_full = interp(curve, C / E)
         busy = {m: rec.busy(m, E) for m in modes}
         ideal_sync = sum(ideal_sync_step(ls, curve, E) for ls in trained["sync"])
@@ -744,6 +767,10 @@ def main() -> None:
                 "step_multiple": controllers[m].step_multiple,
                 "staleness_max_trained": stale_max[m], "long_group_share": long_share(m),
                 "long_group_share_vs_sync": long_share(m) / max(1e-9, long_share("sync")),
+                "long_group_share_vs_population": long_share(m) / max(1e-9, population_share),
+                "long_group_share_settled": settled_share(m), "settled_groups": len(settled(m)),
+                "long_group_share_settled_vs_population": settled_share(m) / max(1e-9, population_share),
+                "long_group_share_settled_se_rel": share_se(len(settled(m))) / max(1e-9, population_share),
                 "due_wait_s": total(m, "due_wait_s"), "due_wait_samples": total(m, "due_wait_samples"),
                 "median_train_step_s": median_train[m],
                 "wall_s": wall[m], "rollout_s": roll[m], "train_s": total(m, "train_s"),
@@ -840,6 +867,9 @@ def main() -> None:
             "partial": pf, **{m: f for m, f in figs.items() if m != "partial"},
             "sync_trained_response_len_mean": trained_tokens["sync"] / samples_n["sync"],
             "long_sample_len": long_len, "sync_long_group_share": long_share("sync"),
+            "population_long_group_share": population_share,
+            "sync_long_group_share_vs_population": long_share("sync") / max(1e-9, population_share),
+            "sync_long_group_share_se_rel": share_se(len(group_max["sync"])) / max(1e-9, population_share),
             "sync_rollout_bounds_s": {"ideal_s": ideal_sync, "request_overhead_s": rec.requests["sync"] * req_ovh,
                                       "residual_s": roll["sync"] - ideal_sync - rec.requests["sync"] * req_ovh},
             "max_staleness": None if args.max_staleness >= 10**9 else args.max_staleness,
@@ -869,7 +899,8 @@ def main() -> None:
                 "partial_wall_s", "sync_rollout_s", "partial_rollout_s", "ideal_sync_rollout_s",
                 "ideal_partial_rollout_s", "engine_busy_sync", "engine_busy_partial",
                 "slot_utilization_sync", "slot_utilization_partial", "tokens_per_s_rollout_sync",
-                "tokens_per_s_rollout_partial", "samples"]
+                "tokens_per_s_rollout_partial", "samples", "population_long_group_share",
+                "sync_long_group_share", "sync_long_group_share_vs_population", "sync_long_group_share_se_rel"]
         for key in keys:
             v = result[key]
             print(f"{key:34s} {v:.3f}" if isinstance(v, float) else f"{key:34s} {v}")
@@ -887,7 +918,10 @@ def main() -> None:
                   f"{f['requests_per_started_sample']:.2f}, re-prefilled {f['reprefill_tokens']}; "
                   f"slots used {f['slot_utilization']:.2f}, groups/step {f['groups_per_step_mean']:.1f} "
                   f"(multiple {f['step_multiple']}), oldest trained token {f['staleness_max_trained']} versions, "
-                  f"long-group share {f['long_group_share']:.3f} ({f['long_group_share_vs_sync']:.2f} of sync's), "
+                  f"long-group share {f['long_group_share']:.3f} ({f['long_group_share_vs_sync']:.2f} of sync's, "
+                  f"{f['long_group_share_vs_population']:.2f} of the population's; settled "
+                  f"{f['long_group_share_settled_vs_population']:.2f} +- {f['long_group_share_settled_se_rel']:.2f} "
+                  f"over {f['settled_groups']} groups), "
                   f"due waits {f['due_wait_s']:.1f}s / {f['due_wait_samples']} samples; "
                   f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
