@@ -34,6 +34,7 @@ from megarl.config.schema import ModelConfig
 from megarl.conversion.launch import init_world, launch
 from megarl.conversion.output import copy_side_files, prepare_out
 from megarl.formats.dist_reader import CONVERSION_JSON, HF_CONFIG_DIR
+from megarl.formats.experts import num_experts
 from megarl.formats.hf_reader import ConversionError, HFCheckpoint, check_hf_checkpoint, load_hf_config
 from megarl.formats.mapping import mapping_for, padded_vocab_size
 
@@ -101,7 +102,13 @@ def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str =
     mapping = mapping_for(hf_config)
     model_dtype = _model_dtype(hf, dtype)
     dtype_name = str(model_dtype).removeprefix("torch.")
-    transformer_config(hf_config, tp, pp, model_dtype, on_gpu=False, ep=ep)  # TP/PP/EP vs the model
+    experts = num_experts(hf_config)
+    if experts % ep:   # named as the converter's flag (transformer_config names the trainer's setting)
+        raise ConversionError(f"--ep {ep} must divide the model's {experts} experts (num_experts in "
+                              f"{hf_dir}/config.json): each rank writes num_experts / ep of them; pick a "
+                              f"divisor of {experts}" if experts else
+                              f"--ep {ep}: {hf_dir} holds a dense model (no experts): leave --ep at 1")
+    transformer_config(hf_config, tp, pp, model_dtype, on_gpu=False, ep=ep)  # TP/PP vs the model
     check_hf_checkpoint(hf, mapping)
     hf.close()
 

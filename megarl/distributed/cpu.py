@@ -150,6 +150,38 @@ def _patch_moe() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
 
 
+def _patch_uneven_sequence_collectives() -> None:
+    """megatron's gather / reduce-scatter along the sequence with per-rank split sizes (the
+    alltoall MoE dispatcher at expert TP > 1: each TP rank's tokens routed to this rank's
+    experts) call all_gather / reduce_scatter with tensors of unequal sizes, which NCCL takes
+    and gloo refuses ("invalid tensor size"). On gloo each part is padded to the largest, the
+    equal-size collective runs, and the padding is cut away: the same values."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]) if rows > t.shape[0] else t
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        out = gather(padded(input_, rows), group)
+        return torch.cat([out[r * rows:r * rows + n] for r, n in enumerate(output_split_sizes)])
+
+    def scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        rows = max(input_split_sizes)
+        parts = torch.split(input_, input_split_sizes, dim=0)
+        out = scatter(torch.cat([padded(p, rows) for p in parts]), group)
+        return out[:input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = scatter_uneven
+
+
 def apply() -> None:
     """Install every patch once (idempotent). Call before megatron builds anything."""
     global _applied
@@ -163,6 +195,7 @@ def apply() -> None:
     _patch_rng()
     _patch_adam_step_on_load()
     _patch_moe()
+    _patch_uneven_sequence_collectives()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _applied = True
 

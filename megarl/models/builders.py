@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.distributed import parallel
 from megarl.formats.mapping import padded_vocab_size
+from megarl.models.norms import sequence_parallel_spec
 
 
 def use_te() -> bool:
@@ -36,12 +37,15 @@ def layer_spec(config: TransformerConfig):
     of its own, dense and MoE layers as config.moe_layer_freq says."""
     if config.num_moe_experts:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te(), normalization="RMSNorm",
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te(), normalization="RMSNorm",
                                           pp_rank=parallel.pp_rank())
-    if use_te():
+    elif use_te():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    # without TE, megatron's torch norms refuse sequence parallelism: models/norms.py
+    return spec if use_te() else sequence_parallel_spec(spec, config, parallel.pp_rank())
 
 
 def rope_parameters(hf_config) -> dict:
@@ -80,7 +84,9 @@ class ValueHead(torch.nn.Module):
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:  # hidden arrives split over the sequence: [s/tp, b, h]
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-            hidden = gather_from_sequence_parallel_region(hidden)
+            # every TP rank computes the whole head from the gathered sequence: backward keeps
+            # its own slice of the gradient (summing the TP ranks' identical ones doubled it)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return hidden @ self.weight.t(), None  # [s, b, 1]
 
 

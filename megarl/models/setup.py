@@ -17,6 +17,7 @@ from megarl.models import loading, offload
 from megarl.models.arch import check_arch_matches
 from megarl.models.builders import Trainable, build_model, make_trainable, use_te
 from megarl.models.loading import check_megatron_dir
+from megarl.models.moe_layout import check_moe_layout
 from megarl.models.reward import build_reward_model
 from megarl.models.transformer_config import transformer_config
 
@@ -66,6 +67,7 @@ def weight_source(cfg: RootConfig, hf_config):
 
 def moe_layout(cfg: RootConfig, hf_config) -> dict:
     """transformer_config's MoE arguments from parallel.ep / moe_dispatcher and moe.*."""
+    check_moe_layout(cfg.parallel, hf_config)   # ConfigErrors naming the settings, before megatron's own
     m = cfg.moe
     return dict(ep=cfg.parallel.ep, dispatcher=cfg.parallel.moe_dispatcher,
                 router=dict(aux_loss_coeff=m.aux_coeff(hf_config), load_balancing=m.load_balancing,

@@ -82,9 +82,6 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         raise ValueError(f"parallel.tp={tp} must divide the model's {kv_heads} KV heads "
                          f"(QKV is split by whole GQA groups)")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    if sequence_parallel and not on_gpu:
-        raise ValueError("parallel.sequence_parallel=true needs a GPU with Transformer Engine: megatron's "
-                         "CPU (torch) LayerNorm path does not support it; set it to false on CPU")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,

@@ -58,9 +58,10 @@ def stale(samples, batch, models, cfg):
     """The samples with l_old = behaviour logprob = the starting weights' logprob + N(0, 0.3)
     per token (seeded: the same on every layout)."""
     from megarl.ppo import actor as actor_ops
+    from megarl.ppo.microbatch import batching_of
     from megarl.ppo.schedule import forward_all
     logp = forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
-                       models.actor.model, batch, cfg.train.micro_batch_size)
+                       models.actor.model, batch, batching_of(cfg))
     gen = torch.Generator().manual_seed(99)
     for i, s in enumerate(samples):
         n = len(s.response_ids)
@@ -84,6 +85,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
     from megarl.models.setup import build_all
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
+    from megarl.ppo.microbatch import batching_of
     from megarl.ppo.schedule import forward_all
     from megarl.ppo.step import ppo_step
 
@@ -103,7 +105,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
 
     def actor_logp() -> list[float]:
         logp = forward_all(lambda mm, b, s: actor_ops.logprobs(mm, b, s, models.actor.info.vocab_size),
-                           models.actor.model, batch, cfg.train.micro_batch_size)
+                           models.actor.model, batch, batching_of(cfg))
         return logp[batch.resp_mask > 0].tolist()
 
     first = {"logp_start": actor_logp()}
@@ -111,6 +113,7 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> list[dict]:
         m = ppo_step(cfg, models.actor, models.reference, models.critic, batch, step)
         history.append({k: m[k] for k in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm")}
                        | {k: m[k] for k in STABILIZER_METRICS if k in m}
+                       | {k: v for k, v in m.items() if k.startswith("moe_")}   # an MoE actor's routers
                        | {"logp": actor_logp()} | (first if step == start else {}))
     if "save" in extra:
         ckpt.save(extra["save"], steps - 1, models.actor, models.critic, {"step": steps - 1}, "", keep=1)
