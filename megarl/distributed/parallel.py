@@ -40,6 +40,11 @@ def dp_group():
     return ps.get_data_parallel_group()
 
 
+def tp_dp_group():
+    """The TP x DP ranks of this pipeline stage (MoE router metrics reduce over them)."""
+    return ps.get_tensor_and_data_parallel_group()
+
+
 def tp_rank() -> int:
     return ps.get_tensor_model_parallel_rank()
 

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.distributed import parallel
 from megarl.models.masks import causal_mask
+from megarl.ppo import moe_metrics
 from megarl.ppo.batch import Batch
 from megarl.ppo.microbatch import MicroBatch, Plan, plan_batch
 
@@ -82,7 +83,8 @@ def run_microbatches(model, batch: Batch, layout, loss_fn: Callable,
         mb = next(data_iterator)
         tokens = mb["batch"].tokens
         mask, positions = inputs_of(tokens.shape[1])
-        output = model_chunk(tokens, positions.expand_as(tokens), mask)
+        # an MoE model's routers learn and are measured on real tokens only (ppo/moe_metrics.py)
+        output = model_chunk(tokens, positions.expand_as(tokens), mask, **moe_metrics.padding_mask(model, mb["batch"]))
         return output, partial(loss_fn, mb)
 
     return get_forward_backward_func()(

@@ -28,6 +28,7 @@ from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatc
 from megarl.ppo.grad_align import GradAlign
 from megarl.ppo.losses import LOG_RATIO_CLAMP, kl_penalty, masked_mean
 from megarl.ppo.microbatch import Usage, batching_of, plan_batch
+from megarl.ppo.moe_metrics import RouterStats
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
 from megarl.ppo.schedule import forward_all
 from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
@@ -114,6 +115,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     # the shuffle is drawn on the host, so a run on CPU and on GPU visit rows in the same order
     gen = torch.Generator().manual_seed(minibatch_seed(cfg.run.seed, step))
     usage = Usage()   # what the update passes compute (metrics train_*)
+    routers = RouterStats.of(actor)   # an MoE actor's router losses and expert loads (metrics moe_*)
     try:
         for _ in range(cfg.train.ppo_epochs):
             for chunk in torch.randperm(batch.size, generator=gen).chunk(n_mini):
@@ -148,9 +150,8 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
         on_device["value_mean"] = masked_mean(old_values, mask)
     on_device.update({k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean()
                       for k, v in stabilized.items()})
-    updates = cfg.train.ppo_epochs * n_mini
-    return {**reports.to_metrics(totals, updates, parallel.dp_size()), **(align.take() if align else {}),
-            **usage.metrics(), **dev.host_values(on_device)}   # one device-to-host copy for all of them
+    return {**reports.to_metrics(totals, cfg.train.ppo_epochs * n_mini, parallel.dp_size()), **usage.metrics(),
+            **(align.take() if align else {}), **routers.collect(), **dev.host_values(on_device)}   # one host copy
 
 
 def kl_metric(kind: str, kl, cur_logp, ref_logp, mask):

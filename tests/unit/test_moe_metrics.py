@@ -1,0 +1,86 @@
+"""The MoE router metrics' maths and bookkeeping (megarl/ppo/moe_metrics.py); their reduction
+over ranks runs in tests/dist/test_moe_metrics.py."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.bootstrap import bootstrap
+
+
+@pytest.fixture(scope="module")
+def mm():
+    bootstrap()   # before anything imports megatron
+    from megarl.ppo import moe_metrics
+    return moe_metrics
+
+
+def test_summary_of_expert_loads_and_losses(mm):
+    counts = [[6, 2, 0, 0],   # layer 0: one expert takes 3/4 of the routed tokens
+              [0, 0, 0, 0],   # layer 1: dense (no router), left out of every figure
+              [2, 2, 2, 2]]   # layer 2: balanced
+    out = mm.summarise({"load_balancing_loss": [1.2, 9.0, 1.0], "z_loss": [3.0, 9.0, 5.0]}, counts)
+    assert out["moe_expert_share_max"] == pytest.approx(0.75)
+    assert out["moe_expert_share_min"] == 0.0
+    assert out["moe_imbalance"] == pytest.approx((3.0 + 1.0) / 2)
+    assert out["moe_imbalance_max"] == pytest.approx(3.0)
+    assert out["moe_aux_loss"] == pytest.approx(1.1) and out["moe_aux_loss_max"] == pytest.approx(1.2)
+    assert out["moe_z_loss"] == pytest.approx(4.0) and out["moe_z_loss_max"] == pytest.approx(5.0)
+
+
+def test_balanced_routing_reads_one_and_nothing_routed_reports_nothing(mm):
+    out = mm.summarise({}, [[5, 5, 5, 5, 5, 5, 5, 5]])
+    assert out["moe_imbalance"] == pytest.approx(1.0) and out["moe_expert_share_max"] == pytest.approx(1 / 8)
+    assert "moe_aux_loss" not in out
+    assert mm.summarise({"z_loss": [1.0]}, [[0, 0]]) == {}
+
+
+def test_loss_names_follow_the_router_settings(mm):
+    def cfg(kind, aux, z):
+        return SimpleNamespace(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+    assert mm.loss_names(cfg("aux_loss", 0.001, None)) == ["load_balancing_loss"]
+    assert mm.loss_names(cfg("seq_aux_loss", 0.001, 0.01)) == ["seq_load_balancing_loss", "z_loss"]
+    assert mm.loss_names(cfg("none", 0.0, None)) == []
+
+
+def config(**kw):
+    return SimpleNamespace(num_layers=3, num_moe_experts=4, moe_router_load_balancing_type="aux_loss",
+                           moe_aux_loss_coeff=0.01, moe_z_loss_coeff=None, sequence_parallel=False, **kw)
+
+
+def test_only_the_hooked_model_s_router_calls_with_gradients_count(mm):
+    """What megatron's tracker gained during a hooked router's call is the actor's; what another
+    model's routers (a critic from the same MoE checkpoint) add between calls is not. Padding
+    rows of the routing map do not count; calls without gradients (forward-only passes) neither."""
+    from megatron.core.transformer.moe import moe_utils
+    stats = mm.RouterStats(torch.nn.Module(), config())
+    stats.reset()
+    router = SimpleNamespace(training=True, layer_number=2)
+    routing = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    pad = torch.tensor([[False], [False], [True]])   # [s, b]: the third token is padding
+    try:
+        for actor_loss, critic_loss in ((0.5, 7.0), (0.25, 3.0)):
+            stats._snapshot(router, (None, pad))
+            moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(actor_loss), 2, 3)
+            stats._record(router, (None, pad), {}, (None, routing))
+            moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(critic_loss), 2, 3)
+        with torch.no_grad():
+            stats._snapshot(router, (None, pad))
+            stats._record(router, (None, pad), {}, (None, routing))
+        assert stats.losses["load_balancing_loss"].tolist() == [0.0, 0.75, 0.0]
+        assert stats.counts[1].tolist() == [4, 2, 2, 0]
+        assert stats.calls.tolist() == [0, 2, 0]
+    finally:
+        stats.reset()
+
+
+def test_padding_mask_marks_positions_past_each_row(mm):
+    batch = SimpleNamespace(tokens=torch.zeros(2, 5, dtype=torch.long), seq_lens=torch.tensor([3, 5]))
+    out = mm.padding_mask(SimpleNamespace(config=config()), batch)["padding_mask"]
+    assert out.tolist() == [[False, False, False, True, True], [False] * 5]
+    assert mm.padding_mask(SimpleNamespace(config=SimpleNamespace(num_moe_experts=None)), batch) == {}
+
+
+def test_a_dense_actor_reports_nothing(mm):
+    dense = SimpleNamespace(info=SimpleNamespace(config=SimpleNamespace(num_moe_experts=None)))
+    assert mm.RouterStats.of(dense).collect() == {}
