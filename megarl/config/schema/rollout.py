@@ -54,7 +54,8 @@ class EnginesConfig:
     enforce_eager: bool = True         # skip graph capture/compile: faster start, slower decode
     # an MoE model's experts split over each engine's TP ranks instead of each expert over them
     # (vLLM's enable_expert_parallel; its EP size is TP x DP = rollout.engines.tp: megarl's engines
-    # have no DP). Engines megarl starts only: remote servers take vLLM's --enable-expert-parallel
+    # have no DP). Engines megarl starts only (schema/unused.py): remote servers take vLLM's
+    # --enable-expert-parallel
     expert_parallel: bool = False
 
     def __post_init__(self):
@@ -93,9 +94,6 @@ class EnginesConfig:
         require(self.failures_max >= 0, "rollout.engines.failures_max", self.failures_max,
                  "must be >= 0 (0: the first engine failure stops the run)")
         require(self.start_timeout_s > 0, "rollout.engines.start_timeout_s", self.start_timeout_s, "must be > 0")
-        require(self.mode != "remote" or not self.expert_parallel, "rollout.engines.expert_parallel",
-                 self.expert_parallel, "applies to engines megarl starts; remote servers are started by you: "
-                 "give them vLLM's --enable-expert-parallel and remove this setting")
         require(self.tp > 1 or not self.expert_parallel, "rollout.engines.expert_parallel", self.expert_parallel,
                  "splits each engine's experts over its rollout.engines.tp ranks, and tp=1 leaves nothing to "
                  "split: set rollout.engines.tp > 1, or expert_parallel=false")
