@@ -47,6 +47,11 @@ Contract (what PPO and the pool rely on):
   while held requests keep their KV: then cached prompt blocks of the old weights may serve
   new requests too, which is what rollout.keep_kv=true accepts), reports `version`
   (attribute and `health().version`) and stays paused until `resume()`.
+- Routes (routing replay, `routes` set before start): `GenResult.routes` holds the experts each
+  input token went to, one row per token of the request's prompt + `token_ids` but the last,
+  from the weights that produced the token after it (a request held over an update keeps its
+  earlier rows); `partial(key)` of a held request carries them once pause() returned. None
+  where the engine could not capture them (a dense model).
 - Errors are `EngineError`s naming the engine, its address and its log file; a request that
   fails carries what it had generated in `EngineError.partial`, which the pool continues
   elsewhere. An error the request caused (the engine refused it as invalid) is a
@@ -128,6 +133,10 @@ class GenResult:
     versions: list[int] = field(default_factory=list)     # weight version that produced each token
     finish_reason: str = "abort"                          # stop | length | abort
     engine: str = ""                                      # name of the engine that served it
+    # routing replay (engine.routes set): the experts chosen for each input token of the
+    # request's prompt + token_ids but the last, [rows, MoE layers, top-k] (routes.py); None
+    # when not captured
+    routes: object = None
 
     def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
         if len(ids) != len(logprobs):
@@ -145,7 +154,8 @@ class GenResult:
 
 def copy_result(r: GenResult) -> GenResult:
     """A copy of what a request has so far (`Engine.partial`): later tokens do not change it."""
-    return GenResult(r.key, list(r.token_ids), list(r.logprobs), list(r.versions), r.finish_reason, r.engine)
+    return GenResult(r.key, list(r.token_ids), list(r.logprobs), list(r.versions), r.finish_reason, r.engine,
+                     None if r.routes is None else r.routes.copy())
 
 
 async def settle_streams(streamed, quiet_s: float = 0.03, limit_s: float = 2.0) -> None:
@@ -180,6 +190,7 @@ class Engine(abc.ABC):
 
     name: str
     version: int = 0
+    routes: bool = False      # capture the experts each token was routed to (routing replay, r3)
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -42,6 +42,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Callable, Optional, Sequence
 
 from megarl.distributed import faults
+from megarl.rollout import routes
 from megarl.rollout.build import build_engine, build_engines
 from megarl.rollout.engine import (
     Engine,
@@ -102,6 +103,7 @@ class EnginePool:
             raise ValueError(f"rollout.update_mode={update_mode!r}: choose keep or abort")
         self.update_mode, self.keep_kv = update_mode, keep_kv   # rollout.update_mode / rollout.keep_kv
         self._served: dict[str, GenResult] = {}      # key -> tokens a failed engine served before
+        self._prompt_len: dict[str, int] = {}        # key -> its prompt's tokens (routes' rows)
         self.engines = list(engines)             # the live ones: requests and weights go here
         self.retired: list[Engine] = []
         self.failures: list[dict] = []           # {"t", "engine", "error"} per retirement
@@ -154,11 +156,13 @@ class EnginePool:
         engine = engine if engine in self.engines else (self.least_loaded() if self.engines else None)
         done = GenResult(req.key)                # tokens served before a failure
         self._served[req.key] = done
+        self._prompt_len[req.key] = len(req.prompt_ids)
         try:
             return await self._serve(req, engine, done, req)
         finally:
             self._aborted.discard(req.key)
             self._served.pop(req.key, None)
+            self._prompt_len.pop(req.key, None)
 
     def partial(self, key: str) -> Optional[GenResult]:
         """What the in-flight request `key` has so far (tokens a failed engine served, then what
@@ -171,9 +175,7 @@ class EnginePool:
         now = engine.partial(key) if engine is not None else None
         if now is not None:
             out.engine = engine.name
-            out.token_ids += now.token_ids
-            out.logprobs += now.logprobs
-            out.versions += now.versions
+            _keep(out, now, self._prompt_len.get(key, 0))
         return out
 
     async def generate_all(self, requests: list[GenRequest]) -> list[GenResult]:
@@ -209,16 +211,16 @@ class EnginePool:
                     raise EngineError(f"engine {engine.name}: failed on purpose (MEGARL_FAULT)")
                 result = await engine.generate(current)
             except EngineError as err:
-                _keep(done, err.partial)
+                _keep(done, err.partial, len(req.prompt_ids))
                 again = not retried and await self._answers(engine, req.key, err)
                 retried = retried or again
                 if not again:
                     self._retire(engine, err)
             else:
                 if not self._cut_short(req.key, result):
-                    return _joined(done, result, engine)
+                    return _joined(done, result, engine, len(req.prompt_ids))
                 # cut off, not by us: continued elsewhere from its tokens, never returned as final
-                _keep(done, result)
+                _keep(done, result, len(req.prompt_ids))
                 if engine in self.engines:      # a live engine that aborts on its own is failing
                     self._retire(engine, EngineError(
                         f"engine {engine.name} ended request {req.key} as aborted after {len(result.token_ids)} "
@@ -411,17 +413,25 @@ class EnginePool:
         return list(await asyncio.gather(*(e.health() for e in self.engines)))
 
 
-def _keep(done: GenResult, part: Optional[GenResult]) -> None:
-    """Append what an engine served before it failed (or was cut off) to `done`."""
+def _routed(engine: Engine, routes: bool) -> Engine:
+    engine.routes = routes
+    return engine
+
+
+def _keep(done: GenResult, part: Optional[GenResult], prompt_len: int) -> None:
+    """Append what an engine served before it failed (or was cut off) to `done` (routes: those
+    of the tokens served before, then the new request's for positions past them)."""
     if part is not None:
+        done.routes = routes.continued(done.routes, len(done.token_ids), prompt_len, part.routes)
         done.token_ids += part.token_ids
         done.logprobs += part.logprobs
         done.versions += part.versions
 
 
-def _joined(done: GenResult, result: GenResult, engine: Engine) -> GenResult:
+def _joined(done: GenResult, result: GenResult, engine: Engine, prompt_len: int) -> GenResult:
     """The final result: the tokens earlier engines served, then `engine`'s."""
     if done.token_ids:
+        result.routes = routes.continued(done.routes, len(done.token_ids), prompt_len, result.routes)
         result.token_ids = done.token_ids + result.token_ids
         result.logprobs = done.logprobs + result.logprobs
         result.versions = done.versions + result.versions
@@ -482,15 +492,18 @@ class SyncPool:
             self.loop.stop()
 
 
-def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> SyncPool:
+def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "",
+              routes: bool = False) -> SyncPool:
     """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread, able to
-    receive weights with `weight_backend` (build.weight_backend; "": files only).
+    receive weights with `weight_backend` (build.weight_backend; "": files only); `routes`:
+    they capture the experts each token was routed to (routing replay, routes.wanted).
     On failure every engine started so far is stopped and the loop ends."""
     loop = LoopThread()
     try:
         def replace(slot):     # a fresh engine<slot>: same settings, seed and log file
-            return build_engine(cfg, model_path, seed, log_dir, slot, weight_backend)
-        pool = EnginePool(build_engines(cfg, model_path, seed, log_dir, weight_backend), cfg.engines.timeout_s,
+            return _routed(build_engine(cfg, model_path, seed, log_dir, slot, weight_backend), routes)
+        engines = [_routed(e, routes) for e in build_engines(cfg, model_path, seed, log_dir, weight_backend)]
+        pool = EnginePool(engines, cfg.engines.timeout_s,
                           cfg.engines.failures_max, replace if cfg.engines.restart else None,
                           cfg.update_mode, cfg.keep_kv)
         return SyncPool(pool, loop, cfg.engines.start_timeout_s)

