@@ -71,7 +71,7 @@ def moe_layout(cfg: RootConfig, hf_config) -> dict:
     m = cfg.moe
     return dict(ep=cfg.parallel.ep, dispatcher=cfg.parallel.moe_dispatcher,
                 router=dict(aux_loss_coeff=m.aux_coeff(hf_config), load_balancing=m.load_balancing,
-                            z_loss_coeff=m.z_loss_coeff))
+                            z_loss_coeff=m.z_loss_coeff, routing_replay=cfg.algo.routing_replay))
 
 
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:

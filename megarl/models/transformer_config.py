@@ -23,16 +23,20 @@ def architecture(hf_config) -> str:
 
 def moe_settings(hf_config, arch: str, ep: int, dispatcher: str, variable_lengths: bool,
                  aux_loss_coeff: float = 0.0, load_balancing: str = "aux_loss",
-                 z_loss_coeff: float = 0.0) -> dict:
+                 z_loss_coeff: float = 0.0, routing_replay: str = "off") -> dict:
     """The TransformerConfig fields of an MoE checkpoint's blocks ({} for a dense model).
 
     The router: softmax over every expert's logit, the top-k kept; with norm_topk_prob the k
     weights are renormalised, which is megatron's softmax over the top-k logits
     (moe_router_pre_softmax=False), else they stay the full softmax's (pre_softmax=True).
     Experts are SequentialMLP (moe_grouped_gemm off): the parameter names of the mapping
-    table on CPU and GPU alike.
+    table on CPU and GPU alike. routing_replay (algo.routing_replay) other than off gives each
+    router megatron's RouterReplay (ppo/routing_replay.py drives it).
     """
     if arch not in moe.MOE_ARCHS:
+        if routing_replay != "off":
+            raise ValueError(f"algo.routing_replay={routing_replay} replays a Mixture-of-Experts model's expert "
+                             f"choices, and {arch} has no experts: set algo.routing_replay=off")
         return {}
     moe.check_moe_options(hf_config, arch)
     n = moe.num_experts(hf_config)
@@ -56,6 +60,7 @@ def moe_settings(hf_config, arch: str, ep: int, dispatcher: str, variable_length
         expert_model_parallel_size=ep,
         moe_router_load_balancing_type=load_balancing if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coeff, moe_z_loss_coeff=z_loss_coeff or None,
+        moe_enable_routing_replay=routing_replay != "off",
     )
     shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
     if arch == "Qwen2MoeForCausalLM" and shared:

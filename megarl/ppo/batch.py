@@ -20,6 +20,7 @@ import torch
 
 from megarl.data.sample import Sample
 from megarl.distributed import device as dev
+from megarl.ppo.route_layout import batch_routes
 
 
 @dataclass
@@ -39,13 +40,17 @@ class Batch:
     # samples: planning micro-batches reads them without a device-to-host copy (None: `lengths`
     # reads them once)
     host_lens: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # Mixture-of-Experts routing replay: [B, L, MoE layers, top-k] expert ids per input position
+    # (ppo/route_layout.py; the engine's, or the trainer's own recorded ones under r2); None: none
+    routes: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
     def tensors(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "host_lens"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "host_lens" and getattr(self, f.name) is not None}
 
     def select(self, idx) -> "Batch":
         """Rows `idx` of every field: a list of row positions or a slice (the rows' host
@@ -73,6 +78,8 @@ class Batch:
         out = self.tensors()
         out.update({k: out[k][:, :width] for k in per_token})
         out["tokens"] = self.tokens[:, :length]
+        if self.routes is not None:
+            out["routes"] = self.routes[:, :length]
         out["resp_index"] = self.resp_index[:, :width].clamp(max=length - 1)
         return Batch(**out, host_lens=self.host_lens)
 
@@ -123,7 +130,8 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
     stopped = torch.tensor([s.stopped for s in samples])
     host_lens = tuple((len(s.prompt_ids) + len(s.response_ids), len(s.response_ids)) for s in samples)
     lens = torch.tensor([n for n, _ in host_lens], dtype=torch.long)
-    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask, lens, host_lens)
+    batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask, lens, host_lens,
+                  routes=batch_routes(samples, L))
     return batch.to(target or dev.current())
 
 

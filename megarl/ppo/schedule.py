@@ -20,6 +20,7 @@ from megarl.models.masks import causal_mask
 from megarl.ppo import moe_metrics
 from megarl.ppo.batch import Batch
 from megarl.ppo.microbatch import MicroBatch, Plan, plan_batch
+from megarl.ppo.routing_replay import control_of
 
 
 def local_micro_batches(batch: Batch, layout) -> list[MicroBatch]:
@@ -72,6 +73,7 @@ def run_microbatches(model, batch: Batch, layout, loss_fn: Callable,
     micro = local_micro_batches(batch, layout)
     data = [micro_inputs(batch, mb, extras or {}) for mb in micro]
     masks: dict[int, tuple] = {}
+    replay = control_of(model)   # MoE routing replay (ppo/routing_replay.py); None without it
 
     def inputs_of(length: int):
         if length not in masks:
@@ -81,16 +83,22 @@ def run_microbatches(model, batch: Batch, layout, loss_fn: Callable,
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
+        if replay is not None:
+            replay.before_forward(mb["batch"])
         tokens = mb["batch"].tokens
         mask, positions = inputs_of(tokens.shape[1])
         # an MoE model's routers learn and are measured on real tokens only (ppo/moe_metrics.py)
         output = model_chunk(tokens, positions.expand_as(tokens), mask, **moe_metrics.padding_mask(model, mb["batch"]))
         return output, partial(loss_fn, mb)
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(data), model=[model],
-        num_microbatches=len(micro), seq_length=max(mb.length for mb in micro),
-        micro_batch_size=max(len(mb.rows) for mb in micro), forward_only=forward_only)
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(data), model=[model],
+            num_microbatches=len(micro), seq_length=max(mb.length for mb in micro),
+            micro_batch_size=max(len(mb.rows) for mb in micro), forward_only=forward_only)
+    finally:
+        if replay is not None:
+            replay.end_pass()
 
 
 def sum_reports(reports: list[dict]) -> dict:

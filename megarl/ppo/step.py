@@ -30,6 +30,7 @@ from megarl.ppo.losses import LOG_RATIO_CLAMP, kl_penalty, masked_mean
 from megarl.ppo.microbatch import Usage, batching_of, plan_batch
 from megarl.ppo.moe_metrics import RouterStats
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
+from megarl.ppo.replay_step import StepReplay
 from megarl.ppo.schedule import forward_all
 from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
 
@@ -80,10 +81,10 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     algo, batching = cfg.algo, batching_of(cfg)
     temp, mask = cfg.rollout.sampling.temperature, batch.resp_mask
     plan = plan_batch(batch, batching, parallel.dp_size())   # one for all the forward-only passes
-    forward = forward or (lambda p: p.run(batch, plan))
+    replay = StepReplay(algo.routing_replay, actor.model, batch)   # MoE routing replay (ppo/replay_step.py)
+    forward = forward or (lambda p: p.run(replay.batch, plan))
     passes = forward_passes(cfg, actor, reference, critic)
-
-    old_logp = forward(passes["logp"])
+    old_logp = replay.old_pass(lambda: forward(passes["logp"]), plan)
     ref_logp = forward(passes["ref"]) if "ref" in passes else None   # None: no KL term, a KL of 0 changes nothing
     kl = kl_penalty(old_logp, ref_logp, algo.kl_kind) * mask if ref_logp is not None else torch.zeros_like(mask)
     estimator = ADVANTAGES.get(algo.name)
@@ -119,7 +120,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     try:
         for _ in range(cfg.train.ppo_epochs):
             for chunk in torch.randperm(batch.size, generator=gen).chunk(n_mini):
-                mini, local, rows, at, micro = dp_share(batch, chunk.tolist(), batching, usage)
+                mini, local, rows, at, micro = dp_share(replay.train_batch, chunk.tolist(), batching, usage)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
                 if train_actor:
                     keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp, advantages,
@@ -151,7 +152,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     on_device.update({k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean()
                       for k, v in stabilized.items()})
     return {**reports.to_metrics(totals, cfg.train.ppo_epochs * n_mini, parallel.dp_size()), **usage.metrics(),
-            **(align.take() if align else {}), **routers.collect(), **dev.host_values(on_device)}   # one host copy
+            **(align.take() if align else {}), **routers.collect(), **replay.metrics(), **dev.host_values(on_device)}
 
 
 def kl_metric(kind: str, kl, cur_logp, ref_logp, mask):
