@@ -49,6 +49,7 @@ from megarl.rollout.dump import dump_samples
 from megarl.rollout.lag import LagQueue
 from megarl.rollout.pool import open_pool
 from megarl.rollout.rounds import Rollout, staleness_metrics
+from megarl.rollout.routes import wanted as routes_wanted
 from megarl.rollout.transfer.files import check_staging_base
 from megarl.service.launch import open_service
 
@@ -170,7 +171,7 @@ class Trainer:
         cfg, start = self.cfg, self.start
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         self.pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
-                              weight_backend(cfg.weight_sync, cfg.rollout.engines.mode))
+                              weight_backend(cfg.weight_sync, cfg.rollout.engines.mode), routes=routes_wanted(cfg))
         self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn,
                                service_factory=lambda tasks: open_service(cfg, self.pool, self.tokenizer, tasks))
         if cfg.rollout.lag:   # the rounds generated but not trained yet are the checkpoint's too

@@ -26,13 +26,18 @@ class CarryOver:
         """rollout.update_mode=keep: requests live through weight updates and round ends."""
         return getattr(self.pool, "update_mode", "abort") == "keep"
 
+    def _prompt_len(self, slot) -> int:
+        """Tokens of the slot's group prompt (where its routes' response rows begin)."""
+        group = self.groups.get(slot.gid)
+        return len(group.prompt_ids) if group is not None else 0
+
     def _sync_live(self) -> None:
         """Copy what each request in flight has produced so far into its slot (keep mode): the
         trainer's l_old, a checkpoint and the staleness rules see every token generated."""
         for key, slot in self._inflight.items():
             now = self.pool.partial(key)
             if now is not None and self._current(key, slot):
-                set_tokens(slot, self._base.get(key, 0), now, self.episodes is not None)
+                set_tokens(slot, self._base.get(key, 0), now, self.episodes is not None, self._prompt_len(slot))
 
     async def hold(self, scoring: bool = False) -> None:
         """Stop admitting, so the engines can take new weights in the middle of a round (async

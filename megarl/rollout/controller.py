@@ -58,7 +58,16 @@ from megarl.rollout.carry import CarryOver
 from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
 from megarl.rollout.episode_turns import EpisodeTurns
 from megarl.rollout.round_stats import RoundStats, round_metrics
-from megarl.rollout.slots import Group, Slot, group_from_state, group_samples, group_state, sample_identity, set_tokens
+from megarl.rollout.slots import (
+    Group,
+    Slot,
+    group_from_state,
+    group_samples,
+    group_state,
+    sample_identity,
+    sample_routes,
+    set_tokens,
+)
 from megarl.rollout.slots import store_old_logprobs as _store_old_logprobs
 from megarl.rollout.sync_rollout import REFUSED, all_refused
 
@@ -240,7 +249,7 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
         """The request's result after the `base` tokens its slot had when it was sent (what a
         held request's slot got from `_sync_live` since is a prefix of it)."""
         faults.point("rollout_result")
-        set_tokens(slot, base, r, self.episodes is not None)
+        set_tokens(slot, base, r, self.episodes is not None, self._prompt_len(slot))
         self.stats.requests += 1
         self.stats.tokens += len(r.token_ids)
         if len(set(r.versions)) > 1:   # held over a weight update (update_mode=keep)
@@ -458,7 +467,7 @@ class PartialRolloutController(Admission, CarryOver, EpisodeTurns):
                 if len(s.old_logprobs) < len(s.response_ids):
                     out.append((s, s.restarts, len(s.response_ids),
                                 Sample(g.prompt_ids, list(s.response_ids), list(s.logprobs),
-                                       list(s.versions), False, 0, g.record)))
+                                       list(s.versions), False, 0, g.record, routes=sample_routes(g, s))))
         return out
 
     def store_old_logprobs(self, slot: Slot, restarts: int, length: int, values: list[float]) -> None:

@@ -35,7 +35,7 @@ from megarl.data.sample import Sample
 from megarl.data.seeds import step_prompt_seeds
 from megarl.envs.base import env_spec
 from megarl.envs.episodes import EpisodeDriver
-from megarl.rollout import staleness
+from megarl.rollout import routes, staleness
 from megarl.rollout.controller import PartialRolloutController
 from megarl.rollout.scoring import score_sample
 from megarl.rollout.sync_rollout import generate_groups, score_all
@@ -169,7 +169,7 @@ class Rollout:
                                f"are they running and reporting rewards? Raise service.wait_s for slow "
                                f"episodes") from None
         samples = [s for g in groups for s in g]
-        return samples, {**metrics, **staleness_metrics(samples, step), **self._engine_metrics()}
+        return samples, {**metrics, **trained_metrics(samples, step), **self._engine_metrics()}
 
     def round(self, step: int, during: Callable | None = None) -> tuple[list[Sample], dict]:
         """The round's samples and metrics. `during(finished, emitted)` (partial mode; the
@@ -188,14 +188,14 @@ class Rollout:
             samples = self.pool.call(self.stepper.round(step), f"generating {count} samples",
                                      self.pool.pool.deadline_for(count))
             score_all(samples, self.tokenizer, self.reward_fn)
-            return samples, {**staleness_metrics(samples, version), **self._engine_metrics()}
+            return samples, {**trained_metrics(samples, version), **self._engine_metrics()}
         deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.sampling.max_new_tokens)
         if during is None:
             samples, metrics = self.pool.call(self._partial_round(step), f"rollout round {step}", deadline)
         else:
             samples, metrics = self._round_during(step, deadline, during)
         # the trainer's weights at step k are version k
-        return samples, {**metrics, **staleness_metrics(samples, step), **self._engine_metrics()}
+        return samples, {**metrics, **trained_metrics(samples, step), **self._engine_metrics()}
 
     async def _partial_round(self, step: int) -> tuple[list[Sample], dict]:
         """On the loop: the round's groups, taken, as samples (copies), and the controller's
@@ -306,6 +306,12 @@ class Rollout:
             if self.service is not None and "service" in state:
                 self.service.load_state_dict(state["service"])
         self.pool.call(put(), "restoring the rollout state")
+
+
+def trained_metrics(samples: list[Sample], version: int) -> dict:
+    """Metrics of the step's trained samples: token staleness, and the routes' bytes when the
+    engines captured them (routing replay)."""
+    return {**staleness_metrics(samples, version), **routes.metrics(samples)}
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict:

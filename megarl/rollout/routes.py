@@ -43,18 +43,14 @@ def fit(rows, n: int):
 
 
 def join(old, new, keep: int):
-    """Rows of a continued sequence: `old`'s first `keep` rows (those that produced tokens
-    the continuation keeps), then `new`'s rows past them. `new` covers the continuation's
-    whole input from position 0. None when either side is missing where it is needed."""
-    if keep <= 0:
-        return new
-    if old is None or len(old) < keep:
-        return None
-    if new is None:
-        return old[:keep].copy()
-    if len(new) <= keep:
-        return old[:keep].copy()
-    return np.concatenate([old[:keep], new[keep:]], axis=0)
+    """Rows of a continued sequence: `old`'s first `keep` rows (those that produced tokens the
+    continuation keeps; fewer when `old` has fewer: an episode's observation tokens were never
+    fed before), then `new`'s rows past them. `new` covers the continuation's whole input from
+    position 0. None (or `old`'s rows alone) where `new` is missing."""
+    k = 0 if old is None else min(max(keep, 0), len(old))
+    if new is None or len(new) <= k:
+        return None if old is None else old[:k].copy()
+    return new if k == 0 else np.concatenate([old[:k], new[k:]], axis=0)
 
 
 def continued(old, served: int, prompt_len: int, new):
@@ -71,8 +67,18 @@ def trim(rows, n: int):
 
 
 def nbytes(samples) -> int:
-    """Bytes of the samples' routes (the step's `rollout/route_bytes`)."""
+    """Bytes of the samples' routes."""
     return int(sum(s.routes.nbytes for s in samples if getattr(s, "routes", None) is not None))
+
+
+def metrics(samples) -> dict:
+    """The step's `route_bytes` (what the trainer receives for replay) and the samples without
+    routes among those with a response; nothing when no sample has routes (not asked for)."""
+    with_routes = sum(getattr(s, "routes", None) is not None for s in samples)
+    if not with_routes:
+        return {}
+    return {"route_bytes": nbytes(samples),
+            "samples_without_routes": sum(getattr(s, "routes", None) is None and bool(s.response_ids) for s in samples)}
 
 
 # -- plain-data form: checkpoints keep slots as JSON-like state -----------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megarl.data.sample import Sample
+from megarl.rollout import routes as route_rows
 from megarl.rollout.engine import GenResult
 from megarl.rollout.sync_rollout import REFUSED
 
@@ -34,6 +35,9 @@ class Slot:
     turn_base: int = 0                                      # where the current model turn began
     env_reward: float = 0.0                                 # the environment's rewards so far
     env_status: str = ""                                    # "" | error | timeout (reward 0)
+    # routing replay: the experts each token of prompt + response was routed to (Sample.routes),
+    # as far as captured; None when not asked for
+    routes: object = None
 
     @property
     def done(self) -> bool:
@@ -47,6 +51,7 @@ class Slot:
         self.response_ids, self.logprobs, self.versions, self.old_logprobs = [], [], [], []
         self.mask, self.turn_spans, self.turns, self.turn_base = [], [], 0, 0
         self.env_reward, self.env_status = 0.0, ""
+        self.routes = None
         self.finish_reason = ""
         self.restarts += 1
         return lost
@@ -84,20 +89,24 @@ def group_state(g: Group) -> dict:
     """A group as plain lists and numbers (what a checkpoint keeps)."""
     return {"gid": g.gid, "record": g.record, "prompt_ids": list(g.prompt_ids),
             "rewards": list(g.rewards), "reward_done": g.reward_done, "deadline": g.deadline,
-            "slots": [{k: (list(v) if isinstance(v, list) else v) for k, v in vars(s).items()}
-                      for s in g.slots]}
+            "slots": [{k: (list(v) if isinstance(v, list) else route_rows.to_state(v) if k == "routes" else v)
+                       for k, v in vars(s).items()} for s in g.slots]}
 
 
 def group_from_state(d: dict) -> Group:
     """The inverse of `group_state`."""
-    return Group(d["gid"], d["record"], list(d["prompt_ids"]), [Slot(**s) for s in d["slots"]],
+    slots = [Slot(**{**s, "routes": route_rows.from_state(s.get("routes"))}) for s in d["slots"]]
+    return Group(d["gid"], d["record"], list(d["prompt_ids"]), slots,
                  d["reward_done"], list(d["rewards"]), d.get("deadline"))
 
 
-def set_tokens(slot: Slot, base: int, r: GenResult, episode: bool = False) -> None:
+def set_tokens(slot: Slot, base: int, r: GenResult, episode: bool = False, prompt_len: int = 0) -> None:
     """The slot's first `base` tokens, then what its request produced (a held request's
     partial, or its final result, of which every earlier partial is a prefix). An episode's
-    slot also marks the new tokens as the model's (mask 1)."""
+    slot also marks the new tokens as the model's (mask 1). Routes: the rows of the tokens the
+    request found (its prompt is the group's `prompt_len` tokens + the first `base`), then the
+    request's own (routes.continued)."""
+    slot.routes = route_rows.continued(slot.routes, base, prompt_len, r.routes)
     slot.response_ids = slot.response_ids[:base] + list(r.token_ids)
     slot.logprobs = slot.logprobs[:base] + list(r.logprobs)
     slot.versions = slot.versions[:base] + list(r.versions)
@@ -112,11 +121,18 @@ def group_samples(group: Group, local_index: int = 0) -> list[Sample]:
         smp = Sample(group.prompt_ids, list(s.response_ids), list(s.logprobs), list(s.versions),
                      s.finish_reason == "stop", local_index, group.record, reward=s.env_reward,
                      finish_reason=s.finish_reason or "abort", old_logprobs=list(s.old_logprobs),
-                     uid=group.gid, mask=list(s.mask), turns=s.turns)
+                     uid=group.gid, mask=list(s.mask), turns=s.turns,
+                     routes=sample_routes(group, s))
         out.append(smp)
     for smp, r in zip(out, group.rewards):
         smp.reward = r
     return out
+
+
+def sample_routes(group: Group, slot: Slot):
+    """The slot's routes for the trainer: one row per token of prompt + response but the last,
+    None unless every row was captured."""
+    return route_rows.fit(slot.routes, route_rows.expected_rows(len(group.prompt_ids), len(slot.response_ids)))
 
 
 def sample_identity(group: Group) -> tuple:

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from megarl.data.sample import Sample
 from megarl.data.seeds import sample_seed
+from megarl.rollout import routes
 from megarl.rollout.engine import GenRequest, RequestError
 from megarl.rollout.scoring import score_sample
 
@@ -64,7 +65,8 @@ def samples_of(outcomes: list, records: list[dict], prompts: list[list[int]], n:
                                   uid=first_uid + g))
         else:
             samples.append(Sample(prompts[g], r.token_ids, r.logprobs, r.versions, r.stopped, g, records[g],
-                                  finish_reason=r.finish_reason, uid=first_uid + g))
+                                  finish_reason=r.finish_reason, uid=first_uid + g,
+                                  routes=routes.fit(r.routes, routes.expected_rows(len(prompts[g]), len(r.token_ids)))))
     return samples
 
 
