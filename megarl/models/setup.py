@@ -65,13 +65,15 @@ def weight_source(cfg: RootConfig, hf_config):
     return load, cfg.model.make_vocab_size_divisible_by
 
 
-def moe_layout(cfg: RootConfig, hf_config) -> dict:
-    """transformer_config's MoE arguments from parallel.ep / moe_dispatcher and moe.*."""
+def moe_layout(cfg: RootConfig, hf_config, role: str = "actor") -> dict:
+    """transformer_config's MoE arguments from parallel.ep / moe_dispatcher, moe.* and
+    algo.routing_replay (the actor's and reference's: a critic routes on its own)."""
     check_moe_layout(cfg.parallel, hf_config)   # ConfigErrors naming the settings, before megatron's own
     m = cfg.moe
     return dict(ep=cfg.parallel.ep, dispatcher=cfg.parallel.moe_dispatcher,
                 router=dict(aux_loss_coeff=m.aux_coeff(hf_config), load_balancing=m.load_balancing,
-                            z_loss_coeff=m.z_loss_coeff, routing_replay=cfg.algo.routing_replay))
+                            z_loss_coeff=m.z_loss_coeff,
+                            routing_replay=cfg.algo.routing_replay if role != "critic" else "off"))
 
 
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
@@ -88,7 +90,7 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
         tcfg = transformer_config(hf_config, tp, pp, dtype, on_gpu, cfg.train.recompute,
-                                  cfg.parallel.sequence_parallel, **moe_layout(cfg, hf_config))
+                                  cfg.parallel.sequence_parallel, **moe_layout(cfg, hf_config, role))
         model, info = build_model(hf_config, tcfg, divisible_by, role)
         load(model, info, role)
         return model, info

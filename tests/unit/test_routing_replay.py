@@ -114,3 +114,27 @@ def test_a_dense_model_refuses_routing_replay():
     with pytest.raises(ValueError, match=r"algo.routing_replay=r3 .* has no experts: set algo.routing_replay=off"):
         moe_settings(dense, "Qwen2ForCausalLM", 1, "alltoall", False, routing_replay="r3")
     assert moe_settings(dense, "Qwen2ForCausalLM", 1, "alltoall", False) == {}
+
+
+def test_r2_refuses_the_intra_step_overlap():
+    """rollout.overlap computes the old-logprob pass during the round, where r2 cannot record."""
+    from megarl.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"algo.routing_replay='?r2'?.*rollout.overlap=false"):
+        load_config("recipes/tiny_cpu.yaml", ["algo.routing_replay=r2", "rollout.mode=partial", "rollout.overlap=true"])
+    assert load_config("recipes/tiny_cpu.yaml", ["algo.routing_replay=r3", "rollout.mode=partial",
+                                                 "rollout.overlap=true"]).algo.routing_replay == "r3"
+
+
+@pytest.mark.parametrize("role,want", [("actor", "r3"), ("reference", "r3"), ("critic", "off")])
+def test_only_the_policy_models_replay(role, want):
+    """The actor and the reference replay the engine's experts; a critic from the same MoE
+    checkpoint routes on its own (its values are not logprobs of the sampled tokens)."""
+    transformers = pytest.importorskip("transformers")
+    from megarl.config import load_config
+    from megarl.models.setup import moe_layout
+    hf = transformers.Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                     norm_topk_prob=True)
+    hf.architectures = ["Qwen3MoeForCausalLM"]
+    cfg = load_config("recipes/tiny_cpu.yaml", ["algo.routing_replay=r3"])
+    assert moe_layout(cfg, hf, role)["router"]["routing_replay"] == want

@@ -47,6 +47,10 @@ class RootConfig:
         if self.algo.name == "grpo":
             require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
                      "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
+        # r2 records the old-logprob pass's experts micro-batch by micro-batch; the overlap computes it during the round
+        require(self.algo.routing_replay != "r2" or not self.rollout.overlap, "algo.routing_replay", "r2",
+                 "records the trainer's experts in the step's old-logprob pass, which rollout.overlap computes "
+                 "during the round: set rollout.overlap=false, or algo.routing_replay=r3")
         check_unused(self)   # settings of components this run does not build (schema/unused.py)
 
     def _check_episodes(self) -> None:
