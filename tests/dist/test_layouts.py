@@ -42,11 +42,22 @@ STABILIZERS = {"m2po": ["algo.m2po_tau=0.04", *GAC], "bapo": ["algo.bapo=true", 
 STABILIZER_LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": []}
 
 
+# The checkpoint test's cases, last in the 2-rank launch (in this order: the cases of a launch
+# run one after the other): 2 steps at TP=2 saved, then resumed at TP=1 x PP=2 for the third
+# step, once as saved and once with a wrong shard in the loaded weights. Each case builds its
+# models anew and loads only what the checkpoint holds, as a new process would.
+def checkpoint_cases(ckpt) -> list[str]:
+    return ["--case", "ckpt_save_tp2", "train.steps=2", "parallel.tp=2", f"save={ckpt}",
+            "--case", "ckpt_resumed_pp2", "train.steps=3", "parallel.pp=2", f"resume={ckpt}",
+            "--case", "ckpt_swapped_pp2", "train.steps=3", "parallel.pp=2", f"resume={ckpt}", SWAP]
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     """3 PPO steps of every case, one launch per world size (the cases of a launch run one
     after the other in its ranks, each with its models built anew): the single-rank reference
-    and its perturbed reruns on 1 rank, the layouts (and the wrong shard) on 2 and on 4 ranks."""
+    and its perturbed reruns on 1 rank, the layouts (and the wrong shard) on 2 and on 4 ranks,
+    and the checkpoint saved at one layout and resumed at another on 2 (checkpoint_cases)."""
     tmp = tmp_path_factory.mktemp("layouts")
     cases = {1: ["--case", "ref", "train.steps=3"]}
     for name, settings in REORDERED.items():
@@ -59,6 +70,7 @@ def runs(tiny_model, tmp_path_factory):
         cases[1] += ["--case", opt, "train.steps=3", "stale=1", *settings]
         for name, overrides in STABILIZER_LAYOUTS.items():
             cases[2] += ["--case", f"{name}_{opt}", "train.steps=3", "stale=1", *settings, *overrides]
+    cases[2] += checkpoint_cases(tmp / "ckpt")
     out = {}
     for nproc, args in cases.items():
         out.update(probe(tiny_model, tmp, f"world{nproc}", nproc, args))
@@ -161,26 +173,21 @@ def test_stabilizers_act_on_the_stale_batch(runs):
         assert case[0]["grad_norm"] != pytest.approx(plain[0]["grad_norm"], rel=1e-3)
 
 
-def test_checkpoint_resumes_at_another_layout(tiny_model, tmp_path, reference):
+def test_checkpoint_resumes_at_another_layout(runs, reference):
     """Actor, critic and distributed-optimizer state saved as megatron dist checkpoints at TP=2
     resume at TP=1 x PP=2: the loaded weights give the uninterrupted run's logprobs, and the
     third step gives its losses, gradient norms and logprobs (Adam moments and step count
     included: a wrong step count shows here). A wrong shard in the loaded weights fails it."""
-    ckpt = tmp_path / "ckpt"
-    first = probe(tiny_model, tmp_path, "save_tp2", 2, ["train.steps=2", "parallel.tp=2", f"save={ckpt}"])
-    assert_parity(first, reference[:2], what="before save")
-    resumed = probe(tiny_model, tmp_path, "resume_pp2", 2, [
-        "--case", "resumed", "train.steps=3", "parallel.pp=2", f"resume={ckpt}",
-        "--case", "swapped", "train.steps=3", "parallel.pp=2", f"resume={ckpt}", SWAP])
+    assert_parity(runs["ckpt_save_tp2"], reference[:2], what="before save")
     # the weights the resumed run starts from are those the uninterrupted run had after step 1
     expected = [{"logp": reference[1]["logp"]}]
-    for name in ("resumed", "swapped"):
-        assert len(resumed[name]) == 1
-        loaded = [{"logp": resumed[name][0]["logp_start"]}]
-        if name == "resumed":
+    for name in ("ckpt_resumed_pp2", "ckpt_swapped_pp2"):
+        assert len(runs[name]) == 1
+        loaded = [{"logp": runs[name][0]["logp_start"]}]
+        if name == "ckpt_resumed_pp2":
             assert_parity(loaded, expected, what="loaded weights")
-            assert_parity(resumed[name], reference[2:], what="after resume")
+            assert_parity(runs[name], reference[2:], what="after resume")
         else:
             assert errors(loaded, expected)["logp"] > 100
             with pytest.raises(AssertionError, match="grad_norm"):
-                assert_parity(resumed[name], reference[2:], what="wrong shard after resume")
+                assert_parity(runs[name], reference[2:], what="wrong shard after resume")
