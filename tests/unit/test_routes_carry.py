@@ -1,0 +1,197 @@
+"""Routing replay through the partial-rollout controller: each sample's routes hold, for every
+token fed, the experts of the weights that produced the token after it, across carry-over
+(keep: requests held over weight updates; abort: continuations sent as new requests), engine
+failures, checkpoints and resume.
+
+The scripted engine stamps each row with the version it computed it under and its position:
+a continuation re-feeds its earlier tokens under the new version, so a row taken from it where
+the earlier request's row should stay shows as a wrong version."""
+import asyncio
+import copy
+import json
+
+import numpy as np
+import pytest
+import test_controller as tc
+from scripted_engine import Clock, ScriptedEngine
+
+from megarl.rollout import routes
+from megarl.rollout.engine import EngineError, GenRequest
+from megarl.rollout.pool import EnginePool
+from megarl.rollout.slots import Group, Slot, group_from_state, group_state, set_tokens
+
+
+def script_routes(prompt_len: int, versions: list[int], first_version: int) -> np.ndarray:
+    """Rows of a request: [version that computed it, position]; the prompt's rows come from the
+    request's first step, each later row from the step that produced the token after it."""
+    n = routes.expected_rows(prompt_len, len(versions))
+    rows = np.zeros((n, 1, 2), np.uint8)
+    for q in range(n):
+        rows[q, 0] = (versions[q + 1 - prompt_len] if q + 1 >= prompt_len else first_version, q % 256)
+    return rows
+
+
+class Routed:
+    """Routes on a scripted engine's results (as a real engine returns them once asked), also
+    on the partial result a failing request hands back."""
+    routes = True
+
+    async def generate(self, req):
+        self.__dict__.setdefault("_asked", {})[req.key] = len(req.prompt_ids)
+        try:
+            res = await super().generate(req)
+        except EngineError as err:
+            self._routed(req.key, err.partial)
+            raise
+        return self._routed(req.key, res)
+
+    def _routed(self, key, res):
+        if res is not None:
+            first = res.versions[0] if res.versions else self.version
+            res.routes = script_routes(self._asked[key], res.versions, first)
+        return res
+
+    def partial(self, key):
+        return self._routed(key, super().partial(key))
+
+
+class RoutedKeyedEngine(Routed, tc.KeyedEngine):
+    """The controller tests' engine, with routes."""
+
+
+class RoutedDyingEngine(Routed, tc.DyingKeyedEngine):
+    """The controller tests' dying engine, with routes."""
+
+
+def check_routes(samples) -> int:
+    """Every row is the one that produced the token after it. Returns the samples checked."""
+    for s in samples:
+        p = len(s.prompt_ids)
+        assert s.routes is not None, f"sample of group {s.uid}: no routes"
+        assert s.routes.shape == (p + len(s.response_ids) - 1, 1, 2)
+        assert s.routes[:, 0, 1].tolist() == [q % 256 for q in range(len(s.routes))]
+        want = [s.versions[q + 1 - p] if q + 1 >= p else s.versions[0] for q in range(len(s.routes))]
+        got = s.routes[:, 0, 0].tolist()
+        assert got == want, f"group {s.uid}: rows' versions {got} != the versions of the tokens they produced {want}"
+    return len(samples)
+
+
+def trained_samples(trained) -> list:
+    return [s for _, groups in trained for g in groups for s in tc.PartialRolloutController.samples_of(g)]
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    monkeypatch.setattr(tc, "KeyedEngine", RoutedKeyedEngine)
+    monkeypatch.setattr(tc, "DyingKeyedEngine", RoutedDyingEngine)
+
+
+@pytest.mark.parametrize("update_mode,keep_kv", [("abort", False), ("keep", False), ("keep", True)])
+def test_carried_samples_keep_the_routes_of_the_weights_that_produced_each_token(routed, update_mode, keep_kv):
+    _, trained, metrics, _ = tc.run(tc.drive(6, update_mode=update_mode, keep_kv=keep_kv))
+    samples = trained_samples(trained)
+    assert check_routes(samples) == 6 * 3 * 4
+    assert any(len(set(s.versions)) > 1 for s in samples), "no sample spanned a weight update"
+
+
+def test_an_engine_dying_mid_request_keeps_the_routes_it_served(routed):
+    """The pool continues a failed engine's request elsewhere from its tokens: their rows are
+    the failed engine's, the rest the new engine's."""
+    _, trained, _, _ = tc.run(tc.drive(4, die_at=25))
+    assert check_routes(trained_samples(trained)) == 4 * 3 * 4
+
+
+def test_state_saved_with_requests_in_flight_resumes_with_their_routes(routed):
+    """Keep mode: a checkpoint taken while held requests run saves each slot's routes so far
+    (plain data: the checkpoint pickles it); a controller restored from it trains samples whose
+    every row is still the one that produced its token."""
+    saved = {}
+
+    async def snapshot(ctl, version):
+        for _ in range(3):
+            await ctl.pool.engines[0].clock.tick()
+        if version == 3:
+            await ctl.hold(scoring=True)
+            assert ctl._inflight, "the checkpoint must be taken with requests in flight"
+            saved["state"] = json.loads(json.dumps(ctl.state_dict()))   # plain data only
+            saved["rows"] = {(s.gid, s.index): len(s.routes) for s in ctl._inflight.values() if s.routes is not None}
+            ctl.release()
+    _, part1, _, _ = tc.run(tc.drive(3, update_mode="keep", between=snapshot))
+    assert saved["rows"], "no held request had routes at the checkpoint"
+    restored = {(g["gid"], s["index"]): s["routes"] for g in saved["state"]["open"] for s in g["slots"]}
+    assert all(routes.from_state(restored[k]).shape[0] == n for k, n in saved["rows"].items())
+    _, part2, _, _ = tc.run(tc.drive(3, state=copy.deepcopy(saved["state"]), start_version=3, update_mode="keep"))
+    check_routes(trained_samples(part1))
+    assert check_routes(trained_samples(part2)) == 3 * 3 * 4
+
+
+def test_a_held_requests_partial_carries_its_routes_once_paused():
+    """pool.partial of a request held by a pause: every row of the tokens it has so far."""
+    async def main():
+        clock = Clock()
+        clock.start()
+        engine = RoutedKeyedEngine("e0", clock)
+        pool = EnginePool([engine], 30, update_mode="keep")
+        task = asyncio.ensure_future(pool.generate(GenRequest("g0s0a0", [7, 7], 64)))
+        while engine.partial("g0s0a0") is None or len(engine.partial("g0s0a0").token_ids) < 3:
+            await clock.tick()
+        await pool.pause_all()
+        part = pool.partial("g0s0a0")
+        await pool.resume_all()
+        done = await task
+        clock.stop()
+        return part, done
+    part, done = asyncio.run(main())
+    assert part.routes.shape[0] == 2 + len(part.token_ids) - 1
+    assert np.array_equal(done.routes[:len(part.routes)], part.routes)
+
+
+def test_an_episode_observation_gets_rows_from_the_request_that_feeds_it():
+    """Multi-turn: observation tokens are appended without a request; the next model turn's
+    request feeds them (context), so their rows, and the last model token's, come from it."""
+    slot = Slot(0, 0, 0)
+    prompt = [5, 6, 7]
+    first = ScriptedResult(prompt, [10, 11], version=0)
+    set_tokens(slot, 0, first, episode=True, prompt_len=3)
+    slot.response_ids += [90, 91]          # the environment's observation (rows: not yet)
+    slot.logprobs += [0.0, 0.0]
+    slot.versions += [0, 0]
+    slot.mask += [0, 0]
+    second = ScriptedResult(prompt + slot.response_ids, [12], version=1)
+    set_tokens(slot, 4, second, episode=True, prompt_len=3)
+    g = Group(0, {}, prompt, [slot])
+    rows = tc.PartialRolloutController.samples_of(g)[0].routes
+    assert rows.shape[0] == 3 + 5 - 1
+    # rows 0..3 from the first request (the prompt and its first token: version 0), the rest
+    # (its last token, the observation) fed by the second request
+    assert rows[:, 0, 0].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    again = group_from_state(json.loads(json.dumps(group_state(g))))
+    assert np.array_equal(again.slots[0].routes, slot.routes)
+
+
+class ScriptedResult:
+    """A GenResult-like result of a request with `prompt` producing `tokens` under `version`."""
+
+    def __init__(self, prompt, tokens, version):
+        self.token_ids, self.logprobs, self.versions = list(tokens), [0.0] * len(tokens), [version] * len(tokens)
+        self.routes = np.stack([np.full((1, 2), version, np.uint8)] * routes.expected_rows(len(prompt), len(tokens)))
+
+
+def test_join_keeps_earlier_rows_and_refuses_short_ones():
+    old = np.zeros((4, 1, 2), np.uint8)
+    new = np.ones((7, 1, 2), np.uint8)
+    assert routes.join(old, new, 4)[:, 0, 0].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert routes.join(old, None, 4)[:, 0, 0].tolist() == [0, 0, 0, 0]
+    assert routes.fit(routes.join(old, None, 4), 6) is None        # rows missing: no routes
+    assert routes.continued(None, 0, 3, new) is new                 # nothing served: the new request's
+
+
+def test_route_bytes_counts_the_trained_samples_routes():
+    s = [type("S", (), {"routes": np.zeros((5, 2, 2), np.uint8), "response_ids": [1]})(),
+         type("S", (), {"routes": None, "response_ids": [1]})()]
+    assert routes.metrics(s) == {"route_bytes": 20, "samples_without_routes": 1}
+    assert routes.metrics([s[1]]) == {}
+
+
+def test_unused_engine_class_is_not_routed():
+    assert ScriptedEngine.routes is False
