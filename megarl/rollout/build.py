@@ -19,13 +19,14 @@ from megarl.rollout import vllm_async
 from megarl.rollout.engine import Engine
 from megarl.rollout.servers import LocalServer, LocalServerEngine
 from megarl.rollout.vllm_http import HTTPVLLMEngine
-from megarl.rollout.vllm_settings import BIND_ENV, cpu_binds
+from megarl.rollout.vllm_settings import BIND_ENV, check_expert_parallel, cpu_binds
 
 
 def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> list[Engine]:
     """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log.
     `weight_backend`: the weight-transfer backend engines megarl starts receive with (see
     `weight_backend`); "" for weight_sync.transport=files."""
+    check_expert_parallel(cfg.engines.expert_parallel, model_path)   # before any engine starts
     return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend) for i in range(cfg.engines.pool_size)]
 
 
@@ -58,7 +59,8 @@ def _local_server(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_
                          max_model_len=cfg.engines.max_model_len, tp=cfg.engines.tp,
                          enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
                          gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
-                         weight_backend=weight_backend, env=engine_env(cfg, i, weight_backend))
+                         weight_backend=weight_backend, env=engine_env(cfg, i, weight_backend),
+                         expert_parallel=cfg.engines.expert_parallel)
     return LocalServerEngine(f"engine{i}", server, cfg.engines.timeout_s, cfg.engines.start_timeout_s)
 
 

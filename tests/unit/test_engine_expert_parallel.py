@@ -1,12 +1,19 @@
 """vLLM expert parallelism for the engines megarl starts (rollout.engines.expert_parallel): the
 settings that refuse it, the engine arguments and server flags that carry it, and the plan's
 engine memory with it."""
+import contextlib
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
+from megarl.config.schema import EnginesConfig, RolloutConfig
+from megarl.rollout import vllm_async
+from megarl.rollout.build import build_engine, build_engines
+from megarl.rollout.vllm_settings import check_expert_parallel, cli_flags, engine_settings
 
 
 def config(*overrides):
@@ -42,3 +49,71 @@ def test_a_recipe_s_expert_parallel_gives_way_to_remote_servers_on_the_command_l
     assert load_config(str(path), []).rollout.engines.expert_parallel
     remote = load_config(str(path), ["rollout.engines.mode=remote", "rollout.engines.urls=[http://node1:8000]"])
     assert not remote.rollout.engines.expert_parallel
+
+
+def moe_dir(tmp_path, experts: int) -> str:
+    """A model folder whose config.json has `experts` routed experts (0: a dense model)."""
+    folder = tmp_path / f"model{experts}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM" if experts else
+                                                                      "Qwen3ForCausalLM"],
+                                                    **({"num_experts": experts} if experts else {})}))
+    return str(folder)
+
+
+def test_a_dense_model_is_refused_in_one_line(tmp_path):
+    dense = moe_dir(tmp_path, 0)
+    with pytest.raises(ConfigError) as err:
+        check_expert_parallel(True, dense)
+    line = str(err.value)
+    assert line.startswith("rollout.engines.expert_parallel=True: ") and dense in line and "\n" not in line
+    assert "set rollout.engines.expert_parallel=false" in line
+    check_expert_parallel(False, dense)   # off: nothing to check
+    check_expert_parallel(True, moe_dir(tmp_path, 4))
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_every_engine_megarl_starts_gets_the_setting(tmp_path, on):
+    """In-process engines' AsyncEngineArgs and the local servers' flags (build_engine, as the pool
+    builds them) carry enable_expert_parallel when asked, and only then (the flags of every other
+    engine are unchanged)."""
+    cfg = RolloutConfig(engines=EnginesConfig(tp=2, expert_parallel=on))
+    assert vllm_async.engine_args(cfg, seed=0, index=0).get("enable_expert_parallel", False) is on
+    cfg.engines.mode = "local_servers"
+    engine = build_engine(cfg, moe_dir(tmp_path, 4), 0, str(tmp_path), 0)
+    argv = engine.server.command()
+    assert ("--enable-expert-parallel" in argv) is on and "--no-enable-expert-parallel" not in argv
+    with pytest.raises(ConfigError) if on else contextlib.nullcontext():   # the pool checks the model first
+        assert build_engines(cfg, moe_dir(tmp_path, 0), 0, str(tmp_path))[0].server.expert_parallel is on
+
+
+def test_the_cluster_servers_get_it_and_refuse_a_dense_model(tmp_path, monkeypatch, capsys):
+    """`python -m megarl.rollout.serve` (the slurm scripts' servers) renders the same flag, and
+    refuses a dense model.path before it execs vLLM."""
+    from megarl.rollout import serve
+    got = {}
+
+    def fake_execve(path, argv, env):
+        got["argv"] = list(argv)
+        raise SystemExit(0)
+    monkeypatch.setattr(serve.os, "execve", fake_execve)
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "k" * 32)
+    args = ["rollout.engines.tp=2", "rollout.engines.expert_parallel=true", "--host", "10.1.2.3", "--port", "8123"]
+    with pytest.raises(SystemExit):
+        serve.main(["serve", "recipes/tiny_cpu.yaml", f"model.path={moe_dir(tmp_path, 4)}", *args])
+    assert "--enable-expert-parallel" in got.pop("argv")
+    assert serve.main(["serve", "recipes/tiny_cpu.yaml", f"model.path={moe_dir(tmp_path, 0)}", *args]) == 2
+    assert "rollout.engines.expert_parallel=True" in capsys.readouterr().err and not got
+
+
+def test_vllm_reads_the_flag_megarl_renders():
+    """The settings' name is an AsyncEngineArgs field and its flag is one vLLM's parser knows."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    settings = engine_settings(seed=0, max_model_len=64, tp=2, enforce_eager=True, kv_cache_mb=16,
+                               gpu_memory_utilization=0.5, cuda=False, expert_parallel=True)
+    parser = FlexibleArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    parsed = AsyncEngineArgs.from_cli_args(parser.parse_args(cli_flags(settings)))
+    assert parsed.enable_expert_parallel is True and parsed.tensor_parallel_size == 2
+    assert "enable_expert_parallel" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
