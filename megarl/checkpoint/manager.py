@@ -26,6 +26,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint import FileSystemReader
 
 from megarl.checkpoint import CheckpointError
+from megarl.checkpoint.optimizer_layout import OPTIMIZER_METADATA, to_this_layout
 from megarl.checkpoint.state import StateRegistry, rng_state, set_rng_state  # noqa: F401 - rng_*: public here
 from megarl.config.errors import ConfigError
 from megarl.distributed import faults
@@ -33,8 +34,9 @@ from megarl.distributed.env import from_rank0
 from megarl.models.builders import Trainable
 
 _STEP = re.compile(r"^step_(\d+)$")
-# Canonical per-parameter optimizer state: loads at any TP / PP / DP layout.
-_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Canonical per-parameter optimizer state: loads at any TP / PP / DP / EP layout
+# (checkpoint/optimizer_layout.py)
+_OPT_META = OPTIMIZER_METADATA
 
 
 def _barrier():
@@ -158,9 +160,12 @@ def save_trainable(t: Trainable, folder: Path) -> None:
 
 
 def load_trainable(t: Trainable, folder: Path) -> None:
-    state = dist_checkpointing.load(_sharded(t, is_loading=True), str(folder))
+    sharded = _sharded(t, is_loading=True)
+    state = dist_checkpointing.load(sharded, str(folder))
     t.model.module.load_state_dict(state["model"], strict=True)
-    t.optimizer.load_state_dict(state["optimizer"])
+    # a checkpoint of another expert-parallel size holds its optimizers' param groups in its
+    # own structure: into this run's (optimizer_layout.py)
+    t.optimizer.load_state_dict(to_this_layout(sharded["optimizer"], state["optimizer"]))
     t.optimizer.reload_model_params()  # main (fp32) params from the loaded model params
     _unshare_adam_steps(t.optimizer)
     t.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
