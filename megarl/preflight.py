@@ -227,10 +227,7 @@ def check_backends(cfg) -> None:
         if value in ("nccl", "ipc"):
             raise ConfigError(f"{key}={value!r} needs GPUs and this machine shows none: use {key}=auto "
                               f"(gloo without a GPU) or gloo")
-    # models/transformer_config.py refuses it too, after the run dir is locked
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel=True needs GPUs with Transformer Engine and this machine "
-                          "shows none: set parallel.sequence_parallel=false")
+    # parallel.sequence_parallel runs on CPU too (models/norms.py): nothing to refuse here
 
 
 def check_weight_rendezvous(cfg) -> None:

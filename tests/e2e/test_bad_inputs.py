@@ -94,8 +94,6 @@ CASES = [
     ("data_is_a_folder", ["data.prompts={tmp}"], "is a folder"),
     ("data_one_json_array", ["data.prompts={tmp}/array.jsonl"], "one JSON object per line"),
     ("nccl_without_gpu", ["parallel.backend=nccl"], "parallel.backend='nccl' needs GPUs"),
-    ("sequence_parallel_without_gpu", ["parallel.tp=2", "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=True needs GPUs"),
     ("kv_cache_beyond_memory", ["rollout.engines.kv_cache_mb=100000000"], "rollout.engines.kv_cache_mb=100000000"),
     ("model_index_names_missing_file", ["model.path={tmp}/m_index"], "names missing files"),
     ("model_config_disagrees_with_weights", ["model.path={tmp}/m_layers"], "missing HF parameters"),

@@ -108,7 +108,7 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1                        # tensor-parallel size of the trainer
     pp: int = 1                        # pipeline-parallel size of the trainer
-    sequence_parallel: bool = False    # split LayerNorm/dropout activations over TP ranks (GPU + TE only)
+    sequence_parallel: bool = False    # split LayerNorm/dropout activations over TP ranks (MoE at tp > 1 needs it)
     backend: str = "auto"              # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
     timeout_s: int = 600               # collective timeout: a hung rank fails loudly after this
     # expert-parallel size (Mixture-of-Experts models): each MoE layer's experts are split over ep
