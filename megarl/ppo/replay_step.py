@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import device as dev
 from megarl.distributed import parallel
 from megarl.ppo import route_layout as layout
 from megarl.ppo.batch import Batch
@@ -37,9 +38,7 @@ class StepReplay:
         self.route_bytes = batch.routes.numel() * batch.routes.element_size() if batch.routes is not None else 0
         if mode == "r3":
             if batch.routes is None:
-                raise ValueError("algo.routing_replay=r3 replays the engine's expert choices, and samples of this step "
-                                 "carry none (Sample.routes): run engines that capture them (docs/moe.md "
-                                 "\"Routing replay\"), or set algo.routing_replay=r2 or off")
+                raise ValueError(missing_routes("this step's batch"))
             if self.control is not None:
                 self.control.check(batch.routes)
 
@@ -75,6 +74,35 @@ class StepReplay:
         if scored:
             out["routing_agreement"] = same / scored
         return out
+
+
+def missing_routes(what: str) -> str:
+    return (f"algo.routing_replay=r3 replays the engine's expert choices, and {what} holds samples without them "
+            f"(Sample.routes): run engines that capture them (docs/moe.md \"Routing replay\"), or set "
+            f"algo.routing_replay=r2 or off")
+
+
+_WIRE = (torch.uint8, torch.int16, torch.int32)   # route_layout.route_dtype's choices
+
+
+def share_routes(samples: list | None, shape: tuple, device: torch.device) -> torch.Tensor:
+    """Global rank 0's samples' routes as [count, length, MoE layers, k] (`shape`: the tokens'
+    [count, length]) on every rank: a header, then the tensor (two broadcasts). Raises on every
+    rank when a sample of rank 0's has none (algo.routing_replay=r3)."""
+    routes = layout.batch_routes(samples, shape[1]) if samples else None
+    head = [0, 0, 0, 0] if routes is None else [1, *routes.shape[2:], _WIRE.index(routes.dtype)]
+    head = dev.put(torch.tensor(head, dtype=torch.long), device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.broadcast(head, src=0)
+    known, layers, k, code = head.cpu().tolist()
+    if not known:
+        raise ValueError(missing_routes("the carry (partial rollout, rollout.lag)"))
+    routes = (dev.put(routes, device) if routes is not None
+              else torch.empty((*shape, layers, k), dtype=_WIRE[code], device=device))
+    if world > 1:
+        dist.broadcast(routes, src=0)
+    return routes
 
 
 def recorded_routes(control: RouteReplay, batch: Batch, plan: Plan) -> torch.Tensor:

@@ -30,7 +30,7 @@ from megarl.ppo.losses import LOG_RATIO_CLAMP, kl_penalty, masked_mean
 from megarl.ppo.microbatch import Usage, batching_of, plan_batch
 from megarl.ppo.moe_metrics import RouterStats
 from megarl.ppo.nonfinite import NonFiniteError, first_nonfinite
-from megarl.ppo.replay_step import StepReplay
+from megarl.ppo.replay_step import StepReplay, share_routes
 from megarl.ppo.schedule import forward_all
 from megarl.ppo.stabilizers import bapo_bounds, m2po_keep
 
@@ -248,6 +248,8 @@ def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) 
         return []
     vocab, temp = actor.info.vocab_size, cfg.rollout.sampling.temperature
     batch = _logprob_batch(tokens, lens, width)
+    if cfg.algo.routing_replay == "r3":   # l_old of the engine's experts, as the step's (ppo/replay_step.py)
+        batch.routes = share_routes(samples if _global_rank() == 0 else None, tokens.shape, tokens.device)
     resp = [r for _, r in batch.lengths()]   # one device-to-host copy, which the plan reuses
     logp = forward_all(lambda m, b, layout: actor_ops.logprobs(m, b, layout, vocab, temp), actor.model,
                        batch, batching_of(cfg)).cpu()

@@ -9,9 +9,10 @@ behaviour logprobs come from a transformers forward of the same weights:
   do); the engine's choices differ from the model's own.
 - routes=own: the experts transformers' routers chose themselves, and its plain logprobs.
 - routes=none: no Sample.routes; plain transformers logprobs.
-The step's metrics are written per case (rank 0), and for r2 also `recorded_same`: the share of
+The step's metrics are written per case (rank 0); for r2 also `recorded_same`: the share of
 scored token-layers where the routes recorded in the old-logprob pass (every DP rank's,
-gathered) are transformers' own choices.
+gathered) are transformers' own choices; for r3 also `carry_mismatch_max`: the carry's l_old
+(trainer_logprobs, partial rollout's stitching) against the behaviour logprobs.
 usage: route_replay_probe.py MODEL_DIR OUT_JSON --case NAME routes=KIND key=value... [--case ...]
 """
 import json
@@ -104,6 +105,21 @@ def recorded_same(models, cfg, batch, hf, samples) -> float:
     return same / total
 
 
+def carry(models, cfg, samples) -> dict:
+    """The carry's l_old (trainer_logprobs: samples on global rank 0 only, as the driver holds
+    them) against the behaviour logprobs."""
+    import torch.distributed as dist
+
+    from megarl.ppo.step import trainer_logprobs
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        got = trainer_logprobs(cfg, models.actor, samples if first else None, 0)
+    except ValueError as err:
+        return {"carry_error": str(err)}
+    return {"carry_mismatch_max": max(abs(a - b) for s, values in zip(samples, got)
+                                      for a, b in zip(values, s.logprobs))}
+
+
 def run_case(model_dir: str, args: list[str], world_size: int, hf: HFRoutes) -> dict:
     from megarl.config import load_config, validate_world
     from megarl.distributed import parallel
@@ -126,6 +142,8 @@ def run_case(model_dir: str, args: list[str], world_size: int, hf: HFRoutes) -> 
     out = {}
     if cfg.algo.routing_replay == "r2":
         out["recorded_same"] = recorded_same(models, cfg, batch, hf, samples)
+    if cfg.algo.routing_replay == "r3":
+        out.update(carry(models, cfg, samples))
     try:
         metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, 0)
         out.update({k: metrics[k] for k in METRICS if k in metrics})

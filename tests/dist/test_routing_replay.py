@@ -23,6 +23,7 @@ from test_moe_layouts import moe_model  # noqa: F401  (the module fixture: the t
 # are 2.4 nats away (routes=forced under off), any misplaced route moves its token by O(0.1).
 LOGP_TOL = 1e-5
 
+PROBE = "tests/dist/route_replay_probe.py"
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 CASES = {   # name: (ranks, probe arguments)
     "r3": (1, ["routes=forced", "algo.routing_replay=r3"]),
@@ -50,8 +51,8 @@ def runs(moe_model, tmp_path_factory):  # noqa: F811
     out = {}
     for nproc, args in launches.items():
         path = tmp / f"world{nproc}.json"
-        launch = ["tests/dist/route_replay_probe.py"] if nproc == 1 else [
-            "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", "tests/dist/route_replay_probe.py"]
+        launch = [PROBE] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                                            PROBE]
         proc = run_py(launch + [str(moe_model), str(path), *args])
         assert proc.returncode == 0, proc.stderr[-6000:]
         out.update(json.loads(path.read_text()))
@@ -62,6 +63,8 @@ def runs(moe_model, tmp_path_factory):  # noqa: F811
 def test_r3_logprobs_are_those_of_the_engines_experts(runs, name):
     got = runs[name]
     assert got["logprob_mismatch_max"] < LOGP_TOL, got
+    # the carry's l_old (partial rollout's stitching, rollout.lag): the routes travel from rank 0
+    assert got["carry_mismatch_max"] < LOGP_TOL, got
     # the update's forward and the reference replay the same experts as the old-logprob pass
     assert abs(got["ratio_mean"] - 1) < 1e-6 and got["approx_kl"] < 1e-9 and got["kl"] < 1e-9, got
     # random experts agree with the model's own choice for about 1 token-layer in 6 (1 / C(4, 2))
@@ -96,3 +99,4 @@ def test_r2_records_the_models_own_experts_and_leaves_old_logprobs_alone(runs, n
 def test_r3_without_routes_is_refused_naming_the_setting(runs):
     error = runs["r3_no_routes"].get("error", "")
     assert "algo.routing_replay=r3" in error and "Sample.routes" in error, runs["r3_no_routes"]
+    assert "algo.routing_replay=r3" in runs["r3_no_routes"]["carry_error"], runs["r3_no_routes"]
