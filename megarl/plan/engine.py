@@ -23,7 +23,8 @@ def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: 
     kv_tok = mem.kv_bytes_per_token(arch, engine_tp)
     b = {"weights": mem.engine_weight_bytes(arch, engine_tp),
          "kv_cache": per_engine * r.engines.max_model_len * kv_tok,
-         "workspace": mem.engine_workspace_bytes(arch, engine_tp, per_engine)}
+         "workspace": mem.engine_workspace_bytes(arch, engine_tp, per_engine,
+                                                 expert_parallel=r.engines.expert_parallel)}
     total = cluster.gpu_mem_gb * GiB
     budget = min(r.engines.gpu_memory_utilization * total, total - cluster.reserve_gb * GiB)
     transfer = engine_transfer_buffers(cfg, arch)   # none with ipc: the engine reads the trainer's

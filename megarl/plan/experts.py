@@ -84,8 +84,12 @@ def dispatcher_bytes(a: Arch, seq: int, mbs: int, tp: int, etp: int, act_bytes: 
     return 2 * seq * mbs * routed_copies_per_token(a, tp, etp, sequence_parallel) * a.hidden * act_bytes
 
 
-def sparse_mlp_workspace_width(a: Arch, engine_tp: int) -> float:
+def sparse_mlp_workspace_width(a: Arch, engine_tp: int, expert_parallel: bool = False) -> float:
     """Values per token of vLLM's fused-MoE working caches on one engine GPU (gate|up and
     SwiGLU output of each routed copy over TP, the hidden-wide output of each copy) plus the
-    shared expert's SwiGLU: what replaces a dense layer's 3 x ffn / TP in its workspace."""
-    return a.top_k * (3 * a.moe_ffn / engine_tp + a.hidden) + 3 * a.shared_ffn / engine_tp
+    shared expert's SwiGLU: what replaces a dense layer's 3 x ffn / TP in its workspace.
+    With expert parallelism (rollout.engines.expert_parallel) a GPU holds whole experts: its
+    caches are as many rows (tokens x top-k) at the experts' full width. The experts' weights
+    per GPU are the same either way (all of them over TP, or 1/TP of them whole)."""
+    split = 1 if expert_parallel else engine_tp
+    return a.top_k * (3 * a.moe_ffn / split + a.hidden) + 3 * a.shared_ffn / engine_tp

@@ -253,7 +253,8 @@ def engine_weight_bytes(a: Arch, engine_tp: int, w_bytes: int = 2) -> float:
     return total_params(a) * w_bytes / engine_tp
 
 
-def engine_workspace_bytes(a: Arch, engine_tp: int, seqs: int, batched_tokens: int = 8192) -> float:
+def engine_workspace_bytes(a: Arch, engine_tp: int, seqs: int, batched_tokens: int = 8192,
+                           expert_parallel: bool = False) -> float:
     """vLLM's non-KV working memory, approximately: fp32 logits of the running batch over the
     full vocab (sampling), and one prefill chunk's activations (hidden, q/kv, gate/up) at
     bf16. vLLM measures it in a profiling run; this is the same order of magnitude. An MoE
@@ -261,7 +262,7 @@ def engine_workspace_bytes(a: Arch, engine_tp: int, seqs: int, batched_tokens: i
     (`experts.sparse_mlp_workspace_width`)."""
     logits = seqs * a.vocab * 4
     dense = 3 * a.ffn / engine_tp if len(a.dense_layers) or not a.moe else 0
-    mlp = max(dense, experts.sparse_mlp_workspace_width(a, engine_tp) if a.moe else 0)
+    mlp = max(dense, experts.sparse_mlp_workspace_width(a, engine_tp, expert_parallel) if a.moe else 0)
     act = batched_tokens * 2 * 2 * (a.hidden + (a.heads + 2 * a.kv_heads) * a.head_dim / engine_tp + mlp)
     return logits + act
 

@@ -117,3 +117,24 @@ def test_vllm_reads_the_flag_megarl_renders():
     parsed = AsyncEngineArgs.from_cli_args(parser.parse_args(cli_flags(settings)))
     assert parsed.enable_expert_parallel is True and parsed.tensor_parallel_size == 2
     assert "enable_expert_parallel" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def test_plan_sizes_an_engine_gpu_with_whole_experts():
+    """`megarl plan`: with expert parallelism an engine GPU holds 1 / TP of the experts whole
+    instead of every expert's 1 / TP: the same weight bytes, but vLLM's fused-MoE caches are
+    as many rows (tokens x top-k) at the experts' full width."""
+    from megarl.models.arch import Arch, resolve_arch
+    from megarl.plan import experts
+    from megarl.plan.engine import engine_memory
+    # 4 experts of moe_ffn 3, top-2, hidden 4: per token 2 x (3 x 3 / TP + 4) over TP=2, 2 x (3 x 3 + 4) whole
+    moe = Arch(hidden=4, layers=2, heads=2, kv_heads=1, head_dim=2, ffn=8, vocab=16, experts=4, top_k=2, moe_ffn=3)
+    assert experts.sparse_mlp_workspace_width(moe, 2) == 2 * (4.5 + 4)
+    assert experts.sparse_mlp_workspace_width(moe, 2, expert_parallel=True) == 2 * (9 + 4)
+    per_gpu = {}
+    for on in (False, True):
+        cfg = load_config("recipes/qwen3_30b_a3b.yaml", [f"rollout.engines.expert_parallel={str(on).lower()}"])
+        arch = resolve_arch(cfg)[0]
+        per_gpu[on] = engine_memory(cfg, arch, cfg.cluster, cfg.rollout.engines.count, cfg.rollout.engines.tp)
+    assert per_gpu[True]["per_gpu_bytes"]["weights"] == per_gpu[False]["per_gpu_bytes"]["weights"]
+    assert per_gpu[True]["per_gpu_bytes"]["workspace"] > per_gpu[False]["per_gpu_bytes"]["workspace"]
+    assert per_gpu[True]["need_bytes"] > per_gpu[False]["need_bytes"]
