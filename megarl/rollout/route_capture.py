@@ -257,6 +257,12 @@ def taken(results) -> dict:
     return {rid: from_state(d) for rid, d in first.items()}
 
 
+async def fetch(rpc, ids: list[str], keep: bool) -> dict:
+    """{request id: rows} of `ids` from an engine's workers; `rpc(method, args)` is the engine's
+    collective_rpc (in-process, or a server's /collective_rpc), returning each worker's answer."""
+    return taken(await rpc(TAKE, (take_request(ids, keep),)))
+
+
 def worker_start(self) -> dict:
     """`collective_rpc(START)`: capture from now on in this worker."""
     return install(self)

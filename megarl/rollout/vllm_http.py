@@ -29,7 +29,7 @@ from typing import Optional
 
 import aiohttp
 
-from megarl.rollout import held_tokens
+from megarl.rollout import held_tokens, route_capture, routes
 from megarl.rollout.engine import (
     STALE_SESSION,
     Engine,
@@ -81,6 +81,7 @@ class _Flight:
     aborted: bool = False
     response: Optional[aiohttp.ClientResponse] = None
     reader: Optional[asyncio.Task] = None       # the pending POST or read of the stream
+    prompt_len: int = 0
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -116,6 +117,7 @@ class HTTPVLLMEngine(Engine):
         self._inflight: dict[str, _Flight] = {}  # X-Request-Id -> flight
         self._ids = itertools.count()
         self._tag = secrets.token_hex(3)        # request ids stay unique across clients of one server
+        self._capturing = False                 # the server's workers capture routes (routes set)
 
     # -- messages ------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -138,6 +140,26 @@ class HTTPVLLMEngine(Engine):
         self._open_session()
         await self._wait_healthy(self.start_timeout_s)
         await self._discover()
+        if self.routes:   # routing replay: megarl's capture in the server's workers (route_capture.py)
+            got = await self._collective(route_capture.START)
+            self._capturing = bool(got and isinstance(got[0], dict) and got[0].get("layers"))
+
+    async def _collective(self, method: str, args: tuple = ()) -> list:
+        """The server's /collective_rpc (VLLM_SERVER_DEV_MODE): each worker's answer."""
+        status, body = await self._call("POST", "/collective_rpc", {"method": method, "args": list(args)}, check=False)
+        if status != 200 or not isinstance(body.get("results"), list):
+            raise EngineError(f"{self._where()}: POST /collective_rpc {method} -> HTTP {status}: {str(body)[:300]}. "
+                              f"Routing replay (algo.routing_replay=r3) needs megarl installed beside the server's "
+                              f"vLLM (its plugin adds {method}); else set algo.routing_replay=off")
+        return body["results"]
+
+    async def _attach_routes(self, flights: list[_Flight], keep: bool) -> None:
+        """Each flight's routes, trimmed to its tokens (`keep`: the requests are held and go on)."""
+        rows = await route_capture.fetch(self._collective, [f.vllm_id for f in flights], keep) \
+            if self._capturing else {}
+        for f in flights:
+            want = routes.expected_rows(f.prompt_len, len(f.result.token_ids))
+            f.result.routes = routes.fit(rows.get(f.vllm_id), want)
 
     def _open_session(self) -> None:
         if self._session is None:
@@ -267,6 +289,8 @@ class HTTPVLLMEngine(Engine):
         self._paused = True
         if self._inflight:   # what the server streamed before it stopped may still be on its way to us
             await self._hold_every_token()
+            if self.routes:  # partial() of a held request carries its routes
+                await self._attach_routes(list(self._inflight.values()), keep=True)
 
     async def held_counts(self) -> Optional[dict[str, int]]:
         """{request key: tokens the paused server generated for it} of this client's requests
@@ -386,7 +410,9 @@ class HTTPVLLMEngine(Engine):
     def partial(self, key: str) -> Optional[GenResult]:
         for f in self._inflight.values():
             if f.key == key:
-                return copy_result(f.result)
+                out = copy_result(f.result)   # routes read at the last pause: none for tokens since
+                out.routes = routes.fit(out.routes, routes.expected_rows(f.prompt_len, len(out.token_ids)))
+                return out
         return None
 
     def _payload(self, req: GenRequest) -> dict:
@@ -401,7 +427,7 @@ class HTTPVLLMEngine(Engine):
         # header-safe, unique, and readable in the server log
         rid = f"{re.sub(r'[^A-Za-z0-9_.:-]', '_', req.key)[:64]}-{self._tag}{next(self._ids)}"
         f = _Flight(req.key, rid, GenResult(req.key, engine=self.name),
-                    asyncio.get_running_loop().create_future())
+                    asyncio.get_running_loop().create_future(), prompt_len=len(req.prompt_ids))
         self._inflight[rid] = f
         try:
             await self._stream(req, f)
@@ -424,6 +450,8 @@ class HTTPVLLMEngine(Engine):
         # (vLLM's "abort", a stream we closed, one that ended before its first token) is an abort
         if f.result.finish_reason not in ("stop", "length"):
             f.result.finish_reason = "abort"
+        if self.routes:
+            await self._attach_routes([f], keep=False)
         return f.result
 
     async def _stream(self, req: GenRequest, f: _Flight) -> None:

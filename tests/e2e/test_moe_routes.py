@@ -85,3 +85,53 @@ def test_concurrent_requests_get_their_own_routes(pool, hf):
     engine = pool.pool.engines[0]
     info = pool.call(engine.llm.collective_rpc(route_capture.START), "the capture's counts")[0]
     assert info["from_cache"] >= 128, f"the shared prompt did not hit the prefix cache: {info}"
+
+
+def test_a_request_held_over_a_weight_update_keeps_each_rows_weights(pool, hf, moe_dir, tmp_path):
+    """rollout.update_mode=keep with keep_kv=false: a request paused mid-way has the routes of
+    its tokens so far (partial), the engine loads other router weights and drops the held KV;
+    after resume, the rows that produced the earlier tokens stay the old weights' and every
+    later row is the new weights' (the recompute feeds the whole sequence under them)."""
+    new_dir = tmp_path / "other_router"
+    other = type(hf).from_pretrained(moe_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(p.flip(0))        # the experts' router rows reversed: other choices
+    other.save_pretrained(new_dir)
+    engine = pool.pool.engines[0]
+    ps = prompts(hf.config.vocab_size, (9, 6), seed=1)
+    long_req = GenRequest("held", ps[0], 200, seed=3, ignore_eos=True)
+    short_req = GenRequest("beside", ps[1], 6, seed=4, ignore_eos=True)
+
+    async def held():
+        import asyncio
+        task = asyncio.ensure_future(pool.pool.generate_all([long_req, short_req]))
+        while (engine.partial("held") is None or len(engine.partial("held").token_ids) < 5) and not task.done():
+            await asyncio.sleep(0.01)
+        await engine.pause()
+        part = engine.partial("held")
+        await engine.reload_weights(str(new_dir), 1)
+        await engine.clear_kv()
+        await engine.resume()
+        return part, await task
+    try:
+        part, (done, beside) = pool.call(held(), "a request held over a weight update", timeout=600)
+    finally:
+        async def back():
+            await engine.pause()
+            await engine.reload_weights(str(moe_dir), 2)
+            await engine.resume()
+        pool.call(back(), "the module's weights back")
+    assert part is not None and 5 <= len(part.token_ids) < long_req.max_tokens, "the request was not held mid-way"
+    if set(beside.versions) == {0}:     # the request beside it ended before the update
+        check(hf, short_req, beside)
+    n = len(part.routes)
+    assert n == len(ps[0]) + len(part.token_ids) - 1
+    old = hf_routes(hf, list(ps[0]) + list(done.token_ids))
+    new = hf_routes(other, list(ps[0]) + list(done.token_ids))
+    assert np.array_equal(part.routes, old[:n])
+    assert done.routes.shape == old.shape
+    assert np.array_equal(done.routes[:n], old[:n]), "rows of tokens produced before the update changed"
+    assert np.array_equal(done.routes[n:], new[n:]), "rows after the update are not the new weights' routes"
+    assert not np.array_equal(old[n:], new[n:]), "the new router routes alike: the check could not fail"
