@@ -1,9 +1,12 @@
 """Expert parallelism leaves PPO's numbers unchanged: a tiny Qwen3-MoE (4 experts, top-2, every
 layer MoE) trained by layout_probe.py on 1 rank and with its experts split over 2 ranks
-(parallel.ep=2: dp=2, each rank 2 experts; the allgather dispatcher on 1 rank: megarl refuses it
-with ep > 1, tests/unit/test_moe_mapping.py); the comparison is
-tests/dist/parity.py's (losses, gradient norms, logprobs before and after each update), with
-its tolerances. A wrong expert shard (rows of one expert's fc1 swapped on one rank) fails it."""
+(parallel.ep=2: dp=2, each rank 2 experts), over TP=2 x EP=2 (each expert split over TP too;
+sequence parallelism on, as megatron's MoE layers need at TP > 1) and PP=2 x EP=2 on 4 ranks,
+and the allgather dispatcher on 1 rank (megarl refuses it with ep > 1: models/moe_layout.py);
+the comparison is tests/dist/parity.py's (losses, gradient norms, logprobs before and after each
+update), with its tolerances. A wrong expert shard (rows of one expert's fc1 swapped on one
+rank) fails it. A dist checkpoint saved at EP=2 resumes at EP=1, and one saved at EP=1 at
+TP=2 x EP=2, and the next step equals the uninterrupted run's."""
 import json
 import shutil
 
@@ -42,12 +45,28 @@ def probe(model, tmp_path, name, nproc, args):
     return json.loads(out.read_text())
 
 
-CASES = {   # name: (ranks, overrides)
+EP2, SP = ["parallel.ep=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
+SWAP_EXPERT = "swap_rows=mlp.experts.local_experts.1.linear_fc1.weight"
+# name: (ranks, overrides); {ckpt}: the module's checkpoint folder. The launches run by rank
+# count in this order (2, 1, 4), one launch each, so that a checkpoint one launch saves is
+# there for the next one to resume from at another EP: saved after step 0 (train.steps=1),
+# resumed for step 1 (train.steps=2), whose numbers the reference has.
+CASES = {
+    "ep2": (2, EP2),
+    "ep2_swapped": (2, [*EP2, SWAP_EXPERT]),
+    "save_ep2": (2, [*EP2, "train.steps=1", "save={ckpt}/ep2"]),
     "ref": (1, []),
-    "ep2": (2, ["parallel.ep=2"]),
     "allgather": (1, ["parallel.moe_dispatcher=allgather"]),
-    "ep2_swapped": (2, ["parallel.ep=2", "swap_rows=mlp.experts.local_experts.1.linear_fc1.weight"]),
+    "save_ep1": (1, ["train.steps=1", "save={ckpt}/ep1"]),
+    "ep2_to_ep1": (1, ["resume={ckpt}/ep2"]),
+    "ep2_to_ep1_swapped": (1, ["resume={ckpt}/ep2", SWAP_EXPERT]),
+    # megatron trains MoE layers at TP > 1 only with sequence parallelism (docs/moe.md)
+    "tp2ep2": (4, [*SP, *EP2]),
+    "pp2ep2": (4, ["parallel.pp=2", *EP2]),
+    "ep1_to_tp2ep2": (4, [*SP, *EP2, "resume={ckpt}/ep1"]),
 }
+LAYOUTS = ("ep2", "allgather", "tp2ep2", "pp2ep2")
+RESUMED = ("ep2_to_ep1", "ep1_to_tp2ep2")
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +74,19 @@ def runs(moe_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_layouts")
     launches: dict[int, list[str]] = {}
     for name, (nproc, overrides) in CASES.items():
-        launches.setdefault(nproc, []).extend(["--case", name, "train.steps=2",
-                                               "moe.load_balancing=none", *overrides])
+        launches.setdefault(nproc, []).extend(["--case", name, "train.steps=2", "moe.load_balancing=none",
+                                               *(o.format(ckpt=tmp / "ckpt") for o in overrides)])
     out = {}
     for nproc, args in launches.items():
         out.update(probe(moe_model, tmp, f"world{nproc}", nproc, args))
     return out
 
 
-@pytest.mark.parametrize("name", ["ep2", "allgather"])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_matches_single_rank(runs, name):
+    """EP=2, TP=2 x EP=2 (sequence parallel) and PP=2 x EP=2 on 2 and 4 ranks, and the allgather
+    dispatcher on 1: losses, gradient norms and logprobs of 2 PPO steps equal the single
+    rank's within parity.py's tolerances."""
     assert len(runs[name]) == 2
     assert_parity(runs[name], runs["ref"], what=name)
 
@@ -74,7 +96,28 @@ def test_a_wrong_expert_shard_fails_the_comparison(runs):
     assert errs["grad_norm"] > 1 and errs["logp_start"] > 1, errs
 
 
-@pytest.mark.parametrize("nproc,overrides", [(2, ["parallel.ep=2"]), (4, ["parallel.ep=2", "parallel.tp=2"])],
+@pytest.mark.parametrize("name", RESUMED)
+def test_checkpoint_resumes_at_another_expert_layout(runs, name):
+    """Actor, critic and distributed-optimizer state saved after step 0 at EP=2 resume at EP=1
+    (experts of 2 ranks into 1), and saved at EP=1 resume at TP=2 x EP=2 (each expert split
+    over TP too): the loaded weights give the uninterrupted run's logprobs after step 0, and
+    step 1 its losses, gradient norms and logprobs (Adam's moments and step count included)."""
+    ref, got = runs["ref"], runs[name]
+    assert len(got) == 1
+    assert_parity([{"logp": got[0]["logp_start"]}], [{"logp": ref[0]["logp"]}], what=f"{name}: loaded weights")
+    assert_parity(got, ref[1:], what=f"{name}: after resume")
+
+
+def test_a_wrong_expert_after_resume_fails_the_comparison(runs):
+    """The same resume with two rows of one expert swapped in the loaded weights: the
+    comparison catches it, so a resharding that misplaced an expert's rows would fail."""
+    got, ref = runs["ep2_to_ep1_swapped"], runs["ref"]
+    assert errors([{"logp": got[0]["logp_start"]}], [{"logp": ref[0]["logp"]}])["logp"] > 10
+    with pytest.raises(AssertionError, match="grad_norm"):
+        assert_parity(got, ref[1:], what="wrong expert after resume")
+
+
+@pytest.mark.parametrize("nproc,overrides", [(2, EP2), (4, [*EP2, *SP])],
                          ids=["ep2", "tp2ep2"])
 def test_weight_push_gathers_every_expert_once(moe_model, tmp_path, nproc, overrides):
     """The collective route's sender side at EP=2 (and TP=2 x EP=2 on 4 ranks): every HF tensor
