@@ -17,7 +17,7 @@ class MetricsLogger:
     headline numbers."""
 
     HEADLINE = ("reward_mean", "response_len_mean", "kl", "policy_loss", "value_loss",
-                "logprob_mismatch_mean", "step_time_s")
+                "logprob_mismatch_mean", "moe_imbalance", "step_time_s")
 
     def __init__(self, run_dir: str, total_steps: int, tensorboard: bool, progress: bool, start_step: int = 0,
                  wandb: WandbSink | None = None):

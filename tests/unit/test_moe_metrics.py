@@ -84,3 +84,13 @@ def test_padding_mask_marks_positions_past_each_row(mm):
 def test_a_dense_actor_reports_nothing(mm):
     dense = SimpleNamespace(info=SimpleNamespace(config=SimpleNamespace(num_moe_experts=None)))
     assert mm.RouterStats.of(dense).collect() == {}
+
+
+def test_the_progress_line_shows_the_expert_imbalance(tmp_path, capsys):
+    from megarl.metrics.logger import MetricsLogger
+    log = MetricsLogger(str(tmp_path), total_steps=2, tensorboard=False, progress=False)
+    log.log(0, {"reward_mean": 0.5, "moe_imbalance": 1.25, "moe_imbalance_max": 1.5})
+    log.log(1, {"reward_mean": 0.5})   # a dense model's row: no such figure
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert "moe_imbalance=1.25" in lines[0] and "moe_imbalance" not in lines[1]
