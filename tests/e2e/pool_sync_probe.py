@@ -1,7 +1,9 @@
 """Subprocess body of test_pool_sync: weight sync from several trainer layouts into a pool.
 
 Run under torchrun with 4 ranks. Rank 0 opens one engine pool per engine mode (one
-engine each: in-process and/or a local vLLM server, both able to take either transport);
+engine each: in-process, a local vLLM server it starts, and/or a running vLLM server reached
+as a remote engine (`remote=URL`, its key in $MEGARL_ENGINE_API_KEY); each able to take
+either transport);
 then for each layout TP=2, PP=2 and TP=2 x PP=2 (in that order, in the same world) every rank
 builds the actor from the tiny model, and for each transport (collective, then files) perturbs
 its weights (so an engine that missed the push cannot match by accident), pushes them as a new
@@ -11,7 +13,8 @@ safetensors' writer is counted: nothing may be staged. Finally one push per tran
 drops a bucket, which the same measure must expose. Before the first push, rank 0 runs the
 engine contract (tests/engine_contract.py) on the in-process engine, whose weights are still
 the model folder's (its logprobs' reference: a transformers forward of them).
-usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES(comma-separated) STAGING_BASE LOG_DIR
+usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES STAGING_BASE LOG_DIR
+ENGINE_MODES: comma-separated, each inprocess, local_servers or remote=URL (reported as remote)
 """
 import dataclasses
 import json
@@ -144,7 +147,9 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
         return found
     pools, transports = {}, {}
     for mode in modes.split(","):
-        c = dataclasses.replace(cfg.rollout, engines=dataclasses.replace(cfg.rollout.engines, mode=mode))
+        mode, _, url = mode.partition("=")
+        engines = dataclasses.replace(cfg.rollout.engines, mode=mode, **({"urls": [url]} if url else {}))
+        c = dataclasses.replace(cfg.rollout, engines=engines)
         pools[mode] = open_pool(c, model_dir, 0, f"{logs}/{mode}", "gloo") if env.rank == 0 else None
         for kind in ("collective", "files"):
             ws = dataclasses.replace(cfg.weight_sync, transport=kind, bucket_mb=1)

@@ -6,10 +6,12 @@ import engine_contract
 from conftest import run_py
 
 
-def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_model, tmp_path):
+def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_model, remote_engine, tmp_path):
     """Contract: after a push from TP=2, PP=2 and TP=2 x PP=2 (4 gloo ranks), over each
     transport (collective: vLLM's weight-transfer session on megarl's gloo backend; files),
-    each of an in-process engine and a local vLLM server samples at temperature 0.7 with
+    each of an in-process engine and a vLLM server (the session's shared one, tests/conftest.py
+    remote_engine, reached over HTTP as a cluster job reaches its servers: no server start of
+    its own) samples at temperature 0.7 with
     logprobs equal to the trainer's within 1e-4 (fp32), reports the pushed version, and is
     left running; the collective pushes stage no file (the staging folder is read-only
     meanwhile, safetensors' writer is never called, and no weight file appears in shared
@@ -26,7 +28,8 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
     out = tmp_path / "probe.json"
     proc = run_py(["-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
                    "tests/e2e/pool_sync_probe.py", str(tiny_model), str(out),
-                   "inprocess,local_servers", str(staging), str(tmp_path / "logs")], timeout=1200)
+                   f"inprocess,remote={remote_engine.server.url}", str(staging), str(tmp_path / "logs")],
+                  timeout=1200, env=remote_engine.env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads(out.read_text())
     assert r["contract/inprocess"] == [c.__name__ for c in engine_contract.CHECKS]
@@ -53,7 +56,7 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
     assert len(r["skipped_bucket_gaps"]) == 4
     for engine, gap in r["skipped_bucket_gaps"].items():
         assert gap > 1e-2, (engine, gap)
-    for mode in ("inprocess", "local_servers"):
+    for mode in ("inprocess", "remote"):
         for kind in ("collective", "files"):
             assert "differ from the trainer's" in r[f"verify_message/{mode}/{kind}"]
     assert all(h["alive"] and not h["paused"] and h["version"] == r["last_version"] for h in r["health"])
