@@ -135,3 +135,38 @@ def test_a_request_held_over_a_weight_update_keeps_each_rows_weights(pool, hf, m
     assert np.array_equal(done.routes[:n], old[:n]), "rows of tokens produced before the update changed"
     assert np.array_equal(done.routes[n:], new[n:]), "rows after the update are not the new weights' routes"
     assert not np.array_equal(old[n:], new[n:]), "the new router routes alike: the check could not fail"
+
+
+@pytest.fixture(scope="module")
+def server_pool(moe_dir):
+    from megarl.config import load_config
+    from megarl.rollout.pool import open_pool
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={moe_dir}", "rollout.engines.count=1",
+                                                "rollout.engines.mode=local_servers"])
+    sp = open_pool(cfg.rollout, str(moe_dir), 0, str(moe_dir), routes=True)
+    yield sp
+    sp.close()
+
+
+def test_a_server_returns_each_requests_routes_over_http(server_pool, hf):
+    """A vLLM server megarl starts: the routes travel over its /collective_rpc, by request id;
+    a paused request's partial carries the rows of its tokens so far."""
+    engine = server_pool.pool.engines[0]
+    ps = prompts(hf.config.vocab_size, (7, 13), seed=2)
+    reqs = [GenRequest("a", ps[0], 150, seed=5, ignore_eos=True), GenRequest("b", ps[1], 5, seed=6, ignore_eos=True)]
+
+    async def both():
+        import asyncio
+        task = asyncio.ensure_future(server_pool.pool.generate_all(reqs))
+        while (engine.partial("a") is None or len(engine.partial("a").token_ids) < 3) and not task.done():
+            await asyncio.sleep(0.01)
+        await engine.pause()
+        part = engine.partial("a")
+        await engine.resume()
+        return part, await task
+    part, results = server_pool.call(both(), "two requests on a server", timeout=600)
+    for req, res in zip(reqs, results):
+        check(hf, req, res)
+    assert part is not None and part.routes is not None, "the paused request's partial has no routes"
+    assert np.array_equal(part.routes, results[0].routes[:len(part.routes)])
+    assert len(part.routes) == len(ps[0]) + len(part.token_ids) - 1
