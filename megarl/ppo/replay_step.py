@@ -54,12 +54,15 @@ class StepReplay:
         finally:
             control.recording = control.counting = False
         if self.mode == "r2":
-            self.train_batch = replace(self.batch, routes=recorded_routes(control, self.batch, plan))
+            routes = recorded_routes(control, self.batch, plan)
+            self.train_batch = replace(self.batch, routes=routes)
+            self.route_bytes = routes.numel() * routes.element_size()
         return out
 
     def metrics(self) -> dict:
         """routing_agreement (r3: over every rank's scored token-layers of the old-logprob pass)
-        and route_bytes (the batch's routes on each rank)."""
+        and route_bytes (the routes the step holds on this rank: the engine's, or r2's recorded
+        ones of this stage's layers)."""
         out = {"route_bytes": float(self.route_bytes)} if self.mode != "off" else {}
         if self.mode != "r3" or self.control is None:
             return out
