@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from megarl.rollout.engine import EngineError
 from megarl.rollout.routes import from_state, to_state
 
 START = "megarl_routes_start"
@@ -255,6 +256,16 @@ def taken(results) -> dict:
     engine saw the same routes (the router is replicated over TP), the first answers."""
     first = next((r for r in results or [] if isinstance(r, dict)), {})
     return {rid: from_state(d) for rid, d in first.items()}
+
+
+def started(answers, engine: str, model: str) -> bool:
+    """Whether `START`'s answers (one per worker) say the capture runs; raises for a model
+    without MoE layers: algo.routing_replay=r3 would train without the routes it asked for."""
+    first = next((a for a in answers or [] if isinstance(a, dict)), {})
+    if not first.get("layers"):
+        raise EngineError(f"engine {engine}: algo.routing_replay=r3 replays the experts each token was routed to, "
+                          f"but model {model} has no Mixture-of-Experts layer: set algo.routing_replay=off")
+    return True
 
 
 async def fetch(rpc, ids: list[str], keep: bool) -> dict:

@@ -112,8 +112,8 @@ class AsyncVLLMEngine(Engine):
                               f"to start: {type(err).__name__}: {err}") from err
         if self.routes and not args.get("enable_return_routed_experts"):
             # CPU: megarl's capture in the workers (route_capture.py); a dense model has none
-            got = await self._collective(route_capture.START)
-            self._capturing = bool(got and got[0].get("layers"))
+            self._capturing = route_capture.started(await self._collective(route_capture.START), self.name,
+                                                    self.model_path)
 
     @property
     def running(self) -> int:

@@ -142,7 +142,7 @@ class HTTPVLLMEngine(Engine):
         await self._discover()
         if self.routes:   # routing replay: megarl's capture in the server's workers (route_capture.py)
             got = await self._collective(route_capture.START)
-            self._capturing = bool(got and isinstance(got[0], dict) and got[0].get("layers"))
+            self._capturing = route_capture.started(got, self.name, self.model or self.url)
 
     async def _collective(self, method: str, args: tuple = ()) -> list:
         """The server's /collective_rpc (VLLM_SERVER_DEV_MODE): each worker's answer."""
