@@ -2,7 +2,8 @@
 
 What the engine did, for audit: prompt and response as text and token ids, the behaviour
 logprob and weight version of every response token, the finish reason and the reward; for
-a multi-turn episode also its loss mask (0 on observation tokens) and number of turns.
+a multi-turn episode also its loss mask (0 on observation tokens) and number of turns; under
+routing replay the experts each token was routed to.
 Written to a temporary name and renamed, so a crash never leaves half a file.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 
 from megarl.data.sample import Sample
+from megarl.rollout import routes
 
 
 def sample_record(s: Sample, tokenizer) -> dict:
@@ -22,7 +24,9 @@ def sample_record(s: Sample, tokenizer) -> dict:
             "finish_reason": s.finish_reason or ("stop" if s.stopped else "length"),
             "reward": float(s.reward),
             # episodes: 1 on model tokens, 0 on the environment's observation tokens
-            **({"mask": [int(m) for m in s.mask], "turns": s.turns} if s.mask else {})}
+            **({"mask": [int(m) for m in s.mask], "turns": s.turns} if s.mask else {}),
+            # routing replay: the engine's experts per token (routes.to_state: dtype, shape, base64)
+            **({"routes": routes.to_state(s.routes)} if s.routes is not None else {})}
 
 
 def dump_samples(run_dir: str, step: int, samples: list[Sample], tokenizer) -> str:
@@ -49,7 +53,8 @@ def read_samples(path: str) -> list[Sample]:
                 samples.append(Sample(r["prompt_ids"], r["response_ids"], r["logprobs"], r["versions"],
                                       r["finish_reason"] == "stop", r["group"], reward=r["reward"],
                                       finish_reason=r["finish_reason"], uid=r.get("uid", -1),
-                                      mask=list(r.get("mask", [])), turns=int(r.get("turns", 0))))
+                                      mask=list(r.get("mask", [])), turns=int(r.get("turns", 0)),
+                                      routes=routes.from_state(r.get("routes"))))
             except (ValueError, KeyError) as err:
                 raise ValueError(f"{path}, row {row}: not a megarl sample record ({err!r})") from None
     return samples

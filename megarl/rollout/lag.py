@@ -19,6 +19,7 @@ import dataclasses
 from collections import deque
 
 from megarl.data.sample import Sample
+from megarl.rollout import routes
 
 
 class LagQueue:
@@ -53,10 +54,12 @@ class LagQueue:
 
     def state_dict(self) -> dict:
         return {"lag": self.lag,
-                "rounds": [{"samples": [dataclasses.asdict(s) for s in samples], "metrics": dict(metrics)}
+                "rounds": [{"samples": [routes.sample_state(dataclasses.asdict(s)) for s in samples],
+                            "metrics": dict(metrics)}
                            for samples, metrics in self.rounds]}
 
     def load_state_dict(self, state: dict) -> None:
         """The queued rounds of the checkpoint. A checkpoint of another lag keeps its rounds
         (none is lost or trained twice); the queue then refills or drains to this lag."""
-        self.rounds = deque(([Sample(**d) for d in r["samples"]], dict(r["metrics"])) for r in state["rounds"])
+        self.rounds = deque(([Sample(**routes.sample_from_state(d)) for d in r["samples"]], dict(r["metrics"]))
+                            for r in state["rounds"])

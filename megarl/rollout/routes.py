@@ -94,3 +94,14 @@ def from_state(d) -> Optional[np.ndarray]:
     if d is None or isinstance(d, np.ndarray):
         return d
     return np.frombuffer(base64.b64decode(d["data"]), dtype=d["dtype"]).reshape(d["shape"]).copy()
+
+
+def sample_state(d: dict) -> dict:
+    """A Sample's fields (dataclasses.asdict) with its routes in plain-data form: checkpoints
+    are loaded with torch.load(weights_only=True), which refuses numpy arrays."""
+    return {**d, "routes": to_state(d.get("routes"))}
+
+
+def sample_from_state(d: dict) -> dict:
+    """The inverse of `sample_state` (a checkpoint from before routes existed has none)."""
+    return {**d, "routes": from_state(d.get("routes"))}

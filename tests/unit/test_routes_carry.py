@@ -195,3 +195,37 @@ def test_route_bytes_counts_the_trained_samples_routes():
 
 def test_unused_engine_class_is_not_routed():
     assert ScriptedEngine.routes is False
+
+
+def _routed_sample(n_prompt=3, n_resp=4):
+    from megarl.data.sample import Sample
+    rows = np.arange((n_prompt + n_resp - 1) * 4, dtype=np.uint8).reshape(-1, 2, 2)
+    return Sample([1] * n_prompt, [5] * n_resp, [0.0] * n_resp, [0] * n_resp, True, 0, routes=rows,
+                  old_logprobs=[0.0] * n_resp)
+
+
+def test_checkpointed_samples_keep_their_routes(tmp_path):
+    """The lag queue's samples and a controller's slots go into driver.pt, which is loaded with
+    torch.load(weights_only=True): their routes must be plain data and come back equal."""
+    import torch
+
+    from megarl.rollout.lag import LagQueue
+    q = LagQueue(1)
+    s = _routed_sample()
+    q.put([s], {})
+    torch.save({"lag": q.state_dict(), "slot": group_state(Group(0, {}, [1, 2], [Slot(0, 0, 0, routes=s.routes)]))},
+               tmp_path / "driver.pt")
+    back = torch.load(tmp_path / "driver.pt", weights_only=True)
+    q2 = LagQueue(1)
+    q2.load_state_dict(back["lag"])
+    assert np.array_equal(q2.rounds[0][0][0].routes, s.routes)
+    assert np.array_equal(group_from_state(back["slot"]).slots[0].routes, s.routes)
+
+
+def test_dumped_samples_keep_their_routes(tmp_path):
+    from megarl.rollout.dump import dump_samples, read_samples
+    tok = type("T", (), {"decode": staticmethod(lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))})()
+    s = _routed_sample()
+    path = dump_samples(str(tmp_path), 1, [s], tok)
+    back = read_samples(path)
+    assert np.array_equal(back[0].routes, s.routes) and back[0].routes.dtype == np.uint8
