@@ -178,6 +178,7 @@ def _patch_uneven_sequence_collectives() -> None:
         out = scatter(torch.cat([padded(p, rows) for p in parts]), group)
         return out[:input_split_sizes[group.rank()]]
 
+    gather_uneven.original, scatter_uneven.original = gather, scatter
     mappings._gather_along_first_dim = gather_uneven
     mappings._reduce_scatter_along_first_dim = scatter_uneven
 
