@@ -14,12 +14,12 @@ column sums are the tokens each expert was given. `RouterStats` hooks the actor'
 - at the step's end `collect` puts the actor's per-layer means (per micro-batch, as megatron
   scales them) back into the tracker and reduces them with megatron's own
   `reduce_aux_losses_tracker_across_ranks` (sum over PP stages; the load-balancing losses as
-  the routers declared them; the z-loss, which megatron leaves per rank, averaged over TP x
-  DP), sums the token counts over DP (EP included) and PP, summarises them
+  the routers declared them; the z-loss, which megatron leaves per rank, as a mean over every
+  real token of the step), sums the token counts over DP (EP included) and PP, summarises them
   (`summarise`: pure) and clears the tracker.
 
-Every rank returns the same numbers, so a run at 1 rank and at EP=2 on the same data reports
-the same token shares; the losses are megatron's per micro-batch values, equal where the
+Every rank returns the same numbers, and every layout the same token shares and z-loss on the
+same data; the load-balancing loss is megatron's per micro-batch value, equal where the
 layouts' micro-batches hold the same rows.
 """
 from __future__ import annotations
@@ -106,6 +106,7 @@ class RouterStats:
         # on the device (no host copy per router call); calls on the host
         self.counts = torch.zeros(config.num_layers, config.num_moe_experts, dtype=torch.long, device=dev.current())
         self.calls = torch.zeros(config.num_layers, dtype=torch.long)
+        self.tokens = torch.zeros(config.num_layers, dtype=torch.float64, device=dev.current())  # real ones routed
         self.losses: dict[str, torch.Tensor] = {}
         self._before: dict[str, torch.Tensor] = {}
         for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
@@ -129,6 +130,7 @@ class RouterStats:
     def reset(self) -> None:
         self.counts.zero_()
         self.calls.zero_()
+        self.tokens.zero_()
         self.losses.clear()
         moe_utils.clear_aux_losses_tracker()
 
@@ -146,14 +148,19 @@ class RouterStats:
             return
         routing_map = output[1]
         pad = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+        tokens = routing_map.shape[0]
         if pad is not None:
-            routing_map = routing_map & ~pad.reshape(-1, 1)
+            valid = ~pad.reshape(-1, 1)
+            routing_map, tokens = routing_map & valid, valid.sum()
         layer = router.layer_number - 1
         self.counts[layer] += routing_map.sum(dim=0)
         self.calls[layer] += 1
+        self.tokens[layer] += tokens
         for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items():
             before = self._before.get(name)
             added = entry["values"] - before if before is not None else entry["values"].clone()
+            if name == Z_LOSS:   # a mean over this call's real tokens: kept as their sum (`collect`)
+                added = added * tokens
             self.losses[name] = self.losses[name] + added if name in self.losses else added
         self._before = {}
 
@@ -165,27 +172,32 @@ class RouterStats:
         parallel.all_reduce_sum(counts, parallel.dp_group())   # EP ranks are DP ranks
         if self.config.sequence_parallel:   # each TP rank routed its share of the sequence
             parallel.all_reduce_sum(counts, parallel.tp_group())
+        tokens = parallel.all_reduce_sum(self.tokens.clone(), parallel.tp_dp_group())   # as the z-loss sums
         if parallel.pp_size() > 1:
             parallel.all_reduce_sum(counts, parallel.pp_group())
+            parallel.all_reduce_sum(tokens, parallel.pp_group())
         per_call = self.calls.clamp(min=1).to(device=device, dtype=torch.float32)
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         for name in self.names:
-            values = self.losses.get(name, torch.zeros(self.config.num_layers, device=device))
-            tracker[name] = {"values": values.float().to(device) / per_call, **_groups(name)}
+            values = self.losses.get(name, torch.zeros(self.config.num_layers, device=device)).to(device)
+            values = values.double() if name == Z_LOSS else values.float() / per_call
+            tracker[name] = {"values": values, **_groups(name)}
         moe_utils.reduce_aux_losses_tracker_across_ranks(self.names)
-        losses = {name: tracker[name]["values"].tolist() for name in self.names}
+        losses = {name: tracker[name]["values"] for name in self.names}
+        if Z_LOSS in losses:   # summed over every real token of the step, whatever rank held it
+            losses[Z_LOSS] = losses[Z_LOSS] / tokens.clamp(min=1)
         self.reset()
-        return summarise(losses, counts.tolist())
+        return summarise({name: v.tolist() for name, v in losses.items()}, counts.tolist())
 
 
 def _groups(name: str) -> dict:
     """How megatron's reduction treats a tracker entry: as the routers declare it for the
     load-balancing losses (router.py; megarl has no context parallelism, so TP x CP is TP);
-    the z-loss, which the routers record per rank, averaged over TP x DP."""
-    if name == LOAD_BALANCING_LOSSES["global_aux_loss"]:
+    the z-loss, which the routers record per rank as a mean over their own real tokens (under
+    sequence parallelism a TP rank's part of the sequence, mostly padding at its end), as sums
+    over every TP x DP rank's tokens (`_record`), divided by their count after the reduction."""
+    if name in (LOAD_BALANCING_LOSSES["global_aux_loss"], Z_LOSS):
         return {"reduce_group": parallel.tp_dp_group(), "avg_group": None, "reduce_group_has_dp": True}
-    if name == Z_LOSS:
-        return {"reduce_group": None, "avg_group": parallel.tp_dp_group(), "reduce_group_has_dp": False}
     return {"reduce_group": parallel.tp_group(), "avg_group": None, "reduce_group_has_dp": False}
 
 

@@ -62,12 +62,16 @@ def test_only_the_hooked_model_s_router_calls_with_gradients_count(mm):
         for actor_loss, critic_loss in ((0.5, 7.0), (0.25, 3.0)):
             stats._snapshot(router, (None, pad))
             moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(actor_loss), 2, 3)
+            moe_utils.save_to_aux_losses_tracker("z_loss", torch.tensor(4 * actor_loss), 2, 3)
             stats._record(router, (None, pad), {}, (None, routing))
             moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(critic_loss), 2, 3)
         with torch.no_grad():
             stats._snapshot(router, (None, pad))
             stats._record(router, (None, pad), {}, (None, routing))
         assert stats.losses["load_balancing_loss"].tolist() == [0.0, 0.75, 0.0]
+        # the z-loss is each call's mean over its real tokens (2 here): kept as their sum
+        assert stats.losses["z_loss"].tolist() == [0.0, 2 * (2.0 + 1.0), 0.0]
+        assert stats.tokens.tolist() == [0.0, 4.0, 0.0]
         assert stats.counts[1].tolist() == [4, 2, 2, 0]
         assert stats.calls.tolist() == [0, 2, 0]
     finally:
