@@ -61,9 +61,9 @@ class StepReplay:
 
     def metrics(self) -> dict:
         """routing_agreement (r3: over every rank's scored token-layers of the old-logprob pass)
-        and route_bytes (the routes the step holds on this rank: the engine's, or r2's recorded
+        and train_route_bytes (the routes the step holds on this rank: the engine's, or r2's recorded
         ones of this stage's layers)."""
-        out = {"route_bytes": float(self.route_bytes)} if self.mode != "off" else {}
+        out = {"train_route_bytes": float(self.route_bytes)} if self.mode != "off" else {}
         if self.mode != "r3" or self.control is None:
             return out
         counts = self.control.take_agreement()

@@ -28,7 +28,7 @@ bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/boo
 from layout_probe import split_cases, synthetic_samples  # noqa: E402
 
 METRICS = ("logprob_mismatch_max", "logprob_mismatch_mean", "ratio_mean", "approx_kl", "kl", "routing_agreement",
-           "route_bytes", "is_weight_mean", "policy_loss", "grad_norm")
+           "train_route_bytes", "is_weight_mean", "policy_loss", "grad_norm")
 
 
 class HFRoutes:

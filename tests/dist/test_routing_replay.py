@@ -74,7 +74,7 @@ def test_r3_logprobs_are_those_of_the_engines_experts(runs, name):
     # random experts agree with the model's own choice for about 1 token-layer in 6 (1 / C(4, 2))
     assert got["routing_agreement"] < 0.5, got
     assert got["routing_agreement"] == runs["r3"]["routing_agreement"]   # the same tokens and routers
-    assert got["route_bytes"] > 0
+    assert got["train_route_bytes"] > 0
 
 
 def test_without_replay_the_same_samples_are_far_from_the_engines_experts(runs):
@@ -99,7 +99,7 @@ def test_r3_of_the_models_own_experts_agrees_fully(runs):
 @pytest.mark.parametrize("name", ["r2", "ep2_r2", "pp2_r2", "tp2sp_r2"])
 def test_r2_records_the_models_own_experts_and_leaves_old_logprobs_alone(runs, name):
     got = runs[name]
-    assert got["recorded_same"] == 1.0 and got["route_bytes"] > 0, got
+    assert got["recorded_same"] == 1.0 and got["train_route_bytes"] > 0, got
     assert got["logprob_mismatch_max"] < LOGP_TOL and abs(got["ratio_mean"] - 1) < 1e-6, got
 
 
