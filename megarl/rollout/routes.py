@@ -46,19 +46,22 @@ def join(old, new, keep: int):
     """Rows of a continued sequence: `old`'s first `keep` rows (those that produced tokens the
     continuation keeps; fewer when `old` has fewer: an episode's observation tokens were never
     fed before), then `new`'s rows past them. `new` covers the continuation's whole input from
-    position 0. None (or `old`'s rows alone) where `new` is missing."""
+    position 0. `old`'s rows where `new` is missing."""
+    if new is None:
+        # a running request's partial without fresh rows (they are read at pauses): the rows
+        # so far stay (its own earlier rows included: the engine never rewrites a row)
+        return None if old is None else old.copy()
     k = 0 if old is None else min(max(keep, 0), len(old))
-    if new is None or len(new) <= k:
-        return None if old is None else old[:k].copy()
+    if len(new) <= k:
+        return old[:k].copy()
     return new if k == 0 else np.concatenate([old[:k], new[k:]], axis=0)
 
 
 def continued(old, served: int, prompt_len: int, new):
     """Rows of a request continued after `served` tokens as a new request whose prompt is the
-    prompt + those tokens (`new` covers that prompt from position 0): nothing served, `new`."""
-    if served == 0:
-        return new
-    return join(old, new, prompt_len + served - 1)
+    prompt + those tokens (`new` covers that prompt from position 0): nothing served, `new`
+    (or, for a running request's partial without rows, the rows it had)."""
+    return join(old, new, prompt_len + served - 1 if served else 0)
 
 
 def trim(rows, n: int):

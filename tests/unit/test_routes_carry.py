@@ -52,7 +52,8 @@ class Routed:
         return res
 
     def partial(self, key):
-        return self._routed(key, super().partial(key))
+        """As the real engines: rows read at a pause; a running request's partial has none."""
+        return self._routed(key, super().partial(key)) if self.paused else super().partial(key)
 
 
 class RoutedKeyedEngine(Routed, tc.KeyedEngine):
