@@ -183,11 +183,10 @@ class RouterStats:
             values = values.double() if name == Z_LOSS else values.float() / per_call
             tracker[name] = {"values": values, **_groups(name)}
         moe_utils.reduce_aux_losses_tracker_across_ranks(self.names)
-        losses = {name: tracker[name]["values"] for name in self.names}
-        if Z_LOSS in losses:   # summed over every real token of the step, whatever rank held it
-            losses[Z_LOSS] = losses[Z_LOSS] / tokens.clamp(min=1)
-        self.reset()
-        return summarise({name: v.tolist() for name, v in losses.items()}, counts.tolist())
+        losses = {name: (tracker[name]["values"] / tokens.clamp(min=1) if name == Z_LOSS   # per real token
+                         else tracker[name]["values"]).tolist() for name in self.names}
+        self.reset()   # zeroes the tracker's tensors: read before
+        return summarise(losses, counts.tolist())
 
 
 def _groups(name: str) -> dict:

@@ -53,6 +53,7 @@ def test_expert_parallel_reports_what_one_rank_reports(runs, case, keys):
         assert set(keys) <= set(a), sorted(a)
         bad = {k: (a[k], b[k]) for k in keys if far(a[k], b[k])}
         assert not bad, f"step {step}: 1 rank vs EP=2 {bad}"
+        assert all(a[k] > 0 for k in keys if k in LOSSES), a   # on, the losses are never 0
         # 4 experts, top-2: a share lies in (0, 1/2]; the imbalance in [1, 2]
         assert 0 < a["moe_expert_share_min"] <= 0.25 <= a["moe_expert_share_max"] <= 0.5
         assert 1 <= a["moe_imbalance"] <= a["moe_imbalance_max"] <= 2

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_conversion_mapping import megatron_world  # noqa: F401  (gloo world of 1, megatron's groups)
 
 from megarl.bootstrap import bootstrap
 
@@ -76,6 +77,30 @@ def test_only_the_hooked_model_s_router_calls_with_gradients_count(mm):
         assert stats.calls.tolist() == [0, 2, 0]
     finally:
         stats.reset()
+
+
+def test_collect_reads_the_step_s_figures_and_clears_them(mm, megatron_world):  # noqa: F811
+    """At 1 rank (megatron's groups built): the load-balancing loss is the mean over the calls
+    of a layer, the z-loss the mean over the real tokens of all of them, the shares the counts';
+    the tracker and the figures are cleared for the next step."""
+    from megatron.core.transformer.moe import moe_utils
+    stats = mm.RouterStats(torch.nn.Module(), SimpleNamespace(**{**vars(config()), "moe_z_loss_coeff": 0.001}))
+    stats.reset()
+    router = SimpleNamespace(training=True, layer_number=1)
+    calls = [(1.0, 3.0, torch.tensor([[1, 1, 0, 0]] * 3, dtype=torch.bool)),   # 3 real tokens, z 3.0 each
+             (2.0, 6.0, torch.tensor([[0, 0, 1, 1]], dtype=torch.bool))]        # 1 real token, z 6.0
+    for aux, z, routing in calls:
+        stats._snapshot(router, (None,))
+        moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(aux), 1, 3)
+        moe_utils.save_to_aux_losses_tracker("z_loss", torch.tensor(z), 1, 3)
+        stats._record(router, (None,), {}, (None, routing))
+    out = stats.collect()
+    assert out["moe_aux_loss"] == pytest.approx(1.5)                 # (1 + 2) / 2 calls
+    assert out["moe_z_loss"] == pytest.approx((3 * 3.0 + 6.0) / 4)   # per real token
+    assert out["moe_expert_share_max"] == pytest.approx(3 / 8) and out["moe_expert_share_min"] == pytest.approx(1 / 8)
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    assert not any(entry["values"].any() for entry in tracker.values())
+    assert stats.collect() == {}   # nothing routed since
 
 
 def test_padding_mask_marks_positions_past_each_row(mm):
