@@ -100,6 +100,8 @@ class RouteReplay:
         if not self._replaying or not self.routers:
             return
         routes = batch.routes
+        # r2's recorded routes hold this stage's MoE layers, the engine's every MoE layer (which
+        # are the same columns when this stage holds them all)
         columns = range(len(self.routers)) if routes.shape[2] == len(self.routers) else self.columns
         rank = parallel.tp_rank() if self.tp > 1 else 0
         for router, idx in zip(self.routers, layout.sequence_major(routes, columns, rank, self.tp)):

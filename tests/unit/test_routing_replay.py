@@ -138,3 +138,20 @@ def test_only_the_policy_models_replay(role, want):
     hf.architectures = ["Qwen3MoeForCausalLM"]
     cfg = load_config("recipes/tiny_cpu.yaml", ["algo.routing_replay=r3"])
     assert moe_layout(cfg, hf, role)["router"]["routing_replay"] == want
+
+
+@pytest.mark.parametrize("shape,top", [((1, 4, 3, 2), 1), ((1, 4, 2, 4), 1), ((1, 4, 2, 2), 4)],
+                         ids=["layers", "topk", "expert_id"])
+def test_routes_of_another_model_are_refused(shape, top):
+    """Routes from engines serving another architecture (MoE layers, top-k, expert count)."""
+    from types import SimpleNamespace
+
+    from megarl.ppo.routing_replay import RouteReplay
+    config = SimpleNamespace(moe_layer_freq=[1, 1], num_layers=2, moe_router_topk=2, num_moe_experts=4,
+                             sequence_parallel=False)
+    control = RouteReplay(torch.nn.Module(), config)
+    control.check(torch.ones((1, 4, 2, 2), dtype=torch.uint8))
+    routes = torch.zeros(shape, dtype=torch.uint8)
+    routes[0, 0, 0, 0] = top
+    with pytest.raises(ValueError, match=r"Sample.routes hold .* and the model has 2 MoE layers x top-2 of 4 experts"):
+        control.check(routes)
