@@ -31,7 +31,7 @@ LONGEST_FIRST = [
     "tests/e2e/test_request_errors.py", "tests/dist/test_token_budget.py",
     "tests/dist/test_model_families.py", "tests/e2e/test_partial_rollout.py", "tests/e2e/test_extensions.py",
     "tests/dist/test_moe_layouts.py", "tests/dist/test_routing_replay.py", "tests/e2e/test_moe_train.py",
-    "tests/e2e/test_moe_routes.py",
+    "tests/e2e/test_moe_routes.py", "tests/dist/test_moe_metrics.py",
     "tests/e2e/test_bad_inputs.py",
     "tests/unit/test_job_layout.py",
     "tests/dist/test_plan_moe_memory.py",
