@@ -533,7 +533,7 @@ def main() -> None:
             for q, r in enumerate(results):
                 g = gids[q // n]
                 smp = Sample(record_of(g)[1], r.token_ids, r.logprobs, r.versions, r.stopped, q // n,
-                             record_of(g)[0], finish_reason=r.finish_reason)
+                             record_of(g)[0], finish_reason=r.finish_reason, uid=g)
                 smp.reward = score_sample(smp, tokenizer, reward_fn)
                 samples.append(smp)
             assert [len(x.response_ids) for x in samples] == [r.max_tokens for r in reqs], "sync: lengths not forced"
@@ -606,6 +606,7 @@ def main() -> None:
         stale_max = {m: 0 for m in modes}           # the oldest trained token, in versions before its step
         group_max = {m: [] for m in modes}          # per trained group: its longest sample
         group_start = {m: [] for m in modes}        # per trained group: the version its first token had
+        group_ids = {m: set() for m in modes}       # the trained groups' draws (Sample.uid: gid)
         push(0)                                     # every mode's rollout k runs at version k
         for kp in keep_pools.values():
             push(0, kp)
@@ -628,6 +629,7 @@ def main() -> None:
                                     for i in range(0, len(samples), n)]
                 group_start[mode] += [min(x.versions[0] for x in samples[i:i + n])
                                       for i in range(0, len(samples), n)]
+                group_ids[mode] |= {x.uid for x in samples}
                 partials = on_loop(controller.pending_old_logprobs) if controller is not None else None
                 padded_twin = twin and mode not in overlaps   # (overlap's passes ran in the round)
                 if padded_twin and k % 2:   # alternate which trainer goes first
@@ -768,6 +770,8 @@ def main() -> None:
                 "staleness_max_trained": stale_max[m], "long_group_share": long_share(m),
                 "long_group_share_vs_sync": long_share(m) / max(1e-9, long_share("sync")),
                 "long_group_share_vs_population": long_share(m) / max(1e-9, population_share),
+                # lengths are drawn per gid: over sync's groups a mode that trained them all has sync's share
+                "sync_groups_trained_frac": len(group_ids[m] & group_ids["sync"]) / max(1, len(group_ids["sync"])),
                 "long_group_share_settled": settled_share(m), "settled_groups": len(settled(m)),
                 "long_group_share_settled_vs_population": settled_share(m) / max(1e-9, population_share),
                 "long_group_share_settled_se_rel": share_se(len(settled(m))) / max(1e-9, population_share),
@@ -921,7 +925,7 @@ def main() -> None:
                   f"long-group share {f['long_group_share']:.3f} ({f['long_group_share_vs_sync']:.2f} of sync's, "
                   f"{f['long_group_share_vs_population']:.2f} of the population's; settled "
                   f"{f['long_group_share_settled_vs_population']:.2f} +- {f['long_group_share_settled_se_rel']:.2f} "
-                  f"over {f['settled_groups']} groups), "
+                  f"over {f['settled_groups']} groups; trained {f['sync_groups_trained_frac']:.2f} of sync's groups), "
                   f"due waits {f['due_wait_s']:.1f}s / {f['due_wait_samples']} samples; "
                   f"rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
