@@ -6,7 +6,7 @@ and the allgather dispatcher on 1 rank (megarl refuses it with ep > 1: models/mo
 the comparison is tests/dist/parity.py's (losses, gradient norms, logprobs before and after each
 update), with its tolerances. A wrong expert shard (rows of one expert's fc1 swapped on one
 rank) fails it. A dist checkpoint saved at EP=2 resumes at EP=1, and one saved at EP=1 at
-TP=2 x EP=2, and the next step equals the uninterrupted run's."""
+TP=2 x EP=2, and one saved at EP=2 at EP=4: the next step equals the uninterrupted run's."""
 import json
 import shutil
 
@@ -64,9 +64,10 @@ CASES = {
     "tp2ep2": (4, [*SP, *EP2]),
     "pp2ep2": (4, ["parallel.pp=2", *EP2]),
     "ep1_to_tp2ep2": (4, [*SP, *EP2, "resume={ckpt}/ep1"]),
+    "ep2_to_ep4": (4, ["parallel.ep=4", "resume={ckpt}/ep2"]),   # one expert per rank
 }
 LAYOUTS = ("ep2", "allgather", "tp2ep2", "pp2ep2")
-RESUMED = ("ep2_to_ep1", "ep1_to_tp2ep2")
+RESUMED = ("ep2_to_ep1", "ep1_to_tp2ep2", "ep2_to_ep4")
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +100,10 @@ def test_a_wrong_expert_shard_fails_the_comparison(runs):
 @pytest.mark.parametrize("name", RESUMED)
 def test_checkpoint_resumes_at_another_expert_layout(runs, name):
     """Actor, critic and distributed-optimizer state saved after step 0 at EP=2 resume at EP=1
-    (experts of 2 ranks into 1), and saved at EP=1 resume at TP=2 x EP=2 (each expert split
-    over TP too): the loaded weights give the uninterrupted run's logprobs after step 0, and
-    step 1 its losses, gradient norms and logprobs (Adam's moments and step count included)."""
+    (experts of 2 ranks into 1) and at EP=4 (one expert per rank), and saved at EP=1 resume at
+    TP=2 x EP=2 (each expert split over TP too): the loaded weights give the uninterrupted
+    run's logprobs after step 0, and step 1 its losses, gradient norms and logprobs (Adam's
+    moments and step count included)."""
     ref, got = runs["ref"], runs[name]
     assert len(got) == 1
     assert_parity([{"logp": got[0]["logp_start"]}], [{"logp": ref[0]["logp"]}], what=f"{name}: loaded weights")
