@@ -28,7 +28,7 @@ from megarl.data.prompts import PromptSampler, check_chat_template, load_prompts
 from megarl.distributed import faults, parallel
 from megarl.distributed.device_guard import DeviceGuard
 from megarl.distributed.env import from_rank0, init_distributed
-from megarl.distributed.stop import StopSignal
+from megarl.distributed.stop import Stopped, StopSignal
 from megarl.eval.datasets import load_eval_sets
 from megarl.eval.runner import Evaluator
 from megarl.metrics.logger import MetricsLogger
@@ -77,6 +77,7 @@ class Trainer:
         self.lag = None                     # rollout.lag > 0: the driver's queue of rounds (rollout/lag.py)
         self.state = StateRegistry()        # what a checkpoint keeps besides the models
         self.start, self.last = 0, {}
+        self.stopped_in_setup = False       # a SIGTERM before the first step: run() trains nothing
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -95,14 +96,27 @@ class Trainer:
         self.state.register("sampler", self.sampler)
         self.state.register("rng", GlobalRNG())
         if self.is_driver:
-            self._open_driver(resume_from)
+            self._open_driver_unless_stopped(resume_from)
+        if self.stop.should_stop():   # a SIGTERM during setup: no step, nothing new to save
+            self.stopped_in_setup = True
+            return
         if driver is not None:
             ckpt.restore(driver, self.state)
         self.transport = weight_sync.open_transport(cfg.weight_sync, self.pool, cfg.rollout.engines.mode)
 
+    def _open_driver_unless_stopped(self, resume_from) -> None:
+        """`_open_driver`, cut short by a SIGTERM (the engines' start can take many minutes:
+        a pre-empted job must stop within the scheduler's grace period, distributed/stop.py)."""
+        try:
+            with self.stop.interruptible():
+                self._open_driver(resume_from)
+        except Stopped:
+            pass   # the pool closed what it had started; every rank learns of it in setup
+
     def _start_process(self) -> None:
         cfg = self.cfg
         self.env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.stop = StopSignal(cfg.checkpoint.time_budget_min)   # a SIGTERM from here on is kept
         self.is_driver = self.env.rank == 0
         validate_world(cfg, self.env.world_size)
         reaper.guard_descendants()   # engines, checkpoint writers: nothing outlives a SIGKILLed rank
@@ -161,7 +175,6 @@ class Trainer:
         preflight.ensure_pad_token(self.tokenizer, self.cfg.model.path)   # Llama's tokenizers have no pad token
         if os.environ.get("MEGARL_DEVICE_GUARD") == "1":   # debugging: fail on any host/device mix-up
             DeviceGuard().__enter__()
-        self.stop = StopSignal(self.cfg.checkpoint.time_budget_min)
         self.speed = SpeedMeter(self.cfg, self.env.world_size)   # lr, tokens/s, mfu, peak memory per step
         if self.cfg.rollout.overlap:   # the step's forward-only passes, run during the round too
             self.overlap = _overlap(self.cfg, self.models, self.tokenizer.pad_token_id)
@@ -191,6 +204,11 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         cfg, step = self.cfg, self.start - 1
+        if self.stopped_in_setup:
+            if self.is_driver:   # the line the cluster scripts requeue on (slurm/common.sh)
+                print(f"stopping before step {self.start} ({self.stop.reason} while starting): "
+                      "nothing new to save", flush=True)
+            return
         # the engines start from the HF files (or older weights on resume): push before rolling out
         self.push(self.start)
         for step in range(self.start, cfg.train.steps):
@@ -314,16 +332,18 @@ class Trainer:
 
     def finish(self) -> None:
         self.reward_fn.close()
-        if self.is_driver:
+        if self.is_driver:   # what setup opened: all of it, or what it had when a SIGTERM stopped it
             if self.evaluator is not None:
                 self.evaluator.close()
-            self.transport.close()
-            self.logger.close()
+            for opened in (self.transport, self.logger):
+                if opened is not None:
+                    opened.close()
             try:   # the environments' loop, the agent service: closed before the engines they use
                 if self.rollout is not None:
                     self.rollout.close()
             finally:
-                self.pool.close()
+                if self.pool is not None:
+                    self.pool.close()
         parallel.destroy()
         if self.lock is not None:
             self.lock.release()

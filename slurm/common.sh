@@ -343,7 +343,7 @@ megarl_job() {
     tail -n 5 "$JOB_LOG_DIR/trainer.log" || true
 
     if ((TERM_RECEIVED && trainer_rc == 0)) && [[ ${REQUEUE_ON_TERM} == 1 ]] \
-        && grep -q "stopping after step" "$JOB_LOG_DIR/trainer.log"; then
+        && grep -qE "stopping (after|before) step" "$JOB_LOG_DIR/trainer.log"; then
         log "stopped early on SIGTERM: requeueing job $SLURM_JOB_ID (it resumes from $RUN_DIR)"
         scontrol requeue "$SLURM_JOB_ID" || log "scontrol requeue failed: resubmit to resume"
     fi

@@ -2,9 +2,15 @@
 
 Each rank votes after a step; an all-reduce MAX makes one rank's SIGTERM everyone's, so all
 ranks reach the final checkpoint together instead of some hanging in a collective.
+
+Before the first step there is nothing to save, but a wait can be long (the engines' start:
+up to rollout.engines.start_timeout_s, 30 min by default): inside `interruptible()` a SIGTERM
+raises `Stopped` in the waiting thread, so a pre-empted job stops in seconds instead of after
+the start and a whole step, when the scheduler's grace period is long over.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -14,16 +20,36 @@ import torch.distributed as dist
 from megarl.distributed import device
 
 
+class Stopped(BaseException):
+    """A SIGTERM inside `StopSignal.interruptible()`. A BaseException, as KeyboardInterrupt:
+    handlers of errors (`except Exception`) on the way up must not swallow a stop."""
+
+
 class StopSignal:
     def __init__(self, budget_min: float = 0.0):
         self.start = time.monotonic()
         self.budget_s = budget_min * 60.0
         self.signalled = False
         self.reason = ""
+        self._raise = False             # inside interruptible(): the next SIGTERM raises Stopped
         signal.signal(signal.SIGTERM, self._on_term)
 
     def _on_term(self, signum, frame):
         self.signalled = True
+        if self._raise:
+            self._raise = False         # once: the cleanup on the way up is not cut short again
+            raise Stopped("SIGTERM")
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A SIGTERM before or during the block raises Stopped in this (the main) thread."""
+        if self.signalled:
+            raise Stopped("SIGTERM")
+        self._raise = True
+        try:
+            yield
+        finally:
+            self._raise = False
 
     def should_stop(self) -> bool:
         """Collective: True on every rank if any rank was signalled or the budget is spent."""

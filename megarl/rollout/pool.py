@@ -82,6 +82,9 @@ class LoopThread:
             future.cancel()
             raise EngineError(f"{what} did not finish within {timeout:g} s "
                               f"({setting}): an engine is hung or slow; see its log, or raise {setting}") from None
+        except BaseException:   # this thread was interrupted (a SIGTERM's Stopped): the call ends too
+            future.cancel()
+            raise
 
     def stop(self) -> None:
         if self.loop.is_running():
@@ -455,8 +458,17 @@ class SyncPool:
 
     def __init__(self, pool: EnginePool, loop: LoopThread, start_timeout_s: float):
         self.pool, self.loop = pool, loop
-        self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines",
-                      "rollout.engines.start_timeout_s")
+        try:
+            self.loop.run(pool.start(), start_timeout_s, "starting the rollout engines",
+                          "rollout.engines.start_timeout_s")
+        except BaseException:
+            # cut short (its deadline, a SIGTERM: distributed/stop.py): the start's own cleanup
+            # was cancelled with it, so the engines it began (servers launched) are closed here
+            try:
+                self.loop.run(pool.close(), 120, "stopping the rollout engines")
+            except Exception:   # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
 
     @property
     def version(self) -> int:

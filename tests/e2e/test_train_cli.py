@@ -91,6 +91,52 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, remote_engine, 
         assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-4)
 
 
+def test_sigterm_while_the_engines_start_stops_at_once_without_a_step(tiny_model, tmp_path):
+    """A SIGTERM while the trainer waits for its engines (here a server that answers 503 to
+    everything; rollout.engines.start_timeout_s=1200) ends the run within seconds: exit 0, the
+    line the cluster scripts requeue on, no step, no checkpoint. It used to be kept until the
+    start had ended and a first step was done: far past any scheduler's grace period."""
+    import http.server
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    hits = []
+
+    class NeverHealthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_error(503, "loading")
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NeverHealthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    run_dir = tmp_path / "starting"
+    cli = [sys.executable, "-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
+           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", "rollout.engines.mode=remote",
+           f"rollout.engines.urls=[http://127.0.0.1:{server.server_address[1]}]",
+           "rollout.engines.start_timeout_s=1200"]
+    proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    try:
+        deadline = time.time() + 600
+        while not hits and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert hits, f"the trainer never asked the server for its health: {proc.poll()}"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)   # without the stop: the whole 1200 s start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.shutdown()
+    assert proc.returncode == 0, err[-4000:]
+    assert "stopping before step 0 (SIGTERM while starting)" in out, out[-2000:] + err[-2000:]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+
+
 def test_an_engine_of_tp2_on_cpu_takes_every_push(tiny_model, tmp_path):
     """An engine of rollout.engines.tp=2 on a CPU machine with one NUMA node (vLLM's `auto`
     binding wants a node per worker; megarl binds each worker to a core of its own): both

@@ -3,8 +3,10 @@ engines are tested in tests/e2e). Pins load balancing, abort semantics, the upda
 (abort -> pause -> load -> resume, also when the load fails) and hang protection."""
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import engine_contract
@@ -334,6 +336,46 @@ def test_an_engine_start_past_its_deadline_names_the_start_setting():
     try:
         with pytest.raises(EngineError, match="rollout.engines.start_timeout_s"):
             SyncPool(EnginePool([SlowStart("slow")], 10), loop, 0.3)
+    finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("cut", ["deadline", "stop"])
+def test_a_start_cut_short_closes_the_engines_it_began(cut):
+    """A start that ends before every engine is up (its deadline, or a SIGTERM raising
+    distributed.stop.Stopped in the waiting thread) closes every engine, the one still starting
+    and the one already up, before the error leaves: a local server it had launched is not left
+    running."""
+    from megarl.distributed.stop import Stopped
+    from megarl.rollout.pool import LoopThread, SyncPool
+
+    closed = []
+
+    class Tracked(ScriptedEngine):
+        async def close(self):
+            closed.append(self.name)
+            await super().close()
+
+    class SlowStart(Tracked):
+        async def start(self):
+            await asyncio.sleep(30)
+    loop = LoopThread()
+    try:
+        pool = EnginePool([Tracked("up"), SlowStart("slow")], 10)
+        if cut == "deadline":
+            with pytest.raises(EngineError, match="start_timeout_s"):
+                SyncPool(pool, loop, 0.3)
+        else:
+            timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1))
+            old = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(Stopped("SIGTERM")))
+            try:
+                timer.start()
+                with pytest.raises(Stopped):
+                    SyncPool(pool, loop, 30)
+            finally:
+                timer.cancel()
+                signal.signal(signal.SIGUSR1, old)
+        assert sorted(closed) == ["slow", "up"]
     finally:
         loop.stop()
 
