@@ -26,7 +26,7 @@ def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend:
     """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log.
     `weight_backend`: the weight-transfer backend engines megarl starts receive with (see
     `weight_backend`); "" for weight_sync.transport=files."""
-    check_expert_parallel(cfg.engines.expert_parallel, model_path)   # before any engine starts
+    check_expert_parallel(cfg.engines.expert_parallel, model_path, torch.cuda.is_available())   # before any starts
     return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend) for i in range(cfg.engines.pool_size)]
 
 

