@@ -214,7 +214,7 @@ def per_gpu_bytes(trainer: dict | None, engine: dict | None) -> dict:
     if trainer:
         for role in ("actor", "critic"):
             per_gpu[role] = sum(trainer["roles"][role].values())
-        for role in ("reference", "reward", "activations"):
+        for role in ("reference", "reward", "routes", "activations"):
             per_gpu[role] = trainer["roles"][role]
         per_gpu["weight_transfer"] = trainer["sender_bytes"]   # global rank 0's GPU only
     if engine:

@@ -39,11 +39,17 @@ def format_plan(p: dict) -> str:
         if t["roles"]["weight_transfer"]:
             lines.append(f"  {'transfer':12s}{gib(t['roles']['weight_transfer']):8.2f}  (weight transfer buffers, "
                          f"on global rank 0: {p['weight_transfer']})")
+        if t["roles"].get("routes"):
+            lines.append(f"  {'routes':12s}{gib(t['roles']['routes']):8.2f}  (routing replay: the step's batch of "
+                         f"routes and the int64 expert indices of its largest pass)")
         lines.append(f"  {'activations':12s}{gib(t['roles']['activations']):8.2f}  (at the peak phase)")
         for name, b in t["phases"].items():
             lines.append(f"  phase {name:30s}{gib(b):8.2f}" + ("  <- peak" if name == t["phase"] else ""))
         lines.append(f"  peak {gib(t['peak_bytes'])} of {gib(t['usable_bytes'])} usable: "
                      + ("fits" if t["fits"] else "DOES NOT FIT"))
+        if t.get("route_host_bytes"):
+            lines.append(f"  global rank 0's host also holds {gib(t['route_host_bytes'])} GiB of the engines' routes "
+                         f"per step (with the samples, algo.routing_replay=r3)")
         if t["sender_bytes"] and t["stage"] != 0:
             lines.append(f"  global rank 0 (PP stage 0) also holds {gib(t['sender_bytes'])} GiB of weight transfer "
                          f"buffers ({p['weight_transfer']}): peak {gib(t['sender_peak_bytes'])} GiB")

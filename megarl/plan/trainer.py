@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import ConfigError, RootConfig, validate_world
 from megarl.models.arch import Arch
-from megarl.plan import experts
+from megarl.plan import experts, routes
 from megarl.plan import memory as mem
 from megarl.plan.memory import gib
 from megarl.plan.transfer import transfer_buffers
@@ -135,9 +135,12 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
         fwd_value = mem.forward_only_bytes(arch, with_logits=False, **act)
         a, c_model, c_opt = sum(actor.values()), critic["weights"] + critic["grads"], critic["optimizer"]
         transfer = sender if stage == 0 else 0
+        # routing replay's routes: the step's batch of them and the largest pass's int64 indices
+        held_routes = routes.device_route_bytes(cfg.algo.routing_replay, arch, cfg.samples_per_step, seq, dp,
+                                                mem.stage_layers(arch, pp, stage), tp if sp else 1)
         # phase -> (models resident besides the base, activations of the phase)
         if t.offload_idle:   # always resident: actor + the critic's Adam state (offload.py frees weights+grads only)
-            base = a + c_opt + transfer
+            base = a + c_opt + transfer + held_routes
             phases = {"old logprobs (actor forward)": (0, fwd), "reference logprobs": (ref, fwd),
                       "actor update": (0, train_actor)}
             if ppo:
@@ -146,7 +149,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
             if rm:
                 phases["reward model"] = (rm, fwd_value)
         else:
-            base = a + c_model + c_opt + ref + rm + transfer
+            base = a + c_model + c_opt + ref + rm + transfer + held_routes
             phases = {"old logprobs (actor forward)": (0, fwd), "actor update": (0, train_actor)}
             if ppo:
                 phases["critic update"] = (0, train_critic)
@@ -154,14 +157,15 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
         phase = max(totals, key=totals.get)
         res = {"stage": stage, "phase": phase, "peak_bytes": totals[phase], "phases": totals,
                "roles": {"actor": actor, "critic": critic, "reference": ref, "reward": rm,
-                         "weight_transfer": transfer, "activations": phases[phase][1]},
+                         "weight_transfer": transfer, "routes": held_routes, "activations": phases[phase][1]},
                "microbatches": micro, "in_flight": mem.in_flight_microbatches(pp, stage, micro)}
         if stage == 0:
             sender_peak = totals[phase]
         if worst is None or res["peak_bytes"] > worst["peak_bytes"]:
             worst = res
     # the sender's buffers and its GPU's peak, also when another stage is the worst
-    worst.update(sender_bytes=sender, sender_peak_bytes=sender_peak)
+    worst.update(sender_bytes=sender, sender_peak_bytes=sender_peak,
+                 route_host_bytes=routes.host_route_bytes(cfg.algo.routing_replay, arch, cfg.samples_per_step, seq))
     return worst
 
 
