@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from megarl.data.sample import Sample
+from megarl.rollout import routes as route_rows
 
 
 @dataclass
@@ -66,7 +67,7 @@ class GroupBook:
     def state_dict(self) -> dict:
         return {"next_serial": self.next_serial,
                 "groups": [{"serial": g.serial, "record": g.record, "uid": g.uid, "issued": g.issued,
-                            "samples": [[s, asdict(x)] for s, x in sorted(g.samples.items())]}
+                            "samples": [[s, route_rows.sample_state(asdict(x))] for s, x in sorted(g.samples.items())]}
                            for g in self.groups.values()]}
 
     def load_state_dict(self, state: dict) -> int:
@@ -74,7 +75,7 @@ class GroupBook:
         open at the snapshot are lost). Returns how many such slots there were."""
         self.next_serial, self.groups, lost = state["next_serial"], {}, 0
         for gs in state["groups"]:
-            samples = {int(s): Sample(**x) for s, x in gs["samples"]}
+            samples = {int(s): Sample(**route_rows.sample_from_state(x)) for s, x in gs["samples"]}
             free = [s for s in range(gs["issued"]) if s not in samples]
             lost += len(free)
             self.groups[gs["serial"]] = Group(gs["serial"], gs["record"], gs["uid"], gs["issued"], free, samples)

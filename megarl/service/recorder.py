@@ -26,6 +26,7 @@ from typing import Optional
 
 from megarl.data.sample import Sample
 from megarl.envs.render import ObservationRenderer, conversation_delta_ids
+from megarl.rollout import routes as route_rows
 
 BUDGET_SPENT = "episode token budget spent"
 # what an agent hears when the engines fail: never their URLs or log paths (the trainer's log has them)
@@ -126,6 +127,9 @@ class EpisodeRecorder:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.mask: list[int] = []
+        # routing replay: the experts each token of prompt + response but the last went to,
+        # [rows, MoE layers, top-k] (rollout/routes.py); None when the engines capture none
+        self.routes = None
         self.calls = 0
         self.finish_reason = ""
         self.observation_tokens = 0
@@ -186,14 +190,20 @@ class EpisodeRecorder:
         raise ServiceError(400, f"episode {self.episode_id}: {why}", "context_full")
 
     def commit(self, turn: Turn, token_ids: list[int], logprobs: list[float], versions: list[int],
-               finish_reason: str, content: str) -> None:
+               finish_reason: str, content: str, routes=None) -> None:
         """Record a call's context delta and the engine's completion; `content` (the decoded
-        completion) becomes the assistant message the next call must send back."""
+        completion) becomes the assistant message the next call must send back. `routes`: the
+        call's rows over its whole engine prompt and completion; the episode keeps the rows it
+        had (each token's from the call that first fed it, as megarl's own episodes do:
+        rollout/slots.set_tokens) and adds the call's past them (the last token of the previous
+        completion, the context delta and the completion)."""
         if not len(token_ids) == len(logprobs) == len(versions):
             raise ValueError(f"episode {self.episode_id}: {len(token_ids)} tokens, {len(logprobs)} logprobs, "
                              f"{len(versions)} versions")
         if self.calls == 0:
             self.prompt_ids = list(turn.prompt_ids)
+        self.routes = route_rows.join(self.routes, routes, len(self.prompt_ids) + len(self.response_ids) - 1
+                                      if self.calls else 0)
         if turn.context_ids:
             # context is stamped with the last model token's version (a first turn that produced
             # nothing has none: then the version of this call's first token)
@@ -222,4 +232,6 @@ class EpisodeRecorder:
         return Sample(prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
                       logprobs=list(self.logprobs), versions=list(self.versions),
                       stopped=self.finish_reason == "stop", group=group, record=record, reward=float(reward),
-                      finish_reason=self.finish_reason, uid=uid, mask=list(self.mask), turns=self.calls)
+                      finish_reason=self.finish_reason, uid=uid, mask=list(self.mask), turns=self.calls,
+                      routes=route_rows.fit(self.routes, route_rows.expected_rows(len(self.prompt_ids),
+                                                                                  len(self.response_ids))))

@@ -43,6 +43,7 @@ from typing import Callable, Optional
 from megarl.data.sample import Sample
 from megarl.data.seeds import group_seed, request_seed, sample_seed
 from megarl.envs.render import ObservationRenderer
+from megarl.rollout import routes as route_rows
 from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
 from megarl.service.bound import discard_stale
 from megarl.service.groups import Group, GroupBook
@@ -307,6 +308,8 @@ class AgentService:
                 res = await self.pool.generate(req)
             finally:
                 ep.inflight = False
+            # routing replay: this request's rows cover its whole input; the ones already held stay
+            got.routes = route_rows.continued(got.routes, len(got.token_ids), len(prompt), res.routes)
             got.token_ids += res.token_ids
             got.logprobs += res.logprobs
             got.versions += res.versions
@@ -343,7 +346,7 @@ class AgentService:
             self._refuse_ended(episode_id, ep.ended)
         content = self.tokenizer.decode(got.token_ids, skip_special_tokens=True)
         call = ep.recorder.calls
-        ep.recorder.commit(turn, got.token_ids, got.logprobs, got.versions, got.finish_reason, content)
+        ep.recorder.commit(turn, got.token_ids, got.logprobs, got.versions, got.finish_reason, content, got.routes)
         self.counts["calls"] += 1
         return Reply(episode_id, call, content, list(got.token_ids),
                      [self.tokenizer.decode([t]) for t in got.token_ids], list(got.logprobs), got.finish_reason,
