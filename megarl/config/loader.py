@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Sequence
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.nodes import StringNode
 
 from megarl.config.schema import ConfigError, RootConfig
 from megarl.config.schema.unused import CHOICES, unused_under
@@ -210,6 +211,20 @@ def _apply_aliases(layer, source: str) -> None:
             _put(layer, name, value, spelling, source)
 
 
+def _switch_words(schema, layer) -> None:
+    """YAML 1.1 reads off / on (and no / yes) as booleans, in recipes and on the command line
+    alike: a text setting whose values are words (algo.routing_replay: off | r2 | r3) got them as
+    'False' and refused its own documented value. False in a text setting is the word off again."""
+    for key in list(layer.keys()):
+        if key not in schema or OmegaConf.is_missing(layer, key):
+            continue
+        node, value = schema._get_node(key), layer._get_node(key)
+        if isinstance(value, DictConfig) and isinstance(node, DictConfig):
+            _switch_words(node, value)
+        elif isinstance(node, StringNode) and value._value() is False:
+            layer[key] = "off"   # (no text setting has "on" among its values: True stays refused)
+
+
 def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RootConfig:
     """Resolve a recipe + `key=value` overrides into a validated RootConfig."""
     cfg, defaults = OmegaConf.structured(RootConfig), OmegaConf.structured(RootConfig)
@@ -231,6 +246,7 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
         problem = _sections_problem(layer, RootConfig)
         if problem:
             raise ConfigError(f"{problem} (from {source})")
+        _switch_words(cfg, layer)
         _drop_alternatives(cfg, layer, defaults)
         _drop_unused(cfg, layer, defaults)
         try:

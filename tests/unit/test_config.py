@@ -235,3 +235,20 @@ def test_consistent_settings_still_load():
     assert load_config("recipes/tiny_cpu.yaml", ["rollout.engines.mode=local_servers",
                                                  "rollout.engines.api_key=k"]).rollout.engines.api_key == "k"
     assert load_config("recipes/tiny_cpu.yaml", ["reward.model_path=/rm", "reward.model_coef=0.5"])
+
+
+@pytest.mark.parametrize("where", ["command line", "recipe"])
+def test_the_word_off_is_a_text_settings_value_not_a_boolean(tmp_path, where):
+    """YAML 1.1 reads `off` / `on` as booleans: algo.routing_replay=off and algo.grad_align=off
+    (their documented values) were refused as 'False'. False in a text setting is the word off
+    again; a boolean setting keeps its boolean, and a value that is no choice is still refused."""
+    if where == "recipe":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("algo:\n  routing_replay: off\n  grad_align: off\nweight_sync:\n  verify: off\n")
+        cfg = load_config(recipe)
+    else:
+        cfg = load_config(None, ["algo.routing_replay=off", "algo.grad_align=off", "weight_sync.verify=off"])
+    assert cfg.algo.routing_replay == "off" and cfg.algo.grad_align == "off"
+    assert cfg.weight_sync.verify is False
+    with pytest.raises(ConfigError, match="algo.grad_align='True'"):
+        load_config(None, ["algo.grad_align=on"])
