@@ -62,3 +62,16 @@ def make_model(seed: int, arch: str = DEFAULT):
     model.generation_config.eos_token_id = cd.EOS_ID
     model.generation_config.pad_token_id = cd.PAD_ID
     return model
+
+
+def save_untied(folder, arch: str = "qwen3_moe", seed: int = 0):
+    """A random `arch` saved in `folder` with its matrices drawn at N(0, 1/fan_in): logits and
+    router scores far from ties, so an fp32 engine, the trainer and transformers pick the same
+    tokens' experts (the MoE tests' model: no skill needed). Returns `folder`."""
+    model = make_model(seed, arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    model.save_pretrained(folder)
+    return folder

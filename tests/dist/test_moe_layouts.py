@@ -11,7 +11,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from conftest import run_py
 from parity import assert_parity, errors
 
@@ -25,12 +24,7 @@ def moe_model(tiny_model, tmp_path_factory):
     """The tiny Qwen3-MoE, random (no warm-up: parity needs no skill), with the countdown
     tokenizer; weights scaled so routing and logits are far from ties."""
     folder = tmp_path_factory.mktemp("tiny_moe")
-    model = tiny_archs.make_model(0, "qwen3_moe")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
-    model.save_pretrained(folder)
+    tiny_archs.save_untied(folder)
     for f in TOKENIZER:
         shutil.copy(tiny_model / f, folder / f)
     return folder

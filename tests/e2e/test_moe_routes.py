@@ -19,12 +19,7 @@ def moe_dir(tmp_path_factory):
     """The tiny Qwen3-MoE, random, weights scaled so routing is far from ties (an fp32 engine
     and transformers then pick the same experts)."""
     folder = tmp_path_factory.mktemp("tiny_moe_routes")
-    model = tiny_archs.make_model(0, "qwen3_moe")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
-    model.save_pretrained(folder)
+    tiny_archs.save_untied(folder)
     return folder
 
 

@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from conftest import run_py
 
 from tools import tiny_archs
@@ -21,12 +20,7 @@ def moe_model(tiny_model, tmp_path_factory):
     """The tiny Qwen3-MoE, random, with the countdown tokenizer and prompts; weights scaled so
     routing is far from ties (an fp32 engine and trainer then pick the same experts)."""
     folder = tmp_path_factory.mktemp("tiny_moe_train")
-    model = tiny_archs.make_model(0, "qwen3_moe")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
-    model.save_pretrained(folder)
+    tiny_archs.save_untied(folder)
     for f in FILES:
         shutil.copy(tiny_model / f, folder / f)
     return folder
