@@ -29,13 +29,18 @@ def hf(moe_dir):
     return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def pool(moe_dir):
+def _open(moe_dir, mode: str):
+    """One engine of `mode` on the tiny MoE, capturing routes."""
     from megarl.config import load_config
     from megarl.rollout.pool import open_pool
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={moe_dir}", "rollout.engines.count=1",
-                                                "rollout.engines.mode=inprocess"])
-    sp = open_pool(cfg.rollout, str(moe_dir), 0, str(moe_dir), routes=True)
+                                                f"rollout.engines.mode={mode}"])
+    return open_pool(cfg.rollout, str(moe_dir), 0, str(moe_dir), routes=True)
+
+
+@pytest.fixture(scope="module")
+def pool(moe_dir):
+    sp = _open(moe_dir, "inprocess")
     yield sp
     sp.close()
 
@@ -134,11 +139,7 @@ def test_a_request_held_over_a_weight_update_keeps_each_rows_weights(pool, hf, m
 
 @pytest.fixture(scope="module")
 def server_pool(moe_dir):
-    from megarl.config import load_config
-    from megarl.rollout.pool import open_pool
-    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={moe_dir}", "rollout.engines.count=1",
-                                                "rollout.engines.mode=local_servers"])
-    sp = open_pool(cfg.rollout, str(moe_dir), 0, str(moe_dir), routes=True)
+    sp = _open(moe_dir, "local_servers")
     yield sp
     sp.close()
 
