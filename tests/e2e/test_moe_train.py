@@ -30,7 +30,8 @@ def test_expert_parallel_run_keeps_every_engine_on_the_trainers_weights(moe_mode
     """Three steps of recipes/tiny_moe_cpu.yaml (EP=2, 2 engines, partial rollout, verify on):
     after every push both engines' logprobs of a probe equal the trainer's (the verify gap),
     and the engines' behaviour logprobs of the sampled tokens equal the trainer's at the fp32
-    level; the weights do change (the pushes are not of the same weights)."""
+    level; every step updates the actor (a gradient and a learning rate above 0), so each push
+    after the first carries new expert weights, not the ones the engines loaded."""
     run_dir = tmp_path / "run"
     proc = run_py(["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                    "-m", "megarl.cli", "train", "recipes/tiny_moe_cpu.yaml", f"model.path={moe_model}",
@@ -42,4 +43,4 @@ def test_expert_parallel_run_keeps_every_engine_on_the_trainers_weights(moe_mode
     assert all(r["engines_alive"] == 2 and r["sync_bytes"] > 0 for r in rows), rows
     assert all(r["sync_verify_gap"] < 1e-4 for r in rows), [r["sync_verify_gap"] for r in rows]
     assert all(r["logprob_mismatch_mean"] < 1e-4 for r in rows), [r["logprob_mismatch_mean"] for r in rows]
-    assert all(r["grad_norm"] > 0 and r["approx_kl"] >= 0 for r in rows), rows
+    assert all(r["grad_norm"] > 0 and r["lr_actor"] > 0 for r in rows), rows
