@@ -154,7 +154,10 @@ def split_cases(args: list[str]) -> dict[str, list[str]] | None:
     return cases
 
 
-def main(model_dir: str, out_path: str, args: list[str]) -> None:
+def probe_main(run_case, model_dir: str, out_path: str, args: list[str]) -> None:
+    """The probes' main: the ranks' process group and CPU patches, one intra-op thread, then
+    `run_case(model_dir, case_args, world_size)` for each --case (or once over `args` without
+    one); rank 0 writes the results to `out_path` as JSON."""
     from megarl.distributed import cpu
     from megarl.distributed.env import init_distributed
     env = init_distributed()
@@ -171,4 +174,4 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    probe_main(run_case, sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -15,7 +15,7 @@ gathered) are transformers' own choices; for r3 also `carry_mismatch_max`: the c
 (trainer_logprobs, partial rollout's stitching) against the behaviour logprobs.
 usage: route_replay_probe.py MODEL_DIR OUT_JSON --case NAME routes=KIND key=value... [--case ...]
 """
-import json
+import functools
 import sys
 
 import numpy as np
@@ -25,7 +25,7 @@ from megarl.bootstrap import bootstrap
 
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
-from layout_probe import split_cases, synthetic_samples  # noqa: E402
+from layout_probe import probe_main, synthetic_samples  # noqa: E402
 
 METRICS = ("logprob_mismatch_max", "logprob_mismatch_mean", "ratio_mean", "approx_kl", "kl", "routing_agreement",
            "train_route_bytes", "is_weight_mean", "policy_loss", "grad_norm")
@@ -153,18 +153,12 @@ def run_case(model_dir: str, args: list[str], world_size: int, hf: HFRoutes) -> 
     return out
 
 
-def main(model_dir: str, out_path: str, args: list[str]) -> None:
-    from megarl.distributed import cpu
-    from megarl.distributed.env import init_distributed
-    env = init_distributed()
-    cpu.apply()
-    torch.set_num_threads(1)
-    hf = HFRoutes(model_dir)
-    out = {name: run_case(model_dir, case_args, env.world_size, hf) for name, case_args in split_cases(args).items()}
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(out, f)
+@functools.cache
+def hf_routes(model_dir: str) -> HFRoutes:
+    """One transformers model for every case of the launch, built at the first."""
+    return HFRoutes(model_dir)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    probe_main(lambda model_dir, args, world_size: run_case(model_dir, args, world_size, hf_routes(model_dir)),
+               sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -12,7 +12,6 @@ allows. Writes {case: {rule: {...}}} to OUT_JSON (rank 0).
 usage: token_budget_probe.py MODEL_DIR OUT_JSON --case NAME [rules=a,b] key=value... [--case ...]
 (`rules=`: the rules of RULES a case runs; default all)
 """
-import json
 import sys
 
 import numpy as np
@@ -22,7 +21,7 @@ from megarl.bootstrap import bootstrap
 
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
-from layout_probe import split_cases  # noqa: E402  (tests/dist is the script's directory)
+from layout_probe import probe_main  # noqa: E402  (tests/dist is the script's directory)
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 #: name: (train.micro_batch_size, train.max_tokens_per_micro_batch, train.remove_padding)
@@ -149,17 +148,5 @@ def run_case(model_dir: str, args: list[str], world_size: int) -> dict:
     return out
 
 
-def main(model_dir: str, out_path: str, args: list[str]) -> None:
-    from megarl.distributed import cpu
-    from megarl.distributed.env import init_distributed
-    env = init_distributed()
-    cpu.apply()
-    torch.set_num_threads(1)
-    out = {name: run_case(model_dir, case_args, env.world_size) for name, case_args in split_cases(args).items()}
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(out, f)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    probe_main(run_case, sys.argv[1], sys.argv[2], sys.argv[3:])
