@@ -163,12 +163,14 @@ class RouteBook:
         """{caller's request id: encoded rows} of the requests asked for; `keep`: leave them
         (a paused engine's held requests go on)."""
         wanted = set(ids)
+        named = [(rid, ext if ext in wanted else rid) for rid, ext in
+                 ((r, external_id(r)) for r in self.requests) if ext in wanted or rid in wanted]
         out = {}
-        for rid in [r for r in self.requests if external_id(r) in wanted or r in wanted]:
+        for rid, name in named:
             book = self.requests[rid] if keep else self.requests.pop(rid)
             if not keep:
                 self.finished.pop(rid, None)
-            out[external_id(rid) if external_id(rid) in wanted else rid] = to_state(book.prefix())
+            out[name] = to_state(book.prefix())
         return out
 
 
