@@ -288,7 +288,8 @@ def worker_take(self, request: str) -> dict:
     if book is None:
         return {}
     asked = json.loads(request)
-    book.end()       # (a step's rows are filed when it returns; nothing is pending between steps)
+    # no book.end() here: execute_model's own `finally` files every step's rows, so between steps
+    # nothing is pending; a layout left without its forward must not file the last step's buffer
     return book.take(list(asked["ids"]), bool(asked.get("keep", False)))
 
 
