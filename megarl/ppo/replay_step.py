@@ -35,7 +35,6 @@ class StepReplay:
         self.control: RouteReplay | None = control_of(actor_model) if mode != "off" else None
         self.batch = batch if mode == "r3" else replace(batch, routes=None)
         self.train_batch = self.batch
-        self.route_bytes = batch.routes.numel() * batch.routes.element_size() if batch.routes is not None else 0
         if mode == "r3":
             if batch.routes is None:
                 raise ValueError(missing_routes("this step's batch"))
@@ -56,8 +55,13 @@ class StepReplay:
         if self.mode == "r2":
             routes = recorded_routes(control, self.batch, plan)
             self.train_batch = replace(self.batch, routes=routes)
-            self.route_bytes = routes.numel() * routes.element_size()
         return out
+
+    @property
+    def route_bytes(self) -> int:
+        """The routes the updates replay on this rank (the engine's, or r2's recorded ones)."""
+        routes = self.train_batch.routes
+        return routes.numel() * routes.element_size() if routes is not None else 0
 
     def metrics(self) -> dict:
         """routing_agreement (r3: over every rank's scored token-layers of the old-logprob pass)
