@@ -64,11 +64,6 @@ def continued(old, served: int, prompt_len: int, new):
     return join(old, new, prompt_len + served - 1 if served else 0)
 
 
-def trim(rows, n: int):
-    """At most `n` rows (a sequence cut back to fewer tokens)."""
-    return None if rows is None else rows[:max(n, 0)]
-
-
 def nbytes(samples) -> int:
     """Bytes of the samples' routes."""
     return int(sum(s.routes.nbytes for s in samples if getattr(s, "routes", None) is not None))
