@@ -34,9 +34,6 @@ from megarl.distributed.env import from_rank0
 from megarl.models.builders import Trainable
 
 _STEP = re.compile(r"^step_(\d+)$")
-# Canonical per-parameter optimizer state: loads at any TP / PP / DP / EP layout
-# (checkpoint/optimizer_layout.py)
-_OPT_META = OPTIMIZER_METADATA
 
 
 def _barrier():
@@ -147,7 +144,7 @@ def _sharded(t: Trainable, is_loading: bool) -> dict:
         _ensure_optimizer_state(t.optimizer)
     model_sd = t.model.module.sharded_state_dict()
     return {"model": model_sd,
-            "optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_META)}
+            "optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
 
 
 def save_trainable(t: Trainable, folder: Path) -> None:
