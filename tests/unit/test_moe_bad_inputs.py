@@ -113,7 +113,7 @@ def test_trainer_layouts_megatron_trains_pass(folders, settings):
     check_moe_layout(ParallelConfig(**settings), hf(folders))
 
 
-def test_build_all_checks_the_layout_first(folders):
+def test_setup_moe_layout_runs_the_layout_check(folders):
     """models/setup.moe_layout (what build_all hands transformer_config) runs the check: a
     run whose layout does not fit the model stops there with the ConfigError."""
     from megarl.models.setup import moe_layout
