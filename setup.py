@@ -44,5 +44,5 @@ setup(
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"],
                   # every vLLM process registers megarl's gloo weight-transfer backend (CPU engines)
-                  "vllm.general_plugins": ["megarl_weight_transfer=megarl.rollout.transfer.plugin:register"]},
+                  "vllm.general_plugins": ["megarl_weight_transfer=megarl.rollout.engines.plugin:register"]},
 )

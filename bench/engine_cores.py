@@ -2,7 +2,7 @@
 
 vLLM's `auto` CPU binding makes every engine local rank 0 of its own world, so every engine
 on a machine pinned its worker to the same first core; megarl now gives each engine megarl
-starts cores of its own (`rollout/build.py` engine_env, `vllm_settings.cpu_binds`). This
+starts cores of its own (`rollout/engines/build.py` engine_env, `vllm_settings.cpu_binds`). This
 bench measures what that changes for generation: the same requests (fixed lengths,
 `ignore_eos`) spread over a pool of `--engines` in-process engines, once with every engine
 bound to the first core (`VLLM_CPU_OMP_THREADS_BIND=<first core>`, which megarl leaves as
@@ -31,9 +31,9 @@ from megarl.bootstrap import bootstrap  # noqa: E402
 bootstrap()
 
 from megarl.config import load_config  # noqa: E402
-from megarl.rollout.engine import GenRequest  # noqa: E402
-from megarl.rollout.pool import open_pool  # noqa: E402
-from megarl.rollout.vllm_settings import BIND_ENV  # noqa: E402
+from megarl.rollout.engines.engine import GenRequest  # noqa: E402
+from megarl.rollout.engines.pool import open_pool  # noqa: E402
+from megarl.rollout.engines.vllm_settings import BIND_ENV  # noqa: E402
 
 MODEL = ROOT / "artifacts" / "tiny_countdown"
 

@@ -101,11 +101,11 @@ from megarl.ppo.microbatch import batching_of  # noqa: E402
 from megarl.ppo.overlap import Overlap  # noqa: E402
 from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs  # noqa: E402
 from megarl.rewards import get_reward_fn  # noqa: E402
-from megarl.rollout.build import build_engines  # noqa: E402
-from megarl.rollout.engine import GenRequest  # noqa: E402
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool  # noqa: E402
-from megarl.rollout.scoring import score_sample  # noqa: E402
-from megarl.rollout.transfer import files  # noqa: E402 - rollout is measured here, not the sync route
+from megarl.rollout.controller.scoring import score_sample  # noqa: E402
+from megarl.rollout.engines.build import build_engines  # noqa: E402
+from megarl.rollout.engines.engine import GenRequest  # noqa: E402
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool  # noqa: E402
+from megarl.rollout.weights import files  # noqa: E402 - rollout is measured here, not the sync route
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -569,7 +569,7 @@ def main() -> None:
 
         def round_with_overlap(controller, ov, version: int, key: int, timeout: float):
             """run_round on the loop while this thread runs Overlap.serve (one trainer rank):
-            megarl/rollout/rounds.py's `Rollout.round(step, during)`, inline."""
+            megarl/rollout/controller/rounds.py's `Rollout.round(step, during)`, inline."""
             future = loop.submit(controller.run_round(G, version))
 
             def finished(wait_s: float) -> bool:

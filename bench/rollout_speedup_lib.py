@@ -8,8 +8,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megarl.rollout.controller import Group, PartialRolloutController
-from megarl.rollout.engine import Engine, GenRequest, GenResult
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.controller.slots import Group
+from megarl.rollout.engines.engine import Engine, GenRequest, GenResult
 from megarl.sim.costs import interp  # noqa: F401  (t(b) of the decode curve; re-exported)
 
 
@@ -362,7 +363,7 @@ class FakeEngine(Engine):
         self.version = version
 
     async def health(self):
-        from megarl.rollout.engine import EngineHealth
+        from megarl.rollout.engines.engine import EngineHealth
         return EngineHealth(self.name, True, self._paused, self.running, self.version, "fake")
 
     @property

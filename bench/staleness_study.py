@@ -9,7 +9,7 @@ fixed lag (issue 21), on the tiny countdown task on CPU.
     .venv/bin/python bench/staleness_study.py --replot [--out DIR]   # redraw the PNG, from the JSON
 
 What it does
-- One vLLM server on the tiny model (megarl.rollout.servers.LocalServer, as tests/conftest.py's
+- One vLLM server on the tiny model (megarl.rollout.engines.servers.LocalServer, as tests/conftest.py's
   remote_engine) serves every run; each run pushes its own starting weights first, so runs
   need nothing reset between them.
 - Each run is `python -m megarl.cli train recipes/tiny_cpu.yaml ...` in a fresh process
@@ -195,8 +195,8 @@ class Evaluator:
         self.max_tokens, self.temperature = cfg.rollout.sampling.max_new_tokens, cfg.rollout.sampling.temperature
 
     async def _sample(self):
-        from megarl.rollout.engine import GenRequest
-        from megarl.rollout.vllm_http import HTTPVLLMEngine
+        from megarl.rollout.engines.engine import GenRequest
+        from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 
         engine = HTTPVLLMEngine("eval", self.url, self.api_key, timeout_s=300)
         await engine.start()
@@ -617,7 +617,7 @@ def main(argv=None) -> None:
     t_begin = time.perf_counter()
     budget_s = args.time_budget_min * 60
     # imported here: --table, --replot and --dry-run need neither torch nor vLLM
-    from megarl.rollout.servers import LocalServer
+    from megarl.rollout.engines.servers import LocalServer
 
     server = LocalServer(model, out / "engine_0.log", api_key=secrets.token_hex(16), seed=0, max_model_len=256,
                          kv_cache_mb=64, weight_backend="gloo")

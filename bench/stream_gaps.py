@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megarl.rollout.servers import SERVED_MODEL_NAME, LocalServer, _die_with_parent  # noqa: E402
+from megarl.rollout.engines.servers import SERVED_MODEL_NAME, LocalServer, _die_with_parent  # noqa: E402
 from tools.model_positions import with_positions  # noqa: E402
 
 MODEL = ROOT / "artifacts" / "tiny_countdown"

@@ -14,7 +14,7 @@
    weight-transfer backend, so every engine takes both routes, and keeps it for the layouts 1x1
    (TP=1 x PP=1; the second rank is a DP replica, which sits out of a sync), TP=2 and PP=2. Per
    layout and engine count (the pool's first 1 and 2 engines) it opens both transports through
-   `megarl.rollout.weight_sync.open_transport` and, at every bucket size and repeat, pushes with
+   `megarl.rollout.weights.sync.open_transport` and, at every bucket size and repeat, pushes with
    each back to back (alternating which goes first); right before each push it times
    tensor.copy_ of the same number of bytes (memcpy_s: efficiency = memcpy_s / sync_s);
 3. per push: the transport's split (gather / convert / pack / wire for collective, gather /

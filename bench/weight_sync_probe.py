@@ -22,7 +22,7 @@ Measured around each push, besides the transport's own timings (sync_time_s, gat
 pack, wire, stage, load, bytes, buckets):
 - engine-side calls (rank 0 wraps every engine's methods): start/update/finish_weight_update,
   reload_weights, abort/pause/resume, each call's start and end time; the trainer's weight
-  broadcasts (megarl.rollout.transfer.group.broadcast, as collective.py calls it) likewise.
+  broadcasts (megarl.rollout.weights.group.broadcast, as collective.py calls it) likewise.
   For the collective route the engine loads a bucket inside its `update_weights` (receive, then
   `model.load_weights`) and the trainer waits for every engine's call before the next bucket,
   so per bucket `tail` = last engine's update_weights end - the broadcast's end is the engine's
@@ -85,7 +85,7 @@ def memcpy_seconds(nbytes: int, reps: int = 3) -> float:
 def sub_pool(sync_pool, n: int):
     """A SyncPool over the first `n` engines of a started one (same loop thread and timeout):
     what a transport pushes into. The other engines keep their older version."""
-    from megarl.rollout.pool import EnginePool, SyncPool
+    from megarl.rollout.engines.pool import EnginePool, SyncPool
     sub = SyncPool.__new__(SyncPool)         # __init__ would start the (already started) engines
     sub.pool = EnginePool(sync_pool.engines[:n], sync_pool.pool.timeout_s)
     sub.loop = sync_pool.loop
@@ -112,7 +112,7 @@ def instrument(engines) -> None:
 
 def instrument_broadcast():
     """Time the trainer's weight broadcasts; returns the original function."""
-    from megarl.rollout.transfer import group
+    from megarl.rollout.weights import group
     real = group.broadcast
 
     def timed(g, tensor):
@@ -311,7 +311,7 @@ def gloo_baseline(rank: int, total: int, bucket: int, receivers: int, fresh: boo
     import torch.distributed as dist
 
     from megarl.distributed.env import free_port
-    from megarl.rollout.transfer import group
+    from megarl.rollout.weights import group
     world, nb = 1 + receivers, max(1, -(-total // bucket))
     box = [(free_port(), group.new_token())] if rank == 0 else [None]
     dist.broadcast_object_list(box, src=0)
@@ -417,8 +417,8 @@ def main(spec_path: str) -> None:
     from megarl.config.schema import EnginesConfig, RolloutConfig, WeightSyncConfig
     from megarl.models.builders import build_model
     from megarl.models.transformer_config import transformer_config
-    from megarl.rollout import weight_sync
-    from megarl.rollout.pool import open_pool
+    from megarl.rollout.engines.pool import open_pool
+    from megarl.rollout.weights import sync as weight_sync
 
     model_dir, staging, model_bytes = spec["model_dir"], spec["staging"], spec["model_bytes"]
     hf_config = AutoConfig.from_pretrained(model_dir)

@@ -21,7 +21,7 @@ from megarl import plan, preflight
 from megarl.checkpoint import manager as ckpt
 from megarl.config import ConfigError, RootConfig, validate_world
 from megarl.distributed.env import read_env
-from megarl.rollout.build import ENGINE_KINDS
+from megarl.rollout.engines.build import ENGINE_KINDS
 from megarl.train import Trainer
 
 

@@ -114,7 +114,7 @@ def _explained() -> dict:
     from megarl.checkpoint import CheckpointError
     from megarl.formats.hf_reader import ConversionError
     from megarl.ppo.nonfinite import NonFiniteError
-    from megarl.rollout.engine import EngineError, RequestError
+    from megarl.rollout.engines.engine import EngineError, RequestError
     return {EngineError: ("engine error", 1),         # names the engine, its URL and log
             RequestError: ("request refused", 2),      # every sample of a step refused: the data or settings
             NonFiniteError: ("stopped", 1),            # names the quantity and the step

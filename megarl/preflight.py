@@ -197,7 +197,7 @@ def check_engines_fit(cfg, hf_config: dict) -> None:
                               f"nodes (rollout.engines.mode=remote)")
         return
     # on CPU, no NUMA node per TP worker is needed: megarl binds each worker of the engines it
-    # starts to cores of its own (rollout/build.py engine_env), where vLLM's `auto` binding
+    # starts to cores of its own (rollout/engines/build.py engine_env), where vLLM's `auto` binding
     # would ask for one NUMA node per worker; but one engine's workers need a core each
     cores = len(os.sched_getaffinity(0))
     if r.engines.tp > cores:

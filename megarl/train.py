@@ -43,14 +43,15 @@ from megarl.ppo.overlap import Overlap
 from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs
 from megarl.rewards import build_verifier, needs_answer
 from megarl.rewards import model as reward_model
-from megarl.rollout import reaper, weight_sync
-from megarl.rollout.build import weight_backend
-from megarl.rollout.dump import dump_samples
-from megarl.rollout.lag import LagQueue
-from megarl.rollout.pool import open_pool
-from megarl.rollout.rounds import Rollout, staleness_metrics
+from megarl.rollout.controller.dump import dump_samples
+from megarl.rollout.controller.lag import LagQueue
+from megarl.rollout.controller.rounds import Rollout, staleness_metrics
+from megarl.rollout.engines import reaper
+from megarl.rollout.engines.build import weight_backend
+from megarl.rollout.engines.pool import open_pool
 from megarl.rollout.routes import wanted as routes_wanted
-from megarl.rollout.transfer.files import check_staging_base
+from megarl.rollout.weights import sync as weight_sync
+from megarl.rollout.weights.files import check_staging_base
 from megarl.service.launch import open_service
 
 
@@ -74,7 +75,7 @@ class Trainer:
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
         self.pool = self.logger = self.rollout = self.lock = self.transport = self.overlap = self.evaluator = None
-        self.lag = None                     # rollout.lag > 0: the driver's queue of rounds (rollout/lag.py)
+        self.lag = None                     # rollout.lag > 0: the driver's queue of rounds (rollout/controller/lag.py)
         self.state = StateRegistry()        # what a checkpoint keeps besides the models
         self.start, self.last = 0, {}
         self.stopped_in_setup = False       # a SIGTERM before the first step: run() trains nothing

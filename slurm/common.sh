@@ -106,7 +106,7 @@ engine_task() {
         CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${gpus[*]:slot*ENGINE_TP:ENGINE_TP}")
         export CUDA_VISIBLE_DEVICES
     fi
-    exec "$MEGARL_PY" -m megarl.rollout.serve serve "$recipe" "$@" \
+    exec "$MEGARL_PY" -m megarl.rollout.engines.serve serve "$recipe" "$@" \
         --host "$ENGINE_ADDR" --port $((PORT_BASE + slot)) --index "$index" >>"$log" 2>&1
 }
 
@@ -152,7 +152,9 @@ write_job_info() {  # the per-job log folder: revision, resolved config, nodes, 
         for note in "${LAYOUT_NOTES[@]}"; do echo "layout: $note"; done
         echo "engine urls: ${ENGINE_URLS[*]}"
     } >"$dir/job.txt"
-    printf '%s\n' "$@" >"$dir/overrides.txt"
+    # a key given as a setting shows as <redacted>, as in every config megarl writes (megarl/config/secrets.py)
+    printf '%s\n' "$@" | sed -E 's/^((rollout\.|rollout\.engines\.|service\.)api_key)=.*/\1=<redacted>/' \
+        >"$dir/overrides.txt"
     if git -C "$MEGARL_ROOT" rev-parse HEAD >"$dir/git.txt" 2>/dev/null; then
         git -C "$MEGARL_ROOT" status --short >>"$dir/git.txt" 2>/dev/null || true
     else
@@ -307,7 +309,7 @@ megarl_job() {
     # health: every server up before the deadline, or the job stops with the server's log tail
     local -a watch=()
     for i in "${ENGINE_PIDS[@]}"; do watch+=(--watch-pid "$i"); done
-    "$MEGARL_PY" -m megarl.rollout.serve wait --timeout "$ENGINE_START_TIMEOUT" \
+    "$MEGARL_PY" -m megarl.rollout.engines.serve wait --timeout "$ENGINE_START_TIMEOUT" \
         --watch-pid "$TRAINER_PID" "${watch[@]}" "${waits[@]}" &
     local waiter=$! rc=0
     while true; do     # wait again when a trapped SIGTERM interrupted the wait

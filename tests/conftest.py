@@ -48,7 +48,7 @@ def _servers_in_a_new_session():
     if os.environ.get("MEGARL_TEST_SERVERS_NEW_SESSION") != "1":
         yield
         return
-    from megarl.rollout import servers
+    from megarl.rollout.engines import servers
     mp = pytest.MonkeyPatch()
     mp.setattr(servers.LocalServer, "popen_group",
                staticmethod(lambda: {"start_new_session": True, "preexec_fn": servers._die_with_parent}))
@@ -115,7 +115,7 @@ def remote_engine(tiny_model, tmp_path_factory):
     import secrets
     from types import SimpleNamespace
 
-    from megarl.rollout.servers import LocalServer
+    from megarl.rollout.engines.servers import LocalServer
 
     log = tmp_path_factory.mktemp("remote_engine") / "engine_0.log"
     server = LocalServer(tiny_model, log, api_key=secrets.token_hex(16), seed=0, max_model_len=256,

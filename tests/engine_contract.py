@@ -1,4 +1,4 @@
-"""The engine contract (megarl/rollout/engine.py, module docstring) as checks every engine kind
+"""The engine contract (megarl/rollout/engines/engine.py, module docstring) as checks every engine kind
 passes: in-process vLLM (tests/e2e/pool_sync_probe.py), HTTP against a megarl-started server
 (tests/e2e/test_http_engine.py), the scripted engine and the simulated engine
 (tests/unit/test_engine_pool.py). Each check is a coroutine taking a `Subject`, run by the
@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from megarl.rollout.engine import FINISH_REASONS, Engine, EngineError, GenRequest, GenResult
+from megarl.rollout.engines.engine import FINISH_REASONS, Engine, EngineError, GenRequest, GenResult
 
 
 @dataclass

@@ -7,7 +7,7 @@ config when model.path has none) and tokenizer files, and `megarl_export.json` (
 It loads in transformers (`from_pretrained`) and vLLM (`LLM(model=...)`) as the trainer's actor.
 
 Streaming: during a run each PP stage's TP ranks gather one parameter at a time through the
-weight push's own path (`rollout/transfer/source.hf_tensors`: the same mapping tables, fused QKV
+weight push's own path (`rollout/weights/source.hf_tensors`: the same mapping tables, fused QKV
 and fc1 split, vocab padding removed), and the stage's first TP rank of DP replica 0 writes
 them as safetensors shards of about checkpoint.hf_shard_mb: no rank holds more than one shard's
 tensors, and every stage writes its own files (run.dir is on a file system every rank sees, as
@@ -40,7 +40,7 @@ from megarl.conversion.output import copy_side_files
 from megarl.distributed import parallel
 from megarl.distributed.env import from_rank0
 from megarl.formats.hf_reader import INDEX_JSON, ST_TO_TORCH
-from megarl.rollout.transfer import source
+from megarl.rollout.weights import source
 
 TMP_PREFIX = ".tmp_"
 RECORD_JSON = "megarl_export.json"

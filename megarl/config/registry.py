@@ -114,7 +114,7 @@ class Registry:
 # keywords say what an entry named by import path must be.
 # engine kinds: built-in only (the schema checks rollout.engines.mode and the weight backend
 # against the kinds it knows)
-ENGINE_KINDS = Registry("rollout.engines.mode", "megarl.rollout.build", "engine kind")
+ENGINE_KINDS = Registry("rollout.engines.mode", "megarl.rollout.engines.build", "engine kind")
 VERIFIERS = Registry("reward.fn", "megarl.rewards", "verifier", doc="docs/data.md",
                      adapt="megarl.rewards.entry:from_import")
 KL_KINDS = Registry("algo.kl_kind", "megarl.ppo.losses", "KL estimator", takes=("diff",))

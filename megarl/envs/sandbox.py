@@ -8,7 +8,7 @@ Each run is a fresh interpreter in layers, each covering what the others may mis
   (no tokens, no proxies), no site-packages (the standard library only), no bytecode writes;
 * its own session and process group (`start_new_session`), killed as a whole (SIGKILL to the
   group) when the wall clock runs out, output passes `output_bytes`, or the call is cancelled.
-  A session of its own on purpose, unlike megarl's vLLM servers (rollout/servers.py): no
+  A session of its own on purpose, unlike megarl's vLLM servers (rollout/engines/servers.py): no
   terminal and no signal to the trainer's session reaches the model's code, and where the
   kernel groups scheduling by session, model code that spins competes as one group instead of
   taking the trainer's share of the CPU;

@@ -15,8 +15,8 @@ from concurrent.futures import wait
 from tqdm import tqdm
 
 from megarl.data.seeds import eval_prompt_seed
-from megarl.rollout.engine import GenRequest, RequestError
-from megarl.rollout.sync_rollout import group_requests
+from megarl.rollout.controller.sync_rollout import group_requests
+from megarl.rollout.engines.engine import GenRequest, RequestError
 
 
 def eval_requests(version: int, dataset: int, prompts: list[list[int]], n: int, max_tokens: int,

@@ -5,7 +5,7 @@ Metric keys are `eval/<dataset>/<figure>`: mean@n, pass@k for each k of eval.k, 
 the verifier's answers compare, eval/answers.py), response_len_mean, finished_frac, prompts,
 refused (requests the engines refused as invalid: they score 0) and the verifier's
 reward_errors / reward_timeouts. The dump, `<run.dir>/eval/<dataset>/step_<N>.jsonl`, holds one
-row per sample: rollout/dump.py's record plus prompt_index, sample_index, answer and correct.
+row per sample: rollout/controller/dump.py's record plus prompt_index, sample_index, answer and correct.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 from megarl.data.sample import Sample
 from megarl.eval.scores import dataset_scores, prompt_scores
-from megarl.rollout.dump import sample_record
-from megarl.rollout.sync_rollout import REFUSED
+from megarl.rollout.controller.dump import sample_record
+from megarl.rollout.controller.sync_rollout import REFUSED
 
 
 def per_prompt(samples: list[Sample], n: int, threshold: float, ks, answers: Optional[list]) -> list[dict]:

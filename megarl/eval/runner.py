@@ -28,7 +28,7 @@ from megarl.eval.generate import eval_requests, run_requests
 from megarl.eval.report import answers_of, console_line, dataset_metrics, dump_eval
 from megarl.eval.schedule import due
 from megarl.rewards import build_verifier
-from megarl.rollout.sync_rollout import samples_of, score_all
+from megarl.rollout.controller.sync_rollout import samples_of, score_all
 
 log = logging.getLogger("megarl.eval")
 

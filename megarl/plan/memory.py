@@ -290,7 +290,7 @@ def transfer_buffer_bytes(a: Arch, bucket_mb: int, num_buffers: int, w_bytes: in
     A buffer holds whole tensors. vLLM's packed broadcast
     (`vllm/distributed/weight_transfer/packed_tensor.py`) closes one after the tensor that
     takes it past `bucket_mb`, so it is at most bucket_mb MiB + the largest tensor; megarl's
-    sender (`rollout.transfer.source.buckets`) closes one before, so an oversize tensor travels
+    sender (`rollout.weights.source.buckets`) closes one before, so an oversize tensor travels
     alone: max(bucket, largest). The bound here covers both. `num_buffers` are in flight.
     w_bytes: bytes per element as sent (the trainer's model.dtype).
     `megarl plan` counts them in every phase, a safe bound: an engine's receive buffers stay

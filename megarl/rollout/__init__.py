@@ -1,3 +1,7 @@
-"""Rollout: the engine protocol and its vLLM engines, the pool, the partial-rollout controller
-and the sync baseline, the rounds the trainer asks for, and the weight sync to the engines.
-Light on purpose: vLLM loads `rollout.transfer.plugin` into every engine process."""
+"""Rollout, in three packages, bottom to top (each imports only those below it):
+- `engines/`: the engine protocol, megarl's vLLM engines and servers, the pool;
+- `weights/`: the weight push from the trainer to the engines (transports, packing, the probe);
+- `controller/`: the partial-rollout controller, the rounds the trainer asks for, the sync
+  baseline.
+`routes.py` (a sample's expert routes, which engines record and the controller carries) sits
+below all three. Light on purpose: vLLM loads `rollout.engines.plugin` into every engine process."""

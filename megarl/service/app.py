@@ -29,7 +29,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from megarl.rollout.engine import EngineError
+from megarl.rollout.engines.engine import EngineError
 from megarl.service.recorder import ENGINE_FAILED, ServiceError
 
 OPEN = {("GET", "/health")}

@@ -3,7 +3,7 @@
 Outside agents run episodes for as long as they like, and complete groups may wait for the
 trainer; without a bound a step would train tokens of any age. The service keeps
 `rollout.partial.max_staleness` as the partial-rollout controller does (the rule itself:
-megarl/rollout/staleness.py, the model's tokens only): before a step takes its groups, a
+megarl/rollout/controller/staleness.py, the model's tokens only): before a step takes its groups, a
 rewarded sample holding a model token past the bound is not trained. An outside agent cannot
 be made to finish sooner (the controller's `finish`) nor rewound, so the sample's place in its
 group is handed out again to the next episode start (`restart`, also what `finish` does here),
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from megarl.data.sample import Sample
-from megarl.rollout.staleness import Discarded
+from megarl.rollout.controller.staleness import Discarded
 from megarl.service.groups import GroupBook
 
 

@@ -12,7 +12,7 @@ hands complete groups to the trainer, oldest first. An episode cancelled by the 
 timed out (no call for `episode_timeout_s`) is not trained: its place in the group is handed
 out again to the next episode start, before any new record, so every group can complete.
 
-Everything runs on the pool's event loop (the `LoopThread` of megarl/rollout/pool.py): the
+Everything runs on the pool's event loop (the `LoopThread` of megarl/rollout/engines/pool.py): the
 HTTP server (uvicorn) is a task there, and handlers call the pool directly. Weight updates:
 the service is one of the pool's `holders`, so no engine request starts while one is under
 way; with rollout.update_mode=abort a call's request aborted by an update is sent again with
@@ -44,7 +44,7 @@ from megarl.data.sample import Sample
 from megarl.data.seeds import group_seed, request_seed, sample_seed
 from megarl.envs.render import ObservationRenderer
 from megarl.rollout import routes as route_rows
-from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
+from megarl.rollout.engines.engine import EngineError, GenRequest, GenResult, RequestError
 from megarl.service.bound import discard_stale
 from megarl.service.groups import Group, GroupBook
 from megarl.service.recorder import ENGINE_FAILED, EpisodeRecorder, ServiceError, Turn

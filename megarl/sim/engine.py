@@ -1,4 +1,4 @@
-"""A simulated inference engine behind the real engine protocol (`megarl/rollout/engine.py`).
+"""A simulated inference engine behind the real engine protocol (`megarl/rollout/engines/engine.py`).
 
 Continuous batching as vLLM does it: the engine runs one step at a time; every running
 request gets one token per step; requests that arrive during a step join at the next one,
@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engines.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
 
 TOKEN = 7   # every simulated token; only lengths matter
 

@@ -3,7 +3,7 @@
 What runs is megarl's own code: `EnginePool` (least-loaded placement, versioned updates that
 hold the controller, abort, pause, load, resume), `PartialRolloutController` (fixed
 concurrency, frontier-first admission, group emission, carry, staleness) and the driver's
-stepping `RoundStepper` (megarl/rollout/rounds.py: which round runs when, prefetch, stitching),
+stepping `RoundStepper` (megarl/rollout/controller/rounds.py: which round runs when, prefetch, stitching),
 unmodified. Only the engines (`SimEngine`) and the trainer (a sleep of its modelled time) are
 simulated. A step follows `megarl/train.py`:
 - sync: all groups_per_step x n samples of fresh prompts at once; wait for the longest.
@@ -30,10 +30,10 @@ import copy
 from dataclasses import dataclass, field
 
 from megarl.metrics.step import trainer_idle_frac
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import GenRequest
-from megarl.rollout.pool import EnginePool
-from megarl.rollout.rounds import RoundStepper
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.controller.rounds import RoundStepper
+from megarl.rollout.engines.engine import GenRequest
+from megarl.rollout.engines.pool import EnginePool
 from megarl.sim import clock as vclock
 from megarl.sim.engine import SimEngine
 from megarl.sim.workload import Workload
@@ -170,7 +170,7 @@ def ideal_rollout(s: SimSettings, w: Workload, engine_costs, out: dict) -> dict:
 
 
 def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace) -> RoundStepper:
-    """train.py's rounds (rollout/rounds.py) on simulated engines: sync rounds of fresh
+    """train.py's rounds (rollout/controller/rounds.py) on simulated engines: sync rounds of fresh
     prompts at forced lengths, or the controller with the workload's per-sample budgets."""
     G, n = s.groups_per_step, w.n
     if s.mode == "sync":

@@ -32,7 +32,7 @@ def main(model_dir: str, out_dir: str) -> None:
     models = build_all(cfg)
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step
-    from megarl.rollout.dump import read_samples
+    from megarl.rollout.controller.dump import read_samples
     # one update first: a fresh optimizer has no state to save
     ppo_step(cfg, models.actor, models.reference, models.critic,
              build_batch(read_samples("tests/data/rollout_tiny.jsonl"), models.tokenizer.pad_token_id), 0)

@@ -38,8 +38,8 @@ def main(model_dir: str, out_path: str, args: list[str]) -> None:
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step, trainer_logprobs
-    from megarl.rollout.dump import read_samples
-    from megarl.rollout.transfer import files
+    from megarl.rollout.controller.dump import read_samples
+    from megarl.rollout.weights import files
 
     samples = read_samples("tests/data/rollout_tiny.jsonl")
     result = {"clean": {}, "syncs": {}, "left": {}}

@@ -86,7 +86,7 @@ def engines(export: str, train_json: str, out_json: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from megarl.rollout.vllm_settings import engine_settings
+    from megarl.rollout.engines.vllm_settings import engine_settings
     settings = engine_settings(seed=0, max_model_len=256, tp=1, enforce_eager=True, kv_cache_mb=64,
                                gpu_memory_utilization=0.5, cuda=False)
     llm = LLM(model=export, **settings)

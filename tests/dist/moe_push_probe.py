@@ -31,7 +31,7 @@ def main(model_dir: str, out_path: str, bucket_bytes: int, overrides: list[str])
     validate_world(cfg, env.world_size)
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, 0, cfg.parallel.ep)
     from megarl.models.setup import build_all
-    from megarl.rollout.transfer import packing, source
+    from megarl.rollout.weights import packing, source
     models = build_all(cfg, with_tokenizer=False)
     seen: dict[str, list] = {}
     largest = 0

@@ -31,7 +31,7 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.ppo.batch import build_batch
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.ppo.step import ppo_step
-    from megarl.rollout.dump import read_samples
+    from megarl.rollout.controller.dump import read_samples
 
     models = build_all(cfg)
     samples = read_samples("tests/data/rollout_tiny.jsonl")[:32]

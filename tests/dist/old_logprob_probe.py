@@ -40,7 +40,7 @@ def main(model_dir: str, out_path: str) -> None:
     from megarl.ppo.batch import build_batch
     from megarl.ppo.losses import kl_penalty, masked_mean
     from megarl.ppo.step import ppo_step, trainer_logprobs
-    from megarl.rollout.dump import read_samples
+    from megarl.rollout.controller.dump import read_samples
 
     models = build_all(cfg)
     pad, vocab, temp = models.tokenizer.pad_token_id, models.actor.info.vocab_size, cfg.rollout.sampling.temperature

@@ -61,8 +61,8 @@ def inject_failure() -> None:
 def receiving_engine(name: str):
     """An engine that joins the weight group and receives each bucket in a thread, as a vLLM
     worker with megarl's gloo backend does, keeping the unpacked tensors."""
-    from megarl.rollout.engine import Engine, EngineError, EngineHealth
-    from megarl.rollout.transfer import group, packing
+    from megarl.rollout.engines.engine import Engine, EngineError, EngineHealth
+    from megarl.rollout.weights import group, packing
 
     class Receiver(Engine):
         def __init__(self):
@@ -112,9 +112,9 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     from megarl.distributed.env import init_distributed
     from megarl.models.builders import build_model
     from megarl.models.transformer_config import transformer_config
-    from megarl.rollout.engine import EngineError
-    from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-    from megarl.rollout.transfer.collective import CollectiveTransport
+    from megarl.rollout.engines.engine import EngineError
+    from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
+    from megarl.rollout.weights.collective import CollectiveTransport
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

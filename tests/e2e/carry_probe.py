@@ -18,7 +18,7 @@ def carried(pool, model_dir, long_prompt, short_prompt) -> dict:
     unchanged weights are loaded as the next version; later rounds finish it. Its tokens,
     versions and requests sent."""
     version = pool.version
-    from megarl.rollout.controller import PartialRolloutController
+    from megarl.rollout.controller.partial import PartialRolloutController
     prompts = iter([long_prompt] + [short_prompt] * 300)
     ctl = PartialRolloutController(
         pool.pool, n=1, concurrency=2, max_new_tokens=56, temperature=0.0, max_staleness=5,
@@ -44,8 +44,8 @@ def main(model_dir: str, out_path: str) -> None:
     from transformers import AutoTokenizer
 
     from megarl.config import load_config
-    from megarl.rollout.engine import GenRequest
-    from megarl.rollout.pool import open_pool
+    from megarl.rollout.engines.engine import GenRequest
+    from megarl.rollout.engines.pool import open_pool
 
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines.count=1"])
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -60,7 +60,7 @@ def start_held(mode: str, pool):
     follows holds it: rollout.update_mode=keep, the default): (request, its future)."""
     import time
 
-    from megarl.rollout.engine import GenRequest
+    from megarl.rollout.engines.engine import GenRequest
     req = GenRequest(f"held-{mode}", [1, 7, 9, 11, 13], 200, TEMPERATURE, seed=3, ignore_eos=True)
     fut = pool.loop.submit(pool.pool.generate(req, pool.engines[0]))
     deadline = time.monotonic() + 60
@@ -121,9 +121,9 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     from megarl.models.builders import build_model, make_trainable
     from megarl.models.loading import load_hf_shard
     from megarl.models.transformer_config import transformer_config
-    from megarl.rollout import weight_sync
-    from megarl.rollout.pool import open_pool
-    from megarl.rollout.transfer import files, source
+    from megarl.rollout.engines.pool import open_pool
+    from megarl.rollout.weights import files, source
+    from megarl.rollout.weights import sync as weight_sync
     writes = {"n": 0}
     real_save = safetensors.torch.save_file
 

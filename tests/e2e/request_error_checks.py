@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 
-from megarl.rollout.engine import GenRequest, RequestError
-from megarl.rollout.sync_rollout import generate_groups
-from megarl.rollout.weight_sync import probe_engines
+from megarl.rollout.controller.sync_rollout import generate_groups
+from megarl.rollout.engines.engine import GenRequest, RequestError
+from megarl.rollout.weights.sync import probe_engines
 
 GOOD = [1, 5, 9, 12, 17, 20, 23]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %} {{ m['content'] }} "

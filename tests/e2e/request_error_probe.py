@@ -21,7 +21,7 @@ def main(model_dir: str, out_path: str, log_dir: str) -> None:
 
     from megarl.config import load_config
     from megarl.preflight import load_tokenizer, read_hf_config
-    from megarl.rollout.pool import open_pool
+    from megarl.rollout.engines.pool import open_pool
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", f"data.prompts={model_dir}/prompts.jsonl", "run.dir=unused",
         "rollout.engines.mode=inprocess", "rollout.engines.count=1", "rollout.engines.timeout_s=120",

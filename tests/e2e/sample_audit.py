@@ -1,5 +1,5 @@
 """The audit of a run's sample dumps (rollout.dump_every=1: every trained sample is in
-`<run.dir>/samples/step_<N>.jsonl`, megarl/rollout/dump.py), shared by the end-to-end tests
+`<run.dir>/samples/step_<N>.jsonl`, megarl/rollout/controller/dump.py), shared by the end-to-end tests
 that break engines under a run: nothing cut off by a failure is trained as if it were whole."""
 import json
 

@@ -31,8 +31,8 @@ TRAINED = 2                                         # steps before the survivor 
 def doomed_server(tiny_model, tmp_path_factory):
     """A second vLLM server on the tiny model, its worker on a core of its own (the last). Started,
     not waited for: it comes up while the shared server and the trainer start."""
-    from megarl.rollout.servers import LocalServer
-    from megarl.rollout.vllm_settings import BIND_ENV, cpu_binds
+    from megarl.rollout.engines.servers import LocalServer
+    from megarl.rollout.engines.vllm_settings import BIND_ENV, cpu_binds
 
     binds = cpu_binds(2, 1, sorted(os.sched_getaffinity(0)))
     server = LocalServer(tiny_model, tmp_path_factory.mktemp("doomed") / "engine_1.log",

@@ -23,10 +23,10 @@ import psutil
 import pytest
 from engine_contract import hf_logprobs, hf_model
 
-from megarl.rollout import held_tokens, reaper
-from megarl.rollout.engine import EngineError, GenRequest
-from megarl.rollout.servers import LocalServer, LocalServerEngine
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.engines import held_tokens, reaper
+from megarl.rollout.engines.engine import EngineError, GenRequest
+from megarl.rollout.engines.servers import LocalServer, LocalServerEngine
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 from tools.model_positions import with_positions
 
 MAX_LEN = 4096
@@ -378,7 +378,7 @@ def _live_children() -> set:
 def test_engine_sockets_live_in_a_private_folder(server):
     """vLLM's ZMQ sockets (API server <-> engine core <-> worker) are files in
     $VLLM_RPC_BASE_PATH, which vLLM never removes: a server megarl starts puts them in the
-    owner-only folder of the process that started it (megarl.rollout.reaper.private_rpc_dir),
+    owner-only folder of the process that started it (megarl.rollout.engines.reaper.private_rpc_dir),
     removed with that process, not loose in /tmp."""
     folder = reaper.private_rpc_dir()
     assert folder and os.path.basename(folder).startswith(reaper.RPC_PREFIX)

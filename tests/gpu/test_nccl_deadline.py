@@ -1,4 +1,4 @@
-"""The NCCL wire's send has a deadline on a real CUDA stream (transfer/wires.py).
+"""The NCCL wire's send has a deadline on a real CUDA stream (rollout/weights/wires.py).
 
 An NCCL broadcast to a peer that died never completes: the kernel spins on the stream, and a
 `stream.synchronize()` would wait for ever. The wire records an event after its broadcasts and
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from megarl.rollout.transfer import packing, wires
+from megarl.rollout.weights import packing, wires
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.engine import GenRequest
+from megarl.rollout.engines.engine import GenRequest
 from tools import tiny_archs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,7 +25,7 @@ def test_vllm_own_capture_gives_the_routers_choices(moe_dir):
     from transformers import AutoModelForCausalLM
 
     from megarl.config import load_config
-    from megarl.rollout.pool import open_pool
+    from megarl.rollout.engines.pool import open_pool
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={moe_dir}", "rollout.engines.count=1",
                                                 "rollout.engines.mode=inprocess"])
     hf = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()

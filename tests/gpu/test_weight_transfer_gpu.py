@@ -1,4 +1,4 @@
-"""GPU routes of the collective weight transport (transfer/wires.py), each skipped without a
+"""GPU routes of the collective weight transport (rollout/weights/wires.py), each skipped without a
 CUDA build of vLLM (the device machine of tests/gpu/device_check.sh has no vLLM, so these run
 on a real cluster node):
 - nccl: vLLM's `nccl` backend on the engine side, megarl's NCCL wire on the sender; two GPUs
@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 def main(model_dir, out):
     from megarl.config import load_config
     from megarl.config.schema import WeightSyncConfig
-    from megarl.rollout.pool import open_pool
-    from megarl.rollout.transfer import collective, packing, source
-    from megarl.rollout.engine import GenRequest
+    from megarl.rollout.engines.pool import open_pool
+    from megarl.rollout.weights import collective, packing, source
+    from megarl.rollout.engines.engine import GenRequest
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines.count=1"])
     torch.cuda.set_device(0)
     import os
@@ -103,10 +103,10 @@ def logprob_gap(model_dir, weights, res):
 def main(model_dir, out):
     from megarl.config import load_config
     from megarl.config.schema import WeightSyncConfig
-    from megarl.rollout.build import weight_backend
-    from megarl.rollout.engine import GenRequest
-    from megarl.rollout.pool import open_pool
-    from megarl.rollout.transfer import collective, packing, source
+    from megarl.rollout.engines.build import weight_backend
+    from megarl.rollout.engines.engine import GenRequest
+    from megarl.rollout.engines.pool import open_pool
+    from megarl.rollout.weights import collective, packing, source
     cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={model_dir}", "rollout.engines.count=1",
                                                 "rollout.engines.mode=inprocess"])
     torch.cuda.set_device(0)

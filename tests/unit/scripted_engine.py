@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Optional
 
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, RequestError, copy_result
+from megarl.rollout.engines.engine import Engine, EngineError, EngineHealth, GenResult, RequestError, copy_result
 
 TOKEN0 = 1000
 
@@ -175,7 +175,7 @@ class ScriptedEngine(Engine):
         self.kv_cleared += len(self._running)
 
     async def reload_weights(self, path, version):
-        if not self.paused:   # the protocol's rule (megarl/rollout/engine.py); held requests may stay
+        if not self.paused:   # the protocol's rule (megarl/rollout/engines/engine.py); held requests may stay
             raise EngineError(f"engine {self.name}: a weight update needs the engine paused")
         self.version = version
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenResult, copy_result
-from megarl.rollout.pool import EnginePool, LoopThread
+from megarl.rollout.engines.engine import Engine, EngineError, EngineHealth, GenResult, copy_result
+from megarl.rollout.engines.pool import EnginePool, LoopThread
 from megarl.service import AgentService
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>", "<tool>"]

@@ -13,10 +13,10 @@ import pytest
 from scripted_engine import Clock, ScriptedEngine
 from test_rollout_stress import PROMPT, WorkloadEngine, long_tail
 
-from megarl.rollout import weight_sync
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import EngineError, GenRequest
-from megarl.rollout.pool import EnginePool
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.engines.engine import EngineError, GenRequest
+from megarl.rollout.engines.pool import EnginePool
+from megarl.rollout.weights import sync as weight_sync
 
 
 class Either(WorkloadEngine):

@@ -1,6 +1,6 @@
 """An async-mode checkpoint never loses or duplicates a group (issue 18, finding 3).
 
-The driver (`Rollout`, megarl/rollout/rounds.py) prefetches round k+1 on the pool's loop
+The driver (`Rollout`, megarl/rollout/controller/rounds.py) prefetches round k+1 on the pool's loop
 thread; a checkpoint's snapshot runs on that loop at any moment. Here the snapshot is taken at
 every loop offset from the moment round k+1 starts ending until well after its coroutine
 returned (before the driver's `round` has taken its groups): each untrained group is in the
@@ -13,8 +13,8 @@ from scripted_engine import Clock
 from test_rollout_stress import WorkloadEngine, long_tail
 
 from megarl.data.prompts import PromptSampler
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.rounds import Rollout
+from megarl.rollout.controller.rounds import Rollout
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
 
 LOOP_THREAD = "test-engines"
 

@@ -15,9 +15,9 @@ import pytest
 from scripted_engine import Clock
 from test_rollout_stress import PROMPT, WorkloadEngine
 
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.pool import EnginePool
 
 
 def lengths(gid: int, index: int) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.distributed.env import free_port
-from megarl.rollout.transfer import group, packing
+from megarl.rollout.weights import group, packing
 
 
 class Counting:

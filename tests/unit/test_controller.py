@@ -13,9 +13,9 @@ import torch
 from scripted_engine import TOKEN0, Clock, ScriptedEngine, behaviour_logprob
 
 from megarl.ppo.batch import build_batch, stitch_old_logprobs
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.pool import EnginePool
 
 PROMPT_LEN = 2
 

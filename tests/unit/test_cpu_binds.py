@@ -4,9 +4,9 @@ engines generated and loaded weights one after the other on one core."""
 import pytest
 
 from megarl.config import load_config
-from megarl.rollout import build
-from megarl.rollout.servers import LocalServer
-from megarl.rollout.vllm_settings import BIND_ENV, cpu_binds
+from megarl.rollout.engines import build
+from megarl.rollout.engines.servers import LocalServer
+from megarl.rollout.engines.vllm_settings import BIND_ENV, cpu_binds
 
 
 @pytest.mark.parametrize("engines,tp,cpus,want", [

@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import EnginesConfig, RolloutConfig
-from megarl.rollout import vllm_async
-from megarl.rollout.build import build_engine, build_engines
-from megarl.rollout.vllm_settings import check_expert_parallel, cli_flags, engine_settings
+from megarl.rollout.engines import vllm_async
+from megarl.rollout.engines.build import build_engine, build_engines
+from megarl.rollout.engines.vllm_settings import check_expert_parallel, cli_flags, engine_settings
 
 
 def config(*overrides):
@@ -100,9 +100,9 @@ def test_every_engine_megarl_starts_gets_the_setting(tmp_path, monkeypatch, on):
 
 
 def test_the_cluster_servers_get_it_and_refuse_a_dense_model(tmp_path, monkeypatch, capsys):
-    """`python -m megarl.rollout.serve` (the slurm scripts' servers) renders the same flag, and
+    """`python -m megarl.rollout.engines.serve` (the slurm scripts' servers) renders the same flag, and
     refuses a dense model.path before it execs vLLM."""
-    from megarl.rollout import serve
+    from megarl.rollout.engines import serve
     got = {}
 
     def fake_execve(path, argv, env):

@@ -18,13 +18,13 @@ from scripted_engine import ScriptedEngine as ClockedEngine
 from megarl.config.errors import ConfigError
 from megarl.config.registry import ENGINE_KINDS
 from megarl.config.schema import EnginesConfig, RolloutConfig
-from megarl.rollout import vllm_async
-from megarl.rollout.build import build_engine
-from megarl.rollout.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.servers import LocalServerEngine
-from megarl.rollout.vllm_async import AsyncVLLMEngine
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.engines import vllm_async
+from megarl.rollout.engines.build import build_engine
+from megarl.rollout.engines.engine import Engine, EngineError, EngineHealth, GenRequest, GenResult
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.engines.servers import LocalServerEngine
+from megarl.rollout.engines.vllm_async import AsyncVLLMEngine
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 from megarl.sim.engine import SimEngine
 
 
@@ -304,7 +304,7 @@ def test_bad_requests_are_refused():
 
 def test_stale_staging_folders_of_dead_runs_are_removed(tmp_path):
     """Weights staged by a crashed run (its pid is gone) are removed; a live run's are kept."""
-    from megarl.rollout.transfer import files
+    from megarl.rollout.weights import files
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
     stale = tmp_path / f"{files.PREFIX}{dead}-run-abc"
@@ -317,7 +317,7 @@ def test_stale_staging_folders_of_dead_runs_are_removed(tmp_path):
 
 
 def test_staging_problems_are_named(tmp_path):
-    from megarl.rollout.transfer import files
+    from megarl.rollout.weights import files
     assert "not a writable folder" in files._staging_problem(str(tmp_path / "missing"), 0)
     msg = files._staging_problem(str(tmp_path), 1 << 60)
     assert "weight_sync.staging_dir" in msg and "MiB free" in msg
@@ -327,7 +327,7 @@ def test_staging_problems_are_named(tmp_path):
 def test_an_engine_start_past_its_deadline_names_the_start_setting():
     """The start deadline is rollout.engines.start_timeout_s, and its error says so (it named
     rollout.engines.timeout_s, which does not govern the start)."""
-    from megarl.rollout.pool import LoopThread, SyncPool
+    from megarl.rollout.engines.pool import LoopThread, SyncPool
 
     class SlowStart(ScriptedEngine):
         async def start(self):
@@ -347,7 +347,7 @@ def test_a_start_cut_short_closes_the_engines_it_began(cut):
     and the one already up, before the error leaves: a local server it had launched is not left
     running."""
     from megarl.distributed.stop import Stopped
-    from megarl.rollout.pool import LoopThread, SyncPool
+    from megarl.rollout.engines.pool import LoopThread, SyncPool
 
     closed = []
 
@@ -381,7 +381,7 @@ def test_a_start_cut_short_closes_the_engines_it_began(cut):
 
 
 def test_engine_kinds_are_the_builders_registered_next_to_them(monkeypatch):
-    """rollout.engines.mode names an ENGINE_KINDS entry, registered in megarl/rollout/build.py:
+    """rollout.engines.mode names an ENGINE_KINDS entry, registered in megarl/rollout/engines/build.py:
     the three built-in kinds build their engine classes (unstarted: nothing runs), a kind
     registered elsewhere is validated and built like them, and an unknown one is a ConfigError
     naming the setting, the value and the known kinds."""

@@ -13,8 +13,8 @@ import pytest
 from test_episodes import OBS0, CountingEnv, WordTokenizer, drive
 
 from megarl.envs.episodes import EpisodeDriver
-from megarl.rollout import staleness
-from megarl.rollout.slots import Group, Slot
+from megarl.rollout.controller import staleness
+from megarl.rollout.controller.slots import Group, Slot
 
 
 class FirstObservationEnv(CountingEnv):

@@ -18,8 +18,8 @@ from megarl.envs.base import Environment, EnvSpec, StepResult
 from megarl.envs.episodes import EpisodeDriver
 from megarl.metrics.step import episode_metrics
 from megarl.ppo.batch import build_batch
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.pool import EnginePool
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.engines.pool import EnginePool
 
 PROMPT = [7, 7]
 OBS0 = 500                      # observation i is two tokens OBS0 + i

@@ -9,9 +9,9 @@ from test_rollout_stress import PROMPT, long_tail
 
 from megarl.data import seeds
 from megarl.eval.generate import eval_requests, generate_limited
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import GenRequest, RequestError
-from megarl.rollout.pool import EnginePool
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.engines.engine import GenRequest, RequestError
+from megarl.rollout.engines.pool import EnginePool
 
 
 def test_eval_seed_is_pinned():

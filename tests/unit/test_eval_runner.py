@@ -11,8 +11,8 @@ from megarl.config.loader import load_config
 from megarl.eval.datasets import load_eval_sets
 from megarl.eval.runner import Evaluator
 from megarl.metrics.logger import MetricsLogger
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
 
 REFUSED_LENGTH = 999
 

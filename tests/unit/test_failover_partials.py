@@ -11,9 +11,9 @@ import asyncio
 import pytest
 from scripted_engine import ScriptedEngine, assert_whole, run_on_clock
 
-from megarl.rollout.engine import EngineError, GenRequest
-from megarl.rollout.pool import EnginePool
-from megarl.rollout.sync_rollout import generate_groups
+from megarl.rollout.controller.sync_rollout import generate_groups
+from megarl.rollout.engines.engine import EngineError, GenRequest
+from megarl.rollout.engines.pool import EnginePool
 
 LENGTH = 40
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.rollout.engine import EngineError
-from megarl.rollout.held_tokens import external_ids, wait_for_held
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.held_tokens import external_ids, wait_for_held
 
 
 def test_counts_are_keyed_by_the_callers_ids():

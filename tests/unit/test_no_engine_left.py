@@ -6,9 +6,9 @@ import asyncio
 
 from scripted_engine import ScriptedEngine, run_on_clock
 
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool
-from megarl.rollout.sync_rollout import generate_groups
+from megarl.rollout.controller.sync_rollout import generate_groups
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.pool import EnginePool
 
 
 def test_every_request_cut_off_by_the_last_retirement_names_the_engine():

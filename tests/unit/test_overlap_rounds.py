@@ -4,7 +4,7 @@ each only with the tokens it is then trained with. One component with the script
 test_async_checkpoint (the trainer's side on real ranks: tests/dist/test_overlap.py)."""
 from test_async_checkpoint import close, open_rollout
 
-from megarl.rollout.controller import Group, Slot
+from megarl.rollout.controller.slots import Group, Slot
 
 
 class Watch:

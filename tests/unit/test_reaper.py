@@ -11,7 +11,7 @@ import pytest
 
 PARENT = """
 import subprocess, sys, time
-from megarl.rollout import reaper
+from megarl.rollout.engines import reaper
 def sleeper():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 {body}
@@ -67,7 +67,7 @@ def _rpc(tmp_path, env_extra=None, code=""):
     tmp.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
     env.update(TMPDIR=str(tmp), **(env_extra or {}))
-    body = ("import os, stat\nfrom megarl.rollout import reaper\n"
+    body = ("import os, stat\nfrom megarl.rollout.engines import reaper\n"
             "p = reaper.private_rpc_dir()\nassert reaper.private_rpc_dir() == p\n"
             "print(p)\nprint(os.environ.get('VLLM_RPC_BASE_PATH'))\n"
             "print(oct(stat.S_IMODE(os.stat(p).st_mode)) if p and os.path.isdir(p) else None)\n" + code)

@@ -1,12 +1,12 @@
-"""A remote engine that does not answer (megarl/rollout/vllm_http.py `_wait_healthy`): the
+"""A remote engine that does not answer (megarl/rollout/engines/vllm_http.py `_wait_healthy`): the
 wait is said every few seconds, and the error names the URL and rollout.engines.urls, exit 2."""
 import asyncio
 import socket
 
 import pytest
 
-from megarl.rollout.engine import EngineError
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 
 
 def _closed_port() -> int:

@@ -17,12 +17,13 @@ import pytest
 from aiohttp import web
 from scripted_engine import Clock, ScriptedEngine, assert_whole, run_on_clock
 
-from megarl.rollout import vllm_async, weight_sync
-from megarl.rollout.engine import EngineError, GenRequest, RequestError
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.sync_rollout import REFUSED, generate_groups, score_all
-from megarl.rollout.vllm_async import AsyncVLLMEngine
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.controller.sync_rollout import REFUSED, generate_groups, score_all
+from megarl.rollout.engines import vllm_async
+from megarl.rollout.engines.engine import EngineError, GenRequest, RequestError
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.engines.vllm_async import AsyncVLLMEngine
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
+from megarl.rollout.weights import sync as weight_sync
 
 LENGTH = 12
 TOO_LONG = "The decoder prompt (length 300) is longer than the maximum model length of 256."

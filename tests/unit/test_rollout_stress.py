@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from scripted_engine import Clock, ScriptedEngine
 
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool
-from megarl.rollout.staleness import free_deadline
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.controller.staleness import free_deadline
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.pool import EnginePool
 
 PROMPT = [7, 7]
 

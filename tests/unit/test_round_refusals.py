@@ -16,9 +16,9 @@ from scripted_engine import Clock
 from test_episodes import drive as drive_episodes
 from test_rollout_stress import PROMPT, WorkloadEngine
 
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.engine import RequestError
-from megarl.rollout.pool import EnginePool
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.engines.engine import RequestError
+from megarl.rollout.engines.pool import EnginePool
 
 
 def lengths(gid: int, index: int) -> int:

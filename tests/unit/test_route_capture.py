@@ -1,12 +1,12 @@
-"""The engine workers' route book (megarl/rollout/route_capture.py) without vLLM: a step's
+"""The engine workers' route book (megarl/rollout/engines/route_capture.py) without vLLM: a step's
 flattened rows go to their requests by the runner's layout, a position keeps its first row, a
 prefix-cache hit takes the rows of the KV slots it reuses, and take / keep / the dense refusal."""
 import numpy as np
 import pytest
 import torch
 
-from megarl.rollout import route_capture
-from megarl.rollout.engine import EngineError
+from megarl.rollout.engines import route_capture
+from megarl.rollout.engines.engine import EngineError
 
 BLOCK = 4
 

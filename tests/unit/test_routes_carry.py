@@ -16,9 +16,9 @@ import test_controller as tc
 from scripted_engine import Clock, ScriptedEngine
 
 from megarl.rollout import routes
-from megarl.rollout.engine import EngineError, GenRequest
-from megarl.rollout.pool import EnginePool
-from megarl.rollout.slots import Group, Slot, group_from_state, group_state, set_tokens
+from megarl.rollout.controller.slots import Group, Slot, group_from_state, group_state, set_tokens
+from megarl.rollout.engines.engine import EngineError, GenRequest
+from megarl.rollout.engines.pool import EnginePool
 
 
 def script_routes(prompt_len: int, versions: list[int], first_version: int) -> np.ndarray:
@@ -210,7 +210,7 @@ def test_checkpointed_samples_keep_their_routes(tmp_path):
     torch.load(weights_only=True): their routes must be plain data and come back equal."""
     import torch
 
-    from megarl.rollout.lag import LagQueue
+    from megarl.rollout.controller.lag import LagQueue
     q = LagQueue(1)
     s = _routed_sample()
     q.put([s], {})
@@ -224,7 +224,7 @@ def test_checkpointed_samples_keep_their_routes(tmp_path):
 
 
 def test_dumped_samples_keep_their_routes(tmp_path):
-    from megarl.rollout.dump import dump_samples, read_samples
+    from megarl.rollout.controller.dump import dump_samples, read_samples
     tok = type("T", (), {"decode": staticmethod(lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))})()
     s = _routed_sample()
     path = dump_samples(str(tmp_path), 1, [s], tok)

@@ -3,8 +3,8 @@ are compared bitwise across versions, so a formula may not change by accident. T
 were computed with the formulas as they stood in each caller before they moved here."""
 from megarl.data import seeds
 from megarl.data.prompts import PromptSampler
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.sync_rollout import group_requests
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.controller.sync_rollout import group_requests
 
 
 def test_step_prompt_seeds():

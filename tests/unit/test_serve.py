@@ -1,4 +1,4 @@
-"""`python -m megarl.rollout.serve`: the cluster scripts' vLLM server (same argv as LocalServer)
+"""`python -m megarl.rollout.engines.serve`: the cluster scripts' vLLM server (same argv as LocalServer)
 and their health wait."""
 import json
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megarl.config.schema import EnginesConfig, RolloutConfig
-from megarl.rollout import serve, vllm_async
-from megarl.rollout.servers import LocalServer
+from megarl.rollout.engines import serve, vllm_async
+from megarl.rollout.engines.servers import LocalServer
 
 
 @pytest.fixture
@@ -41,7 +41,8 @@ def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(ca
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
     # the held-token route, then the key check: vLLM adds them in order, the last outermost
     middleware = [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]
-    assert middleware == ["megarl.rollout.held_tokens.HeldTokensRoute", "megarl.rollout.auth.RequireKey"]
+    assert middleware == ["megarl.rollout.engines.held_tokens.HeldTokensRoute",
+                          "megarl.rollout.engines.auth.RequireKey"]
     assert "--api-key" not in argv and "k" * 32 not in " ".join(argv)
     env = captured["env"]
     assert env["VLLM_API_KEY"] == "k" * 32 and env["VLLM_SERVER_DEV_MODE"] == "1"

@@ -10,10 +10,10 @@ import json
 from aiohttp import web
 from scripted_engine import ScriptedEngine, assert_whole, run_on_clock
 
-from megarl.rollout.engine import EngineError, EngineHealth, GenRequest, ServerError
-from megarl.rollout.pool import EnginePool
-from megarl.rollout.sync_rollout import generate_groups
-from megarl.rollout.vllm_http import HTTPVLLMEngine
+from megarl.rollout.controller.sync_rollout import generate_groups
+from megarl.rollout.engines.engine import EngineError, EngineHealth, GenRequest, ServerError
+from megarl.rollout.engines.pool import EnginePool
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 
 LENGTH = 40
 

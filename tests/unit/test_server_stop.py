@@ -7,8 +7,8 @@ import signal
 import subprocess
 import time
 
-from megarl.rollout import servers
-from megarl.rollout.servers import ORPHAN_GRACE_S, LocalServer
+from megarl.rollout.engines import servers
+from megarl.rollout.engines.servers import ORPHAN_GRACE_S, LocalServer
 
 
 def test_stop_kills_what_a_dead_server_left_after_a_short_grace(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from service_support import EOS, ServiceHarness, TableEngine, build_tokenizer, harnesses, ids
 
-from megarl.rollout.engine import EngineError, RequestError
+from megarl.rollout.engines.engine import EngineError, RequestError
 
 KEY = "test-key-1234"
 FIRST = [{"role": "system", "content": "hello world"}, {"role": "user", "content": "what next"}]

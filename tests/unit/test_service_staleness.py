@@ -10,8 +10,8 @@ import pytest
 from service_support import build_tokenizer
 from test_service import FIRST, Harness
 
-from megarl.rollout.pool import SyncPool
-from megarl.rollout.rounds import Rollout
+from megarl.rollout.controller.rounds import Rollout
+from megarl.rollout.engines.pool import SyncPool
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from test_simulator import Linear, _fixed
 
-from megarl.rollout.engine import EngineError, GenRequest
+from megarl.rollout.engines.engine import EngineError, GenRequest
 from megarl.sim import clock as vclock
 from megarl.sim.costs import H100, MeasuredTrainer, RooflineTrainer, published_models
 from megarl.sim.engine import SimEngine

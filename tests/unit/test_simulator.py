@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megarl.rollout.engine import GenRequest
+from megarl.rollout.engines.engine import GenRequest
 from megarl.sim import clock as vclock
 from megarl.sim.costs import MeasuredEngine, MeasuredTrainer, interp
 from megarl.sim.engine import SimEngine
@@ -167,7 +167,7 @@ def test_the_simulator_steps_through_the_drivers_round_stepper(mode, monkeypatch
     round, pending, prefetch of the next round, store; only async mode's prefetch starts a
     round. Its trainer_idle_frac is the trainer's definition (metrics/step.py) over the sums."""
     from megarl.metrics.step import trainer_idle_frac
-    from megarl.rollout.rounds import RoundStepper
+    from megarl.rollout.controller.rounds import RoundStepper
     calls, started = [], []
 
     def spy(name):

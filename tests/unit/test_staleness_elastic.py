@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from test_rollout_stress import WorkloadEngine, bimodal, drive, has_long, long_tail, sync_share
 
-from megarl.rollout.staleness import round_may_end, step_groups
+from megarl.rollout.controller.staleness import round_may_end, step_groups
 
 
 def test_step_groups_covers_every_due_group_in_whole_multiples():
@@ -33,8 +33,8 @@ def test_a_step_multiple_below_one_is_refused_not_clamped(multiple):
     a clamp to 1 would run fixed steps where the caller asked for something else."""
     from scripted_engine import Clock
 
-    from megarl.rollout.controller import PartialRolloutController
-    from megarl.rollout.pool import EnginePool
+    from megarl.rollout.controller.partial import PartialRolloutController
+    from megarl.rollout.engines.pool import EnginePool
     pool = EnginePool([WorkloadEngine("e0", Clock(), bimodal)], 30)
     with pytest.raises(ValueError, match=rf"rollout.partial.max_step_multiple={multiple}: must be >= 1"):
         PartialRolloutController(pool, n=2, concurrency=4, max_new_tokens=8, temperature=1.0, max_staleness=2,

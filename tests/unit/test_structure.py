@@ -24,7 +24,7 @@ MAX_LINES_IN = {"megarl/train.py": 40}
 #: modules that must not import megatron, even indirectly at import time
 LIGHT = ["megarl", "megarl.cli", "megarl.bootstrap", "megarl.config", "megarl.config.schema",
          "megarl.config.loader", "megarl.config.registry", "megarl.rollout",
-         "megarl.rollout.transfer.plugin", "megarl.rollout.transfer.gloo_backend", "megarl.rollout.held_tokens"]
+         "megarl.rollout.engines.plugin", "megarl.rollout.weights.gloo_backend", "megarl.rollout.engines.held_tokens"]
 #: programs outside megarl/ that run megarl code in a process of their own
 PROGRAM_DIRS = ["tools", "bench", "tests/dist", "tests/e2e", "tests/gpu"]
 
@@ -65,6 +65,50 @@ def test_the_package_check_sees_a_circle_through_submodules(tmp_path):
     pg = package_graph(import_graph(pkg))
     assert module_name(pkg / "b" / "z.py", pkg) == "megarl.b.z"
     assert circles({a: dict.fromkeys(es) for a, es in pg.items()}) == [["megarl.a", "megarl.b"]]
+
+
+#: rollout/'s packages, bottom to top: a module imports only from its own layer and those below.
+#: `megarl.rollout` itself (routes.py, the package docstring) sits below all three.
+ROLLOUT_LAYERS = ["megarl.rollout", "megarl.rollout.engines", "megarl.rollout.weights", "megarl.rollout.controller"]
+
+
+def rollout_layer(mod: str) -> int | None:
+    """The index in ROLLOUT_LAYERS of the rollout package `mod` belongs to; None outside rollout."""
+    parts = mod.split(".")
+    if parts[:2] != ["megarl", "rollout"]:
+        return None
+    sub = ".".join(parts[:3])
+    return ROLLOUT_LAYERS.index(sub) if sub in ROLLOUT_LAYERS else 0
+
+
+def rollout_upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import (top of file or inside a function) from a rollout layer to one above it."""
+    out = []
+    for a, edges in graph.items():
+        for b, line in edges.items():
+            la, lb = rollout_layer(a), rollout_layer(b)
+            if la is not None and lb is not None and lb > la:
+                out.append(f"{a} -> {b} (line {line})")
+    return out
+
+
+def test_rollout_packages_import_downward_only():
+    """engines < weights < controller: the engines never reach for the weight push or the
+    controller, the weight push never for the controller."""
+    found = rollout_upward_imports(import_graph())
+    assert not found, f"rollout layers are {' < '.join(ROLLOUT_LAYERS)}; these import upward: {'; '.join(found)}"
+
+
+def test_the_rollout_layer_check_sees_an_upward_import_inside_a_function(tmp_path):
+    pkg = tmp_path / "megarl"
+    for sub in ("rollout", "rollout/engines", "rollout/controller"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rollout" / "controller" / "c.py").write_text("from megarl.rollout.engines import e\n")
+    (pkg / "rollout" / "engines" / "e.py").write_text("def f():\n    from megarl.rollout.controller import c\n")
+    assert rollout_upward_imports(import_graph(pkg)) == [
+        "megarl.rollout.engines.e -> megarl.rollout.controller.c (line 2)"]
 
 
 def long_functions(root: Path = PKG) -> list[str]:
@@ -221,7 +265,7 @@ def test_bootstrap_refuses_to_run_after_megatron():
     assert "refused: megatron was imported before megarl.bootstrap.bootstrap()" in out.stdout
 
 
-@pytest.mark.parametrize("module", ["megarl.cli", "megarl.config", "megarl.rollout.transfer.plugin"])
+@pytest.mark.parametrize("module", ["megarl.cli", "megarl.config", "megarl.rollout.engines.plugin"])
 def test_light_modules_import_without_megatron_at_run_time(module):
     code = f"import sys, {module}\nprint(sorted(m for m in sys.modules if m.startswith('megatron'))[:3])\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)

@@ -14,10 +14,10 @@ from scripted_engine import Clock, ScriptedEngine
 
 from megarl.config.schema import WeightSyncConfig
 from megarl.distributed.env import free_port
-from megarl.rollout import auth
-from megarl.rollout.engine import EngineError, EngineHealth
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.transfer import collective, group, packing, source, wires
+from megarl.rollout.engines import auth
+from megarl.rollout.engines.engine import EngineError, EngineHealth
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.weights import collective, group, packing, source, wires
 
 
 # -- packing ---------------------------------------------------------------------------------

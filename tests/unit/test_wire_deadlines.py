@@ -13,9 +13,9 @@ import pytest
 from scripted_engine import Clock, ScriptedEngine
 
 from megarl.config.schema import WeightSyncConfig
-from megarl.rollout.engine import EngineError
-from megarl.rollout.pool import EnginePool, LoopThread, SyncPool
-from megarl.rollout.transfer import collective, packing, source, wires
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
+from megarl.rollout.weights import collective, packing, source, wires
 
 TIMEOUT_S = 1.0
 BOUND_S = 120            # far above every deadline under test; only a hang reaches it

@@ -145,7 +145,7 @@ class PartialConfig:
 class RolloutConfig:
     """`rollout.*`: the mode and the three groups of settings. The flat keys of before
     (rollout.n, rollout.engine_mode, ...) still load, with a warning (config/loader.py MOVED)."""
-    # partial (fixed concurrency, carry-over; megarl/rollout/controller.py) | sync (wait for every sample)
+    # partial (fixed concurrency, carry-over; megarl/rollout/controller/partial.py) | sync (wait for every sample)
     mode: str = "partial"
     dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
     # how partial rollout's requests live through a weight update (docs/partial_rollout.md):

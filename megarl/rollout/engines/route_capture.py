@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from megarl.rollout.engine import EngineError
+from megarl.rollout.engines.engine import EngineError
 from megarl.rollout.routes import from_state, to_state
 
 START = "megarl_routes_start"

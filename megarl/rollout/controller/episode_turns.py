@@ -13,8 +13,8 @@ import asyncio
 import dataclasses
 from typing import Optional
 
-from megarl.rollout.engine import GenRequest
-from megarl.rollout.slots import Slot
+from megarl.rollout.controller.slots import Slot
+from megarl.rollout.engines.engine import GenRequest
 
 
 class EpisodeTurns:

@@ -38,9 +38,9 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from megarl.distributed.env import check_listen
-from megarl.rollout.engine import EngineError
-from megarl.rollout.transfer import group as wgroup
-from megarl.rollout.transfer import packing
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.weights import group as wgroup
+from megarl.rollout.weights import packing
 
 MEMBER_GRACE_S = 30.0
 
@@ -191,8 +191,8 @@ class IpcWire:
         (`ipc_handles_pickled`: JSON-safe, for the in-process client and the HTTP routes alike;
         raw handles hold torch types neither carries). vLLM unpickles it only with
         VLLM_ALLOW_INSECURE_SERIALIZATION=1, which megarl sets on the engines it starts
-        (rollout/build.py engine_env); the handles reach them over their control API only,
-        behind the API key for servers (rollout/auth.py). The handles keep nothing alive: the
+        (rollout/engines/build.py engine_env); the handles reach them over their control API only,
+        behind the API key for servers (rollout/engines/auth.py). The handles keep nothing alive: the
         caller keeps `buf` until the finish (`holds_buffers`)."""
         uuid = gpu_uuid(buf.device)
         handles = [{uuid: reduce_tensor(view)[1]} for _, view in packing.unpack(meta, buf)]

@@ -21,7 +21,7 @@ One round (docs/design.md "One training step"; docs/partial_rollout.md), on the 
 - any exception (engine, scoring, the data stream, building a request) ends the round at once
   and is raised by `run_round`.
 
-Staleness (`rollout.partial.stale_policy`, megarl/rollout/staleness.py): by default (`finish`) every
+Staleness (`rollout.partial.stale_policy`, megarl/rollout/controller/staleness.py): by default (`finish`) every
 group gets a deadline step when it opens, admission waits while no step within the bound has
 room, and a round may not end while a group due at its step is incomplete: long samples are
 finished, never discarded. `restart` / `drop` (opt-in) discard stale samples instead and
@@ -52,13 +52,12 @@ from typing import Callable, Iterable, Optional
 
 from megarl.data.sample import Sample
 from megarl.distributed import faults
-from megarl.rollout import staleness
-from megarl.rollout.admission import Admission
-from megarl.rollout.carry import CarryOver
-from megarl.rollout.engine import EngineError, GenRequest, GenResult, RequestError
-from megarl.rollout.episode_turns import EpisodeTurns
-from megarl.rollout.round_stats import RoundStats, round_metrics
-from megarl.rollout.slots import (
+from megarl.rollout.controller import staleness
+from megarl.rollout.controller.admission import Admission
+from megarl.rollout.controller.carry import CarryOver
+from megarl.rollout.controller.episode_turns import EpisodeTurns
+from megarl.rollout.controller.round_stats import RoundStats, round_metrics
+from megarl.rollout.controller.slots import (
     Group,
     Slot,
     group_from_state,
@@ -68,8 +67,9 @@ from megarl.rollout.slots import (
     sample_routes,
     set_tokens,
 )
-from megarl.rollout.slots import store_old_logprobs as _store_old_logprobs
-from megarl.rollout.sync_rollout import REFUSED, all_refused
+from megarl.rollout.controller.slots import store_old_logprobs as _store_old_logprobs
+from megarl.rollout.controller.sync_rollout import REFUSED, all_refused
+from megarl.rollout.engines.engine import EngineError, GenRequest, GenResult, RequestError
 
 STALE_POLICIES = staleness.POLICIES
 log = logging.getLogger("megarl.engines")

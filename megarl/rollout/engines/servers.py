@@ -38,10 +38,10 @@ from typing import Optional
 import torch
 
 from megarl.distributed.env import free_port
-from megarl.rollout import reaper
-from megarl.rollout.engine import EngineError
-from megarl.rollout.vllm_http import SERVER_KEEPALIVE_S, HTTPVLLMEngine
-from megarl.rollout.vllm_settings import cli_flags, engine_settings
+from megarl.rollout.engines import reaper
+from megarl.rollout.engines.engine import EngineError
+from megarl.rollout.engines.vllm_http import SERVER_KEEPALIVE_S, HTTPVLLMEngine
+from megarl.rollout.engines.vllm_settings import cli_flags, engine_settings
 
 SERVED_MODEL_NAME = "megarl-policy"
 _PR_SET_PDEATHSIG = 1
@@ -113,8 +113,8 @@ class LocalServer:
                # every route but /health needs the key (vLLM's own check skips the control routes)
                # the held-token counts of a paused engine (held_tokens.py); listed first, so
                # that RequireKey, added last, is the outermost and guards it too
-               "--middleware", "megarl.rollout.held_tokens.HeldTokensRoute",
-               "--middleware", "megarl.rollout.auth.RequireKey"]
+               "--middleware", "megarl.rollout.engines.held_tokens.HeldTokensRoute",
+               "--middleware", "megarl.rollout.engines.auth.RequireKey"]
         return cmd + cli_flags(self.settings()) + list(self.extra_args)
 
     def env(self) -> dict:

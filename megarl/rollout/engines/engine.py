@@ -39,7 +39,7 @@ Contract (what PPO and the pool rely on):
   `clear_kv()` drops their KV (and the prefix cache) so they recompute it under the new
   weights when they resume (rollout.keep_kv=false); without it they keep the KV computed
   under the old weights.
-- Weights: two routes (megarl/rollout/transfer/): `collective`, vLLM's weight-transfer
+- Weights: two routes (megarl/rollout/weights/): `collective`, vLLM's weight-transfer
   session (`init_weight_transfer` once per group, then per push `start_weight_update`, one
   `update_weights(update_info)` per bucket, received while the trainer broadcasts, and
   `finish_weight_update(version)`), and `files`, `reload_weights(path, version)`. Either way

@@ -35,10 +35,11 @@ from megarl.data.sample import Sample
 from megarl.data.seeds import step_prompt_seeds
 from megarl.envs.base import env_spec
 from megarl.envs.episodes import EpisodeDriver
-from megarl.rollout import routes, staleness
-from megarl.rollout.controller import PartialRolloutController
-from megarl.rollout.scoring import score_sample
-from megarl.rollout.sync_rollout import generate_groups, score_all
+from megarl.rollout import routes
+from megarl.rollout.controller import staleness
+from megarl.rollout.controller.partial import PartialRolloutController
+from megarl.rollout.controller.scoring import score_sample
+from megarl.rollout.controller.sync_rollout import generate_groups, score_all
 
 
 def episode_driver(env, tokenizer) -> EpisodeDriver:

@@ -1,7 +1,7 @@
 """vLLM general plugin (entry point `vllm.general_plugins` in setup.py): registers megarl's
-`gloo` weight-transfer backend, the engine core's count of held tokens (`rollout/held_tokens.py`),
-the CPU MoE reload fix (`transfer/moe_reload.py`) and the workers' route capture methods
-(`rollout/route_capture.py`, used only when asked) in every vLLM process (API server, engine
+`gloo` weight-transfer backend, the engine core's count of held tokens (`rollout/engines/held_tokens.py`),
+the CPU MoE reload fix (`rollout/engines/moe_reload.py`) and the workers' route capture methods
+(`rollout/engines/route_capture.py`, used only when asked) in every vLLM process (API server, engine
 core, workers), so servers started by megarl, by slurm or by hand accept `--weight-transfer-config
 '{"backend": "gloo"}'`. vLLM may call it several times per process: registering is idempotent.
 Lazy: the backend module is imported only where an engine is built with it."""
@@ -13,12 +13,11 @@ BACKEND = "gloo"
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from megarl.rollout import route_capture
-    from megarl.rollout.held_tokens import install_core_utility
-    from megarl.rollout.transfer import moe_reload
+    from megarl.rollout.engines import moe_reload, route_capture
+    from megarl.rollout.engines.held_tokens import install_core_utility
     install_core_utility()     # the engine core's count of held tokens (pause contract)
     moe_reload.install()       # CPU MoE experts keep their kernel layout over weight updates
     route_capture.install_worker_methods()   # routing replay: experts chosen per request (on demand)
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "megarl.rollout.transfer.gloo_backend", "GlooWeightTransferEngine")
+            BACKEND, "megarl.rollout.weights.gloo_backend", "GlooWeightTransferEngine")

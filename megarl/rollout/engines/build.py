@@ -15,11 +15,11 @@ import secrets
 import torch
 
 from megarl.config.registry import ENGINE_KINDS
-from megarl.rollout import vllm_async
-from megarl.rollout.engine import Engine
-from megarl.rollout.servers import LocalServer, LocalServerEngine
-from megarl.rollout.vllm_http import HTTPVLLMEngine
-from megarl.rollout.vllm_settings import BIND_ENV, check_expert_parallel, cpu_binds
+from megarl.rollout.engines import vllm_async
+from megarl.rollout.engines.engine import Engine
+from megarl.rollout.engines.servers import LocalServer, LocalServerEngine
+from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
+from megarl.rollout.engines.vllm_settings import BIND_ENV, check_expert_parallel, cpu_binds
 
 
 def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> list[Engine]:
@@ -69,7 +69,7 @@ def engine_env(cfg, i: int, weight_backend: str = "") -> dict:
     - on CPU, cores of its own for its workers (vllm_settings.cpu_binds), unless the user binds
       them with VLLM_CPU_OMP_THREADS_BIND (or vLLM's NUMA simulation needs its `auto`);
     - with the ipc weight backend, VLLM_ALLOW_INSECURE_SERIALIZATION=1: vLLM unpickles the CUDA
-      IPC handles of each bucket (`ipc_handles_pickled`, transfer/wires.py) only then. They come
+      IPC handles of each bucket (`ipc_handles_pickled`, rollout/weights/wires.py) only then. They come
       from the trainer over the engine's control API only: in this process for in-process
       engines; a local server listens on 127.0.0.1 and every route but /health needs its API
       key (auth.RequireKey)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megarl.distributed import device, parallel
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import ModelInfo, use_te
-from megarl.rollout.transfer import packing
+from megarl.rollout.weights import packing
 
 
 class StageError(RuntimeError):

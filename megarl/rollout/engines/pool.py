@@ -7,7 +7,7 @@ on an engine. The partial-rollout controller runs its own coroutines on the same
 
 Weight updates go to every engine at once, as one session (`begin_update` -> the transport's
 calls -> `end_update`): pause (rollout.update_mode=abort: abort what runs first; keep: the
-running requests are held), load (megarl/rollout/transfer/), reset the prefix cache, set the
+running requests are held), load (megarl/rollout/weights/), reset the prefix cache, set the
 version, (keep, rollout.keep_kv=false: drop the held requests' KV, recomputed under the new
 weights), resume: held requests go on under the new version. If any engine fails, the error
 names it.
@@ -43,8 +43,8 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 from megarl.distributed import faults
 from megarl.rollout import routes
-from megarl.rollout.build import build_engine, build_engines
-from megarl.rollout.engine import (
+from megarl.rollout.engines.build import build_engine, build_engines
+from megarl.rollout.engines.engine import (
     Engine,
     EngineError,
     EngineHealth,
@@ -338,7 +338,7 @@ class EnginePool:
     # -- weights -----------------------------------------------------------------------------
     # A push is one session: begin_update (schedulers in `holders` stop admitting, every engine
     # aborts what runs and pauses; restarted engines join here, so they load this version
-    # before they serve), the transport's calls on `engines` (transfer/), end_update (every
+    # before they serve), the transport's calls on `engines` (rollout/weights/), end_update (every
     # engine resumes, also after a failure: an engine is never left paused, and holders go on).
     async def begin_update(self) -> list[Engine]:
         """Start a push; returns the engines that take it."""

@@ -12,7 +12,7 @@ the only source of truth, never a separate call. Each request carries our own X-
 vLLM names the request `cmpl-<X-Request-Id>-0`, which is what `/abort_requests` takes.
 
 vLLM's --api-key guards only /v1, /v2, /inference and /cohere; servers megarl starts add
-`megarl.rollout.auth.RequireKey`, which refuses every other route but /health without the key
+`megarl.rollout.engines.auth.RequireKey`, which refuses every other route but /health without the key
 (control and weight-transfer endpoints included). The key is sent on every call.
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ from typing import Optional
 
 import aiohttp
 
-from megarl.rollout import held_tokens, route_capture, routes
-from megarl.rollout.engine import (
+from megarl.rollout import routes
+from megarl.rollout.engines import held_tokens, route_capture
+from megarl.rollout.engines.engine import (
     STALE_SESSION,
     Engine,
     EngineError,

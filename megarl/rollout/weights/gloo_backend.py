@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from megarl.rollout.transfer import group, packing
+from megarl.rollout.weights import group, packing
 
 
 @dataclass

@@ -17,8 +17,9 @@ from typing import Optional
 
 import torch
 
-from megarl.rollout import held_tokens, reaper, route_capture, routes
-from megarl.rollout.engine import (
+from megarl.rollout import routes
+from megarl.rollout.engines import held_tokens, plugin, reaper, route_capture
+from megarl.rollout.engines.engine import (
     STALE_SESSION,
     Engine,
     EngineError,
@@ -28,8 +29,7 @@ from megarl.rollout.engine import (
     RequestError,
     copy_result,
 )
-from megarl.rollout.transfer import plugin
-from megarl.rollout.vllm_settings import engine_settings
+from megarl.rollout.engines.vllm_settings import engine_settings
 
 # vLLM itself is imported inside the methods that use it: building engines (build.py), the pool
 # and the trainer's imports stay free of it; only a started in-process engine needs it.

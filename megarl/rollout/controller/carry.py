@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from megarl.rollout import staleness
-from megarl.rollout.slots import set_tokens
+from megarl.rollout.controller import staleness
+from megarl.rollout.controller.slots import set_tokens
 
 
 class CarryOver:

@@ -1,6 +1,6 @@
 """vLLM servers for cluster jobs (`slurm/common.sh`), from the recipe the trainer runs.
 
-    python -m megarl.rollout.serve serve RECIPE [key=value ...] --host ADDR --port P [--index I]
+    python -m megarl.rollout.engines.serve serve RECIPE [key=value ...] --host ADDR --port P [--index I]
         Replaces itself (exec) with exactly the server `rollout.engines.mode=local_servers` starts
         (`servers.LocalServer.command()` / `.env()`: the flags render `vllm_settings.engine_settings`,
         the settings in-process engines get too), configured
@@ -11,10 +11,10 @@
         The API key comes from $MEGARL_ENGINE_API_KEY (required) and reaches vLLM as
         $VLLM_API_KEY, so it never shows in the process list. ADDR is the node's
         cluster-internal address, never 0.0.0.0. Every route but /health needs the key
-        (`megarl.rollout.auth.RequireKey`), and the server takes weights with the recipe's
+        (`megarl.rollout.engines.auth.RequireKey`), and the server takes weights with the recipe's
         weight_sync.transport (collective: `--weight-transfer-config`).
 
-    python -m megarl.rollout.serve wait --timeout S [--watch-pid PID ...] URL=LOG [URL=LOG ...]
+    python -m megarl.rollout.engines.serve wait --timeout S [--watch-pid PID ...] URL=LOG [URL=LOG ...]
         Polls GET URL/health until every server answers 200. Exits 1, naming the server and
         printing the last lines of its log, when the deadline passes or a watched process (the
         `srun` steps of the servers and of the trainer) has exited first.
@@ -31,10 +31,10 @@ from collections import deque
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.rollout.build import weight_backend
-from megarl.rollout.reaper import pid_alive
-from megarl.rollout.servers import LocalServer
-from megarl.rollout.vllm_settings import check_expert_parallel
+from megarl.rollout.engines.build import weight_backend
+from megarl.rollout.engines.reaper import pid_alive
+from megarl.rollout.engines.servers import LocalServer
+from megarl.rollout.engines.vllm_settings import check_expert_parallel
 
 KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
@@ -141,7 +141,7 @@ def _wait(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.serve")
+    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.engines.serve")
     sub = parser.add_subparsers(dest="command", required=True)
     sv = sub.add_parser("serve", help="exec one vLLM server configured from a recipe")
     sv.add_argument("recipe")

@@ -3,7 +3,7 @@
 `engine_settings` is a pure function from megarl's rollout settings to vLLM `AsyncEngineArgs`
 field names and values. An in-process engine passes them as keywords
 (`vllm_async.engine_args`); a server megarl starts gets the same dict rendered by `cli_flags`
-(`servers.LocalServer.command`, which `python -m megarl.rollout.serve` also execs), so the two
+(`servers.LocalServer.command`, which `python -m megarl.rollout.engines.serve` also execs), so the two
 kinds cannot drift apart.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ holds exactly that many (`wait_for_held`). Tokens stamped after that wait come a
 
 Three pieces, each in the process it runs in:
 - `megarl_held_tokens`, a utility method megarl adds to vLLM's EngineCore (installed by the
-  vLLM plugin, `transfer/plugin.py`, in every vLLM process): {internal request id: output
+  vLLM plugin, `rollout/engines/plugin.py`, in every vLLM process): {internal request id: output
   tokens} of every request its scheduler holds. The reply travels on the socket that carries
   the outputs, after every output the core sent before it, so the counts and the outputs agree.
 - `held_by_external_id` (in the process that owns vLLM's AsyncLLM: the API server or megarl's
@@ -25,7 +25,7 @@ import asyncio
 import json
 from typing import Callable, Optional
 
-from megarl.rollout.engine import EngineError
+from megarl.rollout.engines.engine import EngineError
 
 UTILITY = "megarl_held_tokens"
 ROUTE = "/megarl/held_tokens"

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Optional
 
 from megarl.data import seeds
-from megarl.rollout import staleness
-from megarl.rollout.engine import GenRequest
-from megarl.rollout.slots import Group, Slot
+from megarl.rollout.controller import staleness
+from megarl.rollout.controller.slots import Group, Slot
+from megarl.rollout.engines.engine import GenRequest
 
 
 class Admission:

@@ -4,7 +4,7 @@ vLLM's own `--api-key` check guards only the /v1, /v2, /inference and /cohere pr
 control routes (/pause, /abort_requests, /collective_rpc, /reset_prefix_cache) and the
 weight-transfer routes answer anyone who reaches the port, so on a shared cluster network any
 user could pause the engines or push weights into them. Servers megarl starts
-(`servers.LocalServer`, also under slurm through `megarl.rollout.serve`) load this middleware
+(`servers.LocalServer`, also under slurm through `megarl.rollout.engines.serve`) load this middleware
 with vLLM's `--middleware`; it refuses every request but `GET /health` (the readiness poll,
 which reveals nothing) without `Authorization: Bearer <key>`, the key being the server's
 $VLLM_API_KEY (kept out of the process list).
@@ -27,7 +27,7 @@ class RequireKey:
         key = os.environ.get(KEY_ENV, "")
         if not key:
             # a megarl server without a key would be open to everyone: refuse to start
-            raise RuntimeError(f"megarl.rollout.auth.RequireKey: ${KEY_ENV} is empty; a megarl-started "
+            raise RuntimeError(f"megarl.rollout.engines.auth.RequireKey: ${KEY_ENV} is empty; a megarl-started "
                                f"server must have an API key (rollout.engines.api_key or $MEGARL_ENGINE_API_KEY)")
         self.app = app
         self._digest = hashlib.sha256(key.encode()).digest()

@@ -11,8 +11,8 @@ from typing import Optional
 
 from megarl.data.sample import Sample
 from megarl.rollout import routes as route_rows
-from megarl.rollout.engine import GenResult
-from megarl.rollout.sync_rollout import REFUSED
+from megarl.rollout.controller.sync_rollout import REFUSED
+from megarl.rollout.engines.engine import GenResult
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 from megarl.data.sample import Sample
 from megarl.data.seeds import sample_seed
 from megarl.rollout import routes
-from megarl.rollout.engine import GenRequest, RequestError
-from megarl.rollout.scoring import score_sample
+from megarl.rollout.controller.scoring import score_sample
+from megarl.rollout.engines.engine import GenRequest, RequestError
 
 REFUSED = "refused"        # finish_reason of a sample the engine refused as invalid
 log = logging.getLogger("megarl.engines")

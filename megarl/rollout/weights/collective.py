@@ -41,9 +41,9 @@ from torch.distributed import DistNetworkError
 
 from megarl.distributed import faults
 from megarl.distributed.env import free_port, from_rank0
-from megarl.rollout.engine import Engine, EngineError
-from megarl.rollout.transfer import packing, source
-from megarl.rollout.transfer.wires import MEMBER_GRACE_S, WIRES
+from megarl.rollout.engines.engine import Engine, EngineError
+from megarl.rollout.weights import packing, source
+from megarl.rollout.weights.wires import MEMBER_GRACE_S, WIRES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("megarl.engines")

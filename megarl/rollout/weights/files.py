@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 from megarl.config import ConfigError
 from megarl.distributed import device, faults, parallel
 from megarl.models.builders import ModelInfo
-from megarl.rollout.reaper import remove_stale
-from megarl.rollout.transfer import source
+from megarl.rollout.engines.reaper import remove_stale
+from megarl.rollout.weights import source
 
 PREFIX = "megarl-weights-"
 

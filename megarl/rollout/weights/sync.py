@@ -1,9 +1,9 @@
 """Trainer -> engines weight sync: the seam between the trainer and the transports.
 
-How the actor's weights reach the engines is `weight_sync.transport` (megarl/rollout/transfer/):
+How the actor's weights reach the engines is `weight_sync.transport` (megarl/rollout/weights/):
 `collective` (rank 0 sends each bucket once to every engine worker through vLLM's
 weight-transfer session, nothing on disk; the wire is weight_sync.backend, gloo on CPU, on GPU
-ipc for engines megarl starts and nccl for remote ones, see transfer/wires.py) or `files`
+ipc for engines megarl starts and nccl for remote ones, see rollout/weights/wires.py) or `files`
 (safetensors staged in a folder the engines reload from). `open_transport` picks one; its
 `push(model, info, version)` is collective over all trainer ranks. `verify` (the trainer
 calls it after a push when weight_sync.verify is set) checks that every engine samples with
@@ -17,9 +17,9 @@ from megarl.data.sample import Sample
 from megarl.distributed.env import from_rank0
 from megarl.ppo import actor as actor_ops
 from megarl.ppo.batch import build_batch
-from megarl.rollout.engine import GenRequest, RequestError
-from megarl.rollout.transfer.collective import CollectiveTransport
-from megarl.rollout.transfer.files import FilesTransport
+from megarl.rollout.engines.engine import GenRequest, RequestError
+from megarl.rollout.weights.collective import CollectiveTransport
+from megarl.rollout.weights.files import FilesTransport
 
 
 def open_transport(ws, pool, engine_mode: str = "remote"):
