@@ -16,12 +16,14 @@ Each run is a fresh interpreter in layers, each covering what the others may mis
 * rlimits set before exec: CPU seconds, address space, file size, open files, no core files;
   the process count (RLIMIT_NPROC) is set by the child itself just before the code runs;
 * the kernel layers (sandbox_kernel.py), applied by the child prelude (sandbox_child.py) before
-  the code runs, which nothing the code does can lift: Landlock (reads only beneath the
-  interpreter's own prefix and the system library folders, writes only in the folder, no
-  exec) and a seccomp filter (no socket of any kind, no FIFO / device / link / symlink, no
-  change of mode, owner, times or attributes, no mount or namespace, no fork / exec / new
-  session, no signal, trace or limit on another process, no io_uring). A layer that cannot be
-  applied ends the run before the code starts (SandboxUnavailable);
+  the code runs, which nothing the code does can lift: no capability (every one dropped, the
+  bounding set cleared where the child may, no_new_privs; as root it would otherwise keep the
+  trainer's), Landlock (reads only beneath the interpreter's own prefix and the system library
+  folders, writes only in the folder, no exec) and a seccomp filter (no socket of any kind, no
+  FIFO / device / link / symlink, no change of mode, owner, times or attributes, no mount or
+  namespace, no fork / exec / new session, no signal, trace or limit on another process, no
+  io_uring, no privileged call: reboot, kexec, modules, the clock, swap, host name...). A layer
+  that cannot be applied ends the run before the code starts (SandboxUnavailable);
 * where unprivileged user namespaces work (`unshare -rmn`), also an empty network namespace
   and every mount read-only but the folder;
 * an audit hook (`sys.addaudithook`) that refuses the ordinary ways out with a message saying
@@ -29,8 +31,8 @@ Each run is a fresh interpreter in layers, each covering what the others may mis
   fork, links, signals to others, ctypes. It is not a boundary (native code, an extension the
   code writes and imports, passes it); the kernel layers are.
 
-What the modes guarantee, measured by tests/unit/test_sandbox_escapes.py (each route tried in
-each mode, with and without the audit hook):
+What the modes guarantee, measured by tests/unit/test_sandbox_escapes.py and
+test_sandbox_privileges.py (each route tried in each mode, with and without the audit hook):
 
 guarantee (GUARANTEES' keys)         held by, namespaces on           held by, namespaces off
 writes: nothing outside the folder   seccomp + Landlock / ro mounts   seccomp + Landlock
@@ -41,12 +43,16 @@ sockets: none (network, Unix-domain  seccomp (and the empty netns)    seccomp (a
   socket files, abstract)                                               scopes from ABI 6)
 processes: none started, signalled,  seccomp                          seccomp
   traced or re-limited
+privileges: no capability over the   the namespace's own only (and    the drop, checked by the
+  machine (reboot, the clock,          the drop, and seccomp)           child (and seccomp)
+  modules, swap, the host name)
 
 A machine whose layers miss a guarantee (no Landlock: Linux < 5.13 or landlock not in lsm=;
-no seccomp; an unknown ABI) is refused by default: `require` raises SandboxUnavailable naming
-what is missing and ALLOW_WEAK_SETTING, which accepts it (then one warning). Not covered: system
-calls added to kernels after the filter's tables (it refuses by name and allows the rest), and
-what is readable beneath the read roots (all of /usr, the interpreter's installation).
+no seccomp; an unknown ABI; without namespaces, a child left with a capability after its drop)
+is refused by default: `require` raises SandboxUnavailable naming what is missing and
+ALLOW_WEAK_SETTING, which accepts it (then one warning). Not covered: system calls added to
+kernels after the filter's tables (it refuses by name and allows the rest), and what is
+readable beneath the read roots (all of /usr, the interpreter's installation).
 """
 from __future__ import annotations
 
@@ -142,6 +148,9 @@ GUARANTEES = {
               "other processes' /proc, environ included)", (("landlock",),)),
     "sockets": ("no socket of any kind (network, Unix-domain, abstract)", (("seccomp",),)),
     "processes": ("no process started, signalled, traced or re-limited", (("seccomp",),)),
+    # a user namespace's capabilities reach only that namespace; without one, none may be held
+    "privileges": ("no capability over the machine (reboot, the clock, kernel modules, swap, the host name)",
+                   (("capabilities",), ("namespaces",))),
 }
 _CHILD_SOURCE = Path(__file__).with_name("sandbox_child.py").read_text(encoding="utf-8")
 
@@ -149,21 +158,25 @@ _CHILD_SOURCE = Path(__file__).with_name("sandbox_child.py").read_text(encoding=
 @dataclass(frozen=True)
 class SandboxLayers:
     """The kernel layers a run gets (the audit hook is always on outside tests). `why_not`
-    names, for each layer that is off, why this machine does not have it."""
+    names, for each layer that is off, why this machine does not have it. `capabilities`: the
+    child's drop leaves it none (probed; every child drops what it can either way)."""
     namespaces: bool
     landlock_abi: int               # 0: no Landlock
     seccomp: bool
+    capabilities: bool
     hook: bool = True
     why_not: tuple = ()             # ((layer, reason), ...)
 
     def missing(self) -> list[str]:
         """The guarantees (GUARANTEES' keys) these layers do not hold."""
-        have = {"landlock": self.landlock_abi > 0, "seccomp": self.seccomp, "namespaces": self.namespaces}
+        have = {"landlock": self.landlock_abi > 0, "seccomp": self.seccomp, "namespaces": self.namespaces,
+                "capabilities": self.capabilities}
         return [g for g, (_, ways) in GUARANTEES.items() if not any(all(have[x] for x in way) for way in ways)]
 
     def describe(self) -> str:
         on = [name for name, ok in (("namespaces", self.namespaces), (f"landlock(abi {self.landlock_abi})",
-              self.landlock_abi > 0), ("seccomp", self.seccomp), ("audit hook", self.hook)) if ok]
+              self.landlock_abi > 0), ("seccomp", self.seccomp), ("no capabilities", self.capabilities),
+              ("audit hook", self.hook)) if ok]
         return " + ".join(on) or "no layer"
 
 
@@ -175,8 +188,10 @@ def refusal(layers: SandboxLayers) -> str:
     reasons = "; ".join(f"{layer}: {why}" for layer, why in layers.why_not)
     held = ", ".join(GUARANTEES[g][0] for g in missing)
     reasons = f" ({reasons})" if reasons else ""
+    privileges = " (for the capabilities: where `unshare -rmn` works, or as a user other than root)"
     return (f"sandbox: this machine cannot guarantee {held}{reasons}, so model-written code is refused. "
-            f"Use a kernel with Landlock (Linux >= 5.13, landlock in lsm=) and seccomp, or run the trainer in a "
+            f"Use a kernel with Landlock (Linux >= 5.13, landlock in lsm=) and seccomp"
+            f"{privileges if 'privileges' in missing else ''}, or run the trainer in a "
             f"container of its own and set {ALLOW_WEAK_SETTING} to accept the weaker sandbox")
 
 
@@ -189,13 +204,15 @@ def available_layers() -> SandboxLayers:
     seccomp_why = sandbox_kernel.seccomp_supported() or _probe("seccomp")
     abi = sandbox_kernel.landlock_abi()
     landlock_why = ("the kernel has none, or it is not in lsm=" if not abi else _probe("landlock", abi))
+    # the child itself reports what it holds after the drop, without namespaces (fallback mode)
+    caps_why = sandbox_kernel.capabilities_supported() or _probe("capabilities")
     ns = namespaces_available()
-    for layer, reason in (("seccomp", seccomp_why), ("landlock", landlock_why),
+    for layer, reason in (("seccomp", seccomp_why), ("landlock", landlock_why), ("capabilities", caps_why),
                           ("namespaces", "" if ns else "`unshare -rmn` does not work here")):
         if reason:
             why.append((layer, reason))
     layers = SandboxLayers(namespaces=ns, landlock_abi=0 if landlock_why else abi, seccomp=not seccomp_why,
-                           why_not=tuple(why))
+                           capabilities=not caps_why, why_not=tuple(why))
     log.info("sandbox layers: %s%s", layers.describe(), "".join(f"; no {a}: {b}" for a, b in why))
     return layers
 
@@ -223,7 +240,7 @@ def _probe(layer: str, abi: int = 0) -> str:
     ends some other way) raises SandboxUnavailable: the layer is not taken as absent on its word
     (an accepted weaker sandbox would run without it for the process's life), nor is it cached."""
     layers = SandboxLayers(namespaces=False, landlock_abi=abi if layer == "landlock" else 0,
-                           seccomp=layer == "seccomp", hook=False)
+                           seccomp=layer == "seccomp", capabilities=layer == "capabilities", hook=False)
     folder = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-probe-"))
     try:
         with open(os.path.join(folder, SCRIPT_NAME), "w") as f:
@@ -280,6 +297,7 @@ def child_argv(folder: str, limits: SandboxLimits, layers: SandboxLayers) -> lis
     """The command line: the interpreter with the child prelude (sandbox_child.py) and what it
     applies before the code runs, inside namespaces if `layers.namespaces`."""
     config = {"folder": folder, "max_procs": limits.max_procs, "hook": layers.hook,
+              "capabilities": {"last": sandbox_kernel.last_capability(), "required": layers.capabilities},
               "landlock": sandbox_kernel.landlock_plan(folder, layers.landlock_abi).as_dict()
               if layers.landlock_abi else None,
               "seccomp": sandbox_kernel.seccomp_program(platform.machine()) if layers.seccomp else None}

@@ -1,11 +1,12 @@
 """The sandboxed interpreter's prelude (megarl/envs/sandbox.py): never imported; its text runs
 with `python -I -S -B -c` before the model-written code, in the child process.
 
-argv: [a JSON object]: folder, max_procs, landlock (a plan from sandbox_kernel, or null),
+argv: [a JSON object]: folder, max_procs, capabilities ({"last": the kernel's last capability,
+"required": whether one left ends the run}), landlock (a plan from sandbox_kernel, or null),
 seccomp (the filter's instructions, or null), hook (whether to install the audit hook).
-In order: the process limit, Landlock, seccomp, the audit hook, then main.py. A kernel layer
-that was asked for and cannot be applied ends the run (exit 97, one line on stderr): the
-sandbox fails closed, never weaker than the parent decided.
+In order: the process limit, the capability drop, Landlock, seccomp, the audit hook, then
+main.py. A kernel layer that was asked for and cannot be applied ends the run (exit 97, one
+line on stderr): the sandbox fails closed, never weaker than the parent decided.
 
 Everything the hook relies on is bound in its closure at install time (posix functions, not
 os.path ones that the code could replace), and it never calls code of the sandboxed program
@@ -19,6 +20,62 @@ import types
 
 #: the exit status of a run whose kernel layer could not be applied
 LAYER_FAILED = 97
+
+
+def _capabilities(plan):
+    """Drop every capability and set no_new_privs: as root without a user namespace the code
+    would otherwise keep the trainer's (reboot, the clock, kernel modules would pass their
+    checks). Raises, when plan["required"], if a step fails or a capability is left; otherwise
+    (a weaker sandbox accepted) drops what it can."""
+    try:
+        problems = _drop_capabilities(plan["last"])
+    except OSError as err:   # capget refused: nothing can be said of what is held
+        problems = [str(err)]
+    if plan["required"] and problems:
+        raise OSError("capabilities: not all dropped (%s)" % ", ".join(problems))
+
+
+def _drop_capabilities(last):
+    """The drop itself; returns what went wrong and what is left (empty: nothing is held)."""
+    import ctypes
+    import posix
+    libc = ctypes.CDLL(None, use_errno=True)
+    problems = []
+
+    def prctl(option, *args):
+        return libc.prctl(option, *[ctypes.c_ulong(a) for a in (*args, 0, 0, 0, 0)[:4]])
+
+    def step(result, what):
+        if result < 0:
+            problems.append("%s: %s" % (what, posix.strerror(ctypes.get_errno())))
+
+    step(prctl(38, 1), "PR_SET_NO_NEW_PRIVS")
+    # the bounding set (what an exec could give back) shrinks only with CAP_SETPCAP (EPERM
+    # without): root has it; another user's child cannot clear it and needs not (no_new_privs,
+    # and exec is refused). Tried on capability 0 first, so that the drop needs no capget.
+    setpcap = prctl(24, 0) == 0
+    for cap in range(1, last + 1) if setpcap else ():
+        step(prctl(24, cap), "PR_CAPBSET_DROP(%d)" % cap)
+    step(prctl(47, 4), "PR_CAP_AMBIENT_CLEAR_ALL")
+    step(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()), "capset(none)")
+    problems += ["%s=%x" % (name, caps) for name, caps in _held(libc, prctl).items()
+                 if caps and (name != "bounding" or setpcap)]
+    if prctl(39) != 1:
+        problems.append("no_new_privs unset")
+    return problems
+
+
+def _held(libc, prctl):
+    """The capability sets this process holds, as bit masks (the ambient set needs no reading:
+    the kernel keeps it within permitted and inheritable)."""
+    import ctypes
+    data = (ctypes.c_uint32 * 6)()   # two struct __user_cap_data_struct (version 3: 64 bits)
+    if libc.capget((ctypes.c_uint32 * 2)(0x20080522, 0), data) < 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    sets = {name: data[i] | data[i + 3] << 32 for i, name in enumerate(("effective", "permitted", "inheritable"))}
+    # PR_CAPBSET_READ: 1 held, 0 not, -1 (EINVAL) past the kernel's last capability
+    sets["bounding"] = sum(1 << cap for cap in range(64) if prctl(23, cap) == 1)
+    return sets
 
 
 def _kernel(landlock, seccomp):
@@ -177,6 +234,7 @@ def _install(root):
 
 def _layers(config):
     try:
+        _capabilities(config["capabilities"])
         if config["landlock"] or config["seccomp"]:
             _kernel(config["landlock"], config["seccomp"])
     except Exception as err:   # noqa: BLE001 - fail closed, whatever went wrong

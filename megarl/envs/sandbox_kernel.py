@@ -8,8 +8,13 @@ model-written code runs.
   a file's mode, owner, times or extended attributes (Landlock does not cover those), mounts,
   enters or makes namespaces, starts a process (fork, a non-thread clone, exec), leaves the
   process group or session, signals or re-limits another process, traces one or reads its
-  memory, or opens io_uring (whose operations no seccomp filter sees). A call from another
-  ABI (x32, 32-bit) kills the process. Known ABIs: x86_64 and aarch64.
+  memory, opens io_uring (whose operations no seccomp filter sees), or makes a privileged call
+  (reboot, kexec, kernel modules, I/O ports, the clock, the kernel log, swap, the host or domain
+  name, process accounting, quotas). A call from another ABI (x32, 32-bit) kills the process.
+  Known ABIs: x86_64 and aarch64.
+* capabilities: the child drops every one (the bounding set up to the kernel's last, ambient,
+  effective, permitted, inheritable) and sets no_new_privs, then checks that none is left: as
+  root without a user namespace it would otherwise keep the trainer's (reboot, the clock).
 * Landlock (kernel >= 5.13, unprivileged): files may be read only beneath the interpreter's
   own prefix, the system library folders and a few device files; written, made, removed and
   renamed only beneath the sandbox folder; nothing executed. From ABI 4 TCP bind / connect are
@@ -51,13 +56,19 @@ _DENY = (
     "sched_setparam", "sched_setattr", "ioprio_set", "migrate_pages", "move_pages",
     "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "name_to_handle_at", "open_by_handle_at",
+    # privileged calls: the child holds no capability (sandbox_child.py drops them all), so these
+    # fail anyway; named here too so that a capability left by mistake still reaches none of them
+    "reboot", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "iopl", "ioperm",
+    "settimeofday", "clock_settime", "adjtimex", "clock_adjtime", "syslog", "swapon", "swapoff", "sethostname",
+    "setdomainname", "acct", "quotactl", "quotactl_fd",
 )
 # allowed only when the first argument is the process itself (a signal to itself, raise())
 _SELF_ONLY = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 _SHARED = {"pidfd_send_signal": 424, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
            "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
            "pidfd_open": 434, "clone3": 435, "pidfd_getfd": 438, "mount_setattr": 442, "fchmodat2": 452,
-           "setxattrat": 463, "removexattrat": 466, "open_tree_attr": 467, "file_setattr": 469}
+           "setxattrat": 463, "removexattrat": 466, "open_tree_attr": 467, "file_setattr": 469,
+           "quotactl_fd": 443}
 _X86_64 = {"socket": 41, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "kill": 62, "truncate": 76,
            "link": 86, "symlink": 88, "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94,
            "ptrace": 101, "setpgid": 109, "setsid": 112, "rt_sigqueueinfo": 129, "utime": 132, "mknod": 133,
@@ -70,7 +81,10 @@ _X86_64 = {"socket": 41, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "ki
            "move_pages": 279, "utimensat": 280, "rt_tgsigqueueinfo": 297, "perf_event_open": 298,
            "prlimit64": 302, "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308,
            "process_vm_readv": 310, "process_vm_writev": 311, "sched_setattr": 314, "bpf": 321,
-           "execveat": 322, "userfaultfd": 323, **_SHARED}
+           "execveat": 322, "userfaultfd": 323, "syslog": 103, "adjtimex": 159, "acct": 163, "settimeofday": 164,
+           "swapon": 167, "swapoff": 168, "reboot": 169, "sethostname": 170, "setdomainname": 171, "iopl": 172,
+           "ioperm": 173, "init_module": 175, "delete_module": 176, "quotactl": 179, "clock_settime": 227,
+           "kexec_load": 246, "clock_adjtime": 305, "finit_module": 313, "kexec_file_load": 320, **_SHARED}
 _AARCH64 = {"setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15,
             "fremovexattr": 16, "ioprio_set": 30, "mknodat": 33, "symlinkat": 36, "linkat": 37, "umount2": 39,
             "mount": 40, "pivot_root": 41, "truncate": 45, "chroot": 51, "fchmod": 52, "fchmodat": 53,
@@ -81,7 +95,10 @@ _AARCH64 = {"setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "l
             "migrate_pages": 238, "move_pages": 239, "rt_tgsigqueueinfo": 240, "perf_event_open": 241,
             "prlimit64": 261, "name_to_handle_at": 264, "open_by_handle_at": 265, "setns": 268,
             "process_vm_readv": 270, "process_vm_writev": 271, "sched_setattr": 274, "bpf": 280,
-            "execveat": 281, "userfaultfd": 282, **_SHARED}
+            "execveat": 281, "userfaultfd": 282, "quotactl": 60, "acct": 89, "kexec_load": 104, "init_module": 105,
+            "delete_module": 106, "clock_settime": 112, "syslog": 116, "reboot": 142, "sethostname": 161,
+            "setdomainname": 162, "settimeofday": 170, "adjtimex": 171, "swapon": 224, "swapoff": 225,
+            "clock_adjtime": 266, "finit_module": 273, "kexec_file_load": 294, **_SHARED}
 #: machine -> (AUDIT_ARCH_*, system call numbers, lowest number of a foreign ABI or None)
 ABIS = {"x86_64": (0xC000003E, _X86_64, 0x40000000), "aarch64": (0xC00000B7, _AARCH64, None)}
 
@@ -201,6 +218,32 @@ class LandlockPlan:
 def landlock_plan(folder: str, abi: int) -> LandlockPlan:
     return LandlockPlan(abi=abi, handled_fs=handled_fs(abi), handled_net=NET_TCP if abi >= 4 else 0,
                         scoped=SCOPES if abi >= 6 else 0, rules=tuple(landlock_rules(folder, abi)))
+
+
+# --- capabilities ----------------------------------------------------------------------------
+_PR_CAPBSET_READ = 23
+
+
+def last_capability() -> int:
+    """The highest capability number this kernel knows: the child drops the bounding set up to it.
+    Read from /proc/sys/kernel/cap_last_cap, or, where /proc does not say, asked of the kernel
+    itself (PR_CAPBSET_READ answers EINVAL past the last one)."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        cap = 0
+        while cap < 63 and libc.prctl(_PR_CAPBSET_READ, ctypes.c_ulong(cap + 1), ctypes.c_ulong(0),
+                                      ctypes.c_ulong(0), ctypes.c_ulong(0)) >= 0:
+            cap += 1
+        return cap
+
+
+def capabilities_supported() -> str:
+    """Why the child's capabilities cannot be dropped here, or "" when they can (it is then
+    probed: sandbox.available_layers)."""
+    return "" if sys.platform == "linux" else f"not Linux ({sys.platform})"
 
 
 # --- namespaces ------------------------------------------------------------------------------

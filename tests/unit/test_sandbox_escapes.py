@@ -10,13 +10,12 @@ import glob
 import os
 import re
 import socket
-import struct
 import subprocess
 import time
 import uuid
 
 import pytest
-from sandbox_modes import FAST, KERNEL_MODES, force
+from sandbox_modes import FAST, KERNEL_MODES, bpf, force
 
 from megarl.envs import sandbox, sandbox_kernel
 from megarl.envs.sandbox import SandboxLayers, SandboxUnavailable, run_python_sync
@@ -245,17 +244,19 @@ print("self-signal", "ok" if got else "LOST")
 
 
 def _weak(monkeypatch, **off) -> SandboxLayers:
-    """Force a machine without some kernel layers (off: landlock / seccomp / namespaces=True)."""
+    """Force a machine without some kernel layers (off: landlock / seccomp / capabilities /
+    namespaces=True)."""
     why = tuple((layer, "switched off by the test") for layer in off)
     layers = SandboxLayers(namespaces="namespaces" not in off, landlock_abi=0 if "landlock" in off else 1,
-                           seccomp="seccomp" not in off, why_not=why)
+                           seccomp="seccomp" not in off, capabilities="capabilities" not in off, why_not=why)
     monkeypatch.setattr(sandbox, "available_layers", lambda: layers)
     return layers
 
 
 @pytest.mark.parametrize("off, missing", [({"landlock": 1}, ["reads"]),
                                           ({"seccomp": 1}, ["writes", "sockets", "processes"]),
-                                          ({"landlock": 1, "namespaces": 1}, ["writes", "reads"])])
+                                          ({"landlock": 1, "namespaces": 1}, ["writes", "reads"]),
+                                          ({"capabilities": 1, "namespaces": 1}, ["privileges"])])
 def test_a_machine_without_a_kernel_layer_is_refused_by_default(monkeypatch, off, missing):
     """What the layers here cannot guarantee is refused, with one line naming what is missing,
     why, and the setting that accepts it; nothing runs until it is accepted."""
@@ -302,6 +303,7 @@ def test_the_probe_names_what_this_machine_lacks(monkeypatch):
     """Each layer missing here is named with its reason, and the machine is probed once."""
     monkeypatch.setattr(sandbox_kernel, "landlock_abi", lambda: 0)
     monkeypatch.setattr(sandbox_kernel, "seccomp_supported", lambda: "no system call table for sparc64")
+    monkeypatch.setattr(sandbox_kernel, "capabilities_supported", lambda: "not Linux (sunos5)")
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)   # no `unshare`
     sandbox.available_layers.cache_clear()
     sandbox.namespaces_available.cache_clear()
@@ -311,8 +313,8 @@ def test_the_probe_names_what_this_machine_lacks(monkeypatch):
     finally:
         sandbox.available_layers.cache_clear()   # the next caller probes this machine again
         sandbox.namespaces_available.cache_clear()
-    assert (layers.namespaces, layers.landlock_abi, layers.seccomp) == (False, 0, False)
-    assert [layer for layer, _ in layers.why_not] == ["seccomp", "landlock", "namespaces"]
+    assert (layers.namespaces, layers.landlock_abi, layers.seccomp, layers.capabilities) == (False, 0, False, False)
+    assert [layer for layer, _ in layers.why_not] == ["seccomp", "landlock", "capabilities", "namespaces"]
     assert layers.missing() == list(sandbox.GUARANTEES)
     assert "sparc64" in sandbox.refusal(layers) and "lsm=" in sandbox.refusal(layers)
 
@@ -371,24 +373,7 @@ def test_a_probe_that_cannot_tell_stops_the_run(monkeypatch, fresh_probe, error)
     assert sandbox.available_layers() == real   # not cached: probed again, whole
 
 
-# --- the seccomp filter, read by a small BPF interpreter (both ABIs, whatever this machine is) ---
-def _bpf(prog, arch: int, nr: int, arg0: int = 0, pid: int = 4242) -> int:
-    """What the kernel would answer: the filter run on one seccomp_data."""
-    data = struct.pack("<iIQ6Q", nr, arch, 0, arg0 & (2**64 - 1), 0, 0, 0, 0, 0)
-    pc, acc = 0, 0
-    while True:
-        code, jt, jf, k = prog[pc]
-        k = pid if k == sandbox_kernel.SELF else k
-        if code == 0x20:
-            acc, pc = struct.unpack_from("<I", data, k)[0], pc + 1
-        elif code == 0x06:
-            return k
-        else:
-            hit = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
-            pc += 1 + (jt if hit else jf)
-        assert 0 <= pc < len(prog), "a jump leaves the program"
-
-
+# --- the seccomp filter, read by a small BPF interpreter (sandbox_modes.bpf), for each ABI ---
 @pytest.mark.parametrize("machine", sorted(sandbox_kernel.ABIS))
 def test_the_seccomp_filter_answers(machine):
     arch, nrs, foreign = sandbox_kernel.ABIS[machine]
@@ -396,20 +381,20 @@ def test_the_seccomp_filter_answers(machine):
     allow, eperm = sandbox_kernel.RET_ALLOW, sandbox_kernel.RET_EPERM
     assert len(prog) < 4096 and all(jt < 256 and jf < 256 for _, jt, jf, _ in prog)
     read = {"x86_64": 0, "aarch64": 63}[machine]
-    assert _bpf(prog, arch, read) == allow
+    assert bpf(prog, arch, read) == allow
     for name in ("socket", "mknodat", "linkat", "symlinkat", "mount", "unshare", "execve", "setsid", "ptrace",
                  "io_uring_setup", "fchmodat", "utimensat", "pidfd_send_signal"):
-        assert _bpf(prog, arch, nrs[name]) == eperm, name
-    assert _bpf(prog, arch, nrs["clone"], arg0=0x11) == eperm                            # fork's clone
-    assert _bpf(prog, arch, nrs["clone"], arg0=sandbox_kernel.CLONE_THREAD | 0x3d0f00) == allow   # a thread
-    assert _bpf(prog, arch, nrs["clone3"]) == sandbox_kernel.RET_ENOSYS
+        assert bpf(prog, arch, nrs[name]) == eperm, name
+    assert bpf(prog, arch, nrs["clone"], arg0=0x11) == eperm                            # fork's clone
+    assert bpf(prog, arch, nrs["clone"], arg0=sandbox_kernel.CLONE_THREAD | 0x3d0f00) == allow   # a thread
+    assert bpf(prog, arch, nrs["clone3"]) == sandbox_kernel.RET_ENOSYS
     for name in ("kill", "tgkill", "rt_sigqueueinfo"):
-        assert _bpf(prog, arch, nrs[name], arg0=4242) == allow                            # itself
-        assert [_bpf(prog, arch, nrs[name], arg0=a) for a in (1, 4241, -1, 0)] == [eperm] * 4
-    assert [_bpf(prog, arch, nrs["prlimit64"], arg0=a) for a in (0, 4242, 1)] == [allow, allow, eperm]
-    assert _bpf(prog, 0x40000003, read) == sandbox_kernel.RET_KILL                        # a 32-bit call
+        assert bpf(prog, arch, nrs[name], arg0=4242) == allow                            # itself
+        assert [bpf(prog, arch, nrs[name], arg0=a) for a in (1, 4241, -1, 0)] == [eperm] * 4
+    assert [bpf(prog, arch, nrs["prlimit64"], arg0=a) for a in (0, 4242, 1)] == [allow, allow, eperm]
+    assert bpf(prog, 0x40000003, read) == sandbox_kernel.RET_KILL                        # a 32-bit call
     if foreign is not None:
-        assert _bpf(prog, arch, foreign + read) == sandbox_kernel.RET_KILL                # x32
+        assert bpf(prog, arch, foreign + read) == sandbox_kernel.RET_KILL                # x32
 
 
 def _header_numbers(path: str) -> dict:
