@@ -45,10 +45,11 @@ demo: model
 # cores. A test file stays on one worker (its module fixtures, e.g. one vLLM server, start
 # once), and files go longest first (tests/conftest.py LONGEST_FIRST; --no-loadscope-reorder keeps
 # that order). TEST_WORKERS=0: one process, in order; TEST_WORKERS=auto: one per core.
-# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS=--durations=30 (the slowest tests).
+# Every run ends with its 15 slowest tests (--durations=15), so each shows where the time goes.
+# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS=--durations=40 (more of them).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # the linter alone (the suite runs it too: tests/unit/test_lint.py); rules in ruff.toml
 lint: $(STAMP)
