@@ -319,7 +319,7 @@ class Trainer:
         if samples is not None and cfg.weight_sync.verify:
             probe = [s.prompt_ids for s in samples[:: cfg.rollout.sampling.n]]
             sync["sync_verify_gap"] = weight_sync.verify(self.models.actor, self.pool, probe, 8,
-                                                         cfg.train.micro_batch_size, cfg.rollout.sampling.temperature)
+                                                         cfg.train.rows_per_micro_batch, cfg.rollout.sampling.temperature)
         return sync
 
     # -- checkpoints and the end -------------------------------------------------------------

@@ -80,7 +80,7 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
             "model": {**asdict(arch), "params": mem.total_params(arch), "active_params": mem.active_params(arch),
                       "source": arch_src},
             "cluster": asdict(cluster), "placement": placement,
-            "sequence_tokens": r.engines.max_model_len, "micro_batch_size": cfg.train.micro_batch_size,
+            "sequence_tokens": r.engines.max_model_len, "micro_batch_size": cfg.train.rows_per_micro_batch,
             "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
             "recompute": cfg.train.recompute, "offload_idle": cfg.train.offload_idle,
             "per_gpu_bytes": per_gpu_bytes(trainer, engine), "trainer": trainer, "engine": engine,

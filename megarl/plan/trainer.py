@@ -93,7 +93,7 @@ def largest_micro_batch(cfg: RootConfig, dp: int) -> tuple[int, float, int]:
     rows = cfg.samples_per_step // t.mini_batches // dp
     if t.max_tokens_per_micro_batch:
         return seq, t.max_tokens_per_micro_batch / seq, max(1, rows)
-    return seq, t.micro_batch_size, max(1, rows // t.micro_batch_size)
+    return seq, t.rows_per_micro_batch, max(1, rows // t.rows_per_micro_batch)
 
 
 def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True, rm_arch: Arch | None = None) -> dict:
@@ -232,7 +232,7 @@ def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
     elif budget > longest:
         least = replace(t, max_tokens_per_micro_batch=longest)
         opts.append((f"train.max_tokens_per_micro_batch={longest}", peak(replace(cfg, train=least), lay)))
-    elif not budget and t.micro_batch_size > 1:
+    elif not budget and t.rows_per_micro_batch > 1:
         opts.append(("train.micro_batch_size=1", peak(replace(cfg, train=replace(t, micro_batch_size=1)), lay)))
     best = best_layout(cfg, arch, gpus, gpn, fused, rm_arch)
     if best and (best[0].tp, best[0].pp, best[0].ep) != (lay.tp, lay.pp, lay.ep):

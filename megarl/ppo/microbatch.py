@@ -55,7 +55,7 @@ class Batching:
 def batching_of(cfg) -> Batching:
     """The batching rule of a RootConfig."""
     t = cfg.train
-    return Batching(t.micro_batch_size, t.max_tokens_per_micro_batch,
+    return Batching(t.rows_per_micro_batch, t.max_tokens_per_micro_batch,
                     cfg.parallel.tp if cfg.parallel.sequence_parallel else 1, t.remove_padding)
 
 

@@ -10,7 +10,7 @@ import torch
 from megarl.config import ConfigError, load_config
 from megarl.data.sample import Sample
 from megarl.ppo.batch import build_batch
-from megarl.ppo.microbatch import Batching, Usage, balance, carry_layout, plan_batch, plan_rows, round_up
+from megarl.ppo.microbatch import Batching, Usage, balance, batching_of, carry_layout, plan_batch, plan_rows, round_up
 
 
 def pareto_lengths(count: int, seed: int, prompt: int = 20, cap: int = 384) -> tuple[list[int], list[int]]:
@@ -159,8 +159,30 @@ def test_token_budget_and_row_count_are_one_choice(tmp_path):
         load_config(None, ["train.max_tokens_per_micro_batch=200", "rollout.engines.max_model_len=256"])
     with pytest.raises(ConfigError, match=r"train\.remove_padding=False"):
         load_config(None, ["train.max_tokens_per_micro_batch=512", "train.remove_padding=false"])
-    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch=-1"):
-        load_config(None, ["train.max_tokens_per_micro_batch=-1"])
+    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch=-2"):
+        load_config(None, ["train.max_tokens_per_micro_batch=-2"])
+
+
+@pytest.mark.parametrize("max_model_len", [256, 1000])
+def test_the_token_budget_is_on_by_default_and_derived_from_the_context(max_model_len):
+    """Unset (-1), the budget is BUDGET_PER_CONTEXT engine contexts (padded to TP under sequence
+    parallelism); a recipe or command line that sets micro_batch_size chooses rows instead, at
+    any value, the old default 8 included; 0 chooses rows at ROWS_PER_MICRO_BATCH."""
+    from megarl.config.schema.algo import ROWS_PER_MICRO_BATCH
+    from megarl.config.schema.root import BUDGET_PER_CONTEXT
+    ctx = f"rollout.engines.max_model_len={max_model_len}"
+    cfg = load_config(None, [ctx])
+    budget = BUDGET_PER_CONTEXT * max_model_len
+    assert (cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size) == (budget, None)
+    assert batching_of(cfg).by_tokens
+    for mbs in (ROWS_PER_MICRO_BATCH, 4):
+        cfg = load_config(None, [ctx, f"train.micro_batch_size={mbs}"])
+        assert (cfg.train.max_tokens_per_micro_batch, cfg.train.rows_per_micro_batch) == (0, mbs)
+        assert not batching_of(cfg).by_tokens
+    cfg = load_config(None, [ctx, "train.max_tokens_per_micro_batch=0"])
+    assert (cfg.train.max_tokens_per_micro_batch, cfg.train.rows_per_micro_batch) == (0, ROWS_PER_MICRO_BATCH)
+    sp = load_config(None, [ctx, "parallel.tp=3", "parallel.sequence_parallel=true"])
+    assert sp.train.max_tokens_per_micro_batch == BUDGET_PER_CONTEXT * (-(-max_model_len // 3) * 3)
 
 
 def test_a_later_layer_chooses_rows_or_tokens_over_an_earlier_one(tmp_path):
@@ -172,7 +194,7 @@ def test_a_later_layer_chooses_rows_or_tokens_over_an_earlier_one(tmp_path):
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("defaults: [rows.yaml]\ntrain:\n  max_tokens_per_micro_batch: 4096\n")
     for cfg in (load_config(rows, ["train.max_tokens_per_micro_batch=4096"]), load_config(tokens)):
-        assert (cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size) == (4096, 8)
+        assert (cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size) == (4096, None)
     cfg = load_config(tokens, ["train.micro_batch_size=4"])
     assert (cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size) == (0, 4)
     # turning the budget off (its unused value) leaves the recipe's row count as it is

@@ -107,19 +107,26 @@ class AlgoConfig:
                  "both increments must be > 0 (e.g. [0.02, 0.05])")
 
 
+#: rows per micro-batch when micro-batches go by rows and train.micro_batch_size is unset
+ROWS_PER_MICRO_BATCH = 8
+
+
 @dataclass
 class TrainConfig:
     steps: int = 60                    # optimizer steps of the RL loop (one rollout round each)
     groups_per_step: int = 16          # prompts per step; each has rollout.sampling.n samples
     ppo_epochs: int = 1                # passes over each step's data
     mini_batches: int = 1              # optimizer updates per epoch
-    # Micro-batches (gradient accumulation; docs/design.md "Batching"): by default
-    # micro_batch_size rows each; with max_tokens_per_micro_batch > 0 as many rows as fit that
-    # many tokens (rows x their padded length), and micro_batch_size must stay unset (a budget
-    # on the command line replaces a recipe's micro_batch_size: config/loader.py ALTERNATIVES).
+    # Micro-batches (gradient accumulation; docs/design.md "Batching"): by default as many rows
+    # as fit a token budget (rows x their padded length), so short rows share a micro-batch and
+    # the trainer computes tokens, not padding. The budget: max_tokens_per_micro_batch > 0, or
+    # -1 (the default) for BUDGET_PER_CONTEXT x rollout.engines.max_model_len (schema/root.py).
+    # Setting micro_batch_size (or max_tokens_per_micro_batch=0) cuts micro-batches by rows
+    # instead (ROWS_PER_MICRO_BATCH when unset). A budget excludes micro_batch_size (a budget on
+    # the command line replaces a recipe's micro_batch_size: config/loader.py ALTERNATIVES).
     # Either way each micro-batch is padded only to its own longest row and DP ranks get equal tokens.
-    micro_batch_size: int = 8          # rows per micro-batch
-    max_tokens_per_micro_batch: int = 0  # 0: off; else >= rollout.engines.max_model_len
+    micro_batch_size: Optional[int] = None   # rows per micro-batch; unset: by the token budget
+    max_tokens_per_micro_batch: int = -1  # -1: derived (above); 0: by rows; else >= max_model_len
     # false: every row padded to the step's longest, rows in order (the layout before
     # length-aware batching, for comparisons); a token budget needs true
     remove_padding: bool = True
@@ -143,7 +150,8 @@ class TrainConfig:
         require(self.groups_per_step >= 1, "train.groups_per_step", self.groups_per_step, "must be >= 1")
         require(self.ppo_epochs >= 1, "train.ppo_epochs", self.ppo_epochs, "must be >= 1")
         require(self.mini_batches >= 1, "train.mini_batches", self.mini_batches, "must be >= 1")
-        require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        require(self.micro_batch_size is None or self.micro_batch_size >= 1, "train.micro_batch_size",
+                self.micro_batch_size, "must be >= 1, or unset (micro-batches by the token budget)")
         self._check_token_budget()
         one_of("train.lr_decay_style", self.lr_decay_style, {"constant", "linear", "cosine"})
         one_of("train.recompute", self.recompute, {"none", "full"})
@@ -153,12 +161,19 @@ class TrainConfig:
                  (self.actor_lr, self.critic_lr), "learning rates must be > 0")
 
 
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows per micro-batch where a pass cuts by rows (micro-batches by row count, the verify
+        probe): micro_batch_size, or ROWS_PER_MICRO_BATCH when it is unset."""
+        return self.micro_batch_size or ROWS_PER_MICRO_BATCH
+
     def _check_token_budget(self) -> None:
         budget = self.max_tokens_per_micro_batch
-        require(budget >= 0, "train.max_tokens_per_micro_batch", budget,
-                 "must be >= 0 (0: micro-batches by row count)")
-        if budget:
-            require(not changed(self, {"micro_batch_size"}), "train.micro_batch_size", self.micro_batch_size,
+        require(budget >= -1, "train.max_tokens_per_micro_batch", budget,
+                 "must be -1 (derived from rollout.engines.max_model_len), 0 (micro-batches by row count) "
+                 "or a budget in tokens")
+        if budget > 0:
+            require(self.micro_batch_size is None, "train.micro_batch_size", self.micro_batch_size,
                      f"sizes micro-batches by rows, but train.max_tokens_per_micro_batch={budget} sizes them by "
                      f"tokens: remove train.micro_batch_size, or set train.max_tokens_per_micro_batch=0")
             require(self.remove_padding, "train.remove_padding", self.remove_padding,

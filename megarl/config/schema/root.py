@@ -14,6 +14,23 @@ from megarl.config.schema.rollout import RolloutConfig
 from megarl.config.schema.run import CheckpointConfig, ClusterConfig, MetricsConfig, WeightSyncConfig
 from megarl.config.schema.unused import check_unused
 
+#: the derived token budget (train.max_tokens_per_micro_batch=-1), in rows of the engine's
+#: context. Measured on the tiny recipe (bench/RESULTS.md, "The token budget by default"): CPU
+#: step time against the row-count layout, and the padding share, which the budget rule caps per
+#: micro-batch (ppo/microbatch.MAX_PADDING_FRAC) whatever its size. The cluster recipes set
+#: their own (one or two 4096-token rows).
+BUDGET_PER_CONTEXT = 2
+
+
+def token_budget(train: TrainConfig, longest: int) -> int:
+    """The micro-batch token budget in force: train.max_tokens_per_micro_batch when set (> 0, or
+    0: by rows); when derived (-1), 0 if train.micro_batch_size is set (the recipe chose rows),
+    else BUDGET_PER_CONTEXT rows of `longest` (rollout.engines.max_model_len, padded for SP)."""
+    budget = train.max_tokens_per_micro_batch
+    if budget != -1:
+        return budget
+    return 0 if train.micro_batch_size is not None else BUDGET_PER_CONTEXT * longest
+
 
 @dataclass
 class RootConfig:
@@ -38,9 +55,10 @@ class RootConfig:
         self._check_episodes()
         self._check_weight_sync()
         check_eval(self)   # eval.* against the rollout and reward.fn (schema/eval.py)
-        budget, longest = self.train.max_tokens_per_micro_batch, self.rollout.engines.max_model_len
+        longest = self.rollout.engines.max_model_len
         if self.parallel.sequence_parallel:
             longest = -(-longest // self.parallel.tp) * self.parallel.tp
+        budget = self.train.max_tokens_per_micro_batch = token_budget(self.train, longest)
         require(not budget or budget >= longest, "train.max_tokens_per_micro_batch", budget,
                  f"cannot hold a sequence of rollout.engines.max_model_len tokens ({longest} padded): "
                  f"raise it to at least {longest}")
@@ -106,9 +124,10 @@ def validate_world(cfg: RootConfig, world_size: int) -> int:
              cfg.train.mini_batches,
              f"must divide the samples per step ({cfg.samples_per_step} = groups_per_step x rollout.sampling.n)")
     # a token budget sizes micro-batches itself (ppo/microbatch.py); a row count must divide
-    require(cfg.train.max_tokens_per_micro_batch > 0 or per_mini % (dp * cfg.train.micro_batch_size) == 0,
+    rows = cfg.train.rows_per_micro_batch
+    require(cfg.train.max_tokens_per_micro_batch > 0 or per_mini % (dp * rows) == 0,
              "train.micro_batch_size",
-             cfg.train.micro_batch_size,
+             rows,
              f"a mini-batch of {per_mini} sequences over dp={dp} ranks must split into "
              f"micro-batches of this size: pick a divisor of {per_mini // dp if per_mini % dp == 0 else per_mini}")
     return dp
