@@ -91,7 +91,7 @@ class ServerError(EngineError):
     """The engine answered that it failed this request (a server's HTTP 5xx, or an error chunk
     of that code in its stream): unlike a lost connection or a silence, the server is up and
     said so. The pool asks its health and, when it answers, sends the request to it once more
-    before it retires it (pool.py): one such answer must not cost the run a healthy engine."""
+    before it retires it (failover.py): one such answer must not cost the run a healthy engine."""
 
 
 class RequestError(ValueError):

@@ -5,39 +5,16 @@ one event loop in a background thread (`LoopThread`) and the pool's coroutines o
 driver calls them through `pool.call(...)`, which blocks with a deadline so a step never hangs
 on an engine. The partial-rollout controller runs its own coroutines on the same loop.
 
-Weight updates go to every engine at once, as one session (`begin_update` -> the transport's
-calls -> `end_update`): pause (rollout.update_mode=abort: abort what runs first; keep: the
-running requests are held), load (megarl/rollout/weights/), reset the prefix cache, set the
-version, (keep, rollout.keep_kv=false: drop the held requests' KV, recomputed under the new
-weights), resume: held requests go on under the new version. If any engine fails, the error
-names it.
-
-Engine faults: an engine whose request fails (it died, hung past rollout.engines.timeout_s,
-or answered garbage) is retired: it leaves the pool, the event is logged and counted
-(`failures`), and the request continues on the least-loaded remaining engine from the tokens
-the failed engine had streamed (their versions kept). So do the retired engine's other
-requests, which resolve as aborted when it is closed, and any request an engine ends as
-aborted without the pool having asked (such an engine is retired too): a sample is returned
-cut off only by an abort the pool was asked for (`abort`, a weight update with
-rollout.update_mode=abort) or when its caller gave up. A request the engine refuses as invalid
-(`RequestError`: its prompt is too long, ...) is the request's error: it goes back to the
-caller as is, no engine is retired and nothing is retried. An engine that answers it failed a
-request (`ServerError`: a server's HTTP 5xx) is up and said so: when its health check answers
-too, the request goes to it once more from the tokens it had streamed (`retries`), and only a
-second such answer for the same request, or a failed health check, retires it; one 500 never
-costs the run a healthy engine. The pool gives up, with the last
-engine's error, only when no engine is left or after `failures_max` retirements. A retired
-engine takes no more requests or weights. With a `replace` factory (rollout.engines.restart),
-a fresh engine is started in its place in the background; it joins at the next weight update,
-after loading that version, so it never serves weights other than the pool's.
+Its parts: `update_sessions.py` (a weight update: every engine in one session),
+`failover.py` (engine faults: retire, one more try, replace); this module spreads the
+requests over the engines, continues a failed engine's request on another one, aborts,
+and runs the loop thread and the synchronous driver's view (`SyncPool`).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
-import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Callable, Optional, Sequence
 
@@ -51,11 +28,10 @@ from megarl.rollout.engines.engine import (
     GenRequest,
     GenResult,
     RequestError,
-    ServerError,
     copy_result,
 )
-
-log = logging.getLogger("megarl.engines")
+from megarl.rollout.engines.failover import Failover
+from megarl.rollout.engines.update_sessions import UpdateSessions
 
 
 class LoopThread:
@@ -94,7 +70,7 @@ class LoopThread:
             self.loop.close()
 
 
-class EnginePool:
+class EnginePool(Failover, UpdateSessions):
     """Engines of one policy. Requests go to the least-loaded engine; versions move together."""
 
     def __init__(self, engines: Sequence[Engine], timeout_s: float, failures_max: int = 0,
@@ -238,72 +214,6 @@ class EnginePool:
             current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
                                  req.temperature, req.top_p, req.seed, req.ignore_eos)
 
-    async def _answers(self, engine: Engine, key: str, err: EngineError) -> bool:
-        """`err` is an answer (ServerError) from an engine still in the pool whose health check
-        answers too: it is up, and the request may go to it once more (module docstring)."""
-        if not isinstance(err, ServerError) or engine not in self.engines or self._shutting:
-            return False
-        try:
-            alive = (await asyncio.wait_for(engine.health(), self.timeout_s)).alive
-        except (EngineError, asyncio.TimeoutError):
-            alive = False
-        if not alive or engine not in self.engines:    # (retired meanwhile through another request)
-            return False
-        self.retries += 1
-        log.warning("megarl: engine %s answered request %s with a server error and answers its health check: "
-                    "the request goes to it once more (a second such answer retires it): %s", engine.name, key, err)
-        return True
-
-    def _cut_short(self, key: str, result: GenResult) -> bool:
-        """`result` ended as aborted though nobody asked: its engine was retired and closed (its
-        requests resolve as aborted then), or it aborted on its own. Not so when the pool
-        aborted it (abort(), a weight update's abort), the pool is closing, or the caller gave
-        up (a cancelled generate(): the engine resolved it with its partial)."""
-        if result.finish_reason != "abort" or key in self._aborted or self._shutting:
-            return False
-        task = asyncio.current_task()
-        return not (task is not None and task.cancelling())
-
-    def _retire(self, engine: Engine, err: EngineError) -> None:
-        """Take a failed engine out of service; raise once none is left or too many failed."""
-        if engine in self.engines:
-            self.engines.remove(engine)
-            self.retired.append(engine)
-            self.failures.append({"t": time.time(), "engine": engine.name, "error": str(err)})
-            log.warning("megarl: engine %s failed and was retired (%d left, %d of at most %d failures): %s",
-                        engine.name, len(self.engines), len(self.failures), self.failures_max, err)
-            # stop its process; nothing waits on it, but the task is kept so it is not collected
-            closing = asyncio.ensure_future(engine.close())
-            self._closing.append(closing)
-            if self.replace is not None and len(self.failures) <= self.failures_max:
-                self._starting.append(asyncio.ensure_future(self._start_replacement(engine, closing)))
-        if not self.engines:
-            raise EngineError(f"no rollout engine left: {err}") from err
-        if len(self.failures) > self.failures_max:
-            raise EngineError(f"{len(self.failures)} engine failures (rollout.engines.failures_max="
-                              f"{self.failures_max}); the last: {err}") from err
-
-    async def retire(self, engine: Engine, err: EngineError) -> None:
-        """Take `engine` out of service from outside the pool's own calls (a transport that saw
-        it fail); raises as `_retire` does when none is left or too many failed."""
-        self._retire(engine, err)
-
-    async def _start_replacement(self, failed: Engine, closing: asyncio.Future) -> None:
-        """Start a fresh engine in place of `failed` (after its process is gone: the
-        replacement may need the same port, GPU or memory); it joins at the next update."""
-        await asyncio.gather(closing, return_exceptions=True)
-        slot = self._slot[id(failed)]
-        fresh = self.replace(slot)
-        self._slot[id(fresh)] = slot
-        try:
-            await fresh.start()
-        except Exception as err:   # noqa: BLE001 - logged; the pool goes on without it
-            log.warning("megarl: engine %s could not be restarted: %s", failed.name, err)
-            await asyncio.gather(fresh.close(), return_exceptions=True)
-            return
-        log.warning("megarl: engine %s restarted; it joins at the next weight update", fresh.name)
-        self.joining.append(fresh)
-
     @property
     def running(self) -> int:
         return sum(e.running for e in self.engines)
@@ -335,77 +245,10 @@ class EnginePool:
             elif isinstance(r, BaseException):
                 raise r
 
-    # -- weights -----------------------------------------------------------------------------
-    # A push is one session: begin_update (schedulers in `holders` stop admitting, every engine
-    # aborts what runs and pauses; restarted engines join here, so they load this version
-    # before they serve), the transport's calls on `engines` (rollout/weights/), end_update (every
-    # engine resumes, also after a failure: an engine is never left paused, and holders go on).
-    async def begin_update(self) -> list[Engine]:
-        """Start a push; returns the engines that take it."""
-        for h in self.holders:
-            await h.hold()
-        try:
-            joining, self.joining = self.joining, []
-            if joining:
-                self.engines += joining
-                self.restarts += len(joining)
-
-            self._in_update = list(self.engines)
-
-            if self.update_mode == "abort":   # the pool's own abort: those requests return their partials
-                self._aborted.update(self._where)
-
-            async def stop(e: Engine):
-                if self.update_mode == "abort":
-                    await e.abort(None)
-                await e.pause()
-            await self._on_each(stop)
-        except BaseException:
-            await self.end_update()
-            raise
-        return list(self.engines)
-
-    async def end_update(self) -> None:
-        try:
-            if self.update_mode == "keep" and not self.keep_kv and self._where:
-                # held requests recompute their KV under the new weights when they resume
-                for h in self.holders:
-                    if hasattr(h, "kv_dropped"):
-                        h.kv_dropped()
-                await self._on_each(lambda e: e.clear_kv(), [e for e in self.engines if e.running])
-            # an engine retired during the update is resumed too (best effort): never left paused
-            gone = [e for e in self._in_update if e not in self.engines]
-            await asyncio.gather(*(e.resume() for e in gone), return_exceptions=True)
-            await self._on_each(lambda e: e.resume())
-        finally:
-            self._in_update = []
-            for h in self.holders:
-                h.release()
-
-    async def pause_all(self) -> None:
-        """Pause every engine, holding what runs (the partial-rollout round's end in keep mode)."""
-        await self._on_each(lambda e: e.pause())
-
-    async def resume_all(self) -> None:
-        await self._on_each(lambda e: e.resume())
-
     async def on_each(self, fn, engines: Optional[list[Engine]] = None) -> None:
         """fn(engine) on `engines` (default: every live one) concurrently; an engine that
         fails is retired (raises once none is left or too many failed)."""
         await self._on_each(fn, [e for e in (engines or self.engines) if e in self.engines])
-
-    async def reload_weights(self, path: str, version: int) -> None:
-        """files transport: every engine loads the safetensors in `path` as `version`."""
-        await self.begin_update()
-        try:
-            await self._on_each(lambda e: e.reload_weights(path, version))
-        finally:
-            await self.end_update()
-
-    @property
-    def updating(self) -> bool:
-        """A weight update is in progress (between begin_update and end_update)."""
-        return bool(self._in_update)
 
     @property
     def version(self) -> int:
