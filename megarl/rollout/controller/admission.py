@@ -7,7 +7,7 @@ to completion, then a new group, opened only while the staleness window has room
 (staleness.new_group_deadline). A request goes to the engine with the fewest of the
 controller's requests.
 
-`Admission` is a part of `PartialRolloutController` (controller.py), split out by concept: it
+`Admission` is a part of `PartialRolloutController` (partial.py), split out by concept: it
 works on the controller's groups, its request book and its round state, on its loop thread.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ slots (`pool.partial`), so the trainer's l_old, a checkpoint and the staleness r
 token; after the update the same requests go on under the new version. abort: the requests are
 aborted and resolve into their slots; each is sent again as a continuation in a later round.
 
-`CarryOver` is a part of `PartialRolloutController` (controller.py), split out by concept: it
+`CarryOver` is a part of `PartialRolloutController` (partial.py), split out by concept: it
 works on the controller's request book (`_inflight`, `_base`, `_tasks`), its groups and its
 round state, on the controller's loop thread.
 """

@@ -3,7 +3,7 @@ environment, a model turn ending on EOS hands the slot to its environment, and a
 a snapshot waits for the environments answering (`megarl/envs/episodes.py` is the
 environment's side).
 
-`EpisodeTurns` is a part of `PartialRolloutController` (controller.py), split out by concept:
+`EpisodeTurns` is a part of `PartialRolloutController` (partial.py), split out by concept:
 it works on the controller's groups, its request book and `episodes` (an
 `envs.episodes.EpisodeDriver`), on the controller's loop thread.
 """

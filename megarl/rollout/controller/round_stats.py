@@ -1,6 +1,6 @@
 """What one partial-rollout round did (`RoundStats`), and the round's metrics built from it.
 
-The controller (`controller.py`) counts into a fresh `RoundStats` each round and samples its
+The controller (`partial.py`) counts into a fresh `RoundStats` each round and samples its
 occupancy (requests in flight, engines busy) on every event and on a timer; `round_metrics`
 turns the counts into the per-step metrics the trainer logs (docs/partial_rollout.md).
 """
