@@ -318,8 +318,8 @@ class Trainer:
         sync = self.transport.push(self.models.actor.model, self.models.actor.info, version)
         if samples is not None and cfg.weight_sync.verify:
             probe = [s.prompt_ids for s in samples[:: cfg.rollout.sampling.n]]
-            sync["sync_verify_gap"] = weight_sync.verify(self.models.actor, self.pool, probe, 8, cfg.train.rows_per_micro_batch,
-                                                         cfg.rollout.sampling.temperature)
+            rows, temperature = cfg.train.rows_per_micro_batch, cfg.rollout.sampling.temperature
+            sync["sync_verify_gap"] = weight_sync.verify(self.models.actor, self.pool, probe, 8, rows, temperature)
         return sync
 
     # -- checkpoints and the end -------------------------------------------------------------
