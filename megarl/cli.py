@@ -142,11 +142,10 @@ def _plan(cfg, args) -> int:
     config error, naming what does not fit, by how much and what to change."""
     import json
 
-    from omegaconf import OmegaConf
-
     from megarl import plan
+    from megarl.config.secrets import redacted_yaml
     if not cfg.cluster.gpus_per_node and args.gpus_per_node is None:
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        print(redacted_yaml(cfg))
         return 0   # a CPU-only recipe: nothing to place (the resolved config, as before)
     try:
         p = plan.make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb)
@@ -155,7 +154,7 @@ def _plan(cfg, args) -> int:
     if args.json:
         print(json.dumps(p, indent=1))
     elif args.config:   # still valid YAML: the resolved config, the plan as comments
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)) + "\n".join(
+        print(redacted_yaml(cfg) + "\n".join(
             "# " + line for line in plan.format_plan(p).splitlines()))
     else:
         print(plan.format_plan(p))

@@ -14,7 +14,6 @@ import os
 import time
 
 import torch
-from omegaconf import OmegaConf
 
 from megarl import preflight
 from megarl.bootstrap import bootstrap
@@ -24,6 +23,7 @@ from megarl.checkpoint.run_lock import RunLock
 from megarl.checkpoint.state import GlobalRNG, StateRegistry
 from megarl.config import ConfigError, RootConfig, save_config, validate_world
 from megarl.config.paths import check_writable
+from megarl.config.secrets import redacted_yaml
 from megarl.data.prompts import PromptSampler, check_chat_template, load_prompts
 from megarl.distributed import faults, parallel
 from megarl.distributed.device_guard import DeviceGuard
@@ -329,7 +329,7 @@ class Trainer:
     def save(self, step: int) -> None:
         cfg = self.cfg
         ckpt.save(cfg.checkpoint_dir, step, self.models.actor, self.models.critic, self.state,
-                  OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.checkpoint.keep)
+                  redacted_yaml(cfg), cfg.checkpoint.keep)
 
     def finish(self) -> None:
         self.reward_fn.close()

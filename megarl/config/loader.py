@@ -18,6 +18,7 @@ from omegaconf.nodes import StringNode
 
 from megarl.config.schema import ConfigError, RootConfig
 from megarl.config.schema.unused import CHOICES, unused_under
+from megarl.config.secrets import redacted, resolve
 
 
 def _known_keys(cls=RootConfig, prefix="") -> list[str]:
@@ -254,12 +255,14 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
         except OmegaConfBaseException as err:
             raise _explain(err, source) from None
     try:
-        return OmegaConf.to_object(cfg)
+        out = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise _explain(err, "the merged config") from None
+    return resolve(out)      # keys named by file read (config/secrets.py)
 
 
 def save_config(cfg: RootConfig, path: str | Path) -> None:
-    """Write the fully resolved config (every default spelled out) next to the run's outputs."""
+    """Write the fully resolved config (every default spelled out, secrets redacted) next to the
+    run's outputs."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), path)
+    OmegaConf.save(redacted(cfg), path)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from megarl.config import secrets
 from megarl.metrics.wandb_sink import WandbSink
 
 
@@ -38,11 +38,11 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, cfg, start_step: int) -> "MetricsLogger":
-        """The run's logger, as cfg.metrics asks (W&B gets the resolved config)."""
+        """The run's logger, as cfg.metrics asks (W&B gets the resolved config, its secrets redacted)."""
         m = cfg.metrics
         wandb = None
         if m.wandb.project:
-            wandb = WandbSink(m.wandb, cfg.run.dir, OmegaConf.to_container(OmegaConf.structured(cfg)),
+            wandb = WandbSink(m.wandb, cfg.run.dir, secrets.redacted_dict(cfg), hide=secrets.values(cfg),
                               resumed=start_step > 0)
         return cls(cfg.run.dir, cfg.train.steps, m.tensorboard, m.progress, start_step=start_step, wandb=wandb)
 

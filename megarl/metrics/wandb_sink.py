@@ -8,15 +8,21 @@ W&B's history; the later one is the one that trained). The run's id is kept in
 <run.dir>/wandb_run_id: a resumed run continues the same W&B run (resume="allow"), a fresh run in
 the same folder starts a new one. Files go under <run.dir>/wandb; offline mode
 (metrics.wandb.mode=offline or $WANDB_MODE=offline) writes only them, for `wandb sync` later.
+W&B gets the config with its secrets redacted (config/secrets.py), and keeps the command line
+(sys.argv, in the run's metadata) with them redacted too.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import secrets
+import sys
 from pathlib import Path
+from typing import Sequence
 
 from megarl.config.errors import ConfigError
+from megarl.config.secrets import scrub
 
 ID_FILE = "wandb_run_id"
 INSTALL = "pip install 'megarl[wandb]'"
@@ -43,20 +49,35 @@ def run_id(run_dir: Path, resumed: bool) -> str:
     return new
 
 
-class WandbSink:
-    """One W&B run for one megarl run (rank 0): `log(row)` per step, `close()` at the end."""
+@contextlib.contextmanager
+def argv_without(hide: Sequence[str]):
+    """sys.argv with each of `hide` redacted, while W&B's init reads it into its metadata."""
+    kept = sys.argv
+    sys.argv = [scrub(arg, hide) for arg in kept]
+    try:
+        yield
+    finally:
+        sys.argv = kept
 
-    def __init__(self, w, run_dir: str, config: dict, resumed: bool):
+
+class WandbSink:
+    """One W&B run for one megarl run (rank 0): `log(row)` per step, `close()` at the end.
+    `config` goes to W&B as given (redacted by the caller); `hide`: the secrets its record of
+    the command line must not hold."""
+
+    def __init__(self, w, run_dir: str, config: dict, resumed: bool, hide: Sequence[str] = ()):
         check_installed(w)
         import wandb
         folder = Path(run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or folder.resolve().name,
-                                  tags=list(w.tags) or None, mode=w.mode or None, dir=str(folder),
-                                  id=run_id(folder, resumed), resume="allow", config=config,
-                                  # the console stays megarl's own (progress bar, one line per step)
-                                  settings=wandb.Settings(console="off"))
+            with argv_without(hide):
+                self.run = wandb.init(project=w.project, entity=w.entity or None,
+                                      name=w.name or folder.resolve().name, tags=list(w.tags) or None,
+                                      mode=w.mode or None, dir=str(folder), id=run_id(folder, resumed),
+                                      resume="allow", config=config,
+                                      # the console stays megarl's own (progress bar, one line per step)
+                                      settings=wandb.Settings(console="off"))
         except wandb.errors.Error as err:   # not logged in, no network, a project of someone else's
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ConfigError(f"metrics.wandb.project={w.project!r}: W&B did not start the run ({first}): log in "

@@ -14,8 +14,14 @@ drawn at the run's temperature with top_p=1 and no penalties, so a request askin
 refused (400) instead of quietly served differently. Errors use OpenAI's shape
 {"error": {"message", "type", "code", "param"}}, so agents' clients raise their usual errors;
 an engine failure (503) or an internal error (500) says what happened without the engines'
-addresses or log paths, which go to the trainer's log. A body larger than service.max_request_mb
-is refused (413) as it arrives, whether its Content-Length says so or not.
+addresses or log paths, which go to the trainer's log.
+
+The service runs on the rollout's event loop, so what a client can make it do before it knows
+the client is bounded (`Guard`, in front of the app): the key is checked on a request's headers,
+and a request without it is answered 401 and its connection closed, none of its body read; at
+most service.max_requests keyed requests are served at once (more: 503, sent again by OpenAI's
+clients); a body larger than service.max_request_mb is refused (413) as it arrives, whether its
+Content-Length says so or not.
 Imported only when the service starts (fastapi comes with vLLM).
 """
 from __future__ import annotations
@@ -120,18 +126,9 @@ async def _json(request) -> dict:
 
 
 def create_app(service):
-    """The FastAPI app serving `service` (an AgentService); its key is checked on every route
-    but /health."""
-    digest = hashlib.sha256(service.api_key.encode()).digest()
+    """The ASGI app serving `service` (an AgentService): its routes behind `Guard` (its key
+    checked on every route but /health, its requests in flight and their bodies bounded)."""
     app = FastAPI(title="megarl agent service", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if (request.method, request.url.path) in OPEN or authorized(request.headers.get("authorization", ""), digest):
-            return await call_next(request)
-        err = ServiceError(401, "missing or wrong API key: send Authorization: Bearer <service.api_key>",
-                           "invalid_api_key")
-        return JSONResponse(err.body(), status_code=401)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, err: ServiceError):
@@ -187,7 +184,51 @@ def create_app(service):
     async def trajectory(episode_id: str):
         return service.trajectory(episode_id)
 
-    return BodyLimit(app, service.max_request_bytes)
+    return Guard(app, service.api_key, service.max_requests, service.max_request_bytes)
+
+
+async def _refuse(scope, receive, send, err: ServiceError, headers: dict) -> None:
+    await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
+
+
+class Guard:
+    """Pure ASGI, in front of the app; for each request, in order:
+    - an open route (GET /health) is served, when the request has no body;
+    - the key, from the headers alone: without it, 401 and the connection closed (uvicorn then
+      reads no more of it), before any byte of the body is read;
+    - at most `max_requests` keyed requests at once: past it 503 at once (Retry-After: 1);
+    - the body, read by BodyLimit (at most `max_body` bytes) and handed to the app."""
+
+    def __init__(self, app, key: str, max_requests: int, max_body: int):
+        self.app, self.limited = app, BodyLimit(app, max_body)
+        self.digest = hashlib.sha256(key.encode()).digest()
+        self.max_requests, self.active = max_requests, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":          # no websocket routes: closed (403) before anything is read
+            return await send({"type": "websocket.close", "code": 1008})
+        headers = dict(scope.get("headers") or [])
+        if (scope["method"], scope["path"]) in OPEN and not _has_body(headers):
+            return await self.app(scope, receive, send)
+        if not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.digest):
+            err = ServiceError(401, "missing or wrong API key: send Authorization: Bearer <service.api_key>",
+                               "invalid_api_key")
+            return await _refuse(scope, receive, send, err, {"Connection": "close"})
+        if self.active >= self.max_requests:
+            err = ServiceError(503, f"the service is serving service.max_requests={self.max_requests} requests "
+                                    f"at once: send it again shortly", "too_many_requests")
+            return await _refuse(scope, receive, send, err, {"Retry-After": "1"})
+        self.active += 1
+        try:
+            await self.limited(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+def _has_body(headers: dict) -> bool:
+    return headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
 
 
 class BodyLimit:

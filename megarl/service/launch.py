@@ -6,21 +6,23 @@ import json
 import os
 import secrets
 
-SERVICE_KEY_ENV = "MEGARL_SERVICE_API_KEY"
+from megarl.config.secrets import from_env
 
 
 def open_service(cfg, pool, tokenizer, next_task):
     """rollout.mode=service: the policy's OpenAI-compatible endpoint on the pool's loop. Its
     URL, model name and API key go to <run.dir>/service.json (owner-only), where the outside
-    agents' launcher reads them; the key is service.api_key, else $MEGARL_SERVICE_API_KEY, else new."""
+    agents' launcher reads them; the key is service.api_key (or service.api_key_file's, read when the
+    config loaded), else $MEGARL_SERVICE_API_KEY, else new. service.json is the one file that holds it."""
     from megarl.service.service import AgentService
     sv, r = cfg.service, cfg.rollout
-    key = sv.api_key or os.environ.get(SERVICE_KEY_ENV, "") or secrets.token_urlsafe(24)
+    key = sv.api_key or from_env("service.api_key") or secrets.token_urlsafe(24)
     service = AgentService(pool.pool, tokenizer, next_task=next_task, n=r.sampling.n, api_key=key, host=sv.host,
                            port=sv.port, max_episodes=sv.max_episodes, max_new_tokens=r.sampling.max_new_tokens,
                            max_model_len=r.engines.max_model_len, temperature=r.sampling.temperature,
                            seed=cfg.run.seed, episode_timeout_s=sv.episode_timeout_s,
-                           max_request_bytes=int(sv.max_request_mb * (1 << 20)), max_ready_groups=sv.max_ready_groups)
+                           max_request_bytes=int(sv.max_request_mb * (1 << 20)), max_ready_groups=sv.max_ready_groups,
+                           max_requests=sv.requests_bound)
     pool.call(service.start(), f"starting the rollout service on {sv.host}:{sv.port}")
     path = os.path.join(cfg.run.dir, "service.json")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -96,7 +96,7 @@ class AgentService:
                  host: str = "127.0.0.1", port: int = 0, max_episodes: int = 64, max_new_tokens: int = 1024,
                  max_model_len: int, temperature: float = 1.0, seed: Optional[int] = None,
                  episode_timeout_s: float = 600.0, model_name: str = "megarl-policy",
-                 max_request_bytes: int = 16 << 20, max_ready_groups: int = 64):
+                 max_request_bytes: int = 16 << 20, max_ready_groups: int = 64, max_requests: int = 128):
         _check("rollout.sampling.n", n, isinstance(n, int) and n >= 1, "episodes per record must be an integer >= 1")
         _check("service.api_key", "***" if api_key else api_key, bool(api_key),
                "the service needs an API key (anyone reaching the port could otherwise steer the run)")
@@ -106,6 +106,7 @@ class AgentService:
                "must be an integer >= 2 (the engines' context: a prompt and at least one completion token)")
         _check("service.max_request_mb", max_request_bytes / (1 << 20), max_request_bytes >= 1024, "must be >= 0.001")
         _check("service.max_ready_groups", max_ready_groups, max_ready_groups >= 1, "must be >= 1")
+        _check("service.max_requests", max_requests, max_requests >= 1, "must be >= 1")
         _check("rollout.sampling.temperature", temperature, temperature > 0,
                "must be > 0: agent episodes are sampled, and PPO needs their behaviour logprobs")
         _check("service.episode_timeout_s", episode_timeout_s, episode_timeout_s > 0, "must be > 0")
@@ -119,6 +120,7 @@ class AgentService:
         self.max_model_len, self.max_request_bytes, self.max_ready_groups = max_model_len, max_request_bytes, \
             max_ready_groups
         self.temperature, self.seed, self.episode_timeout_s = temperature, seed, episode_timeout_s
+        self.max_requests = max_requests     # requests served at once (app.Guard)
         self.book = GroupBook(n, next_task)
         self.episodes: dict[str, Episode] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()   # recently ended id -> why

@@ -91,6 +91,29 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tiny_model, remote_engine, 
         assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-4)
 
 
+def test_a_key_given_on_the_command_line_authenticates_and_is_written_nowhere(tiny_model, remote_engine, tmp_path):
+    """rollout.engines.api_key on the command line, $MEGARL_ENGINE_API_KEY empty: the run reaches
+    its server with that key, and no file the run writes (config.yaml, the checkpoint's, metrics,
+    samples, TensorBoard, the offline W&B run with its copy of the command line) nor its output
+    holds the key's bytes; the saved configs and W&B's say <redacted> (megarl/config/secrets.py)."""
+    from wandb_records import config, run_files
+    key = remote_engine.server.api_key
+    run_dir = tmp_path / "keyed"
+    proc, rows = train(tiny_model, run_dir, "train.steps=1", "rollout.mode=sync", "checkpoint.every=1",
+                       "rollout.dump_every=1", "metrics.wandb.project=megarl-test", "metrics.wandb.mode=offline",
+                       *remote_engine.overrides, f"rollout.engines.api_key={key}",
+                       env={"MEGARL_ENGINE_API_KEY": ""})
+    assert [r["step"] for r in rows] == [0]
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert (run_dir / "checkpoints" / "step_0" / "config.yaml") in written and (run_dir / "config.yaml") in written
+    assert run_files(run_dir), "no W&B run was written"
+    assert [str(p) for p in written if key.encode() in p.read_bytes()] == []
+    assert key not in proc.stdout + proc.stderr
+    for saved in (run_dir / "config.yaml", run_dir / "checkpoints" / "step_0" / "config.yaml"):
+        assert "api_key: <redacted>" in saved.read_text()
+    assert config(run_files(run_dir)[0])["rollout"]["engines"]["api_key"] == "<redacted>"
+
+
 def test_sigterm_while_the_engines_start_stops_at_once_without_a_step(tiny_model, tmp_path):
     """A SIGTERM while the trainer waits for its engines (here a server that answers 503 to
     everything; rollout.engines.start_timeout_s=1200) ends the run within seconds: exit 0, the

@@ -41,8 +41,12 @@ class EnginesConfig:
     count: int = 1                     # number of vLLM engines (inprocess / local_servers)
     tp: int = 1                        # tensor-parallel size of each engine
     urls: list[str] = field(default_factory=list)  # remote: base URLs of running vLLM servers
-    # servers' API key; empty: random (local_servers) or $MEGARL_ENGINE_API_KEY (remote)
+    # servers' API key; empty: read from api_key_file, else random (local_servers) or
+    # $MEGARL_ENGINE_API_KEY (remote). Never written: saved configs and W&B hold <redacted>
+    # (config/secrets.py); on the command line it shows in the process list, so prefer the file
+    # or the environment
     api_key: str = ""
+    api_key_file: str = ""             # a file holding the key, readable by you only (chmod 600)
     timeout_s: float = 120.0           # an engine call (or a silent stream) longer than this is an error
     start_timeout_s: float = 600.0     # time allowed for an engine to come up (remote: to answer /health)
     # engines retired after a failure before the run stops (it also stops when none is left)
@@ -90,6 +94,9 @@ class EnginesConfig:
         require(self.mode != "inprocess" or not self.api_key, "rollout.engines.api_key", "<set>",
                  "is used only by engine servers (rollout.engines.mode=local_servers or remote); "
                  "in-process engines have no key: remove it, or change rollout.engines.mode")
+        require(self.mode != "inprocess" or not self.api_key_file, "rollout.engines.api_key_file",
+                 self.api_key_file, "is used only by engine servers (rollout.engines.mode=local_servers or "
+                 "remote); in-process engines have no key: remove it, or change rollout.engines.mode")
         require(self.timeout_s > 0, "rollout.engines.timeout_s", self.timeout_s, "must be > 0")
         require(self.failures_max >= 0, "rollout.engines.failures_max", self.failures_max,
                  "must be >= 0 (0: the first engine failure stops the run)")

@@ -17,6 +17,7 @@ from typing import Callable
 from megarl.config.registry import ADVANTAGES
 from megarl.config.schema.agents import ServiceConfig
 from megarl.config.schema.checks import changed, plain, require
+from megarl.config.secrets import shown
 
 _CRITIC = {"algo.value_clip", "algo.value_coef", "train.critic_lr", "train.critic_warmup_steps"}
 # the settings each built-in algo.name reads and the others do not (one registered elsewhere:
@@ -108,7 +109,7 @@ def check_unused(cfg) -> None:
         keys, why = rule(value)
         for key in sorted(keys):
             section, field_name = _section(cfg, key)
-            require(not changed(section, {field_name}), key, plain(getattr(section, field_name)),
+            require(not changed(section, {field_name}), key, shown(key, plain(getattr(section, field_name))),
                     f"is not used with {choice}={value} ({why}): remove it, or change {choice}")
     _offload(cfg)
 
