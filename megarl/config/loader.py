@@ -1,23 +1,29 @@
 """Recipe loading: schema defaults <- recipe chain (`defaults:`) <- command-line `key=value`.
 
-Every layer is merged onto the structured schema, so an unknown key or a value of the wrong
-type fails here, before any rank or engine starts, with the key, the value and the fix.
+Every layer is checked against the schema's declared types (`_shape_problem`) and merged onto
+the structured schema, so an unknown key or a value of the wrong type fails here, before any
+rank or engine starts, with the key, the value and the fix. Each setting resolves to the value
+of the last layer that sets it; only then, on the merged layers, are the settings a choice leaves
+unused dropped where an earlier layer set them than the choice (`_drop_replaced`).
 """
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
+import typing
 import warnings
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 from omegaconf.nodes import StringNode
 
 from megarl.config.schema import ConfigError, RootConfig
-from megarl.config.schema.unused import CHOICES, unused_under
+from megarl.config.schema.unused import CHOICES, unused_settings
 from megarl.config.secrets import redacted, resolve
 
 
@@ -45,7 +51,7 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
                                f"or a YAML list in a recipe")
         return ConfigError(f"{key}: {first_line} (from {source}); give a value of the type "
                            f"declared in megarl/config/schema/")
-    return ConfigError(f"{key}: {err} (from {source})")
+    return ConfigError(f"{key}: {str(err).splitlines()[0]} (from {source})")
 
 
 def _yaml_problem(err: Exception) -> str:
@@ -71,24 +77,85 @@ def _load_recipe(path: Path):
     return raw
 
 
-def _sections_problem(layer, cls, prefix: str = "") -> str | None:
-    """A layer giving a plain value where the schema has a section (`train: 5`,
-    `train=3`): omegaconf's own message names neither the key nor the fix."""
+@functools.cache
+def _declared(cls) -> dict:
+    """`cls`'s fields -> their declared types (the schema's modules postpone their annotations)."""
+    return typing.get_type_hints(cls)
+
+
+_WORDS = {str: "text", int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def _plain_value(node):
+    """A layer's node as the plain value it holds, for a message."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=False)
+    return node._value()
+
+
+def _value_problem(key: str, node, declared) -> str | None:
+    """What is wrong with the kind of `node` (a layer's value) for a setting declared `declared`,
+    in one line naming `key`; None when its kind fits (omegaconf converts the value and refuses
+    what it cannot convert, `train.steps=abc`, naming the key itself)."""
+    args = typing.get_args(declared)
+    nullable = typing.get_origin(declared) is typing.Union and type(None) in args
+    if nullable:
+        declared = next(a for a in args if a is not type(None))
+    origin, value = typing.get_origin(declared) or declared, _plain_value(node)
+    word = _WORDS.get(declared, "a list" if origin is list else "a mapping" if origin is dict else str(declared))
+    if node._is_none():
+        return None if nullable else (f"{key} cannot be null: give {word}"
+                                      f"{'' if key.endswith(']') else ', or leave it out for its default'}")
+    if node._is_missing() or node._is_interpolation():
+        return None
+    if origin is list:
+        if not isinstance(node, ListConfig):
+            return (f"{key} is a list, not {value!r}: write {key}=[a,b] on the command line, "
+                    f"or a YAML list in a recipe")
+        item = (typing.get_args(declared) or (typing.Any,))[0]
+        for i in range(len(node)):
+            problem = None if item is typing.Any else _value_problem(f"{key}[{i}]", node._get_node(i), item)
+            if problem:
+                return problem
+        return None
+    if origin is dict:
+        return None if isinstance(node, DictConfig) else (
+            f"{key} is a mapping of names to values, not {value!r}: write {key}={{name: value}} on the "
+            f"command line, or a YAML mapping in a recipe")
+    if isinstance(node, (DictConfig, ListConfig)):
+        kind = "mapping" if isinstance(node, DictConfig) else "list"
+        return (f"{key} takes a single value ({word}), not the {kind} {value!r}: give one value "
+                f"(megarl/config/schema/ declares its type)")
+    if declared is bool and type(value) in (int, float):
+        return f"{key} is true or false, not the number {value!r}: write {key}=true or {key}=false"
+    return None
+
+
+def _shape_problem(layer, cls, prefix: str = "") -> str | None:
+    """The first value of `layer` whose kind the schema's declared type cannot take, in one line
+    naming its setting: a plain value where the schema has a section (`train: 5`, `train=3`), a
+    list or a mapping where it has one value (`algo.name=[]`), one value where it has a list or
+    a mapping (`env.options=[]`), null where it has no null. Checked once, here, before anything
+    reads a layer: omegaconf's own errors name neither the key nor the fix, or are TypeErrors."""
+    hints = _declared(cls)
     for f in fields(cls):
-        sub = f.default_factory if is_dataclass(getattr(f, "default_factory", None)) else None
-        if sub is None or not OmegaConf.is_dict(layer) or f.name not in layer:
+        if not OmegaConf.is_dict(layer) or f.name not in layer:
             continue
-        value = layer[f.name]
-        if value is None:   # `train:` with every line under it commented out: nothing to change
+        key, node = f"{prefix}{f.name}", layer._get_node(f.name)
+        sub = f.default_factory if is_dataclass(getattr(f, "default_factory", None)) else None
+        if sub is None:
+            problem = _value_problem(key, node, hints[f.name])
+        elif node._is_none():   # `train:` with every line under it commented out: nothing to change
             del layer[f.name]
             continue
-        if not OmegaConf.is_dict(value):
-            keys = ", ".join(f"{prefix}{f.name}.{k.name}" for k in fields(sub)[:3])
-            return (f"{prefix}{f.name} is a section of settings ({keys}, ...), not the value {value!r}: "
-                    f"give one of its keys, e.g. {prefix}{f.name}.{fields(sub)[0].name}=...")
-        deeper = _sections_problem(value, sub, f"{prefix}{f.name}.")
-        if deeper:
-            return deeper
+        elif not isinstance(node, DictConfig):
+            keys = ", ".join(f"{key}.{k.name}" for k in fields(sub)[:3])
+            problem = (f"{key} is a section of settings ({keys}, ...), not the value {_plain_value(node)!r}: "
+                       f"give one of its keys, e.g. {key}.{fields(sub)[0].name}=...")
+        else:
+            problem = _shape_problem(node, sub, f"{key}.")
+        if problem:
+            return problem
     return None
 
 
@@ -153,7 +220,7 @@ def _put(layer, dotted: str, value, old: str, source: str) -> None:
             node[part] = {}
         node = node[part]
         if not OmegaConf.is_dict(node):
-            return         # a plain value where a section goes: _sections_problem names it
+            return         # a plain value where a section goes: _shape_problem names it
     if key in node:
         raise ConfigError(f"{old} and {dotted} are both set (from {source}): {old} is the old name of "
                           f"{dotted}; keep {dotted} only")
@@ -163,36 +230,52 @@ def _put(layer, dotted: str, value, old: str, source: str) -> None:
 _MISSING = object()
 
 # settings that answer one question two ways (micro-batches by rows or by tokens), each with
-# the value that leaves it unused (None: no value does). A layer that puts one in use (the
-# command line over the recipe, a recipe over its `defaults:`) drops what earlier layers set
-# for the others, as it would replace the same key: `recipe.yaml
-# train.max_tokens_per_micro_batch=4096` works where the recipe sets train.micro_batch_size.
-# One layer setting both is left to the schema, which refuses it.
-ALTERNATIVES = ({"train.micro_batch_size": None, "train.max_tokens_per_micro_batch": 0},)
+# the values that do not put it in use (unset; a budget of 0, rows, or -1, derived: rows when
+# micro_batch_size is set). One in use leaves the others unused as a choice does
+# (`_drop_replaced`): `recipe.yaml train.max_tokens_per_micro_batch=4096` works where the recipe
+# sets train.micro_batch_size. One layer setting both is left to the schema, which refuses it.
+ALTERNATIVES = ({"train.micro_batch_size": (None,), "train.max_tokens_per_micro_batch": (0, -1)},)
+# the settings whose value may leave others unused
+_CHOOSERS = frozenset(CHOICES) | {key for group in ALTERNATIVES for key in group}
 
 
-def _reset_unless_given(cfg, layer, defaults, keys) -> None:
-    """`keys` the layer does not set go back to their defaults in `cfg` (what earlier layers set
-    is dropped, as a later layer replaces a key it sets itself)."""
-    for key in keys:
-        if OmegaConf.select(layer, key, default=_MISSING) is _MISSING:
-            OmegaConf.update(cfg, key, OmegaConf.select(defaults, key))
+def _set_by(layers, key: str, dropped: set[str]) -> int:
+    """The index of the last of `layers` that sets `key`; -1 when none does, or it was dropped."""
+    if key in dropped:
+        return -1
+    return max((i for i, layer in enumerate(layers) if OmegaConf.select(layer, key, default=_MISSING) is not _MISSING),
+               default=-1)
 
 
-def _drop_alternatives(cfg, layer, defaults) -> None:
+def _leaves_unused(cfg) -> Iterator[tuple[str, set[str]]]:
+    """(a setting, the settings its value in `cfg` leaves unused): each choice of schema/unused.py
+    CHOICES, and each of ALTERNATIVES in use."""
+    for choice, _, keys, _ in unused_settings(cfg):
+        yield choice, keys
     for group in ALTERNATIVES:
-        if any(OmegaConf.select(layer, k, default=_MISSING) not in (_MISSING, unused) for k, unused in group.items()):
-            _reset_unless_given(cfg, layer, defaults, group)
+        for key, unused in group.items():
+            if OmegaConf.select(cfg, key) not in unused:
+                yield key, set(group) - {key}
 
 
-def _drop_unused(cfg, layer, defaults) -> None:
-    """A layer that makes a choice (schema/unused.py CHOICES: `algo.name=grpo` on the command line)
-    drops what earlier layers set for the settings that choice leaves unused (the recipe's
-    train.critic_lr), as it would replace the same key; one layer setting both is refused."""
-    for choice in CHOICES:
-        value = OmegaConf.select(layer, choice, default=_MISSING)
-        if value is not _MISSING:
-            _reset_unless_given(cfg, layer, defaults, unused_under(choice, value))
+def _drop_replaced(cfg, layers, defaults) -> None:
+    """Each setting of `cfg` (the merged `layers`) holds the last layer's value that set it, except
+    one a choice's merged value leaves unused that an earlier layer set than the choice: that one
+    goes back to its default, as a later layer replaces a key (the recipe's train.critic_lr under
+    the command line's `algo.name=grpo`). The layers in between do not matter: a parent's
+    algo.kl_mode holds when a child sets algo.kl_coef=0 and the command line algo.kl_coef=0.05.
+    One layer setting both is left to the schema, which refuses it. A choice dropped may have
+    been what left others unused: choices go first, and the rest is decided again without them."""
+    dropped: set[str] = set()
+    while True:
+        drops = {key for choice, keys in _leaves_unused(cfg) for key in keys
+                 if -1 < _set_by(layers, key, dropped) < _set_by(layers, choice, dropped)}
+        first = drops & _CHOOSERS
+        for key in first or drops:
+            OmegaConf.update(cfg, key, copy.deepcopy(OmegaConf.select(defaults, key)))
+            dropped.add(key)
+        if not first:
+            return
 
 
 def _apply_aliases(layer, source: str) -> None:
@@ -226,9 +309,16 @@ def _switch_words(schema, layer) -> None:
             layer[key] = "off"   # (no text setting has "on" among its values: True stays refused)
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """The structured schema with its defaults (built once: only read, or copied)."""
+    return OmegaConf.structured(RootConfig)
+
+
 def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RootConfig:
     """Resolve a recipe + `key=value` overrides into a validated RootConfig."""
-    cfg, defaults = OmegaConf.structured(RootConfig), OmegaConf.structured(RootConfig)
+    defaults = _schema()
+    cfg = copy.deepcopy(defaults)
     layers = _recipe_layers(Path(recipe)) if recipe else []
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
@@ -244,16 +334,15 @@ def load_config(recipe: str | Path | None, overrides: Sequence[str] = ()) -> Roo
         layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
     for source, layer in layers:
         _apply_aliases(layer, source)
-        problem = _sections_problem(layer, RootConfig)
+        problem = _shape_problem(layer, RootConfig)
         if problem:
             raise ConfigError(f"{problem} (from {source})")
         _switch_words(cfg, layer)
-        _drop_alternatives(cfg, layer, defaults)
-        _drop_unused(cfg, layer, defaults)
         try:
-            cfg = OmegaConf.merge(cfg, layer)
+            cfg.merge_with(layer)   # in place: OmegaConf.merge copies the whole config per layer
         except OmegaConfBaseException as err:
             raise _explain(err, source) from None
+    _drop_replaced(cfg, [layer for _, layer in layers], defaults)
     try:
         out = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:

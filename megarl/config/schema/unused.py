@@ -4,15 +4,20 @@ A value that differs from its default (`checks.changed`) and that the run would 
 a mistake in the recipe or on the command line (a critic learning rate under GRPO, a staging
 folder for a transfer that stages nothing). `CHOICES` says, for each setting that picks a
 component, which settings each of its values leaves unused and why; `check_unused` refuses the
-first such setting that was changed, naming it, the choice and the fix. The config loader reads
-the same table (`unused_under`): a layer that makes a choice (the command line's
-`algo.name=grpo`) drops what earlier layers (the recipe) set for the settings that choice leaves
-unused, as it replaces a key it sets itself; one layer that sets both is refused here.
+first such setting that was changed, naming it, the choice and the fix. A setting a choice
+leaves unused to the run's own components may still be read by a component the config turns on
+beside them (`READERS`: the held-out evaluation runs verifiers of its own, within
+reward.timeout_s, whoever scores the training samples); it is then not unused
+(tests/unit/test_unused_settings.py checks the table against the code that reads each setting).
+The config loader reads the same table (`unused_settings`), on the layers merged: a setting an
+earlier layer set than the one that made the choice leaving it unused (the recipe's
+train.critic_lr under the command line's `algo.name=grpo`) is dropped, as a later layer replaces a
+key; one layer that sets both is refused here.
 """
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Callable
+from typing import Callable, Iterator
 
 from megarl.config.registry import ADVANTAGES
 from megarl.config.schema.agents import ServiceConfig
@@ -88,9 +93,29 @@ CHOICES: dict[str, Callable] = {
 }
 
 
-def unused_under(choice: str, value) -> set[str]:
-    """The dotted keys that `choice`=`value` leaves unused (empty for a key not in CHOICES)."""
-    return CHOICES[choice](value)[0] if choice in CHOICES else set()
+def _evaluation_reads(cfg) -> set[str]:
+    """What the held-out evaluation (megarl/eval/, on while eval.datasets is set) reads of the
+    settings CHOICES may call unused: its verifiers' time limit, and reward.fn, the verifier of
+    every dataset when eval.verifiers is empty."""
+    e = cfg.eval
+    if not e.datasets:
+        return set()
+    return {"reward.timeout_s"} | (set() if e.verifiers else {"reward.fn"})
+
+
+# the components a config turns on beside the run's own, each: cfg -> the settings it reads
+READERS: tuple[Callable, ...] = (_evaluation_reads,)
+
+
+def unused_settings(cfg) -> Iterator[tuple[str, object, set[str], str]]:
+    """(choice, its value, the dotted keys it leaves unused, why) for each choice of `cfg` (a
+    RootConfig, or the loader's merged DictConfig), less what a component of READERS reads."""
+    read = set().union(*(reads(cfg) for reads in READERS))
+    for choice, rule in CHOICES.items():
+        obj, name = _section(cfg, choice)
+        value = getattr(obj, name)
+        keys, why = rule(value)
+        yield choice, value, keys - read, why
 
 
 def _section(cfg, dotted: str):
@@ -103,10 +128,7 @@ def _section(cfg, dotted: str):
 
 def check_unused(cfg) -> None:
     """ConfigError for the first changed setting of `cfg` (a RootConfig) that a choice leaves unused."""
-    for choice, rule in CHOICES.items():
-        obj, name = _section(cfg, choice)
-        value = getattr(obj, name)
-        keys, why = rule(value)
+    for choice, value, keys, why in unused_settings(cfg):
         for key in sorted(keys):
             section, field_name = _section(cfg, key)
             require(not changed(section, {field_name}), key, shown(key, plain(getattr(section, field_name))),
