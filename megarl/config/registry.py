@@ -11,7 +11,7 @@ without importing what sits above config) and is filled by the module that holds
 
 `home` names the module whose import registers every built-in entry; the registry imports it
 the first time anyone asks for names or an entry, so validating a recipe sees them all. Adding
-an engine kind, a loss option, a KL kind, an aggregation or a verifier is one `register` call
+an engine kind, a loss option, a policy loss, a KL kind, an aggregation or a verifier is one `register` call
 next to its code (docs/architecture.md, "Extension points").
 
 A setting may also name code outside megarl by import path, `package.module:attr` or
@@ -122,9 +122,14 @@ LOSS_AGGS = Registry("algo.loss_agg", "megarl.ppo.aggregate", "loss aggregation"
                      kind="megarl.ppo.aggregate:Aggregation")
 ADVANTAGES = Registry("algo.name", "megarl.ppo.advantages", "algorithm (advantage estimator)",
                       kind="megarl.ppo.advantages:Estimator")
+POLICY_LOSSES = Registry("algo.policy_loss", "megarl.ppo.losses", "policy loss", doc="docs/algorithms.md",
+                         takes=("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "dual_clip",
+                                "is_weights"))
 IS_MODES = Registry("algo.is_mode", "megarl.ppo.correction", "importance-sampling correction",
                     takes=("raw", "cap", "low", "high"))
 IS_LEVELS = Registry("algo.is_level", "megarl.ppo.correction", "importance-sampling level",
                      takes=("log_w", "mask"))
 ENVIRONMENTS = Registry("env.name", "megarl.envs.builtin", "environment", doc="docs/agents.md",
                         adapt="megarl.envs.base:spec_from_import")
+GROUP_FILTERS = Registry("rollout.group_filter", "megarl.rollout.controller.group_filter", "group filter",
+                         doc="docs/partial_rollout.md", takes=("samples",))

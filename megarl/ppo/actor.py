@@ -1,14 +1,15 @@
-"""The actor's (and reference's) trainer-side work: logprobs and the clipped PPO update."""
+"""The actor's (and reference's) trainer-side work: logprobs and the policy update (algo.policy_loss)."""
 from __future__ import annotations
 
 import torch
 
+from megarl.config.registry import POLICY_LOSSES
 from megarl.config.schema import AlgoConfig
 from megarl.models.builders import Trainable
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.ppo.aggregate import aggregate
 from megarl.ppo.batch import Batch, response_targets, to_response_layout
-from megarl.ppo.losses import kl_penalty, masked_sum, policy_loss
+from megarl.ppo.losses import kl_penalty, masked_sum
 from megarl.ppo.optim import optimizer_step
 from megarl.ppo.reports import token_sums
 from megarl.ppo.schedule import forward_per_token, local_micro_batches, loss_scale, run_microbatches, sum_reports
@@ -54,6 +55,7 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     clip_low, clip_high = clip or (algo.clip_low, algo.clip_high)
     # M2PO trains without any ratio clip (its mask bounds the update instead)
     dual_clip = None if clip_low == float("inf") else algo.dual_clip
+    policy_loss = POLICY_LOSSES.get(algo.policy_loss)   # ppo | gspo | cispo | an import path (ppo/losses.py)
     micro = local_micro_batches(batch, layout)
     scale = loss_scale(len(micro))
     true_vocab = actor.info.vocab_size

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE for PPO with a critic, group-normalised scores for GRPO.
+"""Advantage estimators: GAE for PPO with a critic, group-normalised scores for GRPO, RLOO's
+leave-one-out baseline and REINFORCE++-baseline (docs/algorithms.md); DAPO's overlong shaping.
 
 Pure tensor functions: no process groups, so they run and are tested on CPU. Each algo.name is
 an `Estimator` registered in ADVANTAGES (at the bottom): the step looks it up, runs the critic
@@ -80,6 +81,50 @@ def group_normalized_advantages(
     if std_normalize:
         centred = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
     return centred.view(-1)
+
+
+def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
+    """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): each score minus the mean of the other
+    group_size - 1 scores of its group, A_i = R_i - sum_{j != i} R_j / (n - 1) = n / (n - 1) *
+    (R_i - mean). scores: [B], consecutive groups of group_size >= 2. Returns [B]."""
+    if group_size < 2 or scores.dim() != 1 or scores.numel() % group_size != 0:
+        raise ValueError(
+            f"RLOO needs whole groups of at least 2 samples: scores of shape {tuple(scores.shape)} in groups of "
+            f"{group_size}; use rollout.sampling.n >= 2"
+        )
+    groups = scores.view(-1, group_size)
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).view(-1)
+
+
+def reinforce_pp_baseline_advantages(scores: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262; OpenRLHF's reinforce_baseline,
+    veRL's and slime's reinforce_plus_plus_baseline): the group mean subtracted from each score,
+    put on every response token, then whitened over all the batch's tokens (mean 0, std 1,
+    `masked_whiten`). scores: [B] in consecutive groups; mask [B, R]. Returns [B, R]."""
+    centred = group_normalized_advantages(scores, group_size, std_normalize=False)
+    return masked_whiten(centred[:, None] * mask, mask)
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), scaled by
+    `penalty` (veRL's penalty_factor): 0 for a response of at most max_new_tokens - buffer
+    tokens, then falling linearly to -penalty at max_new_tokens, -penalty beyond.
+
+    Args:
+        lengths: [B] response tokens of each sample.
+        max_new_tokens: the generation budget L_max (rollout.sampling.max_new_tokens).
+        buffer: L_cache (reward.overlong_buffer), 0 < buffer < max_new_tokens.
+        penalty: the largest penalty (reward.overlong_penalty), >= 0.
+
+    Returns:
+        [B] float, <= 0: added to each sample's score.
+    """
+    if not 0 < buffer < max_new_tokens:
+        raise ValueError(f"reward.overlong_buffer={buffer} must be in (0, rollout.sampling.max_new_tokens="
+                         f"{max_new_tokens})")
+    excess = lengths.float() - (max_new_tokens - buffer)
+    return -penalty * torch.clamp(excess / buffer, 0.0, 1.0)
 
 
 @torch.no_grad()  # a target, like the advantages built from it
@@ -182,5 +227,22 @@ def _grpo(scores: Tensor, kl: Tensor, mask: Tensor, values: Tensor | None, algo:
     return grpo_advantages(scores, kl, mask, algo, group_size), None
 
 
+def _sequence_scores(scores: Tensor, kl: Tensor, mask: Tensor, algo: AlgoConfig) -> Tensor:
+    """[B] scores, less kl_coef * the response's summed KL with kl_mode=reward (as GRPO's)."""
+    return kl_penalized_scores(scores, kl, mask, algo.kl_coef) if algo.kl_mode == "reward" else scores
+
+
+def _rloo(scores: Tensor, kl: Tensor, mask: Tensor, values: Tensor | None, algo: AlgoConfig,
+          group_size: int) -> tuple[Tensor, None]:
+    return rloo_advantages(_sequence_scores(scores, kl, mask, algo), group_size)[:, None] * mask, None
+
+
+def _reinforce_pp_baseline(scores: Tensor, kl: Tensor, mask: Tensor, values: Tensor | None, algo: AlgoConfig,
+                           group_size: int) -> tuple[Tensor, None]:
+    return reinforce_pp_baseline_advantages(_sequence_scores(scores, kl, mask, algo), mask, group_size), None
+
+
 ADVANTAGES.register("ppo", Estimator(_ppo, needs_critic=True))
 ADVANTAGES.register("grpo", Estimator(_grpo, needs_critic=False))
+ADVANTAGES.register("rloo", Estimator(_rloo, needs_critic=False))
+ADVANTAGES.register("reinforce_plus_plus_baseline", Estimator(_reinforce_pp_baseline, needs_critic=False))

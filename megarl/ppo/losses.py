@@ -1,7 +1,10 @@
 """Per-token PPO losses, KL penalties and entropy.
 
 Every loss here returns a per-token [B, T] tensor, zero where mask is 0; aggregation to a
-scalar is `megarl.ppo.aggregate`'s job, so it can use the global-batch normaliser. Stats are
+scalar is `megarl.ppo.aggregate`'s job, so it can use the global-batch normaliser. The policy
+losses (algo.policy_loss: `ppo`, `gspo`, `cispo`, docs/algorithms.md) are POLICY_LOSSES entries
+with one signature, `fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip,
+is_weights) -> (per_token_loss, stats)`; a loss is minimised (its value is minus the objective). Stats are
 detached 0-d tensors (not python floats) so a training step never waits on a device-to-host
 copy per microbatch and the caller can all-reduce them.
 """
@@ -9,7 +12,7 @@ copy per microbatch and the caller can all-reduce them.
 import torch
 from torch import Tensor
 
-from megarl.config.registry import KL_KINDS
+from megarl.config.registry import KL_KINDS, POLICY_LOSSES
 
 # exp(20) ~ 5e8 is beyond any clip or cap, yet far from float overflow: garbage logprobs at
 # padded positions or a wildly stale token cannot make inf, and inf * 0 (mask) = nan.
@@ -29,6 +32,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / count.clamp_min(1)
 
 
+@POLICY_LOSSES.register("ppo")
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -76,6 +80,89 @@ def policy_loss(
     # Samples come from the old policy, so k3(old_logp, logp) estimates KL(old || new).
     stats["approx_kl"] = masked_mean(kl_penalty(old_logp, logp, "k3"), mask)
     return loss * mask, {k: v.detach() for k, v in stats.items()}
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071), its GSPO-token form, per token.
+
+    The sequence ratio s_i = exp(mean over the row's masked tokens of logp - old_logp) (the
+    geometric mean of the token ratios) is clipped per sequence to [1 - clip_low, 1 + clip_high];
+    token t's term is -min(s_it A_it, clip(s_it) A_it) with s_it = sg(s_i) * pi_t / sg(pi_t):
+    its value is s_i, its gradient s_i * grad log pi_t. With one advantage per sequence and
+    algo.loss_agg=seq-mean-token-mean this is the paper's sequence-level GSPO (objective,
+    clipping and gradient). A row lies whole in one micro-batch, so s_i does not depend on the
+    split. The paper's clip ranges are small (3e-4 and 4e-4), not PPO's 0.2.
+
+    Args and returns as `policy_loss`; dual_clip must be None (PPO's token-level cap). Stats:
+    clip_frac (masked tokens of clipped sequences whose clipped branch is active), ratio_mean
+    (of s_i over tokens), approx_kl (k3 of old vs new per token).
+    """
+    _refuse_dual_clip("gspo", dual_clip)
+    on = mask.bool()
+    log_ratio = torch.where(on, logp - old_logp, 0.0)
+    seq = masked_mean(log_ratio, mask, dim=-1).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # value s_i on every token, gradient s_i * d log pi_t (the paper's GSPO-token)
+    ratio = torch.exp(seq[:, None] + torch.where(on, logp - logp.detach(), 0.0))
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        loss = loss * is_weights.detach()
+    stats = {"clip_frac": masked_mean((clipped > unclipped).float(), mask),
+             "ratio_mean": masked_mean(ratio, mask),
+             "approx_kl": masked_mean(kl_penalty(old_logp, logp, "k3"), mask)}
+    return loss * mask, {k: v.detach() for k, v in stats.items()}
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(min(r, 1 + clip_high)) * A * log pi per token.
+
+    r = exp(logp - old_logp). The importance weight, not the update, is clipped: a token whose
+    ratio is past the bound keeps its gradient (REINFORCE-style, weighted by the bound), where
+    PPO's clip would drop it. As in the paper, there is no lower bound (its eps_low_IS is set
+    "to a large value"): clip_low is not read (config refuses a changed algo.clip_low with
+    cispo); clip_high = inf (M2PO) leaves the weight unclipped, M2PO's M * r * A.
+
+    Args and returns as `policy_loss`; dual_clip must be None. The loss value is that of the
+    surrogate above (its gradient is the paper's), not of the ratio objective. Stats: clip_frac
+    (masked tokens whose weight is truncated), ratio_mean, approx_kl.
+    """
+    _refuse_dual_clip("cispo", dual_clip)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = torch.clamp(ratio, max=1.0 + clip_high).detach()
+    loss = -weight * advantages * torch.where(mask.bool(), logp, 0.0)
+    if is_weights is not None:
+        loss = loss * is_weights.detach()
+    stats = {"clip_frac": masked_mean((ratio > 1.0 + clip_high).float(), mask),
+             "ratio_mean": masked_mean(ratio, mask),
+             "approx_kl": masked_mean(kl_penalty(old_logp, logp, "k3"), mask)}
+    return loss * mask, {k: v.detach() for k, v in stats.items()}
+
+
+def _refuse_dual_clip(name: str, dual_clip: float | None) -> None:
+    if dual_clip is not None:
+        raise ValueError(f"algo.dual_clip={dual_clip}: PPO's token-level cap is not part of algo.policy_loss="
+                         f"{name}; remove algo.dual_clip, or use algo.policy_loss=ppo")
 
 
 def value_loss(

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from megarl.config.errors import ConfigError
-from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS, VERIFIERS, Registry
+from megarl.config.registry import (
+    ADVANTAGES,
+    IS_LEVELS,
+    IS_MODES,
+    KL_KINDS,
+    LOSS_AGGS,
+    POLICY_LOSSES,
+    VERIFIERS,
+    Registry,
+)
 from megarl.config.schema import AlgoConfig, RewardConfig
 from megarl.ppo.advantages import Estimator, gae, grpo_advantages, masked_whiten, token_rewards
 from megarl.ppo.aggregate import Aggregation, aggregate, global_normalizer
@@ -86,7 +95,8 @@ def test_a_home_that_fails_to_import_fails_every_time(tmp_path, monkeypatch):
 @pytest.mark.parametrize("reg, names", [
     (KL_KINDS, ["abs", "k1", "k2", "k3"]),
     (LOSS_AGGS, ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]),
-    (ADVANTAGES, ["grpo", "ppo"]),
+    (ADVANTAGES, ["grpo", "ppo", "reinforce_plus_plus_baseline", "rloo"]),
+    (POLICY_LOSSES, ["cispo", "gspo", "ppo"]),
     (IS_MODES, ["mask", "none", "tis"]),
     (IS_LEVELS, ["geo_sequence", "sequence", "token"]),
 ])
@@ -95,12 +105,12 @@ def test_ppo_registries_hold_the_built_ins(reg, names):
 
 
 @pytest.mark.parametrize("field, bad", [("name", "dpo"), ("kl_kind", "k9"), ("loss_agg", "sum"),
-                                        ("is_mode", "trunc"), ("is_level", "seq")])
+                                        ("is_mode", "trunc"), ("is_level", "seq"), ("policy_loss", "dapo")])
 def test_algo_config_names_the_setting_the_value_and_the_known_names(field, bad):
     with pytest.raises(ConfigError) as e:
         AlgoConfig(**{field: bad})
     reg = {"name": ADVANTAGES, "kl_kind": KL_KINDS, "loss_agg": LOSS_AGGS, "is_mode": IS_MODES,
-           "is_level": IS_LEVELS}[field]
+           "is_level": IS_LEVELS, "policy_loss": POLICY_LOSSES}[field]
     assert f"algo.{field}={bad!r}" in str(e.value)
     assert ", ".join(reg.names()) in str(e.value)
 

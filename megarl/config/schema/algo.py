@@ -4,13 +4,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS
+from megarl.config.registry import ADVANTAGES, IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGGS, POLICY_LOSSES
 from megarl.config.schema.checks import changed, one_of, require
 
 
 @dataclass
 class AlgoConfig:
-    name: str = "ppo"                  # ppo (GAE with a critic) | grpo (group-normalised, no critic)
+    # advantages (docs/algorithms.md): ppo (GAE with a critic) | grpo (group-normalised, no critic) |
+    # rloo (leave-one-out baseline) | reinforce_plus_plus_baseline (group mean out, batch-whitened)
+    name: str = "ppo"
+    # the policy loss (docs/algorithms.md): ppo (clipped token ratio) | gspo (clipped sequence ratio,
+    # the token ratios' geometric mean) | cispo (clipped, stop-gradient IS weight on log pi; no lower bound)
+    policy_loss: str = "ppo"
+    mask_truncated: bool = False       # samples that hit the token budget (not ended on EOS) add no loss (DAPO)
     gamma: float = 1.0                 # discount per token
     lam: float = 0.95                  # GAE lambda
     clip_low: float = 0.2              # PPO ratio clip below: r >= 1 - clip_low
@@ -55,6 +61,7 @@ class AlgoConfig:
 
     def __post_init__(self):
         ADVANTAGES.check(self.name)
+        POLICY_LOSSES.check(self.policy_loss)
         one_of("algo.kl_mode", self.kl_mode, {"reward", "loss"})
         one_of("algo.routing_replay", self.routing_replay, {"off", "r2", "r3"})
         KL_KINDS.check(self.kl_kind)
@@ -70,12 +77,24 @@ class AlgoConfig:
         require(self.is_low <= 1 <= self.is_high, "algo.is_low/is_high",
                  (self.is_low, self.is_high), "need is_low <= 1 <= is_high")
         self._check_stabilizers()
+        self._check_policy_loss()
 
     @property
     def uses_reference(self) -> bool:
         """Whether anything reads the reference model's logprobs: only the KL term (in the
         reward or the loss), so without one the reference is neither built nor run."""
         return self.kl_coef != 0
+
+    def _check_policy_loss(self) -> None:
+        """The stabilizers that read PPO's token-level clip, refused under the other built-in losses
+        (algo.dual_clip and cispo's clip_low: schema/unused.py CHOICES)."""
+        if self.policy_loss not in ("gspo", "cispo"):
+            return
+        require(not self.bapo, "algo.bapo", self.bapo, f"adapts PPO's token clip by the tokens that keep their "
+                 f"gradient, which algo.policy_loss={self.policy_loss} does not have: remove one of them")
+        require(self.m2po_tau is None or self.policy_loss != "gspo", "algo.m2po_tau", self.m2po_tau,
+                 "masks tokens and removes the ratio clip, and algo.policy_loss=gspo clips whole sequences: "
+                 "remove one of them")
 
     def _check_stabilizers(self) -> None:
         require(self.m2po_tau is None or self.m2po_tau > 0, "algo.m2po_tau", self.m2po_tau,

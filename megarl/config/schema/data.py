@@ -30,9 +30,18 @@ class RewardConfig:
     model_coef: float = 1.0            # score = verifier + model_coef * reward model
     # a verifier taking longer than this on one sample scores it 0 (counted: reward_timeouts)
     timeout_s: float = 5.0
+    # DAPO's soft overlong punishment (docs/algorithms.md), on the trainer, every rollout mode: a
+    # response longer than rollout.sampling.max_new_tokens - overlong_buffer tokens loses up to
+    # overlong_penalty, linearly, reached at the budget; 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self):
         VERIFIERS.check(self.fn)
+        require(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer,
+                 "must be >= 0 (tokens before rollout.sampling.max_new_tokens; 0: off)")
+        require(self.overlong_penalty >= 0, "reward.overlong_penalty", self.overlong_penalty,
+                 "must be >= 0 (the largest penalty, subtracted from the score)")
         require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 (seconds per sample)")
         require(self.fn != "none" or bool(self.model_path), "reward.fn", self.fn,
                  "with reward.fn=none set reward.model_path, or nothing scores the samples")

@@ -62,9 +62,13 @@ class RootConfig:
         require(not budget or budget >= longest, "train.max_tokens_per_micro_batch", budget,
                  f"cannot hold a sequence of rollout.engines.max_model_len tokens ({longest} padded): "
                  f"raise it to at least {longest}")
-        if self.algo.name == "grpo":
+        if self.algo.name in ("grpo", "rloo"):
             require(self.rollout.sampling.n >= 2, "rollout.sampling.n", self.rollout.sampling.n,
-                     "algo.name=grpo normalises within a group: use rollout.sampling.n >= 2")
+                     f"algo.name={self.algo.name} compares the samples of a group: use rollout.sampling.n >= 2")
+        budget_tokens = self.rollout.sampling.max_new_tokens
+        require(self.reward.overlong_buffer < budget_tokens, "reward.overlong_buffer", self.reward.overlong_buffer,
+                 f"must be below rollout.sampling.max_new_tokens={budget_tokens} (the penalty starts that many "
+                 f"tokens before the budget)")
         # r2 records the old-logprob pass's experts micro-batch by micro-batch; the overlap computes it during the round
         require(self.algo.routing_replay != "r2" or not self.rollout.overlap, "algo.routing_replay", "r2",
                  "records the trainer's experts in the step's old-logprob pass, which rollout.overlap computes "

@@ -28,7 +28,14 @@ _CRITIC = {"algo.value_clip", "algo.value_coef", "train.critic_lr", "train.criti
 # the settings each built-in algo.name reads and the others do not (one registered elsewhere:
 # only the critic's settings are checked, by its needs_critic)
 ESTIMATOR_READS = {"ppo": {"algo.gamma", "algo.lam", "algo.whiten_advantages"} | _CRITIC,
-                   "grpo": {"algo.grpo_std_normalize"}}
+                   "grpo": {"algo.grpo_std_normalize"}, "rloo": set(), "reinforce_plus_plus_baseline": set()}
+_ESTIMATOR_WHY = {"ppo": "PPO's advantages are GAE's, not group-normalised", "grpo": "GRPO has no critic and no GAE",
+                  "rloo": "RLOO's baseline is the group's other samples: no critic, no GAE, no std",
+                  "reinforce_plus_plus_baseline": "REINFORCE++-baseline whitens over the batch: no critic, no GAE"}
+# the settings each built-in algo.policy_loss leaves unused (docs/algorithms.md)
+_POLICY_LOSS_SKIPS = {"gspo": ({"algo.dual_clip"}, "GSPO clips the sequence ratio; the dual clip is PPO's token cap"),
+                      "cispo": ({"algo.clip_low", "algo.dual_clip"},
+                                "CISPO's weight has no lower bound (the paper's); the dual clip is PPO's token cap")}
 # the settings each built-in algo.is_mode reads
 IS_MODE_READS = {"tis": {"algo.is_cap"}, "mask": {"algo.is_low", "algo.is_high"}, "none": set()}
 _PARTIAL = {"rollout.partial.concurrency", "rollout.partial.max_staleness", "rollout.partial.stale_policy"}
@@ -39,8 +46,7 @@ _REWARD = {"reward.fn", "reward.timeout_s"}   # an environment or an outside age
 def _algo_name(value) -> tuple[set[str], str]:
     if value in ESTIMATOR_READS:
         others = set().union(*(r for n, r in ESTIMATOR_READS.items() if n != value))
-        return others - ESTIMATOR_READS[value], ("GRPO has no critic and no GAE" if value == "grpo"
-                                                  else "PPO's advantages are GAE's, not group-normalised")
+        return others - ESTIMATOR_READS[value], _ESTIMATOR_WHY[value]
     if value in ADVANTAGES and not ADVANTAGES.get(value).needs_critic:
         return set(_CRITIC), "it trains no critic"
     return set(), ""
@@ -77,6 +83,7 @@ CHOICES: dict[str, Callable] = {
     "algo.kl_coef": lambda v: ({"algo.kl_mode", "algo.kl_kind"}, "no KL term, so no reference model")
     if not v else (set(), ""),
     "algo.is_mode": _is_mode,
+    "algo.policy_loss": lambda v: _POLICY_LOSS_SKIPS.get(v, (set(), "")),
     "algo.grad_align": lambda v: ({"algo.grad_align_threshold"}, "only project removes the aligned component")
     if v != "project" else (set(), ""),
     "algo.bapo": lambda v: ({"algo.bapo_rho", "algo.bapo_low", "algo.bapo_high", "algo.bapo_steps"},
@@ -90,6 +97,8 @@ CHOICES: dict[str, Callable] = {
                                        "were started with: give them vLLM's --enable-expert-parallel")
     if v == "remote" else (set(), ""),
     "reward.fn": lambda v: ({"reward.timeout_s"}, "no verifier runs") if v == "none" else (set(), ""),
+    "reward.overlong_buffer": lambda v: ({"reward.overlong_penalty"}, "no overlong punishment")
+    if not v else (set(), ""),
 }
 
 
