@@ -12,9 +12,8 @@ import asyncio
 import time
 from concurrent.futures import wait
 
-from tqdm import tqdm
-
 from megarl.data.seeds import eval_prompt_seed
+from megarl.metrics.progress import progress_bar as tqdm  # plain lines in a log file
 from megarl.rollout.controller.sync_rollout import group_requests
 from megarl.rollout.engines.engine import GenRequest, RequestError
 

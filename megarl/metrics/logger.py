@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tqdm import tqdm
-
 from megarl.config import secrets
+from megarl.metrics.progress import progress_bar
 from megarl.metrics.wandb_sink import WandbSink
 
 
 class MetricsLogger:
     """Rank 0 only. `log(step, metrics)` appends a JSON line, writes TensorBoard scalars, logs
-    the same row to W&B (`wandb`, a WandbSink) and moves a tqdm bar whose postfix is the step's
-    headline numbers."""
+    the same row to W&B (`wandb`, a WandbSink) and prints the step's headline numbers under a
+    tqdm bar on a terminal, as plain lines elsewhere (a slurm log: `progress.py`)."""
 
     HEADLINE = ("reward_mean", "response_len_mean", "kl", "policy_loss", "value_loss",
                 "logprob_mismatch_mean", "moe_imbalance", "step_time_s")
@@ -33,8 +32,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # here: it loads tensorboard (seconds)
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="megarl", unit="step",
-                        disable=not progress, dynamic_ncols=True)
+        # on a log file the step lines are the progress: no line of its own (every_s=None)
+        self.bar = progress_bar(total_steps, "megarl", "step", disable=not progress, initial=start_step,
+                                every_s=None, dynamic_ncols=True)
 
     @classmethod
     def for_run(cls, cfg, start_step: int) -> "MetricsLogger":
