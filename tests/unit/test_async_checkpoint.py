@@ -31,6 +31,7 @@ def config(step_multiple: int = 1):
     return SimpleNamespace(
         rollout=SimpleNamespace(
             mode="partial", sampling=SimpleNamespace(n=4, max_new_tokens=64, temperature=1.0),
+            group_filter="none", group_filter_max_draws=10,
             partial=SimpleNamespace(concurrency=12, max_staleness=2, stale_policy="finish", asynchronous=True,
                                     max_step_multiple=step_multiple)),
         run=SimpleNamespace(seed=0), train=SimpleNamespace(groups_per_step=3),

@@ -22,6 +22,7 @@ def tokenizer():
 def config(max_staleness: int, policy: str):
     return SimpleNamespace(
         rollout=SimpleNamespace(mode="service", sampling=SimpleNamespace(n=2, max_new_tokens=64, temperature=0.7),
+                                group_filter="none", group_filter_max_draws=10,
                                 partial=SimpleNamespace(max_staleness=max_staleness, stale_policy=policy,
                                                         asynchronous=False, concurrency=4)),
         train=SimpleNamespace(groups_per_step=1), service=SimpleNamespace(wait_s=10.0),

@@ -50,6 +50,7 @@ CASES = [
     ("reward.timeout_s=3", "reward.fn=none reward.model_path=rm", "reward.fn=countdown"),
     ("service.max_episodes=8", "rollout.mode=partial", "rollout.mode=service"),
     ("reward.timeout_s=3", "env.name=guess rollout.mode=partial", "rollout.mode=partial"),
+    ("rollout.group_filter_max_draws=4", "rollout.group_filter=none", "rollout.group_filter=zero_variance"),
     ("rollout.engines.expert_parallel=true", "rollout.engines.mode=remote rollout.engines.urls=[http://node1:8000] "
      "rollout.engines.tp=2", "rollout.engines.mode=local_servers rollout.engines.tp=2"),
 ]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.config.registry import GROUP_FILTERS
 from megarl.config.schema.checks import one_of, require
 
 
@@ -170,6 +171,15 @@ class RolloutConfig:
     # train each step on the round generated this many versions earlier (a queue of rounds,
     # filled at the start; rollout.mode=sync): staleness held fixed, for studies (bench/staleness_study.py)
     lag: int = 0
+    # judge each group the moment it is scored, in every mode (DAPO's dynamic sampling; docs/partial_rollout.md
+    # "Group filters"): none | zero_variance (drop a group whose rewards are all equal: zero group-relative
+    # advantage) | your own, package.module:attr or file.py:attr, a function of the group's samples
+    # returning True (train it) or False (drop it). A dropped group is never trained; its room in the
+    # step goes to the next prompt, and concurrency stays fixed
+    group_filter: str = "none"
+    # the prompts a step may draw per trained group before the run stops with one line (a task the
+    # policy has solved, or cannot solve at all, ends the run instead of spinning). 1: any dropped group stops it
+    group_filter_max_draws: int = 10
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     partial: PartialConfig = field(default_factory=PartialConfig)
@@ -192,6 +202,9 @@ class RolloutConfig:
                  "needs rollout.mode=partial (a sync round hands every group over at its end, so "
                  "nothing could overlap): set rollout.mode=partial, or remove rollout.overlap")
         require(self.lag >= 0, "rollout.lag", self.lag, "must be >= 0 (0: train each round at once)")
+        GROUP_FILTERS.check(self.group_filter, "rollout.group_filter")
+        require(self.group_filter_max_draws >= 1, "rollout.group_filter_max_draws", self.group_filter_max_draws,
+                 "must be >= 1 (the prompts a step may draw per trained group; 1: any dropped group stops the run)")
         require(not self.lag or self.mode == "sync", "rollout.lag", self.lag,
                  "needs rollout.mode=sync (partial rollout bounds staleness itself, "
                  "rollout.partial.max_staleness): set rollout.mode=sync, or rollout.lag=0")

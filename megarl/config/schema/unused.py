@@ -97,6 +97,8 @@ CHOICES: dict[str, Callable] = {
                                        "were started with: give them vLLM's --enable-expert-parallel")
     if v == "remote" else (set(), ""),
     "reward.fn": lambda v: ({"reward.timeout_s"}, "no verifier runs") if v == "none" else (set(), ""),
+    "rollout.group_filter": lambda v: ({"rollout.group_filter_max_draws"}, "no group is dropped, so no step "
+                                       "draws more prompts than it trains") if v == "none" else (set(), ""),
     "reward.overlong_buffer": lambda v: ({"reward.overlong_penalty"}, "no overlong punishment")
     if not v else (set(), ""),
 }

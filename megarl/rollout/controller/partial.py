@@ -55,6 +55,7 @@ from megarl.rollout.controller import staleness
 from megarl.rollout.controller.admission import Admission
 from megarl.rollout.controller.carry import CarryOver
 from megarl.rollout.controller.episode_turns import EpisodeTurns
+from megarl.rollout.controller.group_filter import GroupFilter
 from megarl.rollout.controller.round_stats import RoundStats, round_metrics
 from megarl.rollout.controller.serving import Serving
 from megarl.rollout.controller.slots import (
@@ -86,7 +87,8 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
                  sample_every_s: Optional[float] = 0.05, episodes=None,
-                 loop: Optional[asyncio.AbstractEventLoop] = None, step_multiple: int = 1):
+                 loop: Optional[asyncio.AbstractEventLoop] = None, step_multiple: int = 1,
+                 group_filter: Optional[GroupFilter] = None):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.partial.stale_policy={stale_policy!r}: choose one of "
                              f"{', '.join(STALE_POLICIES)}")
@@ -101,6 +103,8 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
             raise ValueError(f"rollout.partial.max_step_multiple={step_multiple}: must be >= 1 "
                              f"(1: every step trains exactly train.groups_per_step groups)")
         self.step_multiple = step_multiple
+        # rollout.group_filter: judges each scored group (serving._queue); default: keep every one
+        self.group_filter = group_filter or GroupFilter()
         self.new_group, self.score, self.seed, self.scorer = new_group, score, seed, scorer
         # multi-turn episodes: an envs.episodes.EpisodeDriver (None: single-turn samples)
         self.episodes = episodes
@@ -364,7 +368,8 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
                             reprefill_extra=self._recomputed(),
                             requests_per_trained_sample=self._sent_total / max(1, self._trained_total))
         out.update({"carried_samples": len(open_tokens), "open_groups": len(self.groups),
-                    "completed_waiting": len(self.completed)})
+                    "completed_waiting": len(self.completed),
+                    "groups_filtered_total": self.group_filter.filtered_total})
         if self.episodes is not None:
             out.update(self._episode_metrics())
         return out
@@ -384,7 +389,8 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
         self._sync_live()
         open_groups = [{**group_state(g), "reward_done": False, "rewards": []} for g in self.groups.values()]
         return {"next_gid": self.next_gid, "open": open_groups,
-                "completed": [group_state(g) for g in [*self.ready, *self.completed]]}
+                "completed": [group_state(g) for g in [*self.ready, *self.completed]],
+                "filter": self.group_filter.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._on_loop("load_state_dict")
@@ -392,3 +398,4 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
         self.groups = {d["gid"]: group_from_state(d) for d in state["open"]}
         self.completed = [group_from_state(d) for d in state["completed"]]
         self.ready = []
+        self.group_filter.load_state_dict(state.get("filter"))   # absent: a checkpoint from before filters

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megarl.rollout.controller.group_filter import filter_metrics
+
 
 @dataclass
 class RoundStats:
@@ -35,6 +37,7 @@ class RoundStats:
     discarded_tokens: int = 0            # generated, then thrown away by restart / drop
     throttled: int = 0                   # fills cut short: no deadline free (stale_policy=finish)
     groups_emitted: int = 0
+    groups_filtered: int = 0             # scored groups rollout.group_filter dropped (never trained)
     void_scores: int = 0                 # scores that landed after their samples were restarted / dropped
     refused: int = 0                     # samples whose request the engine refused as invalid (RequestError)
     groups_trained: int = 0              # groups the round handed to its step (elastic steps: a multiple of the target)
@@ -72,6 +75,7 @@ def round_metrics(st: RoundStats, *, concurrency: int, engines: int, reprefill_e
            "rollout_slots_used": st.inflight_area / wall / max(1, concurrency),
            "due_wait_s": 0.0 if st.due_wait_from is None else st.ended - st.due_wait_from,
            "due_wait_samples": st.due_wait_samples}
+    out.update(filter_metrics(st.groups_filtered, st.groups_emitted + st.groups_filtered, st.groups_trained))
     if st.inflight_min is not None:   # absent when the round had its groups without generating
         out["rollout_inflight_min"] = st.inflight_min
     return out

@@ -32,11 +32,11 @@ from typing import Awaitable, Callable
 
 from megarl.data.prompts import encode_prompts
 from megarl.data.sample import Sample
-from megarl.data.seeds import step_prompt_seeds
+from megarl.data.seeds import group_seed, step_prompt_seeds
 from megarl.envs.base import env_spec
 from megarl.envs.episodes import EpisodeDriver
 from megarl.rollout import routes
-from megarl.rollout.controller import staleness
+from megarl.rollout.controller import group_filter, staleness
 from megarl.rollout.controller.partial import PartialRolloutController
 from megarl.rollout.controller.scoring import score_sample
 from megarl.rollout.controller.sync_rollout import generate_groups, score_all
@@ -114,6 +114,8 @@ class Rollout:
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         r = cfg.rollout
         self.controller = self.episodes = self.service = None
+        # rollout.group_filter: each group judged as it is scored (controller/group_filter.py)
+        self.group_filter = group_filter.build(r.group_filter, r.group_filter_max_draws)
         if r.mode == "service":   # outside agents run the episodes against the policy's endpoint
             # made above rollout (megarl/service/launch.py imports rollout, not the other way)
             self.service = service_factory(self._next_task)
@@ -130,7 +132,8 @@ class Rollout:
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
                 max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
                 new_group=self._new_group, score=score, seed=cfg.run.seed, scorer=scorer,
-                episodes=self.episodes, loop=pool.loop.loop, step_multiple=r.partial.max_step_multiple)
+                episodes=self.episodes, loop=pool.loop.loop, step_multiple=r.partial.max_step_multiple,
+                group_filter=self.group_filter)
         # sync mode: `_fresh` runs on the loop thread like the controller's rounds (and the
         # simulator's); its samples are scored back on the driver thread
         self.stepper = RoundStepper(self.controller, cfg.train.groups_per_step, r.partial.asynchronous,
@@ -184,12 +187,7 @@ class Rollout:
         if self.service is not None:
             return self._service_round(step)
         if self.controller is None:
-            version = self.pool.version
-            count = self.cfg.train.groups_per_step * self.cfg.rollout.sampling.n
-            samples = self.pool.call(self.stepper.round(step), f"generating {count} samples",
-                                     self.pool.pool.deadline_for(count))
-            score_all(samples, self.tokenizer, self.reward_fn)
-            return samples, {**trained_metrics(samples, version), **self._engine_metrics()}
+            return self._sync_round(step)
         deadline = self.pool.pool.timeout_s * max(4, self.cfg.rollout.sampling.max_new_tokens)
         if during is None:
             samples, metrics = self.pool.call(self._partial_round(step), f"rollout round {step}", deadline)
@@ -197,6 +195,22 @@ class Rollout:
             samples, metrics = self._round_during(step, deadline, during)
         # the trainer's weights at step k are version k
         return samples, {**metrics, **trained_metrics(samples, step), **self._engine_metrics()}
+
+    def _sync_round(self, step: int) -> tuple[list[Sample], dict]:
+        """Sync mode: fresh prompts generated and scored; with a group filter, replacements for
+        the dropped groups until train.groups_per_step pass (group_filter.fill_groups)."""
+        version, n = self.pool.version, self.cfg.rollout.sampling.n
+
+        def draw(groups: int, k: int) -> list[list[Sample]]:
+            count = groups * n
+            coro = self.stepper.round(step) if k == 0 else self._fresh(step, groups, k)
+            samples = self.pool.call(coro, f"generating {count} samples", self.pool.pool.deadline_for(count))
+            score_all(samples, self.tokenizer, self.reward_fn)
+            return [samples[i * n:(i + 1) * n] for i in range(groups)]
+        groups, metrics = group_filter.fill_groups(draw, self.cfg.train.groups_per_step, self.group_filter, step)
+        samples = [s for g in groups for s in g]
+        metrics["groups_filtered_total"] = self.group_filter.filtered_total
+        return samples, {**metrics, **trained_metrics(samples, version), **self._engine_metrics()}
 
     async def _partial_round(self, step: int) -> tuple[list[Sample], dict]:
         """On the loop: the round's groups, taken, as samples (copies), and the controller's
@@ -234,16 +248,19 @@ class Rollout:
                  if i + bisect.bisect_left(due_open, key(g)) < target and g.gid not in seen]
         return [g.gid for g in groups], fresh
 
-    async def _fresh(self, step: int) -> list[Sample]:
-        """Sync mode, on the loop: every sample of groups_per_step fresh prompts, seeded by (run
-        seed, step), unscored."""
+    async def _fresh(self, step: int, groups: int = 0, draw: int = 0) -> list[Sample]:
+        """Sync mode, on the loop: every sample of groups_per_step (or `groups`) fresh prompts,
+        unscored, seeded by (run seed, step); a group filter's later `draw`s of the step by
+        (run seed, the prompt's place in the data stream)."""
         r = self.cfg.rollout
         first_uid = self.sampler.drawn
-        chosen = [self.records[i] for i in self.sampler.take(self.cfg.train.groups_per_step)]
+        chosen = [self.records[i] for i in self.sampler.take(groups or self.cfg.train.groups_per_step)]
         prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
+        seeds = step_prompt_seeds(self.cfg.run.seed, step, len(chosen)) if not draw else \
+            [group_seed(self.cfg.run.seed, first_uid + i) for i in range(len(chosen))]
         return await generate_groups(self.pool.pool, chosen, prompts, r.sampling.n, r.sampling.max_new_tokens,
-                                     step_prompt_seeds(self.cfg.run.seed, step, len(chosen)),
-                                     r.sampling.temperature, tag=f"{step}-", first_uid=first_uid)
+                                     seeds, r.sampling.temperature, tag=f"{step}-{draw}-" if draw else f"{step}-",
+                                     first_uid=first_uid)
 
     def _engine_metrics(self) -> dict:
         """Engines retired and restarted so far, requests sent again to an engine that answered
@@ -288,8 +305,8 @@ class Rollout:
             async def read():   # on the loop: the agents' calls change both meanwhile
                 return copy.deepcopy({"sampler": self.sampler.state_dict(), "service": self.service.state_dict()})
             return self.pool.call(read(), "saving the rollout service's state")
-        if self.controller is None:
-            return {"sampler": self.sampler.state_dict()}
+        if self.controller is None:   # the controller's state holds its filter's counts
+            return {"sampler": self.sampler.state_dict(), "filter": self.group_filter.state_dict()}
         controller, sampler = self.pool.call(self.snapshot(), "saving the rollout state")
         return {"sampler": sampler, "controller": controller}
 
@@ -302,6 +319,8 @@ class Rollout:
     def load_state_dict(self, state: dict) -> None:
         async def put():   # on the loop, where the sampler, the controller and the service are used
             self.sampler.load_state_dict(state["sampler"])
+            if self.controller is None:
+                self.group_filter.load_state_dict(state.get("filter"))
             if self.controller is not None and "controller" in state:
                 self.controller.load_state_dict(state["controller"])
             if self.service is not None and "service" in state:
@@ -312,7 +331,8 @@ class Rollout:
 def trained_metrics(samples: list[Sample], version: int) -> dict:
     """Metrics of the step's trained samples: token staleness, and the routes' bytes when the
     engines captured them (routing replay)."""
-    return {**staleness_metrics(samples, version), **routes.metrics(samples)}
+    return {**staleness_metrics(samples, version), **routes.metrics(samples),
+            "zero_advantage_groups_frac": group_filter.zero_advantage_frac(samples)}
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict:

@@ -4,9 +4,10 @@ group scored and queued for the trainer.
 A request's result is absorbed into its slot when the request still serves the slot as it
 was when sent (neither restarted nor its group dropped since); a request the engine refuses
 ends its sample refused (scored 0); an engine failure ends the round. A group whose samples
-are all done is scored (off the loop in the `scorer` executor, when given) and queued in
-`completed`, unless a staleness rule changed its samples meanwhile; a finished request is
-replaced at once (`Admission._fill`).
+are all done is scored (off the loop in the `scorer` executor, when given), judged by the group
+filter (rollout.group_filter, `group_filter.py`: a dropped group leaves, its place goes to the
+next prompt) and queued in `completed`, unless a staleness rule changed its samples meanwhile;
+a finished request is replaced at once (`Admission._fill`).
 
 `Serving` is a part of `PartialRolloutController` (partial.py), split out by concept: it
 works on the controller's groups, its request book (`_inflight`, `_base`, `_gen`, `_busy`,
@@ -143,6 +144,32 @@ class Serving:
             return
         group.rewards = list(rewards)
         del self.groups[group.gid]
+        try:
+            keep = self.group_filter.judge(self.samples_of(group))
+        except Exception as err:   # noqa: BLE001 - a user's filter failing ends the round with its error
+            self._fail(err)
+            return
+        if not keep:
+            self._filtered(group)
+            return
         self.completed.append(group)
         self.stats.groups_emitted += 1
         self._maybe_end()
+
+    def _filtered(self, group: Group) -> None:
+        """rollout.group_filter dropped the scored group: it is never trained. Gone from the
+        controller, it holds no room in any step and no deadline (a due one no longer holds the
+        round's end); admission opens the next prompt in its place. A step that drew more than
+        rollout.group_filter_max_draws prompts per trained group ends the run (one line)."""
+        self.stats.groups_filtered += 1
+        if self._round_done is None:   # between rounds (keep mode): the next round admits
+            return
+        if len(self.completed) < self._target and self.group_filter.exhausted(self.stats.groups_filtered,
+                                                                              self._target):
+            self._fail(self.group_filter.error(self._train_version, self.stats.groups_filtered, self._target))
+            return
+        try:
+            self._maybe_end()
+            self._fill()
+        except Exception as err:   # noqa: BLE001 - the data stream, the next request: end the round
+            self._fail(err)
