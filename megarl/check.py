@@ -18,9 +18,11 @@ import sys
 import torch
 
 from megarl import plan, preflight
+from megarl.checkpoint import compat
 from megarl.checkpoint import manager as ckpt
 from megarl.config import ConfigError, RootConfig, validate_world
 from megarl.distributed.env import read_env
+from megarl.models.arch import check_arch_matches
 from megarl.rollout.engines.build import ENGINE_KINDS
 from megarl.train import Trainer
 
@@ -62,12 +64,24 @@ def check(cfg: RootConfig, say=print) -> None:
     trainer.check_inputs()
     say(f"data: {len(trainer.records)} rows of {cfg.data.prompts} fit rollout.engines.max_model_len="
         f"{cfg.rollout.engines.max_model_len}")
+    # the facts the recipe (its defaults: model file) was planned with = model.path's config.json
+    check_arch_matches(cfg, preflight.read_hf_config(cfg.model.path))
     say(f"model: {cfg.model.path} (weights, config.json, tokenizer)")
-    resume = ckpt.resume_point(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
-    say(f"checkpoint: {'resumes from ' + str(resume) if resume else 'starts from step 0'}")
+    say(f"checkpoint: {resume_line(cfg)}")
     if cfg.rollout.engines.mode == "remote":
         asyncio.run(_reach_engines(cfg))
         say(f"engines: {len(cfg.rollout.engines.urls)} remote server(s) answer with the served model")
+
+
+def resume_line(cfg: RootConfig) -> str:
+    """Where a rerun starts, and what changed since its checkpoint was written (a change that
+    breaks the run raises, compat.check_resume)."""
+    resume = ckpt.resume_point(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+    if resume is None:
+        return "starts from step 0"
+    changed = compat.check_resume(cfg, resume)
+    forced = " (checkpoint.resume=force)" if cfg.checkpoint.resume == "force" and changed else ""
+    return f"resumes from {resume}" + (f"; changed since{forced}: {'; '.join(changed)}" if changed else "")
 
 
 async def _reach_engines(cfg: RootConfig) -> None:

@@ -97,7 +97,10 @@ class CheckpointConfig:
     dir: str = ""                      # where step_<N>/ folders go; empty: <run.dir>/checkpoints
     every: int = 0                     # save every this many steps (0: only at the end and on SIGTERM)
     keep: int = 2                      # newest complete checkpoints kept
-    resume: bool = True                # continue from the newest complete checkpoint if one exists
+    # true: continue from the newest complete checkpoint if one exists (refused when it was
+    # written with another algo.name or model: megarl check names what changed) | false: start
+    # over | force: resume even across such a change
+    resume: str = "true"
     time_budget_min: float = 0.0       # save and stop after this many minutes of wall clock (0: none)
     # Hugging Face exports of the actor (README.md, "Hugging Face exports"): <run.dir>/hf/step_<N>
     # every this many steps (0: none), <run.dir>/hf/final after the run's last step; safetensors
@@ -113,6 +116,18 @@ class CheckpointConfig:
                 "must be >= 1 (MiB per safetensors shard)")
         require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
         require(self.time_budget_min >= 0, "checkpoint.time_budget_min", self.time_budget_min, "must be >= 0")
+        self.resume = _resume_mode(self.resume)
+
+
+_RESUME = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False, "force": "force"}
+
+
+def _resume_mode(value) -> bool | str:
+    """checkpoint.resume as True, False or "force" (YAML's true/false arrive as text)."""
+    word = str(value).lower()
+    require(word in _RESUME, "checkpoint.resume", value,
+            "must be true (resume), false (start over) or force (resume across a changed algo.name or model)")
+    return _RESUME[word]
 
 
 @dataclass
