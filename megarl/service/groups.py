@@ -1,7 +1,9 @@
 """The groups of the agent service: each record of the run's data stream is handed out n
 times (one episode per place), and a group is complete when its n episodes have a reward.
 A cancelled or timed-out episode's place is handed out again before any new record, so every
-group can complete. Pure bookkeeping: no HTTP, no engine."""
+group can complete. A complete group the run's group filter drops (`keep`, rollout.group_filter:
+rollout/controller/group_filter.py) is never trained: it leaves the book, and the next episode
+start draws a new record. Pure bookkeeping: no HTTP, no engine."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -25,8 +27,10 @@ class Group:
 class GroupBook:
     """Hands out records n times each and collects the groups their episodes fill."""
 
-    def __init__(self, n: int, draw: Callable[[], tuple[dict, int]]):
+    def __init__(self, n: int, draw: Callable[[], tuple[dict, int]],
+                 keep: Callable[[list[Sample]], bool] | None = None):
         self.n, self.draw = n, draw
+        self.keep = keep    # the group filter: a complete group it says False to is dropped
         self.groups: dict[int, Group] = {}    # untaken groups, by serial (in serial order)
         self.next_serial = 0
 
@@ -48,9 +52,15 @@ class GroupBook:
         group.free = sorted(group.free + [slot])
 
     def finish(self, group: Group, slot: int, sample: Sample) -> bool:
-        """Record a rewarded episode; True when that completed its group."""
+        """Record a rewarded episode; True when that completed its group (and the group filter
+        kept it: a dropped group leaves the book, never trained)."""
         group.samples[slot] = sample
-        return len(group.samples) == self.n
+        if len(group.samples) < self.n:
+            return False
+        if self.keep is not None and not self.keep([group.samples[s] for s in sorted(group.samples)]):
+            del self.groups[group.serial]
+            return False
+        return True
 
     def complete(self) -> list[Group]:
         return [g for g in self.groups.values() if len(g.samples) == self.n]

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import random
 from dataclasses import dataclass, field
 
 from megarl.metrics.step import trainer_idle_frac
+from megarl.rollout.controller.group_filter import GroupFilter
 from megarl.rollout.controller.partial import PartialRolloutController
 from megarl.rollout.controller.rounds import RoundStepper
 from megarl.rollout.engines.engine import GenRequest
@@ -56,6 +58,9 @@ class SimSettings:
     keep_kv: bool = False                      # rollout.keep_kv
     overlap: bool = False                      # rollout.overlap
     max_step_multiple: int = 8                 # rollout.partial.max_step_multiple (elastic steps; 1: fixed)
+    # rollout.group_filter's cost: this share of the completed groups is dropped (drawn per group,
+    # seeded), given or measured (a run's filtered_frac); each is generated in full, never trained
+    filter_rate: float = 0.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -71,6 +76,9 @@ class SimSettings:
         for name in ("steps", "groups_per_step", "concurrency", "engines", "max_step_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"simulation {name}={getattr(self, name)}: must be >= 1")
+        if not 0 <= self.filter_rate < 1:
+            raise ValueError(f"simulation filter_rate={self.filter_rate}: must be in [0, 1) (1: no group would "
+                             f"ever be trained)")
         if self.mode == "async" and self.max_staleness < 1:   # the rule of rollout.partial.async in the schema
             raise ValueError(f"simulation max_staleness={self.max_staleness}: async mode trains tokens one "
                              f"version old; set it >= 1")
@@ -102,6 +110,7 @@ class _Trace:
     samples_started: int = 0
     resent_prompt: int = 0       # prompt tokens of requests sent again for a sample (continuations, restarts)
     engines: list = field(default_factory=list)
+    filtered: int = 0            # groups the modelled group filter dropped (SimSettings.filter_rate)
     # the engines' logs before the run's last weight update: what that update causes (abort
     # mode's continuations, keep_kv=false's recompute) happens after the run, so neither mode
     # counts it (the other figures read the logs at the end)
@@ -169,19 +178,41 @@ def ideal_rollout(s: SimSettings, w: Workload, engine_costs, out: dict) -> dict:
             "train_unit_s": train, "push_unit_s": push}
 
 
+def _dropped(s: SimSettings, gid: int) -> bool:
+    """The modelled group filter's verdict on group `gid` (dropped with probability filter_rate)."""
+    return s.filter_rate > 0 and random.Random(s.seed * 1_000_003 + gid).random() < s.filter_rate
+
+
 def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace) -> RoundStepper:
     """train.py's rounds (rollout/controller/rounds.py) on simulated engines: sync rounds of fresh
-    prompts at forced lengths, or the controller with the workload's per-sample budgets."""
+    prompts at forced lengths (with a filter rate: drawn again for the dropped groups, as
+    group_filter.fill_groups does), or the controller with the workload's per-sample budgets."""
     G, n = s.groups_per_step, w.n
+    counter = iter(range(10**12))
     if s.mode == "sync":
         async def fresh(k: int) -> list:
-            reqs = [GenRequest(f"s{k}g{g}s{j}", [1] * w.prompt_len(g), w.length_of(g, j), 1.0,
-                               ignore_eos=True) for g in range(k * G, (k + 1) * G) for j in range(n)]
-            trace.first_prefill += sum(len(r.prompt_ids) for r in reqs)
-            trace.samples_started += len(reqs)
-            return await asyncio.gather(*(pool.generate(r) for r in reqs))
+            out, need = [], G
+            while need:
+                gids = [next(counter) for _ in range(need)]
+                reqs = [GenRequest(f"s{k}g{g}s{j}", [1] * w.prompt_len(g), w.length_of(g, j), 1.0,
+                                   ignore_eos=True) for g in gids for j in range(n)]
+                trace.first_prefill += sum(len(r.prompt_ids) for r in reqs)
+                trace.samples_started += len(reqs)
+                results = await asyncio.gather(*(pool.generate(r) for r in reqs))
+                kept = [not _dropped(s, g) for g in gids]
+                out += [r for i, r in enumerate(results) if kept[i // n]]
+                trace.filtered += kept.count(False)
+                need -= sum(kept)
+            return out
         return RoundStepper(None, G, asynchronous=False, fresh=fresh)
-    counter = iter(range(10**12))
+
+    def keep(samples) -> bool:
+        gid = samples[0].uid
+        if not _dropped(s, gid):
+            return True
+        trace.emitted.pop(gid, None)
+        trace.filtered += 1
+        return False
 
     def new_group():
         gid = next(counter)
@@ -190,7 +221,8 @@ def _stepper(s: SimSettings, w: Workload, pool: EnginePool, loop, trace: _Trace)
         pool, n=n, concurrency=s.concurrency, max_new_tokens=w.max_len, temperature=1.0,
         max_staleness=s.max_staleness, stale_policy=s.stale_policy, new_group=new_group,
         score=trace.score, seed=s.seed, budget_of=w.length_of, ignore_eos=True,
-        clock=loop.time, step_multiple=s.max_step_multiple)
+        clock=loop.time, step_multiple=s.max_step_multiple,
+        group_filter=GroupFilter("sim", keep, max_draws=10**9) if s.filter_rate else None)
     return RoundStepper(controller, G, asynchronous=s.mode == "async")
 
 
@@ -345,6 +377,7 @@ def _summary(s: SimSettings, steps: list[dict], wall: float, engines: list[SimEn
            "multi_version_requests": sum(x.multi_version_requests for x in before),
            "multi_version_tokens": sum(x.multi_version_tokens for x in before),
            "staleness_max": max(x["staleness_max"] for x in steps),
+           "filter_rate": s.filter_rate, "groups_filtered": trace.filtered,
            "per_step": steps}
     if record_timeline:
         out["timeline"] = {e.name: e.log.timeline for e in engines}

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from scripted_engine import Clock
 from test_controller import KeyedEngine, trainer_logprob
+from test_simulator import Linear
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema.rollout import RolloutConfig
@@ -21,6 +22,10 @@ from megarl.rollout.controller import group_filter
 from megarl.rollout.controller.group_filter import GroupFilterExhausted, build, fill_groups, zero_variance
 from megarl.rollout.controller.partial import PartialRolloutController
 from megarl.rollout.engines.pool import EnginePool
+from megarl.service.groups import GroupBook
+from megarl.sim.costs import MeasuredTrainer
+from megarl.sim.run import SimSettings, simulate
+from megarl.sim.workload import Workload, parse_dist
 
 
 def reward(s: Sample) -> float:
@@ -217,3 +222,32 @@ def test_bad_filter_objects_are_one_line_each():
     filt = group_filter.GroupFilter("mine", lambda samples: 1)
     with pytest.raises(TypeError, match="returns True .* or False"):
         filt.judge(_group(0, [1.0]))
+
+
+def test_the_service_drops_a_filtered_group_and_draws_a_new_record():
+    records = iter(range(10))
+    book = GroupBook(2, lambda: ({"r": (r := next(records))}, r), keep=build("zero_variance").judge)
+    group, slot = book.hand_out()
+    book.hand_out()
+    assert not book.finish(group, 0, _group(0, [1.0])[0]) and not book.finish(group, 1, _group(0, [1.0])[0])
+    assert group.serial not in book.groups and book.state_dict()["groups"] == []   # never trained, not saved
+    group, _ = book.hand_out()
+    assert group.uid == 1                                                           # the next record
+    book.hand_out()
+    book.finish(group, 0, _group(1, [0.0])[0])
+    assert book.finish(group, 1, _group(1, [1.0])[0]) and len(book.take(1)) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "partial", "async"])
+def test_the_simulator_models_the_rollout_filtering_costs(mode):
+    def run(rate):
+        s = SimSettings(mode=mode, steps=4, groups_per_step=2, concurrency=8, filter_rate=rate, max_staleness=2,
+                        max_step_multiple=1)
+        w = Workload(parse_dist("fixed:len=10"), n=2, max_len=64, prompt_len=lambda g: 4)
+        return simulate(s, w, Linear(a=0.01), MeasuredTrainer(0.5, 0.0, push_s=0.1))
+    plain, filtered = run(0.0), run(0.5)
+    assert plain["groups_filtered"] == 0 and filtered["groups_filtered"] > 0
+    assert filtered["trained_samples"] == plain["trained_samples"]
+    assert filtered["generated_tokens"] > plain["generated_tokens"]
+    with pytest.raises(ValueError, match="filter_rate=1"):
+        SimSettings(filter_rate=1.0)

@@ -21,7 +21,7 @@ import path (`package.module:attr` or `file.py:attr`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megarl.config.registry import GROUP_FILTERS
@@ -56,6 +56,7 @@ class GroupFilter:
     max_draws: int = 10
     filtered_total: int = 0     # groups dropped, whole run
     judged_total: int = 0       # groups judged (kept + dropped), whole run
+    _marks: tuple = field(default=(0, 0), repr=False)   # the totals at the last `since_last`
 
     @property
     def active(self) -> bool:
@@ -82,6 +83,13 @@ class GroupFilter:
             f"({DRAWS_KEY}={self.max_draws} prompts per trained group): the policy has solved the task, or "
             f"cannot solve it at all; stop here, change the data, or raise {DRAWS_KEY}")
 
+    def since_last(self, trained: int) -> dict:
+        """The filter metrics of the groups judged since the last call (the service's rounds:
+        its groups are judged as the agents complete them), and the run's total."""
+        dropped, judged = self.filtered_total - self._marks[0], self.judged_total - self._marks[1]
+        self._marks = (self.filtered_total, self.judged_total)
+        return {**filter_metrics(dropped, judged, trained), "groups_filtered_total": self.filtered_total}
+
     def state_dict(self) -> dict:
         return {"filtered_total": self.filtered_total, "judged_total": self.judged_total}
 
@@ -89,6 +97,7 @@ class GroupFilter:
         state = state or {}
         self.filtered_total = int(state.get("filtered_total", 0))
         self.judged_total = int(state.get("judged_total", 0))
+        self._marks = (self.filtered_total, self.judged_total)
 
 
 def build(name: str = "none", max_draws: int = 10) -> GroupFilter:

@@ -119,6 +119,8 @@ class Rollout:
         if r.mode == "service":   # outside agents run the episodes against the policy's endpoint
             # made above rollout (megarl/service/launch.py imports rollout, not the other way)
             self.service = service_factory(self._next_task)
+            if self.group_filter.active:   # judged where the agents' episodes complete a group
+                self.service.book.keep = self.group_filter.judge
         if r.mode == "partial":
             if cfg.env.name:   # episodes: the environment's rewards are the score (nothing to run)
                 self.episodes = episode_driver(cfg.env, tokenizer)
@@ -159,7 +161,7 @@ class Rollout:
 
         async def take():   # on the loop, where the agents' calls change the service
             groups = await self.service.take_groups(k, stale, p.stale_policy == "drop")
-            return groups, self.service.metrics()
+            return groups, {**self.service.metrics(), **self.group_filter.since_last(len(groups))}
 
         async def read():
             return self.service.metrics()
@@ -303,7 +305,8 @@ class Rollout:
     def state_dict(self) -> dict:
         if self.service is not None:
             async def read():   # on the loop: the agents' calls change both meanwhile
-                return copy.deepcopy({"sampler": self.sampler.state_dict(), "service": self.service.state_dict()})
+                return copy.deepcopy({"sampler": self.sampler.state_dict(), "service": self.service.state_dict(),
+                                      "filter": self.group_filter.state_dict()})
             return self.pool.call(read(), "saving the rollout service's state")
         if self.controller is None:   # the controller's state holds its filter's counts
             return {"sampler": self.sampler.state_dict(), "filter": self.group_filter.state_dict()}
