@@ -76,6 +76,16 @@ def moe_layout(cfg: RootConfig, hf_config, role: str = "actor") -> dict:
                             routing_replay=cfg.algo.routing_replay if role != "critic" else "off"))
 
 
+def lr_schedule(cfg) -> dict:
+    """make_trainable's schedule arguments, in optimizer updates (megatron's scheduler counts
+    them): train.lr_warmup_steps counts steps (weight versions), each a fixed step's
+    ppo_epochs x mini_batches updates."""
+    t = cfg.train
+    per_step = t.ppo_epochs * t.mini_batches
+    return dict(warmup=t.lr_warmup_steps * per_step, total_updates=t.steps * per_step,
+                decay_style=t.lr_decay_style, min_lr_ratio=t.min_lr_ratio)
+
+
 def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     check_model_dir(cfg.model.path, "model.path")
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
@@ -84,7 +94,6 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     dtype = getattr(torch, cfg.model.dtype)
     on_gpu = torch.cuda.is_available()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    updates = cfg.train.steps * cfg.train.ppo_epochs * cfg.train.mini_batches
     load, divisible_by = weight_source(cfg, hf_config)
 
     def make(role):
@@ -96,8 +105,7 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
         return model, info
 
     t = cfg.train
-    schedule = dict(warmup=t.lr_warmup_steps, total_updates=updates, decay_style=t.lr_decay_style,
-                    min_lr_ratio=t.min_lr_ratio)
+    schedule = lr_schedule(cfg)
     actor = make_trainable(*make("actor"), t.actor_lr, t.weight_decay, t.grad_clip, **schedule)
     reference = None   # only the KL term reads its logprobs (algo.uses_reference): else neither built nor run
     if cfg.algo.uses_reference:

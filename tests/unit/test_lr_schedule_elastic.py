@@ -57,3 +57,19 @@ def test_counting_updates_would_reach_the_floor_early():
         for _ in range(2 * k):
             sched.step(increment=1)
     assert sched.get_lr(sched.optimizer.param_groups[0]) == pytest.approx(0.1)
+
+
+def test_lr_warmup_steps_counts_steps_not_updates():
+    """The recipes' lr_warmup_steps=10 with 4 mini-batches warms up over 10 steps (40 updates),
+    not 2.5 steps: megatron's scheduler gets it in updates."""
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.models.setup import lr_schedule
+    recipe = Path(__file__).resolve().parents[2] / "recipes/qwen2.5_7b.yaml"
+    cfg = load_config(recipe, ["train.ppo_epochs=2"])
+    assert (cfg.train.lr_warmup_steps, cfg.train.mini_batches) == (10, 4)
+    s = lr_schedule(cfg)
+    assert s["warmup"] == 10 * 2 * 4 and s["total_updates"] == cfg.train.steps * 2 * 4
+    lrs = _lr_after_each_step([1] * 12, 4, s["warmup"] // 2, "constant")   # one epoch per step here
+    assert lrs[8] < 1.0 and lrs[9] == pytest.approx(1.0)   # full lr after the 10th step

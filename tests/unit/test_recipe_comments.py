@@ -53,6 +53,8 @@ def facts(cfg, plan) -> list[tuple[str, list]]:
         (r"two (\d+)-token rows", [seq]),
         (r"has (\d+) KV heads: trainer TP <= (\d+); (\d+) heads", [m["kv_heads"], m["kv_heads"], m["heads"]]),
         (r"(\d+) samples per prompt", [cfg.rollout.sampling.n]),
+        (r"warm-up over (\d+) steps = (\d+) optimizer updates",
+         [cfg.train.lr_warmup_steps, cfg.train.lr_warmup_steps * cfg.train.ppo_epochs * cfg.train.mini_batches]),
         (r"(\d+) layers: PP must divide them", [m["layers"]]),
         *experts,
     ]

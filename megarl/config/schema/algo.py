@@ -151,8 +151,9 @@ class TrainConfig:
     remove_padding: bool = True
     actor_lr: float = 1e-4
     critic_lr: float = 5e-4
-    # linear warm-up of both learning rates, in optimizer updates of a step of groups_per_step groups
-    # (a step of k times the groups moves the schedule as one step: docs/partial_rollout.md)
+    # linear warm-up of both learning rates, in steps (weight versions; a step of groups_per_step
+    # groups is ppo_epochs x mini_batches updates, a step of k times the groups moves the schedule
+    # as one step: docs/partial_rollout.md)
     lr_warmup_steps: int = 0
     lr_decay_style: str = "constant"   # after warm-up: constant | linear | cosine (to min_lr_ratio x lr)
     min_lr_ratio: float = 0.1          # floor of the decayed learning rate, as a fraction of the peak
