@@ -171,7 +171,10 @@ megarl_settings() {
     PORT_BASE=${PORT_BASE:-8100}                       # servers listen on PORT_BASE, PORT_BASE+1, ...
     MASTER_PORT=${MASTER_PORT:-29500}                  # torchrun rendezvous on the first trainer node
     WEIGHT_PORT=${WEIGHT_PORT:-29600}                  # the weight group's rendezvous on the first trainer node (engines connect)
-    RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megarl}}   # stable across requeues: resumes here
+    : "${RECIPE:?set by slurm/ppo_<size>.sh}"
+    # stable across requeues: resumes here; the recipe's name in it: two recipes sent through one
+    # script never share (and resume) each other's checkpoints
+    RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megarl}-$(basename "$RECIPE" .yaml)}
     STAGING_DIR=${STAGING_DIR:-$RUN_DIR/weight_staging}   # weight_sync.transport=files only: shared by trainer and engine nodes
     MEGARL_PY=${MEGARL_PY:-$MEGARL_ROOT/.venv/bin/python}
     ENGINE_START_TIMEOUT=${ENGINE_START_TIMEOUT:-1800}   # seconds for every server to answer /health

@@ -98,3 +98,13 @@ def test_job_shell_prints_the_layout_for_bash():
     bad = subprocess.run([sys.executable, "-m", "megarl.plan.job_shell", "recipes/tiny_cpu.yaml"], cwd=ROOT,
                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "cluster.engine_nodes=0" in bad.stderr
+
+
+@pytest.mark.parametrize("recipe", ["recipes/qwen2.5_7b.yaml", "my_recipes/qwen2.5_7b_long.yaml"])
+def test_the_default_run_dir_holds_the_recipes_name(recipe):
+    """Two recipes sent through one script (RECIPE=...) get run folders of their own: neither
+    resumes the other's checkpoint."""
+    shell = ('set -euo pipefail; MEGARL_ROOT=.; source slurm/common.sh; SLURM_JOB_NAME=megarl-ppo-7b; '
+             f'RECIPE={recipe}; megarl_settings; echo "$RUN_DIR"')
+    out = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"runs/megarl-ppo-7b-{Path(recipe).stem}"
