@@ -230,8 +230,10 @@ def publish(tmp: Path, out: Path) -> None:
     then renamed. An existing `out` is exchanged with `tmp` in one step (renameat2
     RENAME_EXCHANGE) and then removed; where the file system cannot exchange, it is renamed
     aside first (a crash between the two renames leaves it complete, as `.old_<name>`)."""
+    mode = _file_mode()
     for f in tmp.rglob("*"):
         if f.is_file():
+            os.chmod(f, mode)   # safetensors writes 0600: readable as any file this process writes
             _fsync(f)
     _fsync(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +248,17 @@ def publish(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
     _fsync(out.parent)
+
+
+def _file_mode() -> int:
+    """The mode `open()` gives a new file here (0644 under the usual umask 022). The umask is
+    read from /proc: setting it to read it back would race the run's other threads."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        umask = int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = 0o022
+    return 0o666 & ~umask
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -160,3 +160,18 @@ def test_a_killed_exports_leftover_is_replaced(tmp_path):
     out = hf_export._copy_export(src, tmp_path / "final")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step_3"]
+
+
+def test_an_export_is_readable_as_megarl_exports_are(tmp_path):
+    """safetensors writes its files 0600; a published export's files have the mode any file
+    written here gets (0644 under umask 022), as `megarl export`'s, in-run exports included."""
+    import os
+    import stat
+    tmp = folder(tmp_path / ".tmp_step_3", **{"config.json": "{}"})
+    save_file({"w": torch.zeros(2)}, str(tmp / "model-00001-of-00001.safetensors"))
+    assert stat.S_IMODE(os.stat(tmp / "model-00001-of-00001.safetensors").st_mode) == 0o600
+    hf_export.publish(tmp, tmp_path / "step_3")
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (tmp_path / "step_3").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
