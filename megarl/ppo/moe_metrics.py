@@ -8,7 +8,8 @@ column sums are the tokens each expert was given. `RouterStats` hooks the actor'
 - each router call made with gradients (the update passes; forward-only passes run under
   no_grad, and a recomputed layer's first pass too, exactly where megatron records its losses)
   adds its routing map's real tokens per expert (megatron's `padding_mask`, which
-  `padding_mask` below builds for every micro-batch, excludes the padding) and what it added
+  `padding_mask` below builds for every micro-batch, excludes the padding and the filler
+  rows, which megatron's router losses then neither count nor train on) and what it added
   to the tracker: the difference around the call, so a critic or reference built from the
   same MoE checkpoint, whose routers write into the same global tracker, is not counted;
 - at the step's end `collect` puts the actor's per-layer means (per micro-batch, as megatron
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import get_model_config
 
@@ -83,18 +85,42 @@ def loss_names(config) -> list[str]:
 
 def padding_mask(model, batch) -> dict:
     """The `padding_mask` keyword of an MoE model's forward for one micro-batch ({} for a dense
-    model): [b, L] True past each row's prompt + response, so megatron's router losses and the
-    token counts cover the real tokens only. megatron splits it over the sequence-parallel
-    ranks on the first pipeline stage but passes it whole to the later ones, whose routers see
-    their share of the sequence: there it is split here."""
+    model): [b, L] True past each row's prompt + response and on every token of a row that
+    trains none (`batch.resp_mask` 0 everywhere: a filler row, computed only so every DP rank
+    runs as many micro-batches, ppo/microbatch.py), so megatron's router losses (their
+    gradients included) and the token counts cover the real tokens only. megatron splits it
+    over the sequence-parallel ranks on the first pipeline stage but passes it whole to the
+    later ones, whose routers see their share of the sequence: there it is split here."""
     config = get_model_config(model)
     if not config.num_moe_experts:
         return {}
+    _guard_empty_micro_batches()
     length = batch.tokens.shape[1]
     mask = torch.arange(length, device=batch.tokens.device).unsqueeze(0) >= batch.seq_lens.unsqueeze(1)
+    mask = mask | (batch.resp_mask.sum(1) == 0).unsqueeze(1)   # the rows routing replay does not score either
     if config.sequence_parallel and not parallel.is_first_stage():
         mask = tensor_parallel.scatter_to_sequence_parallel_region(mask.t().contiguous()).t().contiguous()
     return {"padding_mask": mask}
+
+
+def _guard_empty_micro_batches() -> None:
+    """Once per process: megatron's load-balancing losses divide by the micro-batch's real
+    token count (router.py, `get_tokens_per_expert_and_token_count`), which a micro-batch of
+    filler rows alone has none of: 0 / 0, a NaN loss and NaN gradients. Counted as 1 there, as
+    megatron's z-loss already clamps its count, such a loss is 0 with a zero gradient (its
+    tokens per expert are all 0, its scores masked); a count above 0 is left as it is."""
+    if getattr(moe_router.get_tokens_per_expert_and_token_count, "megarl_guarded", False):
+        return
+    count = moe_router.get_tokens_per_expert_and_token_count
+
+    def guarded(routing_map, reduce_group, topk=None, with_padding_mask=False):
+        per_expert, local, total = count(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+        if with_padding_mask:
+            total = torch.where(total > 0, total, torch.ones_like(total))
+        return per_expert, local, total
+
+    guarded.megarl_guarded, guarded.original = True, count
+    moe_router.get_tokens_per_expert_and_token_count = guarded
 
 
 class RouterStats:
@@ -103,9 +129,9 @@ class RouterStats:
     def __init__(self, model, config):
         self.config = config
         self.names = loss_names(config)
-        # on the device (no host copy per router call); calls on the host
+        # on the device (no host copy per router call)
         self.counts = torch.zeros(config.num_layers, config.num_moe_experts, dtype=torch.long, device=dev.current())
-        self.calls = torch.zeros(config.num_layers, dtype=torch.long)
+        self.calls = torch.zeros(config.num_layers, dtype=torch.long, device=dev.current())  # that routed real tokens
         self.tokens = torch.zeros(config.num_layers, dtype=torch.float64, device=dev.current())  # real ones routed
         self.losses: dict[str, torch.Tensor] = {}
         self._before: dict[str, torch.Tensor] = {}
@@ -154,7 +180,7 @@ class RouterStats:
             routing_map, tokens = routing_map & valid, valid.sum()
         layer = router.layer_number - 1
         self.counts[layer] += routing_map.sum(dim=0)
-        self.calls[layer] += 1
+        self.calls[layer] += tokens > 0   # a filler micro-batch's call: no real token, no loss (not a 0 in the mean)
         self.tokens[layer] += tokens
         for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items():
             before = self._before.get(name)

@@ -103,11 +103,88 @@ def test_collect_reads_the_step_s_figures_and_clears_them(mm, megatron_world):  
     assert stats.collect() == {}   # nothing routed since
 
 
-def test_padding_mask_marks_positions_past_each_row(mm):
-    batch = SimpleNamespace(tokens=torch.zeros(2, 5, dtype=torch.long), seq_lens=torch.tensor([3, 5]))
+def test_padding_mask_marks_positions_past_each_row_and_every_filler_token(mm):
+    """Padding past each row's prompt + response, and every token of a filler row (a copy
+    computed so every DP rank runs as many micro-batches: resp_mask 0 everywhere, no loss, no
+    gradient): megatron's router losses and the expert counts see the real tokens only."""
+    batch = SimpleNamespace(tokens=torch.zeros(3, 5, dtype=torch.long), seq_lens=torch.tensor([3, 5, 4]),
+                            resp_mask=torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
     out = mm.padding_mask(SimpleNamespace(config=config()), batch)["padding_mask"]
-    assert out.tolist() == [[False, False, False, True, True], [False] * 5]
+    assert out.tolist() == [[False, False, False, True, True], [False] * 5, [True] * 5]
     assert mm.padding_mask(SimpleNamespace(config=SimpleNamespace(num_moe_experts=None)), batch) == {}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(mm, megatron_world):  # noqa: F811
+    """The tiny Qwen3-MoE's megatron actor (4 experts, top-2, both layers MoE), load-balancing
+    loss and z-loss on, its matrices at N(0, 1/fan_in) (routing far from ties, as
+    tiny_archs.save_untied), hooked by RouterStats; in training mode."""
+    import transformers
+
+    from megarl.models.builders import build_model
+    from megarl.models.transformer_config import transformer_config
+    from tools import tiny_archs
+    hf = transformers.Qwen3MoeConfig(**tiny_archs.model_kwargs("qwen3_moe"), architectures=["Qwen3MoeForCausalLM"])
+    config = transformer_config(hf, 1, 1, torch.float32, False, router={"aux_loss_coeff": 0.01, "z_loss_coeff": 0.001})
+    torch.manual_seed(0)
+    model, _ = build_model(hf, config, 128, "actor")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return model.train(), mm.RouterStats(model, config)
+
+
+def routed(mm, tiny_moe, rows: list[tuple[int, bool]]):
+    """One micro-batch's update pass: `rows` (length, filler?) of tokens drawn from seed i for
+    row i, right-padded; the main loss is 0, so the routers' gradients are the router losses'.
+    Returns the router losses recorded, the tokens per expert, the routers' gradients."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megarl.models.masks import causal_mask
+    model, stats = tiny_moe
+    width = max(n for n, _ in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (n, _) in enumerate(rows):
+        tokens[i, :n] = torch.randint(3, 40, (n,), generator=torch.Generator().manual_seed(i))
+    resp_mask = torch.tensor([[0.0 if filler else 1.0] * 4 for _, filler in rows])
+    batch = SimpleNamespace(tokens=tokens, seq_lens=torch.tensor([n for n, _ in rows]), resp_mask=resp_mask)
+    stats.reset()
+    model.zero_grad(set_to_none=True)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    out = model(tokens, torch.arange(width).expand_as(tokens), causal_mask(width, tokens.device),
+                **mm.padding_mask(model, batch))
+    (out * 0).sum().backward()
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    grads = torch.cat([r.weight.grad.flatten() for r in routers])
+    return {k: v.clone() for k, v in stats.losses.items()}, stats.counts.clone(), grads
+
+
+def test_a_filler_row_adds_nothing_to_the_router_losses_or_the_expert_counts(mm, tiny_moe):
+    """A real MoE forward and backward: a micro-batch with a filler row records the same
+    router losses and expert counts, and gives the routers the same gradient, as the
+    micro-batch without it; a micro-batch of a filler row alone (every DP rank runs as many
+    micro-batches) records nothing, not even a call (the load-balancing loss is a mean over
+    the calls that routed real tokens), and gives a zero, finite gradient (megatron's
+    load-balancing loss over no real token is 0 / 0: guarded in moe_metrics).
+    Tolerance: relative 1e-5 (of the largest value). Noise: with and without the filler row
+    differ by <= 1.1e-7 (at 1 and 2 threads; AMD EPYC). Catch: the filler row counted as real
+    tokens (before the fix) moved the load-balancing loss by 11%, the z-loss by 136% and the
+    routers' gradient by 76%; without the guard the filler-only micro-batch's loss and
+    gradient are NaN."""
+    def close(a, b):
+        return float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+    alone = routed(mm, tiny_moe, [(12, False)])
+    with_filler = routed(mm, tiny_moe, [(12, False), (9, True)])
+    for name in alone[0]:
+        assert close(with_filler[0][name], alone[0][name]), (name, with_filler[0][name], alone[0][name])
+    assert torch.equal(with_filler[1], alone[1]) and int(alone[1].sum()) == 2 * 12 * 2   # 2 layers, top-2
+    assert close(with_filler[2], alone[2])
+    losses, counts, grads = routed(mm, tiny_moe, [(9, True)])
+    assert all(not v.any() for v in losses.values()) and not counts.any(), (losses, counts)
+    assert not tiny_moe[1].calls.any(), tiny_moe[1].calls
+    assert torch.isfinite(grads).all() and not grads.any()
 
 
 def test_a_dense_actor_reports_nothing(mm):
