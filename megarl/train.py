@@ -10,6 +10,7 @@ What a checkpoint keeps besides the models is the state of the components regist
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -31,6 +32,7 @@ from megarl.distributed.env import from_rank0, init_distributed
 from megarl.distributed.stop import Stopped, StopSignal
 from megarl.eval.datasets import load_eval_sets
 from megarl.eval.runner import Evaluator
+from megarl.eval.schedule import due
 from megarl.metrics.logger import MetricsLogger
 from megarl.metrics.speed import SpeedMeter
 from megarl.metrics.step import rollout_metrics, trainer_idle_frac
@@ -195,7 +197,7 @@ class Trainer:
         self.state.register("rollout", self.rollout, optional=True)
         self.logger = MetricsLogger.for_run(cfg, start)
         if self.eval_sets:   # held-out evaluation (eval.*, megarl/eval/runner.py)
-            self.evaluator = Evaluator(cfg, self.eval_sets, self.pool, self.tokenizer, self.logger)
+            self.evaluator = Evaluator(cfg, self.eval_sets, self.pool, self.tokenizer, self.logger, self.stop)
         if resume_from is not None:
             self.logger.bar.write(f"resumed from {resume_from} at step {start}")
         if start >= cfg.train.steps:
@@ -204,28 +206,74 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
-        cfg, step = self.cfg, self.start - 1
         if self.stopped_in_setup:
             if self.is_driver:   # the line the cluster scripts requeue on (slurm/common.sh)
                 print(f"stopping before step {self.start} ({self.stop.reason} while starting): "
                       "nothing new to save", flush=True)
             return
         # the engines start from the HF files (or older weights on resume): push before rolling out
-        self.push(self.start)
-        for step in range(self.start, cfg.train.steps):
+        self._push_first()
+        last = self._train_steps()
+        if last >= self.start and not self._on_schedule(last):
+            self.save(last)
+        if self.evaluator is not None:   # the final weights (eval.*)
+            self.evaluator.at_end(last, self.start)
+
+    def _push_first(self) -> None:
+        """push(self.start). On a single trainer rank a SIGTERM cuts it short (distributed/stop.py;
+        the vote before the first step then stops the run). With more ranks rank 0 cannot
+        leave the push alone (the others would wait in its collectives): the stop waits for
+        its end (every engine call in it is bounded by rollout.engines.timeout_s)."""
+        alone = self.env.world_size == 1
+        try:
+            with self.stop.interruptible() if alone else contextlib.nullcontext():
+                self.push(self.start)
+        except Stopped:
+            pass   # nothing was written; finish() closes the engines
+
+    def _train_steps(self) -> int:
+        """step(k) from self.start until train.steps or a stop; the last step trained."""
+        last = self.start - 1
+        for step in range(self.start, self.cfg.train.steps):
+            if self._stops_before(step):
+                break
             self.step(step)
+            last = step
             if self.stop.should_stop():
                 if self.is_driver:
                     self.logger.bar.write(f"stopping after step {step} ({self.stop.reason}): saving a checkpoint")
                 break
-        if step >= self.start and not self._on_schedule(step):
-            self.save(step)
-        if self.evaluator is not None:   # the final weights (eval.*)
-            self.evaluator.at_end(step, self.start)
+        return last
+
+    def _stops_before(self, step: int) -> bool:
+        """Collective, on every rank at the same steps: after the first push and after rank 0
+        evaluated version `step` when due (eval.*; its generation cut short by a SIGTERM,
+        eval/runner.py), whether to stop before step `step`."""
+        if step == self.start and self._vote(step):
+            return True
+        e = self.cfg.eval
+        if not (self.eval_sets and due(step, e.every, self.cfg.train.steps, e.at_start)):
+            return False
+        if self.evaluator is not None:
+            try:
+                self.evaluator.at(step)
+            except Stopped:
+                pass   # nothing of it was logged; every rank learns of the stop in the vote
+        return self._vote(step)
+
+    def _vote(self, step: int) -> bool:
+        """Collective: True on every rank if any has been signalled (or the time budget is
+        spent); run() then saves the step before this one, unless its schedule did."""
+        if not self.stop.should_stop():
+            return False
+        if self.is_driver:   # "stopping before step": the line the cluster scripts requeue on
+            saves = step > self.start and not self._on_schedule(step - 1)
+            self.logger.bar.write(f"stopping before step {step} ({self.stop.reason}): "
+                                  f"{'saving a checkpoint' if saves else 'nothing new to save'}")
+        return True
 
     def step(self, step: int) -> None:
-        if self.evaluator is not None:   # version `step` on held-out data when due, before its round (eval.*)
-            self.evaluator.at(step)
+        """One step (its evaluation, when due, ran just before: `_stops_before`)."""
         t_step = time.perf_counter()
         self.speed.start()
         lagged = self.cfg.rollout.lag > 0

@@ -6,7 +6,10 @@ ranks reach the final checkpoint together instead of some hanging in a collectiv
 Before the first step there is nothing to save, but a wait can be long (the engines' start:
 up to rollout.engines.start_timeout_s, 30 min by default): inside `interruptible()` a SIGTERM
 raises `Stopped` in the waiting thread, so a pre-empted job stops in seconds instead of after
-the start and a whole step, when the scheduler's grace period is long over.
+the start and a whole step, when the scheduler's grace period is long over. The trainer does
+the same with the other long waits outside a step (train.py): the first weight push on a single
+trainer rank, and an evaluation's generation at the top of a step; every rank votes
+(`should_stop`) right after them and stops before the step.
 """
 from __future__ import annotations
 

@@ -53,9 +53,13 @@ def run_requests(sync_pool, requests: list[GenRequest], limit: int, label: str, 
     done = [0]
     future = sync_pool.loop.submit(generate_limited(sync_pool.pool, requests, limit, done))
     end = time.monotonic() + sync_pool.pool.deadline_for(len(requests))
-    with tqdm(total=len(requests), desc=label, unit="sample", leave=False, disable=not progress,
-              dynamic_ncols=True) as bar:
-        while not future.done() and time.monotonic() < end:
-            wait([future], 1.0)
-            bar.update(done[0] - bar.n)
+    try:
+        with tqdm(total=len(requests), desc=label, unit="sample", leave=False, disable=not progress,
+                  dynamic_ncols=True) as bar:
+            while not future.done() and time.monotonic() < end:
+                wait([future], 1.0)
+                bar.update(done[0] - bar.n)
+    except BaseException:   # this thread was interrupted (a SIGTERM's Stopped): the requests end too
+        future.cancel()
+        raise
     return sync_pool.loop.wait(future, 0 if not future.done() else None, f"evaluating {label}")

@@ -17,6 +17,7 @@ beside the step's row, with one console line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -36,33 +37,42 @@ log = logging.getLogger("megarl.eval")
 class Evaluator:
     """Evaluations of the run's held-out datasets on the engine pool (a SyncPool)."""
 
-    def __init__(self, cfg, sets: list[EvalSet], pool, tokenizer, logger):
+    def __init__(self, cfg, sets: list[EvalSet], pool, tokenizer, logger, stop=None):
         self.cfg, self.sets, self.pool, self.tokenizer, self.logger = cfg, sets, pool, tokenizer, logger
+        self.stop = stop   # the run's StopSignal (distributed/stop.py): a SIGTERM cuts `at`'s generation
         d = cfg.data
-        self.prompts = [encode_prompts(tokenizer, s.records, d.prompt_key, d.messages_key) for s in sets]
+        self.prompts = [encode_prompts(tokenizer, s.records, d) for s in sets]
         self.verifiers = [build_verifier(s.verifier, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
                           for s in sets]
         self.extractors = [extractor_of(s.verifier) for s in sets]
         self._cache_warned = False
 
     def at(self, step: int) -> None:
-        """Evaluate version `step` if the schedule says so (at the top of step `step`)."""
+        """Evaluate version `step` if the schedule says so (at the top of step `step`). A
+        SIGTERM during its generation (or before it) raises Stopped: the trainer stops before
+        the step (train.py), nothing of this evaluation logged."""
         e = self.cfg.eval
         if due(step, e.every, self.cfg.train.steps, e.at_start):
-            self.run(step)
+            self.run(step, interruptible=True)
 
     def at_end(self, last_step: int, start: int) -> None:
         """After the run's last step (`last_step` == train.steps - 1, trained by this process):
-        the final weights, version train.steps."""
+        the final weights, version train.steps. Not cut by a SIGTERM: the last checkpoint is
+        saved by then, and a rerun would not evaluate them again."""
         steps = self.cfg.train.steps
         if last_step == steps - 1 and last_step >= start:
             self.run(steps)
 
-    def run(self, version: int) -> dict:
-        """Every dataset at the engines' weights, logged as one row at step `version`."""
+    def run(self, version: int, interruptible: bool = False) -> dict:
+        """Every dataset at the engines' weights, logged as one row at step `version`.
+        `interruptible` (with a StopSignal): a dataset's generation runs inside
+        `interruptible()`, where a SIGTERM raises Stopped and its requests are cancelled;
+        scoring, dumps and the row are never cut (a dataset scored before keeps its dump)."""
         t0, metrics = time.perf_counter(), {}
+        cut = self.stop.interruptible if interruptible and self.stop is not None else contextlib.nullcontext
         for s, prompts, verifier, extract in zip(self.sets, self.prompts, self.verifiers, self.extractors):
-            samples = self._generate(s, prompts, version)
+            with cut():
+                samples = self._generate(s, prompts, version)
             metrics.update(self._score(s, samples, verifier, extract, version))
         if self.cfg.rollout.mode == "sync":
             self._empty_prefix_cache()
