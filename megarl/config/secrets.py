@@ -67,12 +67,38 @@ def values(cfg) -> list[str]:
     return out
 
 
+#: settings naming local files or folders: written absolute, so a saved config.yaml means the
+#: same files from any working directory (a relative path is this process's cwd's)
+PATH_SETTINGS = ("model.path", "model.megatron_path", "data.prompts", "reward.model_path", "eval.datasets",
+                 "run.dir", "checkpoint.dir", "weight_sync.staging_dir", "rollout.engines.api_key_file",
+                 "service.api_key_file")
+
+
+def _absolute(value):
+    """A path text made absolute ("" and URLs as they are); a list of them item by item."""
+    if isinstance(value, str):
+        return os.path.abspath(value) if value and "://" not in value else value
+    if isinstance(value, list):
+        return [_absolute(v) for v in value]
+    if isinstance(value, dict):   # a data.prompts mixture: {file: weight}, or an entry {path, weight}
+        if set(value) == {"path", "weight"}:
+            return {**value, "path": _absolute(value["path"])}
+        return {_absolute(k): w for k, w in value.items()}
+    return value
+
+
 def redacted(cfg) -> DictConfig:
-    """`cfg` (a RootConfig) as a DictConfig with every set secret replaced by REDACTED; `cfg` is unchanged."""
+    """`cfg` (a RootConfig) as a DictConfig with every set secret replaced by REDACTED and the
+    paths of PATH_SETTINGS absolute; `cfg` is unchanged."""
     out = OmegaConf.structured(cfg)
     for s in SECRETS:
         if OmegaConf.select(out, s.key):
             OmegaConf.update(out, s.key, REDACTED)
+    for key in PATH_SETTINGS:
+        value = OmegaConf.select(out, key, default=None)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if isinstance(value, (str, list, dict)):
+            OmegaConf.update(out, key, _absolute(value), merge=False)
     return out
 
 

@@ -2,6 +2,7 @@
 run.dir, the same W&B run continued on resume, and one line naming the extra when the wandb
 package is missing. The runs are read back from their .wandb files (tests/wandb_records.py)."""
 import json
+import os
 
 import pytest
 from wandb_records import config, history, run_files
@@ -39,7 +40,7 @@ def test_offline_run_has_every_metric_key_and_the_config_and_resume_continues_it
     assert [{k: r[k] for k in rows[0]} for r in logged] == rows
     got = config(first)
     assert got["train"]["steps"] == 4 and got["metrics"]["wandb"]["tags"] == ["tiny", "unit"]
-    assert got["model"]["path"] == cfg_for(run_dir).model.path
+    assert got["model"]["path"] == os.path.abspath(cfg_for(run_dir).model.path)   # as config.yaml
     run_id = (run_dir / wandb_sink.ID_FILE).read_text().strip()
     assert first.name == f"run-{run_id}.wandb"
 
