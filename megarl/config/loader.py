@@ -159,6 +159,19 @@ def _shape_problem(layer, cls, prefix: str = "") -> str | None:
     return None
 
 
+def _parent_path(recipe: Path, parent: str) -> Path:
+    """A `defaults:` entry of `recipe`: read relative to the recipe's own folder (an absolute
+    path as it is); a missing one is named with why and the path that would work."""
+    path = recipe.parent / parent
+    if path.is_file():
+        return path
+    shipped = Path(__file__).resolve().parents[2] / "recipes" / parent   # the repository's recipes/
+    fix = (f"write its path from there (here: {shipped})" if shipped.is_file()
+           else "write its path from there, or copy it beside the recipe")
+    raise ConfigError(f"recipe '{recipe}': defaults: entry '{parent}' is not a file at {path} (a defaults: "
+                      f"entry is read relative to the folder of the recipe that names it): {fix}")
+
+
 def _recipe_layers(path: Path, seen: tuple = ()) -> list[tuple[str, object]]:
     """Flatten a recipe and its `defaults:` chain, parents first."""
     if path.is_dir():
@@ -173,7 +186,7 @@ def _recipe_layers(path: Path, seen: tuple = ()) -> list[tuple[str, object]]:
         parents = [parents]
     layers = []
     for parent in parents:
-        layers += _recipe_layers(path.parent / str(parent), seen + (path.resolve(),))
+        layers += _recipe_layers(_parent_path(path, str(parent)), seen + (path.resolve(),))
     layers.append((str(path), raw))
     return layers
 
