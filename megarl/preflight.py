@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import struct
 
@@ -20,12 +21,14 @@ from transformers import AutoConfig, AutoTokenizer
 
 from megarl.checkpoint.manager import dist_folder_problem
 from megarl.config.schema import ConfigError
-from megarl.data.prompts import prompt_text
+from megarl.data.prompts import encode_prompts
 from megarl.distributed.env import check_listen, read_env
 from megarl.formats.hf_reader import ConversionError, HFCheckpoint
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import use_te
 from megarl.models.loading import open_checked
+
+log = logging.getLogger("megarl.data")
 
 # files that hold a tokenizer's vocabulary (one of them must be in the model folder)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
@@ -119,45 +122,80 @@ def ensure_pad_token(tokenizer, path: str, setting: str = "model.path") -> None:
 
 
 def check_prompts(records, tokenizer, cfg, vocab_size: int | None = None) -> None:
-    """Raises ConfigError when the dataset cannot run on the engines (`prompts_problem`)."""
-    problem = prompts_problem(records, tokenizer, cfg, vocab_size)
+    """Raises ConfigError when the dataset cannot run on the engines (`prompts_problem`); drops
+    from `records`, in place, the prompts too long for data.max_prompt_tokens or the engines'
+    context (`drop_overlong`). `records` come from megarl.data.prompts.load_dataset (or
+    load_prompts: their files and row numbers name a row)."""
+    ids = encode_prompts(tokenizer, records, cfg.data, batch=True)
+    problem = prompts_problem(records, ids, cfg, vocab_size)
     if problem:
         raise ConfigError(problem)
+    drop_overlong(records, ids, cfg)
 
 
-def prompts_problem(records, tokenizer, cfg, vocab_size: int | None = None) -> str | None:
+def _where(records, i: int, d) -> str:
+    return records.where(i) if getattr(records, "files", None) else f"data.prompts={d.prompts!r}, row {i + 1}"
+
+
+def prompts_problem(records, ids, cfg, vocab_size: int | None = None) -> str | None:
     """Why the dataset cannot run on the engines (None when it can): a prompt the tokenizer
-    turns into no tokens (a tokenizer that does not belong to the model), token ids outside
-    the model's vocabulary, or a prompt that leaves no room for rollout.sampling.max_new_tokens in
-    rollout.engines.max_model_len (the engine would refuse it, or cut the response short silently).
-    `records` come from megarl.data.prompts.load_prompts (their row numbers in `.rows`)."""
-    d, r = cfg.data, cfg.rollout
-    texts = [prompt_text(rec, tokenizer, d.prompt_key, d.messages_key) for rec in records]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    rows = getattr(records, "rows", None) or list(range(1, len(records) + 1))
-    where = f"data.prompts={d.prompts!r}"
+    turns into no tokens (a tokenizer that does not belong to the model), or token ids outside
+    the model's vocabulary. `ids`: each record's prompt ids (`encode_prompts`)."""
     empty = next((i for i, x in enumerate(ids) if not x), None)
     if empty is not None:
-        return (f"{where}, row {rows[empty]}: the tokenizer of model.path={cfg.model.path!r} encodes its "
-                f"prompt {texts[empty][:60]!r} to no tokens: the folder's tokenizer files are missing or are "
-                f"not this model's; copy them from the model's source")
+        return (f"{_where(records, empty, cfg.data)}: the tokenizer of model.path={cfg.model.path!r} encodes its "
+                f"prompt {str(records[empty].get(cfg.data.prompt_key, ''))[:60]!r} to no tokens: the folder's "
+                f"tokenizer files are missing or are not this model's; copy them from the model's source")
     if vocab_size:
         bad = next((i for i, x in enumerate(ids) if max(x) >= vocab_size), None)
         if bad is not None:
-            return (f"{where}, row {rows[bad]}: the tokenizer of model.path={cfg.model.path!r} gives token id "
-                    f"{max(ids[bad])}, outside the model's vocab_size={vocab_size} (config.json): the "
+            return (f"{_where(records, bad, cfg.data)}: the tokenizer of model.path={cfg.model.path!r} gives token "
+                    f"id {max(ids[bad])}, outside the model's vocab_size={vocab_size} (config.json): the "
                     f"tokenizer is not this model's")
-    room = r.engines.max_model_len - r.sampling.max_new_tokens
-    over = [i for i, x in enumerate(ids) if len(x) > room]
-    if over:
-        longest = max(over, key=lambda i: len(ids[i]))
-        n = len(ids[longest])
-        return (f"{where}, row {rows[longest]}: a prompt of {n} tokens + rollout.sampling.max_new_tokens="
-                f"{r.sampling.max_new_tokens} exceeds rollout.engines.max_model_len={r.engines.max_model_len} "
-                f"({len(over)} of "
-                f"{len(ids)} rows do): raise rollout.engines.max_model_len to {n + r.sampling.max_new_tokens}, lower "
-                f"rollout.sampling.max_new_tokens to {max(r.engines.max_model_len - n, 0)}, or remove the long rows")
     return None
+
+
+def drop_overlong(records, ids, cfg) -> None:
+    """The prompts longer than data.max_prompt_tokens (when set) or than the room the engines'
+    context leaves for the response (rollout.engines.max_model_len - rollout.sampling.max_new_tokens,
+    which the engine would refuse or cut short): data.overlong_prompts=drop takes them out of
+    `records` (counted in records.dropped, the first few logged); =error, or every row too long,
+    or a mixture's source left empty, stops the run in one line."""
+    d, r = cfg.data, cfg.rollout
+    room = r.engines.max_model_len - r.sampling.max_new_tokens
+    limit = min(room, d.max_prompt_tokens) if d.max_prompt_tokens else room
+    over = [i for i, x in enumerate(ids) if len(x) > limit]
+    if not over:
+        return
+    longest = max(over, key=lambda i: len(ids[i]))
+    n, where = len(ids[longest]), _where(records, longest, d)
+    count = f"({len(over)} of {len(ids)} rows do)"
+    if d.overlong_prompts == "error" or len(over) == len(ids):
+        drop = "" if len(over) == len(ids) else ", or set data.overlong_prompts=drop to skip them"
+        if n > room:
+            raise ConfigError(f"{where}: a prompt of {n} tokens + rollout.sampling.max_new_tokens="
+                              f"{r.sampling.max_new_tokens} exceeds rollout.engines.max_model_len="
+                              f"{r.engines.max_model_len} {count}: raise rollout.engines.max_model_len to "
+                              f"{n + r.sampling.max_new_tokens}, lower rollout.sampling.max_new_tokens to "
+                              f"{max(r.engines.max_model_len - n, 0)}, or remove the long rows{drop}")
+        raise ConfigError(f"{where}: a prompt of {n} tokens exceeds data.max_prompt_tokens={d.max_prompt_tokens} "
+                          f"{count}: raise data.max_prompt_tokens to {n}, or remove the long rows{drop}")
+    gone = set(over)
+    if getattr(records, "weights", None):
+        left = {records.sources[i] for i in range(len(records)) if i not in gone}
+        empty = next((i for i in over if records.sources[i] not in left), None)
+        if empty is not None:
+            raise ConfigError(f"data.prompts: every prompt of the mixture's source holding {_where(records, empty, d)} "
+                              f"is longer than {limit} tokens, so nothing is left to draw from it: raise "
+                              f"data.max_prompt_tokens / rollout.engines.max_model_len, or remove that source")
+    for i in over[:3]:
+        log.warning("megarl: %s: prompt of %d tokens dropped (longer than %d: data.max_prompt_tokens / "
+                    "rollout.engines.max_model_len - rollout.sampling.max_new_tokens)", _where(records, i, d),
+                    len(ids[i]), limit)
+    log.warning("megarl: %d of %d prompts dropped as longer than %d tokens (metric data_prompts_dropped; "
+                "data.overlong_prompts=error stops instead)", len(over), len(ids), limit)
+    records.keep([i for i in range(len(records)) if i not in gone])
+    records.dropped = len(over)
 
 
 def check_engines_fit(cfg, hf_config: dict) -> None:

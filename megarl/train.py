@@ -25,7 +25,8 @@ from megarl.checkpoint.state import GlobalRNG, StateRegistry
 from megarl.config import ConfigError, RootConfig, save_config, validate_world
 from megarl.config.paths import check_writable
 from megarl.config.secrets import redacted_yaml
-from megarl.data.prompts import PromptSampler, check_chat_template, load_prompts
+from megarl.data.mixture import make_sampler
+from megarl.data.prompts import check_chat_template, load_dataset
 from megarl.distributed import faults, parallel
 from megarl.distributed.device_guard import DeviceGuard
 from megarl.distributed.env import from_rank0, init_distributed
@@ -132,15 +133,14 @@ class Trainer:
         """Cheap inputs first: a bad data path or reward name fails before any model is built
         (`setup` runs it, and so does `megarl check`, check.py)."""
         cfg, d = self.cfg, self.cfg.data
-        self.records = load_prompts(d.prompts, d.prompt_key, d.messages_key,
-                                    d.answer_key if needs_answer(cfg.reward.fn) else None)
-        self.sampler = PromptSampler(len(self.records), cfg.run.seed, cfg.data.shuffle)
+        self.records = load_dataset(d, d.answer_key if needs_answer(cfg.reward.fn) else None)
         tokenizer, hf_config = self._check_model()
-        check_chat_template(self.records, cfg.model.path, d.prompt_key, d.messages_key, d.prompts, tokenizer)
-        # every prompt encodes and fits the engine's context with its response budget (rank 0
-        # tokenizes the dataset once; every rank gets the verdict)
+        check_chat_template(self.records, cfg.model.path, d, d.messages_key, d.prompts, tokenizer)
+        # every prompt encodes and fits the engine's context with its response budget, or is dropped
+        # (data.overlong_prompts; rank 0 tokenizes the dataset once; every rank gets the verdict)
         _agree(lambda: preflight.check_prompts(self.records, tokenizer, cfg, hf_config.get("vocab_size")),
                self.is_driver)
+        self.sampler = make_sampler(self.records, cfg.run.seed, d.shuffle)   # the rows kept (rank 0 draws)
         # episodes: the environment against this data and tokenizer, before any engine starts
         _agree(lambda: preflight.check_episodes(cfg, self.records, tokenizer), self.is_driver)
         # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
@@ -291,7 +291,7 @@ class Trainer:
                                                                  rollout_s, train_s),
                          "rollout_time_s": rollout_s, "train_time_s": train_s, "step_time_s": step_s,
                          "trainer_idle_frac": trainer_idle_frac(train_s, step_s, metrics.get("overlap_forward_s", 0.0)),
-                         "weight_version": self.pool.version}
+                         "weight_version": self.pool.version, "data_prompts_dropped": self.records.dropped}
             self.logger.log(step, self.last)
         faults.point("step_end")
         if self._on_schedule(step):

@@ -103,6 +103,8 @@ def _value_problem(key: str, node, declared) -> str | None:
         declared = next(a for a in args if a is not type(None))
     origin, value = typing.get_origin(declared) or declared, _plain_value(node)
     word = _WORDS.get(declared, "a list" if origin is list else "a mapping" if origin is dict else str(declared))
+    if declared is typing.Any:   # its section checks the shapes it takes (data.prompts)
+        return f"{key} cannot be null: give a value, or leave it out for its default" if node._is_none() else None
     if node._is_none():
         return None if nullable else (f"{key} cannot be null: give {word}"
                                       f"{'' if key.endswith(']') else ', or leave it out for its default'}")

@@ -1,9 +1,12 @@
 """Prompt datasets and a resumable, seeded sampler over them.
 
-A dataset is a JSONL or parquet file (docs/data.md); each row holds the prompt as text
-(`data.prompt_key`) or as chat messages (`data.messages_key`, rendered with the tokenizer's chat
-template when encoded), and, for verifiers that need one, a gold answer (`data.answer_key`).
-Rows are checked once at load, so a bad row stops the run before anything expensive starts.
+A dataset is one or more JSONL or parquet files (docs/data.md; data.prompts may name a glob, a
+list or a weighted mixture: megarl/data/sources.py); each row holds the prompt as text
+(`data.prompt_key`) or as chat messages (`data.messages_key`, or a list of messages under
+`data.prompt_key`, veRL's rows), rendered with the tokenizer's chat template when encoded, and,
+for verifiers that need one, a gold answer (`data.answer_key`). Keys may be dotted
+(`reward_model.ground_truth`). Rows are checked once at load, so a bad row stops the run before
+anything expensive starts.
 """
 from __future__ import annotations
 
@@ -14,16 +17,65 @@ from pathlib import Path
 
 from megarl.config.errors import ConfigError
 from megarl.data.builders import how_to_build
+from megarl.data.render import PromptFormat, check_chat_template, encode_prompts, prompt_text  # noqa: F401 - their home
 from megarl.data.seeds import epoch_shuffle_seed
+from megarl.data.sources import SETTING, flatten_dotted, parse_sources, source_files
 
 
 class Records(list):
     """The dataset's records, with the file's row number of each (`rows[i]`, as error
-    messages name them: JSONL line numbers, parquet rows from 1)."""
+    messages name them: JSONL line numbers, parquet rows from 1), the file it came from
+    (`file_names[files[i]]`) and its source (`sources[i]`; `weights[s]` per source of a
+    mixture, else None)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.rows: list[int] = []
+        self.files: list[int] = []
+        self.file_names: list[str] = []
+        self.sources: list[int] = []
+        self.weights: list[float] | None = None
+        self.dropped = 0   # prompts dropped for their length (megarl/preflight.py)
+
+    def where(self, i: int, setting: str = SETTING) -> str:
+        """`data.prompts='file', row N` of record i."""
+        name = self.file_names[self.files[i]] if self.files else "?"
+        return f"{setting}={name!r}, row {self.rows[i] if self.rows else i + 1}"
+
+    def source_sizes(self) -> list[int]:
+        sizes = [0] * (max(self.sources, default=-1) + 1)
+        for s in self.sources:
+            sizes[s] += 1
+        return sizes
+
+    def keep(self, indices: list[int]) -> None:
+        """Only the records at `indices` (in order), in place, with their row, file and source."""
+        for name in ("rows", "files", "sources"):
+            values = getattr(self, name)
+            if values:
+                setattr(self, name, [values[i] for i in indices])
+        self[:] = [self[i] for i in indices]
+
+    def extend_from(self, other: "Records", source: int) -> None:
+        base = len(self.file_names)
+        self.file_names += other.file_names
+        self.extend(other)
+        self.rows += other.rows
+        self.files += [base + f for f in other.files]
+        self.sources += [source] * len(other)
+
+
+def load_dataset(data, answer_key: str | None = None) -> Records:
+    """The records of every file data.prompts names (`data`: the DataConfig), source by source;
+    `answer_key` as load_prompts. A mixture's records carry its weights."""
+    sources = parse_sources(data.prompts)
+    records = Records()
+    for s, source in enumerate(sources):
+        for path in source_files(source):
+            records.extend_from(load_prompts(path, data.prompt_key, data.messages_key, answer_key), s)
+    if sources[0].weight is not None:
+        records.weights = [src.weight for src in sources]
+    return records
 
 
 def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "messages",
@@ -39,10 +91,13 @@ def load_prompts(path: str, prompt_key: str = "prompt", messages_key: str = "mes
         raise FileNotFoundError(f"{setting}={path!r} does not exist: {how_to_build(path)}, or point "
                                 f"{setting} at a .jsonl or .parquet file")
     records = Records()
+    records.file_names = [path]
     for row, rec in _rows(p, path, setting):
+        flatten_dotted(rec, (prompt_key, messages_key, answer_key))
         _check_row(rec, path, row, prompt_key, messages_key, answer_key, setting)
         records.append(rec)
         records.rows.append(row)
+        records.files.append(0)
     if not records:
         raise ConfigError(f"{setting}={path!r} holds no records: point it at a .jsonl file with one "
                           f"{{\"{prompt_key}\": ...}} object per line, or a .parquet file with rows")
@@ -90,29 +145,45 @@ def _check_row(rec, path: str, row: int, prompt_key: str, messages_key: str, ans
                setting: str) -> None:
     where = f"{setting}={path!r}, row {row}"
     if not isinstance(rec, dict) or (prompt_key not in rec and messages_key not in rec):
-        fields = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        fields = _fields(rec) if isinstance(rec, dict) else type(rec).__name__
         raise ConfigError(f"{where}: no field {prompt_key!r} (data.prompt_key) nor {messages_key!r} "
                           f"(data.messages_key); the row has {fields}: set data.prompt_key / "
-                          f"data.messages_key or fix the row")
-    if isinstance(rec.get(prompt_key), str) or messages_key not in rec:
+                          f"data.messages_key (a dotted name reaches into an object) or fix the row")
+    prompt = rec.get(prompt_key)
+    if isinstance(prompt, list):   # chat messages under the prompt field (veRL's rows)
+        _check_messages(prompt, where, prompt_key, "data.prompt_key")
+    elif isinstance(prompt, str) or messages_key not in rec:
         # a text prompt (it wins over messages when a row holds both)
-        if not isinstance(rec[prompt_key], str) or not rec[prompt_key].strip():
-            raise ConfigError(f"{where}: field {prompt_key!r} (data.prompt_key) is {rec[prompt_key]!r}, "
-                              f"not a non-empty text: fix the row")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(f"{where}: field {prompt_key!r} (data.prompt_key) is {prompt!r}, not a non-empty "
+                              f"text nor a list of chat messages: fix the row")
     else:
-        problem = _messages_problem(rec[messages_key])
-        if problem:
-            raise ConfigError(f"{where}: field {messages_key!r} (data.messages_key) {problem}: fix the row, "
-                              f"a list of {{\"role\": ..., \"content\": ...}} objects with texts, e.g. "
-                              f"[{{\"role\": \"user\", \"content\": \"What is 1+1?\"}}]")
+        _check_messages(rec[messages_key], where, messages_key, "data.messages_key")
     if answer_key is not None:
         if answer_key not in rec:
             raise ConfigError(f"{where}: no field {answer_key!r} (data.answer_key), which the verifier "
-                              f"reward.fn needs; the row has {sorted(rec)}: set data.answer_key or fix the row")
+                              f"reward.fn needs; the row has {_fields(rec)}: set data.answer_key (a dotted name reaches"
+                              f" into an object: reward_model.ground_truth) or fix the row")
         answer = rec[answer_key]
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
             raise ConfigError(f"{where}: field {answer_key!r} (data.answer_key) is {answer!r}, not a "
                               f"non-empty text or number: fix the row")
+
+
+def _fields(rec: dict) -> list[str]:
+    """The row's field names, those of an object one level down as dotted names."""
+    out = []
+    for k, v in rec.items():
+        out += [f"{k}.{sub}" for sub in v] if isinstance(v, dict) and v else [str(k)]
+    return sorted(out)
+
+
+def _check_messages(messages, where: str, key: str, setting: str) -> None:
+    problem = _messages_problem(messages)
+    if problem:
+        raise ConfigError(f"{where}: field {key!r} ({setting}) {problem}: fix the row, a list of "
+                          f"{{\"role\": ..., \"content\": ...}} objects with texts, e.g. "
+                          f"[{{\"role\": \"user\", \"content\": \"What is 1+1?\"}}]")
 
 
 def _messages_problem(messages) -> str:
@@ -123,47 +194,6 @@ def _messages_problem(messages) -> str:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return f"has message {i} = {m!r}, not a {{\"role\": text, \"content\": text}} object"
     return ""
-
-
-def prompt_text(record: dict, tokenizer, prompt_key: str, messages_key: str) -> str:
-    """The text to tokenize: the prompt field, or the messages rendered with the tokenizer's
-    chat template and the assistant's turn opened (add_generation_prompt)."""
-    text = record.get(prompt_key)
-    if isinstance(text, str):
-        return text
-    return tokenizer.apply_chat_template(record[messages_key], add_generation_prompt=True, tokenize=False)
-
-
-def encode_prompts(tokenizer, records: list[dict], key: str, messages_key: str = "messages") -> list[list[int]]:
-    """Token ids of each record's prompt: the text field `key`, or the chat `messages_key`
-    rendered with the tokenizer's chat template (`prompt_text`). No special tokens are added:
-    prompts and chat templates carry their own."""
-    return [tokenizer(prompt_text(r, tokenizer, key, messages_key), add_special_tokens=False)["input_ids"]
-            for r in records]
-
-
-def check_chat_template(records: list[dict], model_path: str, prompt_key: str, messages_key: str,
-                        path: str, tokenizer=None, setting: str = "data.prompts") -> None:
-    """Chat rows need a tokenizer with a chat template: checked (and the first chat row rendered)
-    before any model is built. Loads the tokenizer of `model_path` only when there is a chat row."""
-    first = next((r for r in records if not isinstance(r.get(prompt_key), str)), None)
-    if first is None:
-        return
-    if tokenizer is None:   # transformers is heavy: only chat rows without a tokenizer at hand need it
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    chats = sum(not isinstance(r.get(prompt_key), str) for r in records)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"data.messages_key={messages_key!r}: {chats} rows of {setting}={path!r} hold chat "
-                          f"messages, but the tokenizer of model.path={model_path!r} has no chat template: "
-                          f"add a \"chat_template\" to its tokenizer_config.json, use a chat model, or give "
-                          f"the rows a prompt text (data.prompt_key={prompt_key!r})")
-    try:
-        prompt_text(first, tokenizer, prompt_key, messages_key)
-    except Exception as err:   # jinja raises its own types (e.g. a template's raise_exception)
-        raise ConfigError(f"data.messages_key={messages_key!r}: the chat template of model.path={model_path!r} "
-                          f"cannot render the first chat row of {setting}={path!r} ({err}): fix the "
-                          f"messages (roles, order) or the template") from None
 
 
 @dataclass
@@ -204,4 +234,8 @@ class PromptSampler:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
+        if "epoch" not in state:
+            raise ConfigError(f"data.prompts: the checkpoint's data stream was drawn from a mixture of "
+                              f"{len(state.get('sources', []))} sources and data.prompts now names no mixture: "
+                              f"resume with the data.prompts it was written with, or start a new run.dir")
         self.epoch, self.cursor, self._order = state["epoch"], state["cursor"], None

@@ -47,3 +47,14 @@ def eval_prompt_seed(run_seed: int, dataset: int, index: int) -> int:
     same at every evaluation (each version is scored on the same draws); its samples use
     `sample_seed`. A stream of its own: evaluating draws nothing from the training's seeds."""
     return (run_seed * 1_000_033 + dataset * 100_003 + index * 10_009 + 1) % MODULUS
+
+
+def mixture_source_seed(run_seed: int, source: int) -> int:
+    """A data.prompts mixture: the shuffle seed of source `source` (its epochs reshuffled from
+    it as a single file's are from run.seed; source 0 draws the order that file alone would)."""
+    return run_seed + source * 104_729
+
+
+def mixture_pick_seed(run_seed: int, drawn: int) -> int:
+    """A data.prompts mixture: which source the `drawn`-th prompt of the run comes from."""
+    return (run_seed * 1_000_003 + drawn * 7919 + 17) % MODULUS

@@ -37,6 +37,8 @@ def _fits(declared, kind: str) -> bool:
     boolean to text, as YAML reads `name: 2024`)."""
     if is_dataclass(declared):
         return kind == "null"            # a section with nothing under it changes nothing
+    if declared is typing.Any:           # several shapes, checked by its section (data.prompts)
+        return kind in ("list", "mapping", "text")
     args = typing.get_args(declared)
     if typing.get_origin(declared) is typing.Union and type(None) in args:
         if kind == "null":

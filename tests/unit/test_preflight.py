@@ -78,7 +78,7 @@ def test_prompts_that_leave_no_room_for_the_response_name_row_and_limits(tiny_mo
     records = load_prompts(str(data))
     assert records.rows == [1, 3, 4]    # JSONL line numbers, blank lines skipped
     tok = preflight.load_tokenizer(str(tiny_model))
-    cfg = load_config("recipes/tiny_cpu.yaml", [f"data.prompts={data}"])
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"data.prompts={data}", "data.overlong_prompts=error"])
     with pytest.raises(ConfigError, match=r"row 3: a prompt of 232 tokens \+ rollout\.sampling\.max_new_tokens=56 "
                                           r"exceeds rollout\.engines\.max_model_len=256 \(1 of 3 rows do\): raise "
                                           r"rollout\.engines\.max_model_len to 288, lower "
@@ -86,7 +86,7 @@ def test_prompts_that_leave_no_room_for_the_response_name_row_and_limits(tiny_mo
         preflight.check_prompts(records, tok, cfg)
     short = load_prompts(str(tiny_model / "prompts.jsonl"))
     preflight.check_prompts(short, tok, cfg, vocab_size=128)
-    # the budget alone: 3-token prompts + 254 new tokens > 256
+    # the budget alone: 3-token prompts + 254 new tokens > 256 (every row: nothing left to drop)
     budget = load_config("recipes/tiny_cpu.yaml", ["rollout.sampling.max_new_tokens=254"])
     with pytest.raises(ConfigError, match=r"rollout\.sampling\.max_new_tokens=254 exceeds "
                                           r"rollout\.engines\.max_model_len=256"):

@@ -15,6 +15,7 @@ class SamplingConfig:
     max_new_tokens: int = 56           # response budget in tokens
     temperature: float = 1.0           # engine samples from softmax(logits / T); the trainer divides by the same T
     top_p: float = 1.0                 # only 1.0: the trainer cannot yet renormalise over the nucleus
+    top_k: int = -1                    # only -1 (off): the trainer cannot yet renormalise over the k likeliest tokens
 
     def __post_init__(self):
         require(self.n >= 1, "rollout.sampling.n", self.n, "must be >= 1")
@@ -24,6 +25,10 @@ class SamplingConfig:
         require(self.top_p == 1.0, "rollout.sampling.top_p", self.top_p,
                  "must be 1.0: the trainer's logprobs would not be those of the nucleus the engine "
                  "sampled from (wrong PPO ratios); lower rollout.sampling.temperature instead")
+        require(self.top_k == -1, "rollout.sampling.top_k", self.top_k,
+                 "must be -1 (off): the engine would sample from the k likeliest tokens renormalised, and the "
+                 "trainer's logprobs are over the whole vocabulary (wrong PPO ratios); lower "
+                 "rollout.sampling.temperature instead")
 
 
 # rollout.engines.mode values whose engines megarl starts itself, on the trainer's node

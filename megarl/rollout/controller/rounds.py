@@ -143,8 +143,7 @@ class Rollout:
 
     def _new_group(self) -> tuple[dict, list[int]]:
         record = self.records[self.sampler.take(1)[0]]
-        return record, encode_prompts(self.tokenizer, [record], self.cfg.data.prompt_key,
-                                      self.cfg.data.messages_key)[0]
+        return record, encode_prompts(self.tokenizer, [record], self.cfg.data)[0]
 
     def _next_task(self) -> tuple[dict, int]:
         """rollout.mode=service: the next record of the data stream and its uid (on the loop)."""
@@ -257,7 +256,7 @@ class Rollout:
         r = self.cfg.rollout
         first_uid = self.sampler.drawn
         chosen = [self.records[i] for i in self.sampler.take(groups or self.cfg.train.groups_per_step)]
-        prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data.prompt_key, self.cfg.data.messages_key)
+        prompts = encode_prompts(self.tokenizer, chosen, self.cfg.data)
         seeds = step_prompt_seeds(self.cfg.run.seed, step, len(chosen)) if not draw else \
             [group_seed(self.cfg.run.seed, first_uid + i) for i in range(len(chosen))]
         return await generate_groups(self.pool.pool, chosen, prompts, r.sampling.n, r.sampling.max_new_tokens,
