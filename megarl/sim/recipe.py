@@ -15,6 +15,7 @@ longest), printed beside it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 from megarl.config import ConfigError
@@ -104,15 +105,29 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int)
                             route=cfg.weight_sync.transport, shape=step_shape(cfg, trainer_gpus)))
 
 
+def default_lengths(cfg) -> str:
+    """The response lengths `megarl simulate` assumes without --lengths: lognormal with its
+    median at a quarter of rollout.sampling.max_new_tokens and sigma 1 (capped at the budget)."""
+    median = max(1.0, cfg.rollout.sampling.max_new_tokens / 4)
+    return f"lognormal:mu={math.log(median):.3g},sigma=1"
+
+
 def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
+    """Every mode's figures on this recipe; `lengths` "" takes default_lengths(cfg)."""
+    given = bool(lengths)
+    lengths = lengths or default_lengths(cfg)
     try:
         dist = parse_dist(lengths)
     except ValueError as err:
         raise ConfigError(f"--lengths: {err}") from None
     r = cfg.rollout
+    stats = Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed).stats(500)
+    source = "--lengths" if given else (f"the recipe's default: median rollout.sampling.max_new_tokens / 4 = "
+                                        f"{r.sampling.max_new_tokens} / 4; --lengths to change")
     recipe_mode = "sync" if r.mode == "sync" else ("async" if r.partial.asynchronous else "partial")
     engine, trainer = costs
     out = {"recipe_mode": recipe_mode, "modes": {},
+           "lengths": {"spec": lengths, "from": source, "max_new_tokens": r.sampling.max_new_tokens, **stats},
            # one sync: trainer side (engines still generate), then engine side (engines paused)
            "weight_sync": {"transport": cfg.weight_sync.transport, "route": trainer.route,
                            "trainer_s": trainer.push_s, "engine_s": engine.load_weights_s}}
@@ -158,7 +173,8 @@ def _figures(res: dict, steps: int) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = ["mode      step s  rollout s  train s  engine busy  trainer idle  trained tok/s  staleness"]
+    lines = [lengths_line(result["lengths"])] if "lengths" in result else []
+    lines.append("mode      step s  rollout s  train s  engine busy  trainer idle  trained tok/s  staleness")
     for mode, m in result["modes"].items():
         mark = "*" if mode == result["recipe_mode"] else " "
         lines.append(f"{mode:8s}{mark} {m['unit_s']:6.2f}  {m['rollout_unit_s']:9.2f}  {m['train_unit_s']:7.2f}  "
@@ -187,3 +203,10 @@ def format_table(result: dict) -> str:
     lines.append(f"weight sync ({ws['route']}): {ws['trainer_s']:.2f} s trainer side + {ws['engine_s']:.2f} s "
                  f"engines paused, per step")
     return "\n".join(lines)
+
+
+def lengths_line(lengths: dict) -> str:
+    """The response lengths the figures assume, as drawn (capped at max_new_tokens)."""
+    return (f"response lengths: {lengths['spec']} ({lengths['from']}): mean {lengths['mean']:.0f}, median "
+            f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, max {lengths['max']} of "
+            f"{lengths['max_new_tokens']} tokens")
