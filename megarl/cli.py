@@ -50,10 +50,8 @@ def main(argv=None) -> int:
     sm = sub.add_parser("simulate", help="project a recipe's step time on simulated hardware (docs/simulator.md)")
     sm.add_argument("recipe")
     sm.add_argument("overrides", nargs="*")
-    sm.add_argument("--lengths", default="",
-                    help="response lengths: lognormal:mu=M,sigma=S | pareto:alpha=A,xmin=X | fixed:len=L "
-                         "(default: lognormal, median rollout.sampling.max_new_tokens / 4, sigma 1); "
-                         "the output names the one used")
+    sm.add_argument("--lengths", default="", help="response lengths: lognormal:mu=M,sigma=S | pareto:alpha=A,"
+                    "xmin=X | fixed:len=L (default: lognormal, median max_new_tokens / 4, sigma 1; printed)")
     sm.add_argument("--calibration", default="", help="a bench/rollout_speedup.py result JSON (this machine)")
     sm.add_argument("--gpu", default="h100", help="roofline GPU when no --calibration: h100 | h200")
     sm.add_argument("--model", default="",
