@@ -100,8 +100,9 @@ def test_check_names_the_first_problem_and_exits_2(tiny_model, tmp_path):
     rows = [json.loads(line) for line in open(ROOT / "artifacts/tiny_countdown/prompts.jsonl")][:3]
     rows[1]["prompt"] = rows[1]["prompt"] * 100   # longer than the engine's context
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # data.overlong_prompts=error: the over-long prompt stops the check (the default drops and counts it)
     r = megarl("check", "recipes/tiny_cpu.yaml", f"run.dir={tmp_path / 'run'}", f"data.prompts={data}",
-               timeout=900)
+               "data.overlong_prompts=error", timeout=900)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "config error" in r.stderr and "row 2" in r.stderr and "rollout.engines.max_model_len" in r.stderr
     assert not (tmp_path / "run").exists()
