@@ -5,6 +5,7 @@
         [--groups-per-step 16] [--n 4] [--concurrency 64] [--steps 12] [--engines 1] \
         [--train real | sim:fixed=S,per_ktok=S] [--max-staleness none|K] [--bounded-staleness K|off] \
         [--keep-modes keep,keep_kv,keep_s2_m8] [--step-multiple M] [--with-fix] \
+        [--group-filter none|zero_variance [--flat-share F] [--group-filter-max-draws D]] [--async-mode] \
         [--out bench/out/rollout_speedup.json] [--png bench/out/rollout_timeline.png]
     .venv/bin/python bench/rollout_speedup.py --replot RESULT.json --png FILE.png   # redraw only
 
@@ -70,6 +71,15 @@ What it does
   partial = trained tokens / concurrency x t(concurrency). ideal_rollout_speedup is their
   ratio, efficiency_vs_ideal = measured rollout-phase speedup / ideal_rollout_speedup. The
   partial rollout time is split into estimated causes (rollout_bounds_s).
+- Group filter (--group-filter zero_variance, rollout.group_filter): every partial mode's
+  controller drops the scored groups whose rewards are all equal; the reward is then scripted
+  for every mode (rollout_speedup_lib.scripted_reward: a share --flat-share of the groups, drawn
+  per group, score all 0 or all 1, the others' samples uniform draws). Per mode: groups dropped,
+  their share of the groups judged, prompts drawn (judged) per trained group.
+- --async-mode: also mode partial_async (rollout.partial.async at --bounded-staleness, on an
+  engine pool of its own, paused outside its own phases): its next round starts as soon as a
+  round is taken, so it generates through the mode's train phase and weight push (their time
+  counts in its in-flight figures: `slot_utilization` is over its whole step).
 - Writes --out (JSON, with the in-flight timelines) and --png (in-flight requests over each
   mode's rollout clock, and each mode's end-to-end split).
 """
@@ -101,6 +111,7 @@ from megarl.ppo.microbatch import batching_of  # noqa: E402
 from megarl.ppo.overlap import Overlap  # noqa: E402
 from megarl.ppo.step import forward_passes, ppo_step, trainer_logprobs  # noqa: E402
 from megarl.rewards import get_reward_fn  # noqa: E402
+from megarl.rollout.controller import group_filter as group_filters  # noqa: E402
 from megarl.rollout.controller.scoring import score_sample  # noqa: E402
 from megarl.rollout.engines.build import build_engines  # noqa: E402
 from megarl.rollout.engines.engine import GenRequest  # noqa: E402
@@ -121,6 +132,7 @@ from rollout_speedup_lib import (  # noqa: E402
     interp,
     parse_dist,
     plot_timeline,
+    scripted_reward,
     summarize_lengths,
 )
 
@@ -304,6 +316,15 @@ def main() -> None:
                    help="train.max_tokens_per_micro_batch of the trainer (0: train.micro_batch_size x max_model_len)")
     p.add_argument("--padded-twin", choices=("on", "off"), default="on",
                    help="also time every train phase with the padded layout (train.remove_padding=false)")
+    p.add_argument("--group-filter", default="none",
+                   help="rollout.group_filter of the partial modes (none | zero_variance | import path); not "
+                        "none: the reward is scripted (--flat-share of the groups all equal)")
+    p.add_argument("--group-filter-max-draws", type=int, default=10, help="rollout.group_filter_max_draws")
+    p.add_argument("--flat-share", type=float, default=0.5,
+                   help="with --group-filter: the share of groups (drawn per group) whose samples all score the same")
+    p.add_argument("--async-mode", action="store_true",
+                   help="also run mode partial_async (rollout.partial.async=true at --bounded-staleness) on its "
+                        "own pool")
     p.add_argument("--out", default=str(ROOT / "bench/out/rollout_speedup.json"))
     p.add_argument("--png", default=str(ROOT / "bench/out/rollout_timeline.png"))
     args = p.parse_args()
@@ -337,6 +358,7 @@ def main() -> None:
                                        args.train_budget)
     twin = args.padded_twin == "on" and train_spec["kind"] == "real"
     reward_fn = get_reward_fn(cfg.reward.fn)
+    scripted = scripted_reward(args.seed, args.flat_share) if args.group_filter != "none" else None
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
 
     def record_of(gid: int) -> tuple[dict, list[int]]:
@@ -399,6 +421,18 @@ def main() -> None:
             keep_pools[f"partial_{kind}"] = SyncPool(
                 EnginePool([Tracked(e, rec) for e in mine], cfg.rollout.engines.timeout_s, update_mode="keep",
                            keep_kv=keep_kinds[f"partial_{kind}"]["keep_kv"]), loop, cfg.rollout.engines.start_timeout_s)
+        async_pool = None
+        if args.async_mode:   # its rounds run through its train and push: engines of its own, paused between
+            mine = (build_engines(cfg.rollout, str(model), args.seed, str(run_dir / "engines_async"))
+                    if not args.fake_engine else [FakeEngine(f"engine{i}", a_ms / 1e3, c_ms / 1e3) for i in range(E)])
+            for e in mine:
+                if hasattr(e, "engine_args") and not args.chunked_prefill:
+                    e.engine_args["enable_chunked_prefill"] = False
+            async_pool = SyncPool(EnginePool([Tracked(e, rec, "partial_async") for e in mine],
+                                             cfg.rollout.engines.timeout_s, update_mode="abort"),
+                                  loop, cfg.rollout.engines.start_timeout_s)
+            keep_pools["partial_async"] = async_pool
+            rec.background.add("partial_async")
     except BaseException:
         loop.stop()
         raise
@@ -487,7 +521,7 @@ def main() -> None:
             return {"train_padded_s": time.perf_counter() - t, **positions(m, "padded_")}
 
         def score_one(s: Sample) -> float:   # (named score_sample, it called itself)
-            return score_sample(s, tokenizer, reward_fn)
+            return scripted(s) if scripted is not None else score_sample(s, tokenizer, reward_fn)
 
         def make_controller(cls, max_staleness=args.max_staleness, pool=None, multiple=args.step_multiple):
             counter = [0]
@@ -499,7 +533,8 @@ def main() -> None:
             return cls((pool or spool).pool, n=n, concurrency=C, max_new_tokens=args.max_len, temperature=1.0,
                        max_staleness=max_staleness, stale_policy=cfg.rollout.partial.stale_policy,
                        new_group=new_group, score=score_one, seed=args.seed, budget_of=length_of,
-                       ignore_eos=True, step_multiple=multiple)
+                       ignore_eos=True, step_multiple=multiple,
+                       group_filter=group_filters.build(args.group_filter, args.group_filter_max_draws))
 
         controllers = {"partial": make_controller(Measured)}     # the stock controller, measured
         if str(args.bounded_staleness).lower() != "off":
@@ -508,7 +543,12 @@ def main() -> None:
         if args.with_fix:
             controllers["partial_fix"] = make_controller(EndOnTarget)
         overlaps = {}
+        if async_pool is not None:
+            controllers["partial_async"] = make_controller(Measured, int(args.bounded_staleness), async_pool)
+        async_next: dict = {}    # partial_async: the round prefetched for its next step
         for mode, kp in keep_pools.items():
+            if mode == "partial_async":
+                continue
             kk = keep_kinds[mode]
             controllers[mode] = make_controller(Measured, kk["max_staleness"], kp,
                                                 args.step_multiple if kk["multiple"] is None else kk["multiple"])
@@ -534,7 +574,7 @@ def main() -> None:
                 g = gids[q // n]
                 smp = Sample(record_of(g)[1], r.token_ids, r.logprobs, r.versions, r.stopped, q // n,
                              record_of(g)[0], finish_reason=r.finish_reason, uid=g)
-                smp.reward = score_sample(smp, tokenizer, reward_fn)
+                smp.reward = score_one(smp)
                 samples.append(smp)
             assert [len(x.response_ids) for x in samples] == [r.max_tokens for r in reqs], "sync: lengths not forced"
             return samples, {"rollout_s": rec.last_phase_s(), "requests": len(reqs)}, None
@@ -545,6 +585,12 @@ def main() -> None:
             timeout = cfg.rollout.engines.timeout_s * max(4, args.max_len)
             if mode in overlaps:   # the trainer's forward-only passes for groups emitted meanwhile
                 done = round_with_overlap(controller, overlaps[mode], version, key, timeout)
+            elif mode == "partial_async":   # the round prefetched at the last step (paused since)
+                async_pool.call(async_pool.pool.resume_all(), "resuming the async pool")
+                future = async_next.pop("round", None) or loop.submit(controller.run_round(G, version))
+                if "wanted" in async_next:   # its step asks for it: it may end now (rounds.RoundStepper)
+                    on_loop(async_next.pop("wanted").set)
+                done = future.result(timeout)
             else:
                 done = keep_pools.get(mode, spool).call(controller.run_round(G, version), f"{mode} round {k}",
                                                         timeout=timeout)
@@ -565,6 +611,12 @@ def main() -> None:
                 for sl in g.slots:
                     assert len(sl.response_ids) == length_of(g.gid, sl.index), "partial: lengths not forced"
             info["gids"] = [g.gid for g in done]
+            if mode == "partial_async":   # rollout.partial.async: the next round generates while this one trains
+                # elastic steps: it generates until its step asks for it (rounds.RoundStepper.prefetch)
+                wanted = asyncio.Event() if controller.step_multiple > 1 else None
+                if wanted is not None:
+                    async_next["wanted"] = wanted
+                async_next["round"] = loop.submit(controller.run_round(G, version + 1, wanted))
             return samples, info, controller
 
         def round_with_overlap(controller, ov, version: int, key: int, timeout: float):
@@ -663,6 +715,8 @@ def main() -> None:
             cycle_s.append(time.perf_counter() - t_cycle)
             print(" | ".join(line) + f" | elapsed {time.perf_counter() - t_begin:.0f}s", flush=True)
         n_steps = len(steps["sync"])
+        if "round" in async_next:   # the round prefetched for a step the run does not take
+            async_next.pop("round").cancel()
 
         print("decode-step curve (after):", flush=True)
         curve_after = decode_curve(spool, probe_prompt, sizes, args.curve_tokens, "post")
@@ -812,6 +866,14 @@ def main() -> None:
                 "late_admissions": total(m, "late_admissions"),
                 "controller_fill_s": total(m, "controller_fill_s"), "controller_emit_s": total(m, "controller_emit_s"),
                 "rollout_bounds_s": bounds,
+                # rollout.group_filter (--group-filter): judged = scored groups, trained = the steps' groups
+                "group_filter": controllers[m].group_filter.name,
+                "groups_filtered_total": controllers[m].group_filter.filtered_total,
+                "groups_judged_total": controllers[m].group_filter.judged_total,
+                "filtered_frac": controllers[m].group_filter.filtered_total
+                / max(1, controllers[m].group_filter.judged_total),
+                "prompts_drawn_per_trained_group": controllers[m].group_filter.judged_total / (samples_n[m] / n),
+                "async": m == "partial_async",
             }
 
         def padding_figures(m: str) -> dict:
@@ -927,7 +989,9 @@ def main() -> None:
                   f"{f['long_group_share_settled_vs_population']:.2f} +- {f['long_group_share_settled_se_rel']:.2f} "
                   f"over {f['settled_groups']} groups; trained {f['sync_groups_trained_frac']:.2f} of sync's groups), "
                   f"due waits {f['due_wait_s']:.1f}s / {f['due_wait_samples']} samples; "
-                  f"rollout split (s):",
+                  f"filter {f['group_filter']}: dropped {f['groups_filtered_total']} of "
+                  f"{f['groups_judged_total']} judged ({f['filtered_frac']:.2f}), prompts per trained group "
+                  f"{f['prompts_drawn_per_trained_group']:.2f}; rollout split (s):",
                   {k: round(v, 2) for k, v in f["rollout_bounds_s"].items()})
         for m, f in result["train_padding"].items():
             if "train_padded_s" in f:

@@ -23,9 +23,9 @@ class Measured(PartialRolloutController):
     fill_s: float = 0.0          # time in _fill (admission: choosing slots, creating tasks)
     emit_s: float = 0.0          # time in _emit (scoring complete groups)
 
-    async def run_round(self, target: int, version: int):
+    async def run_round(self, target: int, version: int, wanted=None):
         self.t_target, self.late_admissions, self.fill_s, self.emit_s = None, 0, 0.0, 0.0
-        return await super().run_round(target, version)
+        return await super().run_round(target, version, wanted)
 
     def _emit(self, group: Group) -> None:
         t = time.perf_counter()
@@ -102,6 +102,9 @@ class Recorder:
         self.prompt_len: Callable[[int], int] = lambda gid: 0
         self.last_emit: Optional[float] = None
         self.aborts: list[tuple[str, float, float]] = []          # (mode, start, end) per engine abort
+        # modes whose rounds also run through their train and push phases (rollout.partial.async):
+        # all of their phases count as rollout time in the in-flight figures
+        self.background: set[str] = set()
 
     def begin(self, mode: str, kind: str) -> None:
         self.mode, self.kind, self._t0 = mode, kind, time.perf_counter()
@@ -114,8 +117,13 @@ class Recorder:
         _, _, a, b = self.phases[-1]
         return b - a
 
-    def started(self, engine: str, req: GenRequest) -> Optional[str]:
-        mode = self.mode if self.kind == "rollout" else None
+    def _generating(self, mode: str, kind: str) -> bool:
+        return kind == "rollout" or mode in self.background
+
+    def started(self, engine: str, req: GenRequest, own: Optional[str] = None) -> Optional[str]:
+        """`own`: the mode of an engine pool that only one mode uses (its requests are that mode's
+        whatever phase runs when they start)."""
+        mode = own or (self.mode if self.kind == "rollout" else None)
         if mode is None:
             return None
         self.events.append((time.perf_counter(), engine, +1, mode))
@@ -136,7 +144,7 @@ class Recorder:
     def _segments(self, mode: str, engine: Optional[str] = None):
         """(t0, t1, in-flight) pieces over the mode's rollout phases (one engine or all)."""
         ev = sorted((t, d) for t, e, d, m in self.events if m == mode and (engine is None or e == engine))
-        for _, _kind, a, b in [p for p in self.phases if p[0] == mode and p[1] == "rollout"]:
+        for _, _kind, a, b in [p for p in self.phases if p[0] == mode and self._generating(mode, p[1])]:
             # requests held over a weight update (rollout.update_mode=keep) span phases: a
             # phase starts with those still in flight (abort modes: none)
             count = sum(d for t, d in ev if t < a)
@@ -154,7 +162,7 @@ class Recorder:
         names = sorted({e for _, e, _, m in self.events if m == mode}) or ["engine0"]
         busy_t = sum(t1 - t0 for name in names for t0, t1, c in self._segments(mode, name) if c > 0)
         area = sum((t1 - t0) * c for t0, t1, c in self._segments(mode))
-        roll = sum(b - a for m, k, a, b in self.phases if m == mode and k == "rollout")
+        roll = sum(b - a for m, k, a, b in self.phases if m == mode and self._generating(m, k))
         wall = sum(b - a for m, k, a, b in self.phases if m == mode)
         return {"wall": busy_t / engines / max(wall, 1e-9), "rollout": busy_t / engines / max(roll, 1e-9),
                 "inflight_mean": area / max(roll, 1e-9)}
@@ -179,7 +187,7 @@ class Recorder:
         offset, ts, ys, starts = 0.0, [], [], []
         segs = list(self._segments(mode))
         for m, kind, a, b in self.phases:
-            if m != mode or kind != "rollout":
+            if m != mode or not self._generating(m, kind):
                 continue
             starts.append(round(offset, 3))
             for t0, t1, c in segs:
@@ -193,8 +201,8 @@ class Recorder:
 class Tracked(Engine):
     """An engine of the pool that tells the Recorder when each request starts and resolves."""
 
-    def __init__(self, inner: Engine, rec: Recorder):
-        self.inner, self.rec, self.name = inner, rec, inner.name
+    def __init__(self, inner: Engine, rec: Recorder, mode: Optional[str] = None):
+        self.inner, self.rec, self.name, self.mode = inner, rec, inner.name, mode
 
     @property
     def version(self) -> int:   # type: ignore[override]
@@ -204,7 +212,7 @@ class Tracked(Engine):
         await self.inner.start()
 
     async def generate(self, req: GenRequest) -> GenResult:
-        mode = self.rec.started(self.name, req)
+        mode = self.rec.started(self.name, req, self.mode)
         result = None
         try:
             result = await self.inner.generate(req)
@@ -304,6 +312,23 @@ def plot_timeline(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
+
+
+# -- a scripted reward (the group filter's workload) ------------------------------------------
+def scripted_reward(seed: int, flat_share: float) -> Callable:
+    """reward(sample): group g (Sample.uid) is flat with probability `flat_share`, drawn once
+    per group (numpy seeded with (seed, g)): every sample of it scores the group's 0 or 1;
+    another group's samples score uniform draws (all equal with probability 0)."""
+    flat: dict[int, Optional[float]] = {}
+    rng = np.random.default_rng([seed, 10**6])
+
+    def reward(sample) -> float:
+        if sample.uid not in flat:
+            r = np.random.default_rng([seed, sample.uid])
+            flat[sample.uid] = float(r.integers(0, 2)) if r.random() < flat_share else None
+        value = flat[sample.uid]
+        return value if value is not None else float(rng.random())
+    return reward
 
 
 # -- a simulated engine (checks the bench's arithmetic without vLLM) -------------------------
