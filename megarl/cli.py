@@ -27,7 +27,8 @@ def _debug() -> bool:
     return os.environ.get("MEGARL_DEBUG") == "1"
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per job."""
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training of LLMs on megatron-core + vLLM")
     parser.add_argument("--version", action="version", version=f"megarl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +65,13 @@ def main(argv=None) -> int:
     sm.add_argument("--json", action="store_true")
     from megarl.checkpoint import export_cli  # light: imports the converters only when it runs
     export_cli.add_parser(sub)
+    from megarl import evaluate  # light: imports the engines and the evaluation only when it runs
+    evaluate.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     # key=value overrides may come after the options too (`--json train.steps=3`)
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
@@ -75,6 +83,7 @@ def main(argv=None) -> int:
         from megarl import doctor  # light: reads versions and vLLM's source, never imports megatron
         return doctor.main()
     if args.command == "export":
+        from megarl.checkpoint import export_cli
         return export_cli.main(args)
 
     try:
@@ -93,6 +102,9 @@ def main(argv=None) -> int:
         if args.command == "check":
             from megarl import check
             return check.main(cfg)
+        if args.command == "eval":
+            from megarl import evaluate
+            return evaluate.main(cfg, args)
         from megarl import preflight
         from megarl.train import train
         preflight.check_backends(cfg)   # before train() builds the process group

@@ -27,6 +27,7 @@ from megarl.formats.hf_reader import ConversionError, HFCheckpoint
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import use_te
 from megarl.models.loading import open_checked
+from megarl.rollout.engines.gpus import own_gpus
 
 log = logging.getLogger("megarl.data")
 
@@ -258,8 +259,9 @@ def check_backends(cfg) -> None:
             raise ConfigError(f"trainer rank with local rank {local_rank} has no GPU: this node shows {gpus}; "
                               f"launch at most {gpus} ranks per node (torchrun --nproc_per_node, srun "
                               f"--ntasks-per-node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        own = own_gpus(cfg.rollout.engines)   # the node's GPU split, refused here if it cannot be made
         if cfg.weight_sync.transport == "collective":
-            cfg.weight_sync.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp)
+            cfg.weight_sync.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp, own)
         return
     for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
         if value in ("nccl", "ipc"):

@@ -51,6 +51,7 @@ from megarl.rollout.controller.lag import LagQueue
 from megarl.rollout.controller.rounds import Rollout, staleness_metrics
 from megarl.rollout.engines import reaper
 from megarl.rollout.engines.build import weight_backend
+from megarl.rollout.engines.gpus import own_gpus
 from megarl.rollout.engines.pool import open_pool
 from megarl.rollout.routes import wanted as routes_wanted
 from megarl.rollout.weights import sync as weight_sync
@@ -106,7 +107,8 @@ class Trainer:
             return
         if driver is not None:
             ckpt.restore(driver, self.state)
-        self.transport = weight_sync.open_transport(cfg.weight_sync, self.pool, cfg.rollout.engines.mode)
+        self.transport = weight_sync.open_transport(cfg.weight_sync, self.pool, cfg.rollout.engines.mode,
+                                                     own_gpus(cfg.rollout.engines))
 
     def _open_driver_unless_stopped(self, resume_from) -> None:
         """`_open_driver`, cut short by a SIGTERM (the engines' start can take many minutes:
@@ -187,7 +189,8 @@ class Trainer:
         cfg, start = self.cfg, self.start
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         self.pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
-                              weight_backend(cfg.weight_sync, cfg.rollout.engines.mode), routes=routes_wanted(cfg))
+                              weight_backend(cfg.weight_sync, cfg.rollout.engines.mode, own_gpus(cfg.rollout.engines)),
+                              routes=routes_wanted(cfg))
         self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn,
                                service_factory=lambda tasks: open_service(cfg, self.pool, self.tokenizer, tasks))
         if cfg.rollout.lag:   # the rounds generated but not trained yet are the checkpoint's too

@@ -30,7 +30,7 @@ def load_eval_sets(cfg, training: list | None = None) -> list[EvalSet]:
     prompts with the `training` records is warned about (its score is not held-out)."""
     e, d = cfg.eval, cfg.data
     sets = []
-    for i, (path, name) in enumerate(zip(e.datasets, e.names)):
+    for i, (path, name) in enumerate(zip(e.paths, e.names)):
         verifier = e.verifier_of(i, cfg.reward.fn)
         setting = f"eval.datasets[{i}]"   # errors name the file by the setting that gave it
         try:

@@ -9,6 +9,7 @@ driver thread waits for them with a progress bar (tqdm) and the pool's deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import wait
 
@@ -19,13 +20,15 @@ from megarl.rollout.engines.engine import GenRequest, RequestError
 
 
 def eval_requests(version: int, dataset: int, prompts: list[list[int]], n: int, max_tokens: int,
-                  temperature: float, run_seed: int) -> list[GenRequest]:
+                  temperature: float, run_seed: int, top_p: float = 1.0) -> list[GenRequest]:
     """n requests per prompt, in prompt order (the sync round's `group_requests`). Greedy
     (temperature 0) requests carry no seed; sampled ones a seed of the evaluation's own stream
     (seeds.eval_prompt_seed), the same at every version, so two evaluations differ by the
-    weights, not by the draws."""
+    weights, not by the draws. `top_p` (eval.top_p): nucleus sampling, which evaluation may use
+    (no trainer logprobs are computed for its samples)."""
     seeds = [eval_prompt_seed(run_seed, dataset, i) for i in range(len(prompts))] if temperature > 0 else None
-    return group_requests(prompts, n, max_tokens, temperature, seeds, tag=f"eval{version}-d{dataset}-")
+    requests = group_requests(prompts, n, max_tokens, temperature, seeds, tag=f"eval{version}-d{dataset}-")
+    return requests if top_p == 1.0 else [dataclasses.replace(r, top_p=top_p) for r in requests]
 
 
 async def generate_limited(pool, requests: list[GenRequest], limit: int, done: list[int]) -> list:

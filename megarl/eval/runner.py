@@ -84,7 +84,7 @@ class Evaluator:
     def _generate(self, s: EvalSet, prompts: list[list[int]], version: int) -> list[Sample]:
         e, r = self.cfg.eval, self.cfg.rollout.sampling
         requests = eval_requests(version, s.index, prompts, e.n, e.max_new_tokens or r.max_new_tokens,
-                                 e.temperature, self.cfg.run.seed)
+                                 e.temperature, self.cfg.run.seed, e.top_p)
         outcomes = run_requests(self.pool, requests, e.concurrency, f"eval {s.name}", self.cfg.metrics.progress)
         return samples_of(outcomes, s.records, prompts, e.n)   # a refused request: scored 0, counted
 

@@ -79,3 +79,10 @@ def test_a_round_beside_the_evaluation_fills_its_own_concurrency_and_leaves_it_r
     assert max(running_total) == concurrency + evals, max(running_total)
     assert ctl.metrics()["aborted_inflight"] > 0, "the round must have aborted its own requests"
     assert all(r.finish_reason == "stop" and len(r.token_ids) == 200 for r in results)
+
+
+def test_eval_top_p_reaches_every_request():
+    """eval.top_p: evaluation computes no trainer logprobs, so a nucleus cut is allowed there."""
+    prompts = [[5, 6], [7]]
+    assert {r.top_p for r in eval_requests(0, 1, prompts, 2, 8, 0.7, run_seed=11, top_p=0.9)} == {0.9}
+    assert {r.top_p for r in eval_requests(0, 1, prompts, 2, 8, 0.7, run_seed=11)} == {1.0}

@@ -113,10 +113,14 @@ def _load(*overrides):
     (("eval.n=4",), "eval.n=4"),
     (("eval.datasets=[a.jsonl]", "eval.k=[1,8]", "eval.n=4", "eval.temperature=1.0"), "eval.k=[1, 8]"),
     (("eval.datasets=[a.jsonl]", "eval.n=4"), "eval.n=4"),                       # greedy draws one response
-    (("eval.datasets=[x/a.jsonl,y/a.parquet]",), "eval.datasets="),              # two named 'a'
+    (("eval.datasets=[a=x.jsonl,a=y.parquet]",), "eval.datasets="),             # two named 'a'
+    (("eval.datasets=[x/a.jsonl,x/a.jsonl]",), "eval.datasets="),                # one file twice
     (("eval.datasets=[a.jsonl,b.jsonl]", "eval.verifiers=[math,exact,exact]"), "eval.verifiers="),
     (("eval.datasets=[a.jsonl]", "eval.verifiers=[nope]"), "eval.verifiers[0]='nope'"),
     (("eval.datasets=[a.jsonl]", "eval.temperature=-1"), "eval.temperature=-1"),
+    (("eval.datasets=[a.jsonl]", "eval.max_new_tokens=256"), "eval.max_new_tokens=256"),  # the context is 256
+    (("eval.datasets=[a.jsonl]", "eval.top_p=0.9"), "eval.top_p=0.9"),          # greedy has no nucleus
+    (("eval.datasets=[a.jsonl]", "eval.temperature=1", "eval.top_p=0"), "eval.top_p=0"),
     (("eval.datasets=[a.jsonl]", "rollout.partial.async=true", "rollout.partial.max_step_multiple=1"),
      "rollout.update_mode='keep'"),
     (("eval.datasets=[a.jsonl]", "reward.fn=none", "reward.model_path=rm"), "eval.verifiers=[]"),
@@ -130,12 +134,22 @@ def test_bad_eval_settings_are_one_line_naming_the_setting(overrides, named):
 
 def test_good_eval_settings_load():
     cfg = _load("eval.datasets=[a.jsonl,b.parquet]", "eval.verifiers=[math]", "eval.every=2", "eval.n=4",
-                "eval.k=[1,4]", "eval.temperature=0.6", "rollout.partial.async=true", "rollout.update_mode=abort")
+                "eval.k=[1,4]", "eval.temperature=0.6", "eval.top_p=0.95", "eval.max_new_tokens=200",
+                "rollout.partial.async=true", "rollout.update_mode=abort")
     assert cfg.eval.names == ["a", "b"]
     assert [cfg.eval.verifier_of(i, cfg.reward.fn) for i in (0, 1)] == ["math", "math"]
     assert _load("eval.datasets=[a.jsonl]").eval.verifier_of(0, "countdown") == "countdown"
     # async keep mode with elastic steps (the default): the round ends only when its step asks
     assert _load("eval.datasets=[a.jsonl]", "rollout.partial.async=true").rollout.update_mode == "keep"
+
+
+def test_eval_dataset_names_are_unique_by_path_or_explicit():
+    """Two files of one name are told apart by their folders; `NAME=path` names a dataset."""
+    cfg = _load("eval.datasets=[data/gsm8k/test.jsonl,data/math/test.parquet,held=data/math/other.jsonl]")
+    assert cfg.eval.names == ["gsm8k_test", "math_test", "held"]
+    assert cfg.eval.paths == ["data/gsm8k/test.jsonl", "data/math/test.parquet", "data/math/other.jsonl"]
+    assert _load("eval.datasets=[a/test.jsonl,test.jsonl]").eval.names == ["a_test", "test"]
+    assert _load("eval.datasets=[x/a=b.jsonl]").eval.paths == ["x/a=b.jsonl"]   # a path with '=' stays one
 
 
 def _write(path, rows):
@@ -148,6 +162,8 @@ def test_eval_datasets_are_read_as_data_prompts_and_named_in_errors(tmp_path, ca
     sets = load_eval_sets(_load(f"eval.datasets=[{good}]", "eval.max_prompts=3", "eval.verifiers=[math]"),
                           training=[{"prompt": "q1"}, {"prompt": "other"}])
     assert [(s.name, s.verifier, len(s.records)) for s in sets] == [("held", "math", 3)]
+    named = load_eval_sets(_load(f"eval.datasets=[mine={good}]", "eval.verifiers=[math]"))[0]
+    assert (named.name, named.path, len(named.records)) == ("mine", str(good), 5)
     assert "1 of its 3 prompts are also in data.prompts" in caplog.text
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(ConfigError, match=r"^eval\.datasets\[1\]='.*nope\.jsonl' does not exist"):

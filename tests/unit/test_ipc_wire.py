@@ -54,12 +54,17 @@ def test_ipc_with_engine_tp_above_1_is_refused_at_load_and_auto_once_cuda_is_kno
         load_config(TINY, ["weight_sync.backend=ipc", "rollout.engines.tp=2"])
     cfg = load_config(TINY, ["rollout.engines.tp=2"])        # auto: no CUDA known at load
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)   # no GPU left to the engines: rank 0's (ipc)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=r"weight_sync\.backend='auto': resolves to ipc here \(CUDA, engines "
                                           r"megarl starts\), which cannot serve engines of rollout\.engines\.tp=2"):
         preflight.check_backends(cfg)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)   # one GPU left, a TP=2 engine: too few
+    with pytest.raises(ConfigError, match=r"1 engines x rollout\.engines\.tp=2 need 2 GPUs of their own"):
+        preflight.check_backends(cfg)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     preflight.check_backends(load_config(TINY, ["rollout.engines.tp=2", "weight_sync.transport=files"]))
     preflight.check_backends(load_config(TINY, []))          # TP=1: ipc serves it
 

@@ -67,6 +67,10 @@ class EnginesConfig:
     # have no DP). Engines megarl starts only (schema/unused.py): remote servers take vLLM's
     # --enable-expert-parallel
     expert_parallel: bool = False
+    # engines megarl starts on a GPU node: the GPUs (ids as CUDA_VISIBLE_DEVICES lists them) they run
+    # on, rollout.engines.tp per engine in order; empty: the node's GPUs the trainer ranks do not use
+    # (none left: every engine on global rank 0's GPU). rollout/engines/gpus.py, docs/engines.md
+    gpus: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         require(self.count >= 1, "rollout.engines.count", self.count, "must be >= 1")

@@ -39,23 +39,28 @@ class WeightSyncConfig:
         require(0 <= self.master_port < 65536, "weight_sync.master_port", self.master_port,
                  "must be a TCP port (0: pick a free one)")
 
-    def resolved_backend(self, cuda: bool, engine_mode: str) -> str:
+    def resolved_backend(self, cuda: bool, engine_mode: str, own_gpus: bool = False) -> str:
         """The collective backend actually used with engines of rollout.engines.mode `engine_mode`:
-        `auto` is gloo without CUDA; with CUDA ipc for engines megarl starts (LOCAL_ENGINE_MODES:
-        on the trainer's node, a TP=1 engine on global rank 0's GPU), nccl for remote ones.
+        `auto` is gloo without CUDA; with CUDA nccl for remote engines and for engines megarl
+        starts on GPUs of their own (`own_gpus`: rollout/engines/gpus.py), ipc for those sharing
+        global rank 0's GPU (LOCAL_ENGINE_MODES with no GPU left to them).
         ipc with remote engines raises ConfigError (they cannot map this process's GPU memory)."""
         if self.backend == "auto":
-            return "gloo" if not cuda else "ipc" if engine_mode in LOCAL_ENGINE_MODES else "nccl"
+            local = engine_mode in LOCAL_ENGINE_MODES and not own_gpus
+            return "gloo" if not cuda else "ipc" if local else "nccl"
         require(self.backend != "ipc" or engine_mode in LOCAL_ENGINE_MODES, "weight_sync.backend",
                  self.backend, f"needs engines megarl starts on the trainer's node (rollout.engines.mode="
                  f"inprocess or local_servers), not rollout.engines.mode={engine_mode}: another machine's engines "
                  f"cannot map this process's GPU memory; use weight_sync.backend=nccl (or auto) for them")
         return self.backend
 
-    def check_engines(self, cuda: bool, engine_mode: str, engine_tp: int) -> str:
+    def check_engines(self, cuda: bool, engine_mode: str, engine_tp: int, own_gpus: bool = False) -> str:
         """`resolved_backend`, refused (ConfigError) where it cannot serve engines of TP
         `engine_tp`: ipc needs TP=1 (global rank 0 exports handles of its own GPU only)."""
-        backend = self.resolved_backend(cuda, engine_mode)
+        backend = self.resolved_backend(cuda, engine_mode, own_gpus)
+        require(backend != "ipc" or not own_gpus, "weight_sync.backend", self.backend,
+                 "cannot serve engines on GPUs of their own (rollout.engines.gpus, or the GPUs the trainer "
+                 "ranks leave): they cannot map global rank 0's GPU memory; use weight_sync.backend=auto (nccl)")
         why = "resolves to ipc here (CUDA, engines megarl starts), which " if self.backend == "auto" else ""
         require(backend != "ipc" or engine_tp == 1, "weight_sync.backend", self.backend,
                  f"{why}cannot serve engines of rollout.engines.tp={engine_tp}: global rank 0 exports CUDA IPC "

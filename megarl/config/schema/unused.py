@@ -93,8 +93,10 @@ CHOICES: dict[str, Callable] = {
     "rollout.mode": _rollout_mode,
     "env.name": lambda v: (set(_REWARD), "the episode's reward comes from the environment") if v else (set(), ""),
     "weight_sync.transport": _transport,
-    "rollout.engines.mode": lambda v: ({"rollout.engines.expert_parallel"}, "remote servers run with the flags they "
-                                       "were started with: give them vLLM's --enable-expert-parallel")
+    "rollout.engines.mode": lambda v: ({"rollout.engines.expert_parallel", "rollout.engines.gpus"},
+                                       "remote servers run where and with the flags they were started with: "
+                                       "give them vLLM's --enable-expert-parallel, their GPUs by their own "
+                                       "CUDA_VISIBLE_DEVICES")
     if v == "remote" else (set(), ""),
     "reward.fn": lambda v: ({"reward.timeout_s"}, "no verifier runs") if v == "none" else (set(), ""),
     "rollout.group_filter": lambda v: ({"rollout.group_filter_max_draws"}, "no group is dropped, so no step "

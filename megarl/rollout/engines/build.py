@@ -15,7 +15,7 @@ import secrets
 import torch
 
 from megarl.config.registry import ENGINE_KINDS
-from megarl.rollout.engines import vllm_async
+from megarl.rollout.engines import gpus, vllm_async
 from megarl.rollout.engines.engine import Engine
 from megarl.rollout.engines.servers import LocalServer, LocalServerEngine
 from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
@@ -30,10 +30,13 @@ def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend:
     return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend) for i in range(cfg.engines.pool_size)]
 
 
-def weight_backend(ws, engine_mode: str) -> str:
+def weight_backend(ws, engine_mode: str, own_gpus: bool = False) -> str:
     """The weight-transfer backend engines of rollout.engines.mode `engine_mode` are started
-    with, from a WeightSyncConfig ("" for weight_sync.transport=files)."""
-    return ws.resolved_backend(torch.cuda.is_available(), engine_mode) if ws.transport == "collective" else ""
+    with, from a WeightSyncConfig ("" for weight_sync.transport=files); `own_gpus`: engines
+    megarl starts run on GPUs of their own (gpus.own_gpus)."""
+    if ws.transport != "collective":
+        return ""
+    return ws.resolved_backend(torch.cuda.is_available(), engine_mode, own_gpus)
 
 
 def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str = "") -> Engine:
@@ -72,8 +75,13 @@ def engine_env(cfg, i: int, weight_backend: str = "") -> dict:
       IPC handles of each bucket (`ipc_handles_pickled`, rollout/weights/wires.py) only then. They come
       from the trainer over the engine's control API only: in this process for in-process
       engines; a local server listens on 127.0.0.1 and every route but /health needs its API
-      key (auth.RequireKey)."""
+      key (auth.RequireKey);
+    - on a GPU node, CUDA_VISIBLE_DEVICES: the engine's GPUs of its own (gpus.node_split), unless
+      the trainer leaves it none (then it inherits, on global rank 0's GPU)."""
     env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_backend == "ipc" else {}
+    split = gpus.node_split(cfg.engines)
+    if split is not None:
+        return {**env, **split.engine_env(i)}
     if torch.cuda.is_available() or os.environ.get(BIND_ENV, "auto") not in ("", "auto") or \
             os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0":
         return env

@@ -75,11 +75,12 @@ class _OnWire:
 class CollectiveTransport:
     """One per run, on every trainer rank; `pool` (a SyncPool) only on global rank 0."""
 
-    def __init__(self, ws, pool, engine_mode: str = "remote"):
+    def __init__(self, ws, pool, engine_mode: str = "remote", own_gpus: bool = False):
         self.ws = ws
         self.pool = pool
-        # engine_mode: rollout.engines.mode, which weight_sync.backend=auto resolves with
-        self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available(), engine_mode)]
+        # engine_mode: rollout.engines.mode, and own_gpus (engines megarl starts on GPUs of their
+        # own: rollout/engines/gpus.py), which weight_sync.backend=auto resolves with
+        self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available(), engine_mode, own_gpus)]
         self.buffers = packing.BufferPool(ws.num_buffers)   # packed buckets' buffers, reused push after push
         self._held: list = []   # wire.holds_buffers: this session's sent buffers, until its finish
         self.group = None

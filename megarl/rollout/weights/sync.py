@@ -22,13 +22,14 @@ from megarl.rollout.weights.collective import CollectiveTransport
 from megarl.rollout.weights.files import FilesTransport
 
 
-def open_transport(ws, pool, engine_mode: str = "remote"):
+def open_transport(ws, pool, engine_mode: str = "remote", own_gpus: bool = False):
     """The transport of `ws` (a WeightSyncConfig), on every trainer rank; `pool` is the
-    SyncPool on global rank 0, None elsewhere; `engine_mode`: rollout.engines.mode, which
-    weight_sync.backend=auto resolves with (WeightSyncConfig.resolved_backend)."""
+    SyncPool on global rank 0, None elsewhere; `engine_mode`: rollout.engines.mode, and
+    `own_gpus` (engines megarl starts on GPUs of their own), which weight_sync.backend=auto
+    resolves with (WeightSyncConfig.resolved_backend)."""
     if ws.transport == "files":
         return FilesTransport(ws, pool)
-    return CollectiveTransport(ws, pool, engine_mode)
+    return CollectiveTransport(ws, pool, engine_mode, own_gpus)
 
 
 class WeightSyncError(RuntimeError):
