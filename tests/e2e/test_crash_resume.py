@@ -1,6 +1,10 @@
 """SIGKILL anywhere, resume, lose nothing: one run killed at four points in a row, against an
 uninterrupted run of the same seed.
 
+Both runs have rollout.group_filter=zero_variance on (DAPO's dynamic sampling): a group whose
+rewards are all equal is dropped as it is scored, so every prompt drawn is trained once, still
+carried, or counted dropped by the filter (its count is in the checkpoint).
+
 Both runs are the recipe's partial rollout with rollout.partial.async=true (the next round generates
 while the trainer trains, so partial samples are in flight at every kill), a checkpoint after
 every step and every step's samples dumped. Both are served by one vLLM server they reach as a remote engine
@@ -29,7 +33,10 @@ STEPS, N, GROUPS = 5, 4, 16          # tiny recipe: 16 groups x 4 samples per st
 # elastic steps of at most 2 x 16 groups: whole multiples are exercised, at a quarter of the default's training
 COMMON = ("rollout.partial.async=true", "rollout.partial.max_staleness=5", "rollout.partial.max_step_multiple=2",
           "checkpoint.every=1", "checkpoint.keep=8",
-          "rollout.dump_every=1", f"train.steps={STEPS}")
+          "rollout.dump_every=1", f"train.steps={STEPS}",
+          # the filter on (a dropped group must neither come back after a kill nor go uncounted);
+          # 50 draws per trained group: the tiny task's share of all-equal groups never stops the run
+          "rollout.group_filter=zero_variance", "rollout.group_filter_max_draws=50")
 # (fault, what the killed leg was doing). A tiny-recipe step makes 4 optimizer steps (2
 # mini-batches, each actor then critic) and its weights fit one sync bucket; each leg counts
 # arrivals from its own start (a resumed leg first pushes its checkpoint's weights: bucket 1).
@@ -55,13 +62,19 @@ def _complete(run_dir):
 
 
 def _carry(ckpt) -> dict:
-    """(uid, slot index) -> (response_ids, versions) of every slot the checkpoint carried."""
+    """(uid, slot index) -> (response_ids, versions) of every slot the checkpoint carried, and
+    the controller's next gid."""
     state = torch.load(ckpt / "driver.pt", weights_only=True)["rollout"]["controller"]
     out = {}
     for g in state["open"] + state["completed"]:
         for s in g["slots"]:
             out[(g["gid"], s["index"])] = (list(s["response_ids"]), list(s["versions"]))
     return out, state["next_gid"]
+
+
+def _filtered_total(ckpt) -> int:
+    """The groups rollout.group_filter dropped in the whole run up to the checkpoint."""
+    return torch.load(ckpt / "driver.pt", weights_only=True)["rollout"]["controller"]["filter"]["filtered_total"]
 
 
 def _trained(run_dir) -> dict:
@@ -77,6 +90,8 @@ def _trained(run_dir) -> dict:
         for uid, samples in groups.items():
             assert uid not in by_uid, f"uid {uid} trained at steps {by_uid[uid][0]} and {step}"
             assert len(samples) == N, (uid, len(samples))
+            # rollout.group_filter=zero_variance: no group whose rewards are all equal is trained
+            assert len({r["reward"] for r in samples}) > 1, (uid, [r["reward"] for r in samples])
             by_uid[uid] = (step, samples)
     return by_uid
 
@@ -173,15 +188,19 @@ def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, remote_
     trained = _trained(run_dir)
     final_carry, next_gid = _carry(_complete(run_dir)[-1])
     still_carried = {uid for uid, _ in final_carry}
-    # every prompt drawn is trained exactly once or still carried: none lost, none twice
+    # every prompt drawn is trained exactly once, still carried, or dropped by the group filter
+    # (counted in the checkpoint): none lost, none twice
     assert not still_carried & set(trained)
-    assert set(trained) | still_carried == set(range(next_gid))
+    assert set(trained) | still_carried <= set(range(next_gid))
+    dropped = set(range(next_gid)) - set(trained) - still_carried
+    assert len(dropped) == _filtered_total(_complete(run_dir)[-1]) > 0, \
+        (len(dropped), _filtered_total(_complete(run_dir)[-1]))
 
     # the tokens each resumed-from checkpoint carried are the first tokens of what was trained
     checked = 0
     for ck, carry, _ in resumes:
         for (uid, index), (ids, versions) in carry.items():
-            if uid in still_carried:
+            if uid in still_carried or uid in dropped:   # (a carried group the filter dropped later)
                 continue
             step, samples = trained[uid]
             assert step > _step(ck), f"uid {uid}, carried by {ck.name}, trained at step {step}"
