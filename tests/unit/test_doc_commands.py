@@ -96,6 +96,10 @@ def _megarl(args: list[str], world: int = 0) -> None:
         from megarl.cli import main
         assert main(["plan", recipe, *overrides]) == 0
         return
+    if sub == "eval":   # an exported HF folder or a run's checkpoint (tests/unit/test_eval_cli.py runs it)
+        assert ("--model" in options) != ("--run" in options) and "--out" in options, options
+        load_config(ROOT / recipe, overrides)
+        return
     assert sub in ("train", "check", "simulate"), sub
     cfg = load_config(ROOT / recipe, overrides)
     for o in users:
