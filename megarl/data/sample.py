@@ -34,7 +34,9 @@ class Sample:
     # numpy array [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k] (uint8, uint16
     # past 255 experts), row i for token i of prompt + response (the last token is never fed
     # back, so it has no row); each row from the weights that produced the token after it.
-    # None: not captured (dense models, or algo.routing_replay other than r3).
+    # None: not captured (dense models, or algo.routing_replay other than r3). Fewer rows (at
+    # least `routes_needed`): the positions past them feed no trained token (an episode's
+    # observation not yet fed to an engine); the trainer gives them filler experts.
     routes: object = None
 
     @property
@@ -43,6 +45,22 @@ class Sample:
         return list(self.mask) if self.mask else [1] * len(self.response_ids)
 
     @property
+    def routes_needed(self) -> int:
+        """Rows of `routes` the trained logprobs depend on (`routes_needed`)."""
+        return routes_needed(len(self.prompt_ids), self.loss_mask)
+
+    @property
     def staleness(self) -> int:
         """Versions between the oldest token and the newest (0 for on-policy samples)."""
         return max(self.versions) - min(self.versions) if self.versions else 0
+
+
+def routes_needed(prompt_len: int, loss_mask) -> int:
+    """Routing replay: the rows of a sample's routes its trained logprobs depend on, those of
+    every position before its last trained response token (0 when none trains). Response token
+    j sits at position prompt_len + j and is predicted from position prompt_len + j - 1; with
+    causal attention the route of position i reaches only the outputs of positions i and after,
+    so positions from prompt_len + j on feed no logprob up to token j (docs/moe.md "Routing
+    replay")."""
+    last = max((j for j, m in enumerate(loss_mask) if m), default=None)
+    return 0 if last is None else prompt_len + last

@@ -20,7 +20,7 @@ import torch
 
 from megarl.data.sample import Sample
 from megarl.distributed import device as dev
-from megarl.ppo.route_layout import batch_routes
+from megarl.ppo.route_layout import batch_routes, route_lengths
 
 
 @dataclass
@@ -43,6 +43,10 @@ class Batch:
     # Mixture-of-Experts routing replay: [B, L, MoE layers, top-k] expert ids per input position
     # (ppo/route_layout.py; the engine's, or the trainer's own recorded ones under r2); None: none
     routes: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    # [B] long: the positions of each row with engine routes (the rest of `routes` is filler:
+    # route_layout.route_lengths), which routing agreement scores; None where nothing scores it
+    # (r2's recorded routes, the carry's l_old pass: ppo/step.trainer_logprobs)
+    route_lens: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -130,8 +134,9 @@ def build_batch(samples: list[Sample], pad_id: int, multiple: int = 1,
     stopped = torch.tensor([s.stopped for s in samples])
     host_lens = tuple((len(s.prompt_ids) + len(s.response_ids), len(s.response_ids)) for s in samples)
     lens = torch.tensor([n for n, _ in host_lens], dtype=torch.long)
+    routes = batch_routes(samples, L)
     batch = Batch(tokens, resp_index, mask, behav, versions, scores, stopped, stored, stored_mask, lens, host_lens,
-                  routes=batch_routes(samples, L))
+                  routes=routes, route_lens=None if routes is None else route_lengths(samples))
     return batch.to(target or dev.current())
 
 

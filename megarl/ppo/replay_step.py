@@ -4,8 +4,10 @@
 - r3: the engine's routes (Sample.routes, in `Batch.routes`) are replayed in every forward of
   the actor and the reference over the batch (old logprobs, reference logprobs, each update):
   the logprobs of the sampled tokens are those of the experts that sampled them. The step
-  refuses a batch without routes. The old-logprob pass also measures routing agreement (the
-  share of token-layers where the trainer's router, on the same input, picks the same set).
+  refuses a batch with a sample whose routes stop before a trained token (positions past its
+  last trained token take filler experts: ppo/route_layout.py). The old-logprob pass also
+  measures routing agreement (the share of token-layers with engine routes where the trainer's
+  router, on the same input, picks the same set).
 - r2: the old-logprob pass routes on its own and records its choices; the step's updates
   replay them, so the ratio pi / l_old compares the same experts across the step's updates
   (the reference routes on its own).
@@ -33,7 +35,7 @@ class StepReplay:
     def __init__(self, mode: str, actor_model, batch: Batch):
         self.mode = mode
         self.control: RouteReplay | None = control_of(actor_model) if mode != "off" else None
-        self.batch = batch if mode == "r3" else replace(batch, routes=None)
+        self.batch = batch if mode == "r3" else replace(batch, routes=None, route_lens=None)
         self.train_batch = self.batch
         if mode == "r3":
             if batch.routes is None:
@@ -85,8 +87,8 @@ class StepReplay:
 
 def missing_routes(what: str) -> str:
     return (f"algo.routing_replay=r3 replays the engine's expert choices, and {what} holds samples without them "
-            f"(Sample.routes): run engines that capture them (docs/moe.md \"Routing replay\"), or set "
-            f"algo.routing_replay=r2 or off")
+            f"for tokens that train (Sample.routes): run engines that capture them (docs/moe.md \"Routing replay\"), "
+            f"or set algo.routing_replay=r2 or off")
 
 
 _WIRE = (torch.uint8, torch.int16, torch.int32)   # route_layout.route_dtype's choices
@@ -95,7 +97,8 @@ _WIRE = (torch.uint8, torch.int16, torch.int32)   # route_layout.route_dtype's c
 def share_routes(samples: list | None, shape: tuple, device: torch.device) -> torch.Tensor:
     """Global rank 0's samples' routes as [count, length, MoE layers, k] (`shape`: the tokens'
     [count, length]) on every rank: a header, then the tensor (two broadcasts). Raises on every
-    rank when a sample of rank 0's has none (algo.routing_replay=r3)."""
+    rank when a sample of rank 0's lacks routes for a trained token (algo.routing_replay=r3).
+    The carry's pass scores no routing agreement, so the routed lengths stay behind."""
     routes = layout.batch_routes(samples, shape[1]) if samples else None
     head = [0, 0, 0, 0] if routes is None else [1, *routes.shape[2:], _WIRE.index(routes.dtype)]
     head = dev.put(torch.tensor(head, dtype=torch.long), device)

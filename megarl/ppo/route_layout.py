@@ -8,10 +8,16 @@ order its router sees tokens: sequence-major (token = s * b + row, hidden states
 only the positions this tensor-parallel rank holds under sequence parallelism
 (`sequence_major`), only the MoE layers of this pipeline stage (`stage_columns`).
 
-Positions without an engine route (padding, and each row's last token, which is never fed back
-to the engine) get the experts 0..k-1: valid, distinct ids, so the router and dispatcher work
-as for any token. Their outputs reach no logprob of a sampled token (causal attention: a
-position only feeds the ones after it), so which experts they get does not matter.
+Positions without an engine route get the experts 0..k-1: valid, distinct ids, so the router
+and dispatcher work as for any token. They are padding, each row's last token (never fed back
+to the engine), and every position from a sample's `Sample.routes_needed` on where its routes
+stop short: an episode's observation tokens not yet fed to an engine (carried between turns, or
+its next turn held before its prefill), a refused sample's whole prompt (it has no response).
+Their outputs reach no logprob of a trained token (causal attention: the route of position i
+reaches the outputs of positions i and after, and response token j is predicted from position
+prompt + j - 1), so which experts they get does not matter. A sample whose routes stop before
+that is refused (None: an engine that did not capture them). `route_lengths` counts each row's
+engine routes: routing agreement scores those positions only (`scored_positions`).
 """
 from __future__ import annotations
 
@@ -33,27 +39,40 @@ def filler(shape: tuple, topk: int, dtype: torch.dtype) -> torch.Tensor:
 
 def batch_routes(samples: Sequence, length: int) -> torch.Tensor | None:
     """[B, length, MoE layers, top-k] of the samples' routes (row i of sample b at [b, i]),
-    experts 0..k-1 where a sample has none (its last token, padding); None when any sample
-    lacks routes (algo.routing_replay=r3 refuses such a batch: routing_replay.prepare)."""
+    experts 0..k-1 past each sample's rows (module docstring); None when a sample's rows do not
+    reach its `routes_needed` or no sample has any (algo.routing_replay=r3 refuses such a
+    batch: replay_step)."""
     routes = [getattr(s, "routes", None) for s in samples]
-    if not routes or any(r is None for r in routes):
+    have = [r for r in routes if r is not None]
+    if not have or any(_rows(r) < s.routes_needed for s, r in zip(samples, routes)):
         return None
-    shapes = {tuple(np.shape(r)[1:]) for r in routes}
+    shapes = {tuple(np.shape(r)[1:]) for r in have}
     if len(shapes) != 1:
         raise ValueError(f"Sample.routes of one batch have different [MoE layers, top-k] shapes {sorted(shapes)}: "
                          f"every sample must come from the same model")
     for i, (s, r) in enumerate(zip(samples, routes)):
         want = len(s.prompt_ids) + len(s.response_ids) - 1
-        if np.shape(r)[0] != want:
-            raise ValueError(f"sample {i}: Sample.routes has {np.shape(r)[0]} rows for {want} input tokens "
+        if _rows(r) > want:
+            raise ValueError(f"sample {i}: Sample.routes has {_rows(r)} rows for {want} input tokens "
                              f"(prompt + response - 1)")
     (layers, topk), = shapes
-    top = max((int(np.max(r)) for r in routes if np.size(r)), default=0)
+    top = max((int(np.max(r)) for r in have if np.size(r)), default=0)
     dtype = route_dtype(max(top, topk - 1))
     out = filler((len(samples), length, layers, topk), topk, dtype)
     for b, r in enumerate(routes):
-        out[b, :len(r)] = torch.from_numpy(np.asarray(r).astype(np.int64)).to(dtype)
+        if r is not None:
+            out[b, :len(r)] = torch.from_numpy(np.asarray(r).astype(np.int64)).to(dtype)
     return out
+
+
+def route_lengths(samples: Sequence) -> torch.Tensor:
+    """[B] long: each sample's rows of engine routes (0 without), the positions replayed from
+    the engine; the rest of its row is filler."""
+    return torch.tensor([_rows(getattr(s, "routes", None)) for s in samples], dtype=torch.long)
+
+
+def _rows(routes) -> int:
+    return 0 if routes is None else int(np.shape(routes)[0])
 
 
 def stage_columns(moe_layer_freq: Sequence[int], held_layers: Sequence[int]) -> list[int]:
@@ -83,13 +102,14 @@ def batch_major(indices: torch.Tensor, rows: int) -> torch.Tensor:
     return indices.reshape(-1, rows, indices.shape[-1]).transpose(0, 1)
 
 
-def scored_positions(seq_lens: torch.Tensor, trained: torch.Tensor, length: int, tp_rank: int = 0,
+def scored_positions(route_lens: torch.Tensor, trained: torch.Tensor, length: int, tp_rank: int = 0,
                      tp: int = 1) -> torch.Tensor:
     """bool [s' * b] in sequence_major's order: the positions with an engine route (s <
-    seq_len - 1) of rows that train (`trained` [b]: filler rows are copies and do not)."""
+    route_lens: not padding, a row's last token or filler past a sample's routes) of rows that
+    train (`trained` [b]: filler rows are copies and do not)."""
     part = length // tp
-    pos = torch.arange(tp_rank * part, (tp_rank + 1) * part, device=seq_lens.device)
-    keep = (pos[:, None] < (seq_lens[None, :] - 1)) & trained[None, :].bool()
+    pos = torch.arange(tp_rank * part, (tp_rank + 1) * part, device=route_lens.device)
+    keep = (pos[:, None] < route_lens[None, :]) & trained[None, :].bool()
     return keep.reshape(-1)
 
 

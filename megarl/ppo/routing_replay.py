@@ -15,7 +15,8 @@ micro-batch before the model's forward and `end_pass` after the pass. What the r
 - neither: plain routing (dense passes, prompt probes, the critic).
 
 `counting` (r3's old-logprob pass) also compares, per scored token and MoE layer, the replayed
-experts with the ones the router would have chosen on the same input (`agreement`).
+experts with the ones the router would have chosen on the same input (`agreement`); scored are
+the positions with engine routes (`Batch.route_lens`), not filler (route_layout.py).
 
 The indices are set per model, not through megatron's global list (`set_replay_data`), which
 holds the routers of every model built in the process (actor and reference together).
@@ -107,8 +108,9 @@ class RouteReplay:
         for router, idx in zip(self.routers, layout.sequence_major(routes, columns, rank, self.tp)):
             router.router_replay.set_target_indices(idx)
         if self.counting:
-            self._scored = layout.scored_positions(batch.seq_lens, batch.resp_mask.sum(1) > 0,
-                                                   batch.tokens.shape[1], rank, self.tp)
+            routed = batch.route_lens if batch.route_lens is not None else batch.seq_lens - 1
+            self._scored = layout.scored_positions(routed, batch.resp_mask.sum(1) > 0, batch.tokens.shape[1],
+                                                   rank, self.tp)
 
     def _before_router(self, router, args) -> None:
         replay = router.router_replay

@@ -12,6 +12,13 @@ that produced the token after it: the earlier rows are kept, and the new request
 for positions past them. The same holds for a request held over a weight update in keep mode:
 the engine itself keeps the first row of every position (route_capture.py).
 
+A sample's routes for the trainer (`usable`): every row, or fewer when the rows still cover
+every position before its last trained token (`Sample.routes_needed`): an episode carried
+between turns has none for its observation tokens (appended, not yet fed to an engine; in keep
+mode also when its next turn is held before its prefill), and a refused sample none at all.
+Those positions feed no trained logprob (causal attention); the trainer gives them filler
+experts, as it does padding (ppo/route_layout.py), and leaves them out of routing_agreement.
+
 Where routes are asked for: `wanted(cfg)`, from `algo.routing_replay` (r3 replays the engine's
 routes in the trainer).
 """
@@ -38,6 +45,15 @@ def fit(rows, n: int):
     """The first `n` rows, or None when fewer were captured (a route not captured for every
     token is no route: replay needs each one)."""
     if rows is None or len(rows) < n:
+        return None
+    return rows[:n]
+
+
+def usable(rows, n: int, need: int):
+    """A sample's rows for the trainer: the first `n` (one per input token), or all it has
+    when fewer but at least `need` (the positions its trained tokens depend on:
+    Sample.routes_needed; the rest get filler experts); None when even those are not there."""
+    if rows is None or len(rows) < need:
         return None
     return rows[:n]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megarl.data.sample import Sample
+from megarl.data.sample import Sample, routes_needed
 from megarl.envs.render import ObservationRenderer, conversation_delta_ids
 from megarl.rollout import routes as route_rows
 
@@ -233,5 +233,6 @@ class EpisodeRecorder:
                       logprobs=list(self.logprobs), versions=list(self.versions),
                       stopped=self.finish_reason == "stop", group=group, record=record, reward=float(reward),
                       finish_reason=self.finish_reason, uid=uid, mask=list(self.mask), turns=self.calls,
-                      routes=route_rows.fit(self.routes, route_rows.expected_rows(len(self.prompt_ids),
-                                                                                  len(self.response_ids))))
+                      routes=route_rows.usable(self.routes, route_rows.expected_rows(len(self.prompt_ids),
+                                                                                     len(self.response_ids)),
+                                               routes_needed(len(self.prompt_ids), self.mask)))

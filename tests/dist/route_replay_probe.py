@@ -9,11 +9,16 @@ behaviour logprobs come from a transformers forward of the same weights:
   do); the engine's choices differ from the model's own.
 - routes=own: the experts transformers' routers chose themselves, and its plain logprobs.
 - routes=none: no Sample.routes; plain transformers logprobs.
+- samples=refused_tail (routing replay's filler rule): one sample refused by the engines (no
+  response, no routes) and two episodes carried between turns (their last response tokens an
+  observation, mask 0, behaviour logprob 0, without routes: rows only up to their last model
+  token, as the rollout hands them over).
 The step's metrics are written per case (rank 0); for r2 also `recorded_same`: the share of
 scored token-layers where the routes recorded in the old-logprob pass (every DP rank's,
 gathered) are transformers' own choices; for r3 also `carry_mismatch_max`: the carry's l_old
 (trainer_logprobs, partial rollout's stitching) against the behaviour logprobs.
-usage: route_replay_probe.py MODEL_DIR OUT_JSON --case NAME routes=KIND key=value... [--case ...]
+usage: route_replay_probe.py MODEL_DIR OUT_JSON --case NAME routes=KIND [samples=refused_tail] key=value...
+       [--case ...]
 """
 import functools
 import sys
@@ -83,6 +88,24 @@ def make_samples(hf: HFRoutes, kind: str, vocab: int, temperature: float, expert
     return samples
 
 
+def refused_and_tails(samples: list) -> list:
+    """samples=refused_tail: sample 1 refused, samples 2 and 6 with their last response tokens
+    an observation (at least one model token stays) and their routes cut after the last model
+    token's position (as a slot between turns holds them: its observation was never fed)."""
+    from megarl.data.sample import Sample
+    s = samples[1]
+    samples[1] = Sample(s.prompt_ids, [], [], [], False, s.group, reward=0.0, finish_reason="refused")
+    for i in (2, 6):
+        s = samples[i]
+        model = max(1, len(s.response_ids) // 2)
+        obs = len(s.response_ids) - model
+        s.mask = [1] * model + [0] * obs
+        s.logprobs = s.logprobs[:model] + [0.0] * obs
+        if s.routes is not None:   # rows of the prompt and the model turn but its last token
+            s.routes = s.routes[:len(s.prompt_ids) + model - 1]
+    return samples
+
+
 def recorded_same(models, cfg, batch, hf, samples) -> float:
     """r2's old-logprob pass on its own: its recorded routes against transformers' own."""
     from megarl.distributed import parallel
@@ -117,7 +140,7 @@ def carry(models, cfg, samples) -> dict:
     except ValueError as err:
         return {"carry_error": str(err)}
     return {"carry_mismatch_max": max(abs(a - b) for s, values in zip(samples, got)
-                                      for a, b in zip(values, s.logprobs))}
+                                      for a, b, m in zip(values, s.logprobs, s.loss_mask) if m)}
 
 
 def run_case(model_dir: str, args: list[str], world_size: int, hf: HFRoutes) -> dict:
@@ -126,8 +149,9 @@ def run_case(model_dir: str, args: list[str], world_size: int, hf: HFRoutes) -> 
     from megarl.models.setup import build_all
     from megarl.ppo.batch import build_batch
     from megarl.ppo.step import ppo_step
-    kind = dict(a.split("=", 1) for a in args if a.startswith("routes=")).get("routes", "none")
-    overrides = [a for a in args if not a.startswith("routes=")]
+    probe = dict(a.split("=", 1) for a in args if a.startswith(("routes=", "samples=")))
+    kind = probe.get("routes", "none")
+    overrides = [a for a in args if not a.startswith(("routes=", "samples="))]
     cfg = load_config("recipes/tiny_cpu.yaml", [
         f"model.path={model_dir}", "algo.name=grpo", "rollout.sampling.n=4", "train.groups_per_step=4",
         "train.mini_batches=1", "train.micro_batch_size=4", "algo.kl_coef=0.001", "moe.load_balancing=none",
@@ -138,6 +162,8 @@ def run_case(model_dir: str, args: list[str], world_size: int, hf: HFRoutes) -> 
     hc = hf.model.config
     samples = make_samples(hf, kind, models.actor.info.vocab_size, cfg.rollout.sampling.temperature,
                            hc.num_experts, hc.num_experts_per_tok)
+    if probe.get("samples") == "refused_tail":
+        samples = refused_and_tails(samples)
     batch = build_batch(samples, 0)
     out = {}
     if cfg.algo.routing_replay == "r2":

@@ -43,6 +43,10 @@ CASES = {   # name: (ranks, probe arguments)
     # sequence parallelism: each TP rank's routers see half of each micro-batch's positions
     "tp2sp": (2, ["routes=forced", "algo.routing_replay=r3", *SP]),
     "tp2sp_r2": (2, ["routes=none", "algo.routing_replay=r2", *SP]),
+    # a refused sample and episodes whose routes stop after their last model token: filler
+    "r3_refused_tail": (1, ["routes=forced", "samples=refused_tail", "algo.routing_replay=r3"]),
+    "r3_own_tail": (1, ["routes=own", "samples=refused_tail", "algo.routing_replay=r3"]),
+    "ep2_refused_tail": (2, ["routes=forced", "samples=refused_tail", "algo.routing_replay=r3", "parallel.ep=2"]),
 }
 
 
@@ -107,3 +111,25 @@ def test_r3_without_routes_is_refused_naming_the_setting(runs):
     error = runs["r3_no_routes"].get("error", "")
     assert "algo.routing_replay=r3" in error and "Sample.routes" in error, runs["r3_no_routes"]
     assert "algo.routing_replay=r3" in runs["r3_no_routes"]["carry_error"], runs["r3_no_routes"]
+
+
+@pytest.mark.parametrize("name", ["r3_refused_tail", "ep2_refused_tail"])
+def test_samples_without_routes_past_their_last_trained_token_train(runs, name):
+    """A refused sample (no response, no routes) and episodes carried between turns (no routes
+    for the observation after their last model token) neither stop the step nor the carry's
+    l_old: the positions past the last trained token take filler experts, which reach no
+    trained logprob (causal attention), so the trained tokens' logprobs stay those of the
+    engine's experts. Before, the batch had no routes and r3 refused it."""
+    got = runs[name]
+    assert "error" not in got and "carry_error" not in got, got
+    assert got["logprob_mismatch_max"] < LOGP_TOL and got["carry_mismatch_max"] < LOGP_TOL, got
+    assert abs(got["ratio_mean"] - 1) < 1e-6 and got["kl"] < 1e-9, got
+    assert got["routing_agreement"] < 0.5, got
+
+
+def test_routing_agreement_leaves_filler_positions_out(runs):
+    """The model's own experts as the engine's, episodes' routes cut after their last model
+    token: every scored position agrees. Scoring the filler experts 0, 1 past the cut as well
+    would count the router's disagreements with them."""
+    got = runs["r3_own_tail"]
+    assert got.get("routing_agreement") == 1.0 and got["logprob_mismatch_max"] < LOGP_TOL, got

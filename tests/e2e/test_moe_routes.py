@@ -137,6 +137,33 @@ def test_a_request_held_over_a_weight_update_keeps_each_rows_weights(pool, hf, m
     assert not np.array_equal(old[n:], new[n:]), "the new router routes alike: the check could not fail"
 
 
+def test_a_refused_prompt_leaves_the_rounds_routes_replayable(pool, hf):
+    """algo.routing_replay=r3 with a prompt the engine refuses (longer than its max_model_len,
+    256): sync rollout's refused samples have no response and no routes, and score 0. The
+    round's batch keeps the other samples' engine routes and gives the refused rows filler
+    (nothing of them trains: Sample.routes_needed is 0), routed length 0 (routing agreement
+    leaves them out). Before, one refused sample left the whole batch without routes, and r3
+    refused the step, blaming the engines' capture."""
+    from megarl.ppo.batch import build_batch
+    from megarl.rollout.controller.sync_rollout import REFUSED, generate_groups
+    good = prompts(hf.config.vocab_size, (6,), seed=4)[0]
+    too_long = [1] + [5] * 300
+    samples = pool.call(generate_groups(pool.pool, [{"g": 0}, {"g": 1}], [good, too_long], 2, 8, seeds=[1, 2]),
+                        "a sync round with a refused prompt")
+    refused = [s for s in samples if s.finish_reason == REFUSED]
+    assert [s.group for s in refused] == [1, 1] and all(s.routes is None and not s.response_ids for s in refused)
+    batch = build_batch(samples, 0, target=torch.device("cpu"))
+    assert batch.routes is not None, "a refused sample left the batch without routes"
+    for b, s in enumerate(samples):
+        if s.finish_reason == REFUSED:
+            assert s.routes_needed == 0 and int(batch.route_lens[b]) == 0
+            assert (batch.routes[b] == torch.tensor([0, 1], dtype=batch.routes.dtype)).all()
+            continue
+        want = hf_routes(hf, s.prompt_ids + s.response_ids)
+        assert int(batch.route_lens[b]) == len(want)
+        assert np.array_equal(batch.routes[b, :len(want)].numpy(), want), f"sample {b}: not the engine's routes"
+
+
 @pytest.fixture(scope="module")
 def server_pool(moe_dir):
     sp = _open(moe_dir, "local_servers")

@@ -48,6 +48,45 @@ def test_batch_routes_absent_or_wrong_length():
         layout.batch_routes([sample(2, 2, coded(1, 4)[0])], 8)
 
 
+def test_a_refused_sample_takes_filler_and_the_batch_keeps_its_routes():
+    """A sample the engines refused (no response, no routes: nothing of it trains) beside
+    routed ones: the batch is replayable, the refused row is filler, its routed length 0."""
+    routed = sample(3, 2, coded(1, 4)[0])
+    refused = Sample([1] * 5, [], [], [], False, 0, finish_reason="refused")
+    batch = build_batch([routed, refused], 0, target=torch.device("cpu"))
+    assert batch.routes is not None and batch.route_lens.tolist() == [4, 0]
+    assert torch.equal(batch.routes[0, :4], torch.from_numpy(routed.routes))
+    assert (batch.routes[1] == torch.tensor([0, 1], dtype=torch.uint8)).all()
+
+
+def episode(mask: list[int], rows: int | None, prompt: int = 3) -> Sample:
+    """An episode of len(mask) response tokens (0: observation) with its first `rows` routes."""
+    s = sample(prompt, len(mask), None if rows is None else coded(1, prompt + len(mask) - 1)[0][:rows])
+    s.mask = list(mask)
+    return s
+
+
+def test_routes_must_cover_every_position_before_the_last_trained_token():
+    """Response token j (at position prompt + j) is predicted from position prompt + j - 1, so
+    its logprob depends on the routes of positions 0 .. prompt + j - 1 only (causal
+    attention): an episode carried between turns (its observation never fed to an engine) has
+    rows for every position before its last model token, and the rest take filler."""
+    between_turns = episode([1, 1, 0, 0], 3 + 2 - 1)   # the model turn's rows: prompt + turn - 1
+    assert between_turns.routes_needed == 4
+    batch = build_batch([between_turns, sample(2, 2, coded(1, 3)[0])], 0, target=torch.device("cpu"))
+    assert batch.routes is not None and batch.route_lens.tolist() == [4, 3]
+    assert torch.equal(batch.routes[0, :4], torch.from_numpy(between_turns.routes))
+    assert (batch.routes[0, 4:] == torch.tensor([0, 1], dtype=torch.uint8)).all()
+    # a trained token past the rows, or none at all while tokens train: an engine that did not
+    # capture them, refused (routing_replay.prepare names it)
+    assert layout.batch_routes([episode([1, 1, 0, 1], 4)], 8) is None
+    assert layout.batch_routes([episode([1, 1, 0, 0], 3)], 8) is None
+    assert layout.batch_routes([episode([1, 1], None), between_turns], 8) is None
+    # nothing trained (an episode cut by its budget at a first observation): no row needed
+    assert episode([0, 0], None).routes_needed == 0
+    assert layout.batch_routes([episode([0, 0], None), between_turns], 8) is not None
+
+
 def test_ids_past_255_widen_the_dtype():
     routes = coded(1, 3)[0].astype(np.uint16)
     routes[0, 0, 0] = 300
@@ -93,12 +132,23 @@ def test_stage_columns_are_the_stages_moe_layers(layers, step, mlp_only, stages,
 
 
 def test_scored_positions_skip_padding_last_token_and_filler_rows():
-    seq_lens = torch.tensor([4, 2, 4])
+    route_lens = torch.tensor([4, 2, 4]) - 1      # full rows: every position but the last
     trained = torch.tensor([True, True, False])   # row 2: a filler copy
-    keep = layout.scored_positions(seq_lens, trained, 4).view(4, 3)   # [s, b]
+    keep = layout.scored_positions(route_lens, trained, 4).view(4, 3)   # [s, b]
     want = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
     assert torch.equal(keep, want)
-    assert torch.equal(layout.scored_positions(seq_lens, trained, 4, 1, 2), want[2:].reshape(-1))
+    assert torch.equal(layout.scored_positions(route_lens, trained, 4, 1, 2), want[2:].reshape(-1))
+
+
+def test_scored_positions_count_only_routed_positions():
+    """routing_agreement compares the engine's experts with the trainer's: a row's positions
+    past its engine routes (filler: an episode's observation not yet fed, a refused sample)
+    are not scored."""
+    route_lens = torch.tensor([3, 1, 0])
+    trained = torch.tensor([True, True, True])
+    keep = layout.scored_positions(route_lens, trained, 4).view(4, 3)
+    want = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(keep, want)
 
 
 def test_same_sets_ignore_the_order_within_top_k():

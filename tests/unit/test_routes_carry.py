@@ -230,3 +230,77 @@ def test_dumped_samples_keep_their_routes(tmp_path):
     path = dump_samples(str(tmp_path), 1, [s], tok)
     back = read_samples(path)
     assert np.array_equal(back[0].routes, s.routes) and back[0].routes.dtype == np.uint8
+
+
+def test_usable_rows_cover_every_position_a_trained_token_depends_on():
+    """rollout/routes.usable: all of a sample's rows, or fewer when they still hold the first
+    `need` (Sample.routes_needed: the positions before its last trained token); None when not."""
+    rows = np.arange(7, dtype=np.uint8).reshape(-1, 1, 1)
+    assert routes.usable(rows, 6, 6).shape[0] == 6                  # every input token: cut to them
+    assert routes.usable(rows[:4], 6, 4).shape[0] == 4              # short, the rest trains nothing
+    assert routes.usable(rows[:3], 6, 4) is None                    # a trained token lacks its rows
+    assert routes.usable(None, 6, 0) is None and routes.usable(None, 6, 1) is None
+
+
+class Unprefilled(Routed):
+    """Routed, but a request held before its first token has no rows yet: the real engines
+    capture a prompt's rows in the prefill step that produces its first token."""
+
+    def _routed(self, key, res):
+        res = super()._routed(key, res)
+        if res is not None and not res.token_ids:
+            res.routes = None
+        return res
+
+
+def _routed_turn_engine():
+    import test_episodes as te
+
+    class RoutedTurnEngine(Unprefilled, te.TurnEngine):
+        """The episode tests' engine, with routes."""
+    return te, RoutedTurnEngine
+
+
+@pytest.mark.parametrize("update_mode", ["abort", "keep"])
+def test_the_carry_of_episodes_between_turns_has_routes_for_every_trained_token(monkeypatch, update_mode):
+    """An episode carried between turns (its observation appended, the next model turn not
+    fed to an engine yet; in keep mode also one whose next turn is held before its prefill)
+    has no rows for its observation: the l_old pass of the carry (RoundStepper.pending) gets
+    rows for every position before its last model token, and the samples carry their loss
+    mask, so routing replay fills the rest (ppo/route_layout.batch_routes) instead of
+    refusing. Each carried row is the one the episode trains with later."""
+    from megarl.data.sample import Sample
+    from megarl.ppo.route_layout import batch_routes
+    from megarl.rollout.controller.rounds import RoundStepper
+    te, engine = _routed_turn_engine()
+    monkeypatch.setattr(te, "TurnEngine", engine)
+    seen = {"short": 0, "held_unfed": 0, "rows": {}}
+
+    def on_round(ctl, version):
+        seen["held_unfed"] += sum(len(s.response_ids) == s.turn_base and s.turns > 0 and len(s.routes) <
+                                  routes.expected_rows(len(te.PROMPT), len(s.response_ids))
+                                  for s in ctl._inflight.values())
+        stepper = RoundStepper(ctl, 2, False)
+        pending = stepper.pending()
+        for slot, _, length, s in pending:
+            assert s.mask == slot.mask[:length], "the carry's samples carry their loss mask"
+            assert s.routes is not None and len(s.routes) >= s.routes_needed, (slot.gid, slot.index)
+            seen["short"] += len(s.routes) < routes.expected_rows(len(s.prompt_ids), len(s.response_ids))
+            seen["rows"][(slot.gid, slot.index, slot.restarts)] = s.routes.copy()
+        samples = [s for *_, s in pending]
+        if samples:
+            longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            assert batch_routes(samples, longest) is not None
+        stepper.store([[0.0] * length for _, _, length, _ in pending])
+    _, trained, metrics, _ = asyncio.run(te.drive(8, update_mode=update_mode, on_round=on_round))
+    assert sum(m["episodes_carried_between_turns"] for m in metrics) > 0
+    assert seen["short"] > 0, "no carried episode lacked the rows of its observation"
+    if update_mode == "keep":
+        assert seen["held_unfed"] > 0, "no next turn was held before its prefill at a round's end"
+    final = {(g.gid, s.index, s.restarts): Sample(g.prompt_ids, s.response_ids, [], [], True, 0, routes=s.routes)
+             for _, groups in trained for g in groups for s in g.slots}
+    later = [k for k in seen["rows"] if k in final]
+    assert later
+    for k in later:
+        rows = seen["rows"][k]
+        assert np.array_equal(final[k].routes[:len(rows)], rows), k

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megarl.data.sample import Sample
+from megarl.data.sample import Sample, routes_needed
 from megarl.rollout import routes as route_rows
 from megarl.rollout.controller.sync_rollout import REFUSED
 from megarl.rollout.engines.engine import GenResult
@@ -130,9 +130,12 @@ def group_samples(group: Group, local_index: int = 0) -> list[Sample]:
 
 
 def sample_routes(group: Group, slot: Slot):
-    """The slot's routes for the trainer: one row per token of prompt + response but the last,
-    None unless every row was captured."""
-    return route_rows.fit(slot.routes, route_rows.expected_rows(len(group.prompt_ids), len(slot.response_ids)))
+    """The slot's routes for the trainer (routes.usable): one row per token of prompt +
+    response but the last, or fewer when they cover every position before its last model
+    token (an episode between turns: its observation was never fed); None when they do not."""
+    p, n = len(group.prompt_ids), len(slot.response_ids)
+    return route_rows.usable(slot.routes, route_rows.expected_rows(p, n),
+                             routes_needed(p, slot.mask or [1] * n))
 
 
 def sample_identity(group: Group) -> tuple:
