@@ -46,7 +46,7 @@ What it does
     build_batch + ppo_step), on ONE megatron actor/critic trained by every mode in turn (a
     step's cost does not depend on the weight values, and the lengths are forced); then
     weight_sync.push. The trainer removes padding (ppo/microbatch.py): micro-batches by a token
-    budget (--train-budget, default train.micro_batch_size x rollout.engines.max_model_len:
+    budget (--train-budget, default the rows per micro-batch x rollout.engines.max_model_len:
     the memory of the recipe's row count). With --padded-twin on (default) every mode's
     train phase also runs, on the same samples and outside the mode's clock, with the padded
     layout (train.remove_padding=false: every row at the batch's longest), in alternating
@@ -178,14 +178,17 @@ def make_config(args, model: Path, run_dir: Path, prompt_max: int):
 def batching_configs(cfg, budget: int):
     """(the config the bench trains with: micro-batches by a token budget, padding removed;
     its padded twin: every row at the batch's longest, the layout before length-aware
-    batching). budget 0: train.micro_batch_size x rollout.engines.max_model_len, the largest
-    micro-batch the recipe's row count allows."""
+    batching). budget 0: the rows per micro-batch (train.micro_batch_size, or
+    ROWS_PER_MICRO_BATCH when the recipe sets none) x rollout.engines.max_model_len, the largest
+    micro-batch that row count allows."""
     from dataclasses import replace
     t = cfg.train
-    budget = budget or t.micro_batch_size * cfg.rollout.engines.max_model_len
-    removed = replace(cfg, train=replace(t, micro_batch_size=type(t).micro_batch_size,
-                                         max_tokens_per_micro_batch=budget, remove_padding=True))
-    padded = replace(cfg, train=replace(t, max_tokens_per_micro_batch=0, remove_padding=False))
+    rows = t.rows_per_micro_batch   # the recipe's row count, or ROWS_PER_MICRO_BATCH where it sets none
+    budget = budget or rows * cfg.rollout.engines.max_model_len
+    removed = replace(cfg, train=replace(t, micro_batch_size=None, max_tokens_per_micro_batch=budget,
+                                         remove_padding=True))
+    padded = replace(cfg, train=replace(t, micro_batch_size=rows, max_tokens_per_micro_batch=0,
+                                        remove_padding=False))
     return removed, padded
 
 
@@ -313,7 +316,7 @@ def main() -> None:
                    help="also run a third, interleaved mode partial_fix (EndOnTarget; identical to partial "
                         "since 2fff5a0: shows run-to-run noise)")
     p.add_argument("--train-budget", type=int, default=0,
-                   help="train.max_tokens_per_micro_batch of the trainer (0: train.micro_batch_size x max_model_len)")
+                   help="train.max_tokens_per_micro_batch of the trainer (0: rows per micro-batch x max_model_len)")
     p.add_argument("--padded-twin", choices=("on", "off"), default="on",
                    help="also time every train phase with the padded layout (train.remove_padding=false)")
     p.add_argument("--group-filter", default="none",
