@@ -111,7 +111,7 @@ def main() -> None:
         t = getattr(models, role)
         measured[role] = {**buffer_bytes(t.model), "optimizer": optimizer_bytes(t)}
     measured["reference"] = sum(p.numel() * p.element_size() for p in models.reference.parameters())
-    seq, mbs = cfg.rollout.engines.max_model_len, cfg.train.micro_batch_size
+    seq, mbs = cfg.rollout.engines.max_model_len, cfg.train.rows_per_micro_batch   # rows of one micro-batch
     measured["activations_actor_microbatch"] = saved_activation_bytes(
         models.actor.model, models.actor.info.vocab_size, mbs, seq, cfg.rollout.sampling.temperature)
 
