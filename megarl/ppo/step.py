@@ -7,7 +7,7 @@ values -> rewards (score + KL penalty) -> advantages -> behaviour IS weights -> 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -22,6 +22,7 @@ from megarl.models.offload import resident
 from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
 from megarl.ppo import nonfinite, reports
+from megarl.ppo.advantages import overlong_penalty
 from megarl.ppo.aggregate import global_normalizer
 from megarl.ppo.batch import Batch, stitch_old_logprobs
 from megarl.ppo.correction import behaviour_weights, masked_frac_by_age, mismatch_stats
@@ -79,6 +80,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     whole batch, split over DP; with rollout.overlap, `overlap.StepForward`: the rows computed
     during the round, the rest group by group)."""
     algo, batching = cfg.algo, batching_of(cfg)
+    batch, shaping = shaped(cfg, batch)   # reward.overlong_*, algo.mask_truncated
     temp, mask = cfg.rollout.sampling.temperature, batch.resp_mask
     plan = plan_batch(batch, batching, parallel.dp_size())   # one for all the forward-only passes
     replay = StepReplay(algo.routing_replay, actor.model, batch)   # MoE routing replay (ppo/replay_step.py)
@@ -99,8 +101,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     inputs = {"rewards (scores)": batch.scores, "behaviour logprobs": batch.behav_logp,
               "old logprobs": old_logp, "advantages": advantages,
               **({"reference logprobs": ref_logp} if ref_logp is not None else {})}
-    if old_values is not None:
-        inputs.update({"values": old_values, "returns": returns})
+    inputs.update({"values": old_values, "returns": returns} if old_values is not None else {})
     bad = first_nonfinite(inputs, mask)
     if bad:
         return nonfinite.report(bad, step, cfg.train.on_nonfinite)
@@ -122,7 +123,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
             for chunk in torch.randperm(batch.size, generator=gen).chunk(n_mini):
                 mini, local, rows, at, micro = dp_share(replay.train_batch, chunk.tolist(), batching, usage)
                 norm = global_normalizer(mini.resp_mask, algo.loss_agg, cfg.rollout.sampling.max_new_tokens)
-                if train_actor:
+                if train_actor and norm:   # norm 0: every row masked out (algo.mask_truncated)
                     keep, clip, stats = stabilize(algo, chunk, cur_logp, old_logp, batch.behav_logp, advantages,
                                                   is_w, mask)
                     for k, v in stats.items():
@@ -132,7 +133,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                                               is_w[rows], algo, micro, norm, temp,
                                               keep=None if keep is None else keep[at], clip=clip, align=align)
                     reports.add(sums, report, "actor")
-                if critic is not None:
+                if critic is not None and norm:
                     with resident(critic.model):
                         report = critic_ops.update(critic, local, old_values[rows], returns[rows], algo, micro, norm)
                         reports.add(sums, report, "critic")
@@ -141,7 +142,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
     own = parallel.is_last_stage() and parallel.tp_rank() == 0   # one copy of the reports per DP rank
     totals = reports.sum_over_ranks(sums, batch.device, own)
     on_device = {
-        "advantage_mean": masked_mean(advantages, mask),
+        "advantage_mean": masked_mean(advantages, mask), **shaping,
         **is_stats, **mismatch_stats(old_logp, batch.behav_logp, mask),
         **masked_frac_by_age(is_w, mask, batch.versions, step),   # drift vs mismatch (docs/partial_rollout.md)
     }
@@ -153,6 +154,27 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                       for k, v in stabilized.items()})
     return {**reports.to_metrics(totals, cfg.train.ppo_epochs * n_mini, parallel.dp_size()), **usage.metrics(),
             **(align.take() if align else {}), **routers.collect(), **replay.metrics(), **dev.host_values(on_device)}
+
+
+def shaped(cfg: RootConfig, batch: Batch) -> tuple[Batch, dict]:
+    """The batch the step trains on (docs/algorithms.md) and its metrics. reward.overlong_buffer:
+    each score plus DAPO's overlong penalty of its response's length (`overlong_penalty`), here
+    so that every rollout mode's samples get it (the reward model's score included; the rollout's
+    reward metrics stay the verifier's): overlong_penalty_mean. algo.mask_truncated: the rows
+    that did not end on EOS or a stop string (finish reason length) leave the mask, so they add
+    nothing to any loss term or normaliser, as if filtered out, while their scores still count in
+    their group's baseline: truncated_masked_frac (of the rows)."""
+    stats, r = {}, cfg.reward
+    if r.overlong_buffer:
+        penalty = overlong_penalty(batch.response_lens, cfg.rollout.sampling.max_new_tokens, r.overlong_buffer,
+                                   r.overlong_penalty)
+        batch = replace(batch, scores=batch.scores + penalty)
+        stats["overlong_penalty_mean"] = penalty.mean()
+    if cfg.algo.mask_truncated:
+        kept = batch.stopped.to(batch.resp_mask.dtype)
+        batch = replace(batch, resp_mask=batch.resp_mask * kept[:, None])
+        stats["truncated_masked_frac"] = 1.0 - kept.mean()
+    return batch, stats
 
 
 def kl_metric(kind: str, kl, cur_logp, ref_logp, mask):
