@@ -11,12 +11,12 @@ problem or an answer is skipped and counted.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from megarl.data.prep import read_rows, record, write_rows  # noqa: E402
+from megarl.data import prep  # noqa: E402
+from megarl.data.prep import record  # noqa: E402
 from megarl.rewards.answer import last_boxed  # noqa: E402
 
 KEPT = ("level", "type", "subject", "unique_id")   # fields copied when a row has them
@@ -34,16 +34,7 @@ def convert(rows: list[dict], chat: bool = False, system: str = "") -> tuple[lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("input")
-    ap.add_argument("output")
-    ap.add_argument("--chat", action="store_true", help="write chat messages instead of a prompt text")
-    ap.add_argument("--system", default="", help="with --chat: a system message first")
-    args = ap.parse_args(argv)
-    rows, skipped = convert(read_rows(args.input), args.chat, args.system)
-    write_rows(rows, args.output)
-    print(f"{args.output}: {len(rows)} rows written, {skipped} skipped (no problem or no answer)")
-    return 0
+    return prep.main(__doc__, convert, 'no problem or no answer', argv)
 
 
 if __name__ == "__main__":

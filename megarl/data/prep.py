@@ -5,8 +5,10 @@ with `chat`). No downloads: tools/prep_gsm8k.py and tools/prep_math.py are the c
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 #: appended to each question: the verifiers read the last \boxed{} (megarl/rewards/answer.py)
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -44,3 +46,19 @@ def write_rows(rows: list[dict], out: str) -> None:
     with open(out, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def main(doc: str, convert: Callable[[list[dict], bool, str], tuple[list[dict], int]], skipped_why: str,
+         argv=None) -> int:
+    """A prep tool's command line (`IN OUT [--chat] [--system TEXT]`): `convert` the rows of IN
+    (JSONL or parquet) and write OUT, saying how many rows were skipped and why (`skipped_why`)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("input")
+    ap.add_argument("output")
+    ap.add_argument("--chat", action="store_true", help="write chat messages instead of a prompt text")
+    ap.add_argument("--system", default="", help="with --chat: a system message first")
+    args = ap.parse_args(argv)
+    rows, skipped = convert(read_rows(args.input), args.chat, args.system)
+    write_rows(rows, args.output)
+    print(f"{args.output}: {len(rows)} rows written, {skipped} skipped ({skipped_why})")
+    return 0
