@@ -26,9 +26,10 @@ def main(model_dir: str, out_path: str) -> None:
     bootstrap()
     torch.set_num_threads(1)
     parallel.initialize(1, 1, cfg.run.seed)
+    from megarl.config.registry import POLICY_LOSSES
     from megarl.models.setup import build_all
-    from megarl.ppo import actor as actor_ops
     from megarl.ppo.batch import build_batch
+    from megarl.ppo.losses import policy_loss
     from megarl.ppo.nonfinite import NonFiniteError
     from megarl.ppo.step import ppo_step
     from megarl.rollout.controller.dump import read_samples
@@ -39,14 +40,15 @@ def main(model_dir: str, out_path: str) -> None:
     def weights():
         return float(sum(p.detach().double().abs().sum() for p in models.actor.model.parameters()))
 
+    POLICY_LOSSES.register("nan_probe", lambda *a, **k: (lambda pt, st: (pt * float("nan"), st))(*policy_loss(*a, **k)))
+
     def case(policy, nan_reward=False, nan_loss=False):
         cfg.train.on_nonfinite = policy
         batch = build_batch(samples, models.tokenizer.pad_token_id)
         if nan_reward:
             batch.scores[5] = float("nan")
-        original = actor_ops.policy_loss
-        if nan_loss:
-            actor_ops.policy_loss = lambda *a, **k: (lambda pt, st: (pt * float("nan"), st))(*original(*a, **k))
+        # a NaN loss: the built-in clipped loss times NaN, chosen as algo.policy_loss by its name
+        cfg.algo.policy_loss = "nan_probe" if nan_loss else "ppo"
         before = weights()
         try:
             metrics = ppo_step(cfg, models.actor, models.reference, models.critic, batch, 3)
@@ -54,7 +56,7 @@ def main(model_dir: str, out_path: str) -> None:
         except NonFiniteError as err:
             outcome = {"error": str(err)}
         finally:
-            actor_ops.policy_loss = original
+            cfg.algo.policy_loss = "ppo"
         outcome["weights_changed"] = weights() != before
         return outcome
 

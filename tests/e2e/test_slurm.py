@@ -212,9 +212,11 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     engine node); ENGINES_PER_NODE in the environment replaces its derived value and the log
     says so, and says the one server it starts replaces the recipe's rollout.engines.count=2;
     `megarl doctor` runs first on a trainer and an engine node. A server that does not answer
-    /health within ENGINE_START_TIMEOUT stops the job: exit 1, the batch output names the server
-    and shows the last lines of its log, the trainer step that was starting is stopped too, and
-    no process is left."""
+    /health within ENGINE_START_TIMEOUT (here: suspended the moment `serve` has written its
+    first lines and become the vLLM server, so it never answers whatever the machine's speed: a
+    tiny server on a quiet machine answered within the 25 s) stops the job: exit 1, the batch
+    output names the server and shows the last lines of its log, the trainer step that was
+    starting is stopped too, and no process is left."""
     run_dir = tmp_path / "run"
     recipe = tmp_path / "cluster.yaml"
     recipe.write_text(f"defaults: [{ROOT / 'recipes' / 'tiny_cpu.yaml'}]\ncluster:\n  nodes: 2\n"
@@ -225,6 +227,7 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     for var in ("TRAINER_NODES", "ENGINE_NODES", "GPUS_PER_NODE", "TRAINER_PROCS_PER_NODE", "ENGINE_TP"):
         del env[var]     # the recipe's
     with Submission("slurm/ppo_7b.sh", env, tmp_path) as sub:
+        _suspend_the_server(sub)
         out, _ = sub.proc.communicate(timeout=300)
     proc = sub.proc
     logs = _logs(tmp_path, run_dir)
@@ -244,6 +247,26 @@ def test_engines_not_up_by_the_deadline_stop_the_job_with_the_server_log(tiny_mo
     assert not list(run_dir.glob("checkpoints/step_*")), list(run_dir.glob("checkpoints/*"))
     assert not (run_dir / "metrics.jsonl").exists()
     _assert_nothing_left(sub.tree)
+
+
+def _suspend_the_server(sub: Submission, within_s: float = 240) -> None:
+    """SIGSTOP the job's vLLM server as soon as it appears below the job (serve prints its first
+    lines, then execs it; importing vLLM alone takes seconds, so it is stopped long before it
+    could answer /health)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end and sub.proc.poll() is None:
+        try:
+            for p in psutil.Process(sub.proc.pid).children(recursive=True):
+                try:
+                    if VLLM_SERVER in p.cmdline():
+                        p.suspend()
+                        return
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"no vLLM server started below the job within {within_s} s")
 
 
 def _logs(tmp_path, run_dir) -> str:
