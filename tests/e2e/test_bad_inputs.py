@@ -85,7 +85,10 @@ CASES = [
     ("engine_tp_not_dividing_heads", ["rollout.engines.tp=3"], "attention heads"),
     ("context_beyond_model", ["rollout.engines.max_model_len=512"], "max_position_embeddings=256"),
     # data vs the engine's limits: found before the run, the row named
-    ("prompt_beyond_context", ["data.prompts={tmp}/long_prompt.jsonl"], "row 3: a prompt of 232 tokens"),
+    # (data.overlong_prompts=error: the default drops and counts such a prompt, unless every one is)
+    ("prompt_beyond_context", ["data.prompts={tmp}/long_prompt.jsonl", "data.overlong_prompts=error"],
+     "row 3: a prompt of 232 tokens"),
+    ("every_prompt_beyond_context", ["data.prompts={tmp}/all_long.jsonl"], "row 1: a prompt of 232 tokens"),
     ("budget_beyond_context", ["rollout.sampling.max_new_tokens=254"], "rollout.sampling.max_new_tokens=254 exceeds"),
     ("budget_is_the_context", ["rollout.sampling.max_new_tokens=256"], "must be below rollout.engines.max_model_len"),
     ("data_not_text", ["data.prompts={tmp}/binary.jsonl"], "not a text file"),
@@ -149,6 +152,7 @@ def results(tiny_model, tmp_path_factory):
     (tmp / "a_list.yaml").write_text("- train\n- steps\n")
     (tmp / "long_prompt.jsonl").write_text('{"prompt": "<bos> n3 ="}\n\n{"prompt": "<bos> %s ="}\n'
                                            % " ".join(["n3"] * 230))
+    (tmp / "all_long.jsonl").write_text('{"prompt": "<bos> %s ="}\n' % " ".join(["n3"] * 230))
     (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00binary\n")
     (tmp / "array.jsonl").write_text('[\n  {"prompt": "<bos> n3 ="}\n]\n')
     _damaged_dist_checkpoint(tmp / "megatron_ckpt")
