@@ -350,9 +350,12 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
         for g in [*self.groups.values(), *self.completed]:
             for s in g.slots:
                 if len(s.old_logprobs) < len(s.response_ids):
+                    # the episode's loss mask: routing replay needs routes only up to its last
+                    # model token (an observation not yet fed to an engine has none)
                     out.append((s, s.restarts, len(s.response_ids),
                                 Sample(g.prompt_ids, list(s.response_ids), list(s.logprobs),
-                                       list(s.versions), False, 0, g.record, routes=sample_routes(g, s))))
+                                       list(s.versions), False, 0, g.record, mask=list(s.mask), turns=s.turns,
+                                       routes=sample_routes(g, s))))
         return out
 
     def store_old_logprobs(self, slot: Slot, restarts: int, length: int, values: list[float]) -> None:

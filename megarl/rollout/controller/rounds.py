@@ -89,10 +89,6 @@ class RoundStepper:
         """(slot, restarts, length, sample) of each slot whose tokens of this round need l_old
         before the weights change; call between rounds, before `prefetch`."""
         self._pending = [] if self.controller is None else self.controller.pending_old_logprobs()
-        for slot, _, length, sample in self._pending:
-            # an episode's loss mask: routing replay fills the routes of positions after its last
-            # model token (an observation not yet fed to an engine), needs the rest (Sample.routes_needed)
-            sample.mask = list(slot.mask[:length])
         return self._pending
 
     def store(self, old_logprobs: list[list[float]]) -> None:
