@@ -145,7 +145,9 @@ class Serving:
         group.rewards = list(rewards)
         del self.groups[group.gid]
         try:
-            keep = self.group_filter.judge(self.samples_of(group))
+            # the group's samples are built only for a filter that reads them (off by default:
+            # this runs on the loop for every scored group)
+            keep = self.group_filter.judge(self.samples_of(group) if self.group_filter.active else ())
         except Exception as err:   # noqa: BLE001 - a user's filter failing ends the round with its error
             self._fail(err)
             return
