@@ -9,9 +9,11 @@ driver thread waits for them with a progress bar (tqdm) and the pool's deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import wait
+from typing import Callable, ContextManager
 
 from megarl.data.seeds import eval_prompt_seed
 from megarl.metrics.progress import progress_bar as tqdm  # plain lines in a log file
@@ -50,15 +52,19 @@ async def generate_limited(pool, requests: list[GenRequest], limit: int, done: l
     return results
 
 
-def run_requests(sync_pool, requests: list[GenRequest], limit: int, label: str, progress: bool) -> list:
+def run_requests(sync_pool, requests: list[GenRequest], limit: int, label: str, progress: bool,
+                 cut: Callable[[], ContextManager] = contextlib.nullcontext) -> list:
     """Driver thread: `generate_limited` on the pool's loop, a tqdm bar moving as requests end,
-    within the pool's deadline for that many requests."""
+    within the pool's deadline for that many requests. `cut` (StopSignal.interruptible) wraps
+    the wait alone, inside the block that cancels the requests: a SIGTERM that lands while they
+    are being handed to the loop is held until the wait begins, then raises there, so no
+    request is left running (raised during the hand-over, the future would be lost)."""
     done = [0]
     future = sync_pool.loop.submit(generate_limited(sync_pool.pool, requests, limit, done))
     end = time.monotonic() + sync_pool.pool.deadline_for(len(requests))
     try:
-        with tqdm(total=len(requests), desc=label, unit="sample", leave=False, disable=not progress,
-                  dynamic_ncols=True) as bar:
+        with cut(), tqdm(total=len(requests), desc=label, unit="sample", leave=False, disable=not progress,
+                         dynamic_ncols=True) as bar:
             while not future.done() and time.monotonic() < end:
                 wait([future], 1.0)
                 bar.update(done[0] - bar.n)

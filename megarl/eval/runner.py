@@ -72,7 +72,8 @@ class Evaluator:
         cut = self.stop.interruptible if interruptible and self.stop is not None else contextlib.nullcontext
         for s, prompts, verifier, extract in zip(self.sets, self.prompts, self.verifiers, self.extractors):
             with cut():
-                samples = self._generate(s, prompts, version)
+                pass        # a SIGTERM already received stops here, before any request is sent
+            samples = self._generate(s, prompts, version, cut)
             metrics.update(self._score(s, samples, verifier, extract, version))
         if self.cfg.rollout.mode == "sync":
             self._empty_prefix_cache()
@@ -81,11 +82,12 @@ class Evaluator:
         self.logger.log(version, metrics, line=console_line(version, [s.name for s in self.sets], metrics, seconds))
         return metrics
 
-    def _generate(self, s: EvalSet, prompts: list[list[int]], version: int) -> list[Sample]:
+    def _generate(self, s: EvalSet, prompts: list[list[int]], version: int,
+                  cut=contextlib.nullcontext) -> list[Sample]:
         e, r = self.cfg.eval, self.cfg.rollout.sampling
         requests = eval_requests(version, s.index, prompts, e.n, e.max_new_tokens or r.max_new_tokens,
                                  e.temperature, self.cfg.run.seed, e.top_p)
-        outcomes = run_requests(self.pool, requests, e.concurrency, f"eval {s.name}", self.cfg.metrics.progress)
+        outcomes = run_requests(self.pool, requests, e.concurrency, f"eval {s.name}", self.cfg.metrics.progress, cut)
         return samples_of(outcomes, s.records, prompts, e.n)   # a refused request: scored 0, counted
 
     def _score(self, s: EvalSet, samples: list[Sample], verifier, extract, version: int) -> dict:

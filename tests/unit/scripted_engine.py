@@ -16,6 +16,7 @@ vLLM refuses a prompt longer than its max_model_len.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Awaitable, Callable, Optional
 
 from megarl.rollout.engines.engine import Engine, EngineError, EngineHealth, GenResult, RequestError, copy_result
@@ -52,6 +53,7 @@ class Clock:
 
     def __init__(self, settle: int = 30):
         self.settle, self.ticks = settle, 0
+        self.held = 0                    # holding() blocks in flight: no tick meanwhile
         self._cond = asyncio.Condition()
         self._task = None
         self.running_total = []          # requests running across all engines, at each tick
@@ -64,6 +66,8 @@ class Clock:
 
     async def _run(self):
         while True:
+            while self.held:
+                await asyncio.sleep(0.001)
             for _ in range(self.settle):
                 await asyncio.sleep(0)
             self.running_total.append(sum(e.running for e in self.engines))
@@ -71,6 +75,16 @@ class Clock:
             async with self._cond:
                 self.ticks += 1
                 self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def holding(self):
+        """No tick while the block runs: work off this loop (an environment on its own thread)
+        costs no tokens however long it takes in wall time on a loaded machine."""
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
 
     async def tick(self):
         async with self._cond:

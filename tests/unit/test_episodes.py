@@ -92,6 +92,21 @@ class CountingEnv(Environment):
         return StepResult(observation=f"o{self.turns}")
 
 
+class ClockedEpisodes(EpisodeDriver):
+    """The engines' clock stands still while an environment answers (on its own thread, in
+    wall time): how many tokens the other requests make meanwhile depends on the script
+    alone, not on the machine's load, so which episodes are carried mid-turn is the same on
+    every machine."""
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    async def _call(self, coro, what):
+        async with self.clock.holding():
+            return await super()._call(coro, what)
+
+
 async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", state=None, fail=None,
                 max_turns=5, log=None, version=0, env=None, policy="finish", max_staleness=8, max_new=200,
                 on_round=None, tokenizer=None, refuse=None):
@@ -104,8 +119,8 @@ async def drive(rounds, *, target=2, n=2, concurrency=6, update_mode="abort", st
     pool = EnginePool([TurnEngine(f"e{i}", clock, log) for i in range(2)], 30, update_mode=update_mode)
     for e in pool.engines:
         e.refuse = refuse or e.refuse
-    episodes = EpisodeDriver(EnvSpec("counting", env or CountingEnv), tokenizer or WordTokenizer(), max_turns=max_turns,
-                             timeout_s=0.5)
+    episodes = ClockedEpisodes(clock, EnvSpec("counting", env or CountingEnv), tokenizer or WordTokenizer(),
+                               max_turns=max_turns, timeout_s=0.5)
     gid = [0]
 
     def new_group():

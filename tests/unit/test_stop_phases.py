@@ -230,6 +230,38 @@ def test_the_evaluation_s_generation_is_cut_by_a_sigterm_and_its_requests_cancel
     assert not (tmp_path / "run" / "eval").exists()
 
 
+def test_a_sigterm_landing_as_the_requests_are_submitted_still_cancels_them(hung_pool, tmp_path, monkeypatch):
+    """The SIGTERM's handler runs in the main thread at whatever line it is on: here just
+    after the evaluation's requests were handed to the pool's loop and before the driver waits
+    for them (where a loaded machine's main thread often is when the first request reaches the
+    engine). The run still stops with Stopped and no request is left running on the engine."""
+    from megarl.distributed.stop import Stopped, StopSignal
+    sync, engine = hung_pool
+    submit, generation = sync.loop.submit, []
+
+    def submit_then_term(coro):
+        future = submit(coro)
+        if coro.__qualname__ == "generate_limited":   # the evaluation's requests
+            generation.append(future)
+            term_self()        # the handler runs before this function returns
+        return future
+    monkeypatch.setattr(sync.loop, "submit", submit_then_term)
+    cfg = eval_config(tmp_path)
+    stop = StopSignal()
+    ev, logger = evaluator(cfg, tmp_path, sync, stop)
+    try:
+        with pytest.raises(Stopped):
+            ev.at(0)
+        deadline = time.monotonic() + 30
+        while not (generation[0].done() and engine.running == 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert generation[0].cancelled(), "the evaluation's generation was left running"
+        assert engine.running == 0, "the evaluation's requests were left running"
+    finally:
+        ev.close()
+        logger.close()
+
+
 def test_the_final_evaluation_is_not_cut_by_a_sigterm(pool, tmp_path):  # noqa: F811
     """After the last step (its checkpoint saved) the final evaluation runs to its end
     whatever was signalled; at the top of a step a SIGTERM already received stops the
