@@ -421,3 +421,20 @@ def test_a_rendezvous_that_cannot_listen_is_a_named_error_and_the_engines_keep_t
         holder.close()
         t.close()
         loop.stop()
+
+
+def test_waiting_on_an_engine_s_join_passes_a_stop_through():
+    """collective._result turns an engine's failure (its exception, a timeout) into a value the
+    caller names; a stop of this process (a SIGTERM's Stopped, Ctrl-C) raised while waiting is
+    not an engine's failure and must go on up instead of being reported as one."""
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from megarl.distributed.stop import Stopped
+    failed, stopped, slow = Future(), Future(), Future()
+    failed.set_exception(EngineError("engine0 died"))
+    stopped.set_exception(Stopped("SIGTERM"))
+    assert isinstance(collective._result(failed, 1), EngineError)
+    assert isinstance(collective._result(slow, 0.01), FutureTimeout)
+    with pytest.raises(Stopped):
+        collective._result(stopped, 1)

@@ -379,10 +379,12 @@ async def _settled(coros) -> list:
 
 
 def _result(future, timeout_s: float):
-    """A concurrent future's result, or the exception it ended with (a timeout included)."""
+    """A concurrent future's result, or the exception it ended with (a timeout included). A
+    stop of this process (Stopped, KeyboardInterrupt: BaseExceptions) is not the engine's
+    failure: it goes on up."""
     try:
         return future.result(timeout_s)
-    except BaseException as err:  # noqa: BLE001 - the caller names the engine
+    except Exception as err:  # noqa: BLE001 - the caller names the engine
         return err
 
 
