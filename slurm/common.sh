@@ -152,9 +152,12 @@ write_job_info() {  # the per-job log folder: revision, resolved config, nodes, 
         for note in "${LAYOUT_NOTES[@]}"; do echo "layout: $note"; done
         echo "engine urls: ${ENGINE_URLS[*]}"
     } >"$dir/job.txt"
-    # a key given as a setting shows as <redacted>, as in every config megarl writes (megarl/config/secrets.py)
-    printf '%s\n' "$@" | sed -E 's/^((rollout\.|rollout\.engines\.|service\.)api_key)=.*/\1=<redacted>/' \
-        >"$dir/overrides.txt"
+    # a key given as a setting shows as <redacted>, as in every config megarl writes: the secrets
+    # and their old names are megarl/config/secrets.py's to know; without it, no overrides at all
+    if ! PYTHONPATH="$MEGARL_ROOT${PYTHONPATH:+:$PYTHONPATH}" "${MEGARL_PY:-$MEGARL_ROOT/.venv/bin/python}" \
+        -m megarl.config.secrets "$@" >"$dir/overrides.txt" 2>/dev/null; then
+        echo "(not written: megarl/config/secrets.py could not redact them)" >"$dir/overrides.txt"
+    fi
     if git -C "$MEGARL_ROOT" rev-parse HEAD >"$dir/git.txt" 2>/dev/null; then
         git -C "$MEGARL_ROOT" status --short >>"$dir/git.txt" 2>/dev/null || true
     else

@@ -149,3 +149,23 @@ def resolve(cfg):
                               f"it out of the process list), and remove the other")
         setattr(section, name, read_key_file(s.file, path) if path else value)
     return cfg
+
+
+def redacted_overrides(args: list[str], moved: dict[str, str]) -> list[str]:
+    """Command-line overrides (`key=value`) as a log may keep them: a secret's value, under its
+    key or an old name of it (`moved`: the loader's MOVED and ALIASES), is REDACTED."""
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and value and moved.get(key, key) in SECRET_KEYS:
+            arg = f"{key}={REDACTED}"
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":   # slurm/common.sh: a job's overrides.txt, one override a line
+    import sys
+
+    from megarl.config.loader import ALIASES, MOVED
+    print("\n".join(redacted_overrides(sys.argv[1:], {**MOVED, **ALIASES})))
+

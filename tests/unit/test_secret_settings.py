@@ -142,3 +142,7 @@ def test_a_slurm_jobs_overrides_file_holds_no_key(tmp_path):
         "train.steps=3", "rollout.engines.api_key=<redacted>", "service.api_key=<redacted>",
         "rollout.api_key=<redacted>", "service.api_key_file=/keys/service"]
     assert_nowhere(tmp_path, ENGINE_KEY, SERVICE_KEY)
+    # a Python that cannot redact them (a broken MEGARL_PY): no overrides written at all
+    subprocess.run(["bash", "-c", "MEGARL_PY=/bin/false; " + job, "job", str(tmp_path), *overrides], check=True)
+    assert (tmp_path / "overrides.txt").read_text().startswith("(not written")
+    assert_nowhere(tmp_path, ENGINE_KEY, SERVICE_KEY)
