@@ -3,7 +3,7 @@ does not fit, each problem with the settings that fix it."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from megarl.config.schema import ClusterConfig, ConfigError, RootConfig, validate_world
 from megarl.models.arch import Arch, resolve_arch
@@ -12,6 +12,7 @@ from megarl.plan.engine import engine_memory
 from megarl.plan.inputs import resolve_cluster, reward_arch
 from megarl.plan.job import job_engines
 from megarl.plan.memory import GiB, gib
+from megarl.plan.node_split import one_node_split
 from megarl.plan.trainer import (
     best_layout,
     check_expert_world,
@@ -51,6 +52,7 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
     arch, arch_src = resolve_arch(cfg)
     rm_arch, rm_note = reward_arch(cfg, arch)
     cluster, notes = resolve_cluster(cfg, nodes, gpus_per_node, gpu_mem_gb)
+    cfg = replace(cfg, cluster=cluster)   # the cluster planned (command line applied), for transfer.plan_backend
     cfg, job_note = job_engines(cfg, cluster)   # the servers a slurm job starts (plan/job.py)
     notes += [job_note] if job_note else []
     if rm_note and rm_arch is arch:
@@ -58,20 +60,27 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
     check_placeable(cfg, arch, cluster)
     r, g = cfg.rollout, cluster.gpus_per_node
     engines, etp = r.engines.pool_size, r.engines.tp
-    if r.engines.mode != "remote" and not cluster.engine_nodes:
+    split = one_node_split(cfg)   # one node: the trainer's GPUs and each engine's (plan/node_split.py)
+    own = split is not None and not split.shared
+    if r.engines.mode != "remote" and not cluster.engine_nodes and not own:
         notes.append("cluster.engine_nodes=0: engines not placed on this cluster (rollout.engines.mode "
                      f"{r.engines.mode}); only the trainer is checked")
-    trainer, dp, problems = trainer_part(cfg, arch, cluster, rm_arch, notes)
-    placement = {"trainer": {"nodes": cluster.trainer_node_count, "gpus": cluster.trainer_node_count * g,
+    trainer_gpus = len(split.trainer) if split else cluster.trainer_node_count * g
+    engine_gpus = engines * etp if own else cluster.engine_nodes * g
+    trainer, dp, problems = trainer_part(cfg, arch, cluster, rm_arch, notes, trainer_gpus)
+    placement = {"trainer": {"nodes": cluster.trainer_node_count, "gpus": trainer_gpus,
                              "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
-                 "engines": {"nodes": cluster.engine_nodes, "gpus": cluster.engine_nodes * g, "count": engines,
+                 "engines": {"nodes": cluster.engine_nodes, "gpus": engine_gpus, "count": engines,
                              "tp": etp, "gpus_used": engines * etp}}
+    if split:
+        placement["gpu_split"] = {"trainer": list(split.trainer), "engines": [list(e) for e in split.engines],
+                                  "shared": split.shared, "line": split.describe()}
     if arch.moe:   # experts over EP x expert TP, their optimizer state over expert DP
         lay = layout_of(cfg, cfg.parallel.tp, cfg.parallel.pp, dp or 0)
         placement["trainer"].update(ep=lay.ep, etp=lay.etp, edp=lay.edp if dp else None)
     engine = None
-    if cluster.engine_nodes or r.engines.mode == "remote":
-        engine, more = engine_part(cfg, arch, cluster)
+    if cluster.engine_nodes or r.engines.mode == "remote" or own:
+        engine, more = engine_part(cfg, arch, cluster, engine_gpus)
         problems += more
     note = staging_note(cfg, arch)
     if note:
@@ -106,17 +115,17 @@ def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None
 
 
 def trainer_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: Arch | None,
-                 notes: list[str]) -> tuple[dict | None, int | None, list[dict]]:
-    """(the trainer's memory on its worst stage, DP, problems); no memory and no DP when TP x PP
-    does not divide the trainer's GPUs. Adds to `notes`."""
+                 notes: list[str], trainer_gpus: int) -> tuple[dict | None, int | None, list[dict]]:
+    """(the trainer's memory on its worst stage, DP, problems) on `trainer_gpus` GPUs; no memory
+    and no DP when TP x PP does not divide them. Adds to `notes`."""
     g, tp, pp = cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp
-    trainer_gpus = cluster.trainer_node_count * g
     usable = (cluster.gpu_mem_gb - cluster.reserve_gb) * GiB
     if trainer_gpus < tp * pp or trainer_gpus % (tp * pp):
-        return None, None, [indivisible_problem(cfg, arch, cluster, rm_arch, usable)]
+        return None, None, [indivisible_problem(cfg, arch, cluster, rm_arch, usable, trainer_gpus)]
     lay = layout_of(cfg, tp, pp, trainer_gpus // (tp * pp))
     if check_expert_world(arch, lay):   # before validate_world: a problem with its fixes, not a bare error
-        return None, lay.dp, [indivisible_problem(cfg, arch, cluster, rm_arch, usable, check_expert_world(arch, lay))]
+        return None, lay.dp, [indivisible_problem(cfg, arch, cluster, rm_arch, usable, trainer_gpus,
+                                                  check_expert_world(arch, lay))]
     dp = validate_world(cfg, trainer_gpus)
     trainer = trainer_memory(cfg, arch, lay, FUSED, rm_arch)
     trainer["usable_bytes"] = usable
@@ -135,13 +144,12 @@ def trainer_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: A
 
 
 def indivisible_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_arch: Arch | None,
-                        usable: float, experts_why: str = "") -> dict:
+                        usable: float, trainer_gpus: int, experts_why: str = "") -> dict:
     """One model copy (TP x PP GPUs) does not divide the trainer's GPUs, or (`experts_why`) the
     expert groups (EP x expert TP) do not divide a stage's: the node count that would do, and
     the lightest layout of the GPUs there are."""
     g, tp, pp = cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp
     trainer_nodes = cluster.trainer_node_count
-    trainer_gpus = trainer_nodes * g
     best = best_layout(cfg, arch, trainer_gpus, g, FUSED, rm_arch) if trainer_gpus else None
     ep, etp = expert_layout(cfg)
     group = tp * pp * (ep * etp // math.gcd(ep * etp, tp) if experts_why else 1)  # GPUs of one copy (of the experts)
@@ -160,12 +168,11 @@ def indivisible_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_
             "short_gib": None, "fix": fix}   # the GiB are in the fix: they are the best layout's
 
 
-def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> tuple[dict, list[dict]]:
-    """(the engines' memory per GPU, problems): too few engine GPUs, an engine GPU over its
-    vLLM share, transfer buffers that do not fit outside it."""
+def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engine_gpus: int) -> tuple[dict, list[dict]]:
+    """(the engines' memory per GPU, problems) on `engine_gpus` GPUs: too few engine GPUs, an
+    engine GPU over its vLLM share, transfer buffers that do not fit outside it."""
     r, g = cfg.rollout, cluster.gpus_per_node
     engines, etp = r.engines.pool_size, r.engines.tp
-    engine_gpus = cluster.engine_nodes * g
     problems = []
     if r.engines.mode != "remote" and engines * etp > engine_gpus:
         problems.append({"role": "engines", "what": f"{engines} engines x TP {etp} = {engines * etp} GPUs, "

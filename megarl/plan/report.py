@@ -21,7 +21,9 @@ def format_plan(p: dict) -> str:
              f"trainer: {tr['nodes']} nodes = {tr['gpus']} GPUs, TP={tr['tp']} PP={tr['pp']} DP={tr['dp'] or '-'}"
              + (f", experts over EP={tr['ep']} x expert TP={tr['etp']} (expert DP={tr['edp'] or '-'})"
                 if "ep" in tr else ""),
-             f"engines: {en['count']} x TP={en['tp']} = {en['gpus_used']} of {en['gpus']} GPUs on {en['nodes']} nodes",
+             f"engines: {en['count']} x TP={en['tp']} = {en['gpus_used']} of {en['gpus']} GPUs on {en['nodes']} nodes"
+             if "gpu_split" not in pl else f"engines: {en['count']} x TP={en['tp']} on the trainer's node; GPU split: "
+             + pl["gpu_split"]["line"],
              f"sequence {p['sequence_tokens']} tokens, {micro_batches(p)}, "
              f"recompute {p['recompute']}, offload_idle {p['offload_idle']}"]
     t = p["trainer"]

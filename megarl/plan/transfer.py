@@ -7,16 +7,19 @@ from megarl.config.schema import ConfigError, RootConfig
 from megarl.models.arch import Arch
 from megarl.plan import memory as mem
 from megarl.plan.memory import gib
+from megarl.plan.node_split import one_node_split
 
 
 def plan_backend(cfg: RootConfig) -> str:
     """The collective backend of a GPU run of `cfg` on the plan's cluster. Engines on nodes of
     their own (cluster.engine_nodes) are remote to the trainer (the cluster scripts pass
     rollout.engines.mode=remote): auto is nccl there, and ipc cannot reach them; without engine
-    nodes the recipe's rollout.engines.mode decides (WeightSyncConfig.resolved_backend)."""
+    nodes the recipe's rollout.engines.mode decides (WeightSyncConfig.resolved_backend), and on
+    one node whether its engines get GPUs of their own (plan/node_split.py): nccl, else ipc."""
     ws = cfg.weight_sync
     if not cfg.cluster.engine_nodes:
-        return ws.resolved_backend(True, cfg.rollout.engines.mode)
+        split = one_node_split(cfg)
+        return ws.resolved_backend(True, cfg.rollout.engines.mode, own_gpus=split is not None and not split.shared)
     if ws.backend == "ipc":
         raise ConfigError(f"weight_sync.backend='ipc' shares global rank 0's GPU memory with engines on its node, and "
                           f"cluster.engine_nodes={cfg.cluster.engine_nodes} puts the engines on nodes of their own: "

@@ -97,3 +97,34 @@ def test_without_cuda_nothing_changes(tmp_path):
 def test_remote_servers_take_no_gpus_setting():
     with pytest.raises(ConfigError, match="rollout.engines.gpus"):
         config("rollout.engines.mode=remote", "rollout.engines.urls=[http://node1:8000]", "rollout.engines.gpus=[1]")
+
+
+ONE_NODE = ("cluster.gpus_per_node=8", "rollout.engines.mode=local_servers", "rollout.engines.count=4")
+
+
+def test_the_plan_of_a_one_node_recipe_prints_the_split_its_servers_get(fake_node, tmp_path, capsys):
+    """`megarl plan`: trainer on GPUs 0-3, engine i on 4+i, as each server's environment says
+    on that node (4 trainer ranks), and the trainer's layout over those 4 GPUs."""
+    from megarl import cli
+    from megarl.plan import make_plan
+    assert cli.main(["plan", "recipes/tiny_cpu.yaml", *ONE_NODE]) == 0
+    printed = capsys.readouterr().out
+    line = "GPU split: trainer GPUs 0,1,2,3 | engine 0: 4 | engine 1: 5 | engine 2: 6 | engine 3: 7"
+    assert line in printed, printed
+    plan = make_plan(config(*ONE_NODE))
+    split = plan["placement"]["gpu_split"]
+    assert split["trainer"] == ["0", "1", "2", "3"] and not split["shared"]
+    assert plan["placement"]["trainer"]["gpus"] == 4 and plan["placement"]["trainer"]["dp"] == 4
+    assert plan["engine"] is not None   # the engines' GPUs are planned too
+    servers = [e.server for e in build_engines(config(*ONE_NODE).rollout, "model", 0, str(tmp_path))]
+    assert [[s.env()["CUDA_VISIBLE_DEVICES"]] for s in servers] == split["engines"]
+
+
+def test_the_plan_follows_named_gpus_and_refuses_an_overlap_in_one_line():
+    from megarl.plan import make_plan
+    named = make_plan(config(*ONE_NODE[:2], "rollout.engines.count=2", "rollout.engines.gpus=[6,7]"))
+    assert named["placement"]["gpu_split"]["line"] == "trainer GPUs 0,1,2,3,4,5 | engine 0: 6 | engine 1: 7"
+    alone = make_plan(config("cluster.gpus_per_node=1"))   # nothing left: the engine shares rank 0's GPU
+    assert alone["placement"]["gpu_split"]["shared"] and alone["placement"]["trainer"]["gpus"] == 1
+    with pytest.raises(ConfigError, match="rollout.engines.gpus=.*listed twice"):
+        make_plan(config(*ONE_NODE[:2], "rollout.engines.count=2", "rollout.engines.gpus=[6,6]"))
