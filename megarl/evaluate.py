@@ -25,6 +25,9 @@ def input_problem(cfg, model: str | None, run: str | None, step: int | None, out
         return f"--model {model!r}: no config.json there (a Hugging Face folder is needed)"
     if run and not Path(run).is_dir():
         return f"--run {run!r}: no such folder (a run's run.dir, or a checkpoint.dir)"
+    if cfg.rollout.engines.mode == "remote":   # it would score whatever weights a run last pushed there
+        return ("rollout.engines.mode=remote: megarl eval starts its engines on the model it scores, and remote "
+                "servers hold the weights they were last given; use rollout.engines.mode=local_servers or inprocess")
     if not cfg.eval.datasets:
         return "the recipe lists no eval.datasets: give them, e.g. eval.datasets=[data/held.jsonl]"
     if (Path(out) / "metrics.jsonl").exists():

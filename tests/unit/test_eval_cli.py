@@ -15,6 +15,8 @@ MODEL = "MODEL"   # replaced by a folder with a config.json (the checks read not
     (["--model", "nowhere", HELD], "--model 'nowhere': no config.json there"),
     (["--run", "nowhere", HELD], "--run 'nowhere': no such folder"),
     (["--model", MODEL], "lists no eval.datasets"),
+    (["--model", MODEL, HELD, "rollout.engines.mode=remote", "rollout.engines.urls=[http://node1:8000]"],
+     "rollout.engines.mode=remote: megarl eval starts its engines"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(args, says, tmp_path, capsys):
     args = [model_dir(tmp_path) if a == MODEL else a for a in args]
