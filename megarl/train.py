@@ -39,6 +39,7 @@ from megarl.metrics.speed import SpeedMeter
 from megarl.metrics.step import rollout_metrics, trainer_idle_frac
 from megarl.metrics.wandb_sink import check_installed
 from megarl.models.loading import check_megatron_dir
+from megarl.models.sampling_cut import Cut
 from megarl.models.setup import build_all, check_model_dir
 from megarl.ppo.batch import build_batch
 from megarl.ppo.microbatch import batching_of
@@ -370,7 +371,8 @@ class Trainer:
         if samples is not None and cfg.weight_sync.verify:
             probe = [s.prompt_ids for s in samples[:: cfg.rollout.sampling.n]]
             rows, temperature = cfg.train.rows_per_micro_batch, cfg.rollout.sampling.temperature
-            sync["sync_verify_gap"] = weight_sync.verify(self.models.actor, self.pool, probe, 8, rows, temperature)
+            sync["sync_verify_gap"] = weight_sync.verify(self.models.actor, self.pool, probe, 8, rows, temperature,
+                                                         cut=Cut.of(cfg.rollout.sampling))
         return sync
 
     # -- checkpoints and the end -------------------------------------------------------------

@@ -7,6 +7,7 @@ from megarl.config.registry import POLICY_LOSSES
 from megarl.config.schema import AlgoConfig
 from megarl.models.builders import Trainable
 from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.models.sampling_cut import NO_CUT, Cut
 from megarl.ppo.aggregate import aggregate
 from megarl.ppo.batch import Batch, response_targets, to_response_layout
 from megarl.ppo.losses import kl_penalty, masked_sum
@@ -16,28 +17,31 @@ from megarl.ppo.schedule import forward_per_token, local_micro_batches, loss_sca
 
 
 def _response_logprobs(mb_batch: Batch, logits: torch.Tensor, true_vocab: int, with_entropy: bool,
-                       temperature: float):
+                       temperature: float, cut: Cut = NO_CUT, report: dict | None = None):
     logits = to_response_layout(logits, mb_batch.resp_index)      # [b, R, V_local]
     return vocab_parallel_logprobs(logits, response_targets(mb_batch), true_vocab, with_entropy,
-                                   temperature)
+                                   temperature, cut, report)
 
 
-def logprobs(model, batch: Batch, layout, true_vocab: int, temperature: float = 1.0) -> torch.Tensor:
-    """[b, R] logprobs of the response tokens under softmax(`model` logits / temperature).
+def logprobs(model, batch: Batch, layout, true_vocab: int, temperature: float = 1.0,
+             cut: Cut = NO_CUT) -> torch.Tensor:
+    """[b, R] logprobs of the response tokens under softmax(`model` logits / temperature),
+    renormalised over the engine's top-k / top-p set when `cut` (rollout.sampling) has one.
     `layout`: the micro-batches (schedule.local_micro_batches: a Batching, a size, or a list)."""
     def fn(mb, logits):
-        return _response_logprobs(mb["batch"], logits, true_vocab, False, temperature)[0] * mb["batch"].resp_mask
+        return _response_logprobs(mb["batch"], logits, true_vocab, False, temperature, cut)[0] * mb["batch"].resp_mask
     return forward_per_token(model, batch, layout, fn)
 
 
 def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_weights,
            algo: AlgoConfig, layout, normalizer: float, temperature: float = 1.0,
-           keep=None, clip: tuple[float, float] | None = None, align=None) -> dict:
+           keep=None, clip: tuple[float, float] | None = None, align=None, cut: Cut = NO_CUT) -> dict:
     """One optimizer step of the actor on this rank's rows of a mini-batch.
 
     layout: this rank's micro-batches (schedule.local_micro_batches: the step passes the
     Plan's share of this rank, every DP rank with as many).
-    temperature: the rollout's sampling temperature (logits are divided by it, as the engine did).
+    temperature: the rollout's sampling temperature (logits are divided by it, as the engine did);
+    cut: its top-k / top-p (the logprobs renormalised over the kept set, as the engine's are).
     keep: [b, R] tokens the policy loss trains (M2PO's mask; None: all); the entropy and KL
     terms still see every token. clip: (clip_low, clip_high) for this update (BAPO's bounds,
     M2PO's none; default algo's). align: the gradient-alignment control (ppo/grad_align.py).
@@ -63,7 +67,8 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
     def loss_fn(mb, logits):
         b = mb["batch"]
         mask = b.resp_mask
-        logp, entropy = _response_logprobs(b, logits, true_vocab, True, temperature)
+        outside: dict = {}
+        logp, entropy = _response_logprobs(b, logits, true_vocab, True, temperature, cut, outside)
         pg_mask = mask * mb["keep"] if "keep" in mb else mask
         per_token, stats = policy_loss(logp, mb["old_logp"], mb["adv"], pg_mask, clip_low,
                                        clip_high, dual_clip, mb["is_w"])
@@ -73,6 +78,8 @@ def update(actor: Trainable, batch: Batch, old_logp, ref_logp, advantages, is_we
         tokens = mask.sum()
         report = {"policy_loss": pg.detach(), "tokens": tokens, **token_sums(stats, tokens),
                   "entropy_sum": masked_sum(entropy.detach(), mask)}
+        if "cut_outside" in outside:   # sampled tokens the trainer's cut left out (models/logprobs.py)
+            report["cut_outside_sum"] = masked_sum(outside["cut_outside"].float(), mask)
         if "ref_logp" in mb:
             kl = kl_penalty(logp, mb["ref_logp"], algo.kl_kind)
             if algo.kl_mode == "loss" and algo.kl_coef:

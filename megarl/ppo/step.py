@@ -19,6 +19,7 @@ from megarl.data.seeds import minibatch_seed
 from megarl.distributed import device as dev
 from megarl.distributed import parallel
 from megarl.models.offload import resident
+from megarl.models.sampling_cut import Cut
 from megarl.ppo import actor as actor_ops
 from megarl.ppo import critic as critic_ops
 from megarl.ppo import nonfinite, reports
@@ -63,9 +64,12 @@ def forward_passes(cfg: RootConfig, actor, reference, critic) -> dict[str, Pass]
     critic, `values`."""
     vocab = actor.info.vocab_size
     temp = cfg.rollout.sampling.temperature   # the engine sampled from softmax(z / T): so must every logprob here
+    # ... over its top-k / top-p set; the reference's too: its KL is against the reference
+    # model sampled the same way (0 while the actor is the reference)
+    cut = Cut.of(cfg.rollout.sampling)
 
     def logprobs(m, b, s):
-        return actor_ops.logprobs(m, b, s, vocab, temp)
+        return actor_ops.logprobs(m, b, s, vocab, temp, cut)
     out = {"logp": Pass("logp", actor.model, logprobs)}
     if reference is not None:
         out["ref"] = Pass("ref", reference, logprobs, resident=reference, versioned=False)
@@ -130,7 +134,7 @@ def ppo_step(cfg: RootConfig, actor, reference, critic, batch: Batch, step: int,
                         stabilized.setdefault(k, []).append(v)
                     report = actor_ops.update(actor, local, old_logp[rows],
                                               None if ref_logp is None else ref_logp[rows], advantages[rows],
-                                              is_w[rows], algo, micro, norm, temp,
+                                              is_w[rows], algo, micro, norm, temp, cut=Cut.of(cfg.rollout.sampling),
                                               keep=None if keep is None else keep[at], clip=clip, align=align)
                     reports.add(sums, report, "actor")
                 if critic is not None and norm:
@@ -268,12 +272,12 @@ def trainer_logprobs(cfg: RootConfig, actor, samples: list | None, pad_id: int) 
     count = lens.shape[0]
     if count == 0:
         return []
-    vocab, temp = actor.info.vocab_size, cfg.rollout.sampling.temperature
+    vocab, temp, cut = actor.info.vocab_size, cfg.rollout.sampling.temperature, Cut.of(cfg.rollout.sampling)
     batch = _logprob_batch(tokens, lens, width)
     if cfg.algo.routing_replay == "r3":   # l_old of the engine's experts, as the step's (ppo/replay_step.py)
         batch.routes = share_routes(samples if _global_rank() == 0 else None, tokens.shape, tokens.device)
     resp = [r for _, r in batch.lengths()]   # one device-to-host copy, which the plan reuses
-    logp = forward_all(lambda m, b, layout: actor_ops.logprobs(m, b, layout, vocab, temp), actor.model,
+    logp = forward_all(lambda m, b, layout: actor_ops.logprobs(m, b, layout, vocab, temp, cut), actor.model,
                        batch, batching_of(cfg)).cpu()
     return [logp[i, :n].tolist() for i, n in enumerate(resp)]
 

@@ -10,7 +10,7 @@ Routes (all but `GET /health` need `Authorization: Bearer <service.api_key>`):
 - `GET /v1/episodes/{id}`: its recorded tokens (prompt_ids, response_ids, mask, logprobs, versions).
 
 Sampling is the run's, not the agent's: the trainer's importance ratios assume each token was
-drawn at the run's temperature with top_p=1 and no penalties, so a request asking otherwise is
+drawn at the run's temperature, top_p and top_k and no penalties, so a request asking otherwise is
 refused (400) instead of quietly served differently. Errors use OpenAI's shape
 {"error": {"message", "type", "code", "param"}}, so agents' clients raise their usual errors;
 an engine failure (503) or an internal error (500) says what happened without the engines'
@@ -60,8 +60,9 @@ def _refuse_set(body: dict, name: str, why: str) -> None:
         raise ServiceError(400, f"{name}={body[name]!r} is not supported: {why}")
 
 
-def chat_options(body: dict, temperature: float) -> tuple[int | None, bool]:
-    """Check a chat request's sampling options against the run's; (max_tokens, logprobs)."""
+def chat_options(body: dict, temperature: float, top_p: float = 1.0, top_k: int = -1) -> tuple[int | None, bool]:
+    """Check a chat request's sampling options against the run's (rollout.sampling); (max_tokens,
+    logprobs)."""
     if body.get("stream"):
         raise ServiceError(400, "stream=true is not supported: the service answers whole completions "
                                 "(send stream=false or leave it out)")
@@ -69,10 +70,16 @@ def chat_options(body: dict, temperature: float) -> tuple[int | None, bool]:
     if n is not None and n != 1:
         raise ServiceError(400, f"n={n}: the service generates one completion per call (an episode is one "
                                 f"sample; the group's other samples are other episodes)")
-    top_p = _number(body, "top_p")
-    if top_p is not None and top_p != 1:
-        raise ServiceError(400, f"top_p={top_p}: the service samples at top_p=1 (the trainer's importance "
-                                f"ratios assume it); leave top_p out")
+    asked_p = _number(body, "top_p")
+    if asked_p is not None and not math.isclose(asked_p, top_p, rel_tol=0, abs_tol=1e-9):
+        raise ServiceError(400, f"top_p={asked_p}: the service samples at the run's top_p={top_p:g} "
+                                f"(rollout.sampling.top_p; the trainer's importance ratios assume it); "
+                                f"leave top_p out")
+    asked_k = _number(body, "top_k")
+    if asked_k is not None and asked_k != top_k and not (asked_k in (0, -1) and top_k == -1):
+        raise ServiceError(400, f"top_k={asked_k}: the service samples at the run's top_k={top_k} "
+                                f"(rollout.sampling.top_k; the trainer's importance ratios assume it); "
+                                f"leave top_k out")
     t = _number(body, "temperature")
     if t is not None and not math.isclose(t, temperature, rel_tol=0, abs_tol=1e-9):
         raise ServiceError(400, f"temperature={t} differs from the run's temperature {temperature:g} "
@@ -165,7 +172,7 @@ def create_app(service):
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _json(request)
-        max_tokens, logprobs = chat_options(body, service.temperature)
+        max_tokens, logprobs = chat_options(body, service.temperature, service.top_p, service.top_k)
         reply = await service.chat(episode_of(request.headers, body), body.get("messages"), max_tokens)
         return completion_body(reply, service.model_name, logprobs, int(time.time()))
 

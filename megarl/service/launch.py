@@ -20,6 +20,7 @@ def open_service(cfg, pool, tokenizer, next_task):
     service = AgentService(pool.pool, tokenizer, next_task=next_task, n=r.sampling.n, api_key=key, host=sv.host,
                            port=sv.port, max_episodes=sv.max_episodes, max_new_tokens=r.sampling.max_new_tokens,
                            max_model_len=r.engines.max_model_len, temperature=r.sampling.temperature,
+                           top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                            seed=cfg.run.seed, episode_timeout_s=sv.episode_timeout_s,
                            max_request_bytes=int(sv.max_request_mb * (1 << 20)), max_ready_groups=sv.max_ready_groups,
                            max_requests=sv.requests_bound)

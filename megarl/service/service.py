@@ -94,7 +94,8 @@ class AgentService:
 
     def __init__(self, pool, tokenizer, *, next_task: Callable[[], tuple[dict, int]], n: int, api_key: str,
                  host: str = "127.0.0.1", port: int = 0, max_episodes: int = 64, max_new_tokens: int = 1024,
-                 max_model_len: int, temperature: float = 1.0, seed: Optional[int] = None,
+                 max_model_len: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 seed: Optional[int] = None,
                  episode_timeout_s: float = 600.0, model_name: str = "megarl-policy",
                  max_request_bytes: int = 16 << 20, max_ready_groups: int = 64, max_requests: int = 128):
         _check("rollout.sampling.n", n, isinstance(n, int) and n >= 1, "episodes per record must be an integer >= 1")
@@ -120,6 +121,7 @@ class AgentService:
         self.max_model_len, self.max_request_bytes, self.max_ready_groups = max_model_len, max_request_bytes, \
             max_ready_groups
         self.temperature, self.seed, self.episode_timeout_s = temperature, seed, episode_timeout_s
+        self.top_p, self.top_k = top_p, top_k     # rollout.sampling's cut, on every request
         self.max_requests = max_requests     # requests served at once (app.Guard)
         self.book = GroupBook(n, next_task)
         self.episodes: dict[str, Episode] = {}
@@ -304,7 +306,8 @@ class AgentService:
             if ep.ended:
                 break
             req = GenRequest(got.key, prompt + got.token_ids, turn.max_tokens - len(got.token_ids),
-                             self.temperature, seed=self._request_seed(ep, done_before + len(got.token_ids), restarts))
+                             self.temperature, top_p=self.top_p, top_k=self.top_k,
+                             seed=self._request_seed(ep, done_before + len(got.token_ids), restarts))
             ep.inflight = True
             try:
                 res = await self.pool.generate(req)

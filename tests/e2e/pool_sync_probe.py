@@ -9,8 +9,11 @@ builds the actor from the tiny model, and for each transport (collective, then f
 its weights (so an engine that missed the push cannot match by accident), pushes them as a new
 version, and measures per engine the mean |engine - trainer| logprob of tokens the engine
 samples at temperature 0.7. During the collective pushes the staging folder is read-only and
-safetensors' writer is counted: nothing may be staged. Finally one push per transport silently
-drops a bucket, which the same measure must expose. Before the first push, rank 0 runs the
+safetensors' writer is counted: nothing may be staged. At TP=2 (TP=2 x PP=1) and TP=1 (PP=2),
+after the files push, every engine also samples at top-k / top-p cuts (`CUTS`), and the
+trainer's logprobs of those tokens are taken renormalised as the engine did and, on purpose,
+wrongly (over the whole vocabulary; over the top-k set ignoring top-p). Finally one push per
+transport silently drops a bucket, which the same measure must expose. Before the first push, rank 0 runs the
 engine contract (tests/engine_contract.py) on the in-process engine, whose weights are still
 the model folder's (its logprobs' reference: a transformers forward of them).
 usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES STAGING_BASE LOG_DIR
@@ -31,6 +34,39 @@ from megarl.bootstrap import bootstrap
 bootstrap()   # jit hook + CPU shim before anything imports megatron (megarl/bootstrap.py)
 
 TEMPERATURE = 0.7
+# rollout.sampling.top_k / top_p as recipes set them; each binds on the tiny model at T=0.7
+CUTS = {"top_k": dict(top_k=20), "top_p": dict(top_p=0.7), "both": dict(top_k=20, top_p=0.9)}
+
+
+def cut_gaps(actor, info, pools, prompts) -> dict:
+    """Per cut of CUTS, engine and trainer variant, the largest |engine - trainer| logprob over
+    the tokens the engine sampled under that cut: "right" renormalises over the engine's kept
+    set, "no_renorm" takes the whole vocabulary, "top_k_only" the top-k set ignoring top-p; and
+    "mismatch/<cut>/<engine>", weight_sync.engine_mismatch's mean gap at that cut (the
+    trainer's weight_sync.verify check). Collective over all trainer ranks."""
+    from megarl.distributed.env import from_rank0
+    from megarl.models.sampling_cut import NO_CUT, Cut
+    from megarl.ppo import actor as actor_ops
+    from megarl.ppo.batch import build_batch
+    from megarl.rollout.weights import sync as weight_sync
+    out = {}
+    for name, kw in CUTS.items():
+        cut = Cut(**kw)
+        variants = {"right": cut, "no_renorm": NO_CUT}
+        if cut.top_k > 0 and cut.top_p < 1:
+            variants["top_k_only"] = Cut(top_k=cut.top_k)
+        for mode, pool in pools.items():
+            per_engine = from_rank0(weight_sync.probe_engines(pool, prompts, 16, TEMPERATURE, cut)
+                                    if pool is not None else None)
+            for engine, samples in per_engine.items():
+                batch = build_batch(samples, pad_id=0)
+                for variant, c in variants.items():
+                    trainer = actor_ops.logprobs(actor.model, batch, 1, info.vocab_size, TEMPERATURE, c)
+                    gap = ((trainer - batch.behav_logp).abs() * batch.resp_mask).max()
+                    out[f"{name}/{mode}/{engine}/{variant}"] = float(gap)
+            gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE, cut)
+            out.update({f"mismatch/{name}/{mode}/{k}": v for k, v in gaps.items()})
+    return out
 
 
 def contract(pool, model_dir: str, scratch: str) -> list[str]:
@@ -203,6 +239,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                 entry["new_weight_files"] = sorted(weight_files() - seen)
                 entry["sync_bytes"] = sync["sync_bytes"]
                 result["layouts"][f"tp{tp}pp{pp}/{kind}"] = entry
+            if (tp, pp) in ((2, 1), (1, 2)):   # TP=2 and TP=1: the top-k / top-p parity
+                result.setdefault("cut_gaps", {})[f"tp{tp}pp{pp}"] = cut_gaps(actor, info, pools, prompts)
             last = (actor, info)
         # a push that drops one bucket: the engines keep a stale tensor, the probe must see it
         actor, info = last

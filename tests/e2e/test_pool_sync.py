@@ -20,6 +20,11 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
     Before the pushes, the in-process engine keeps the engine contract (tests/engine_contract.py;
     the HTTP kind keeps it in test_http_engine).
 
+    At TP=2 and TP=1 every engine also samples at top_k=20, top_p=0.7 and both (top_p=0.9):
+    the trainer's logprobs renormalised over the engine's kept set (models/sampling_cut.py)
+    equal the engine's processed logprobs within 1e-4 on every token, and a deliberately wrong
+    renormalisation (none; the top-k set ignoring top-p) misses by more.
+
     The 1e-4: vLLM's CPU kernels and megatron's sum in different orders; the gaps measured
     1.5e-6 at most after every push (6e-6 for the request held over a push), also with
     MKL_CBWR=COMPATIBLE in every process; a dropped bucket moves them by 1.8 or more."""
@@ -53,6 +58,13 @@ def test_every_engine_matches_the_trainer_after_a_sync_from_any_layout(tiny_mode
                                     r["layouts"]["tp2pp2/collective"]["version"]], (mode, held)
         assert held["old_tokens"] > 0 and held["new_tokens"] > 0 and held["new_are_the_last"], (mode, held)
         assert held["gap"] < 1e-4, (mode, held)
+    assert set(r["cut_gaps"]) == {"tp2pp1", "tp1pp2"}
+    for layout, gaps in r["cut_gaps"].items():
+        right = {k: v for k, v in gaps.items() if k.endswith("/right") or k.startswith("mismatch/")}
+        wrong = {k: v for k, v in gaps.items() if k not in right}
+        assert len(right) == 3 * 2 * 2 and len(wrong) == 4 * 2, (layout, gaps)   # cuts x modes (x2: max, mean)
+        assert all(v < 1e-4 for v in right.values()), (layout, right)
+        assert all(v > 1e-4 for v in wrong.values()), (layout, wrong)
     assert len(r["skipped_bucket_gaps"]) == 4
     for engine, gap in r["skipped_bucket_gaps"].items():
         assert gap > 1e-2, (engine, gap)

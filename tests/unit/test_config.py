@@ -105,7 +105,10 @@ def test_rollout_async_spelling_and_the_settings_it_needs(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("rollout.sampling.top_p=0.9", "rollout.sampling.top_p"),
+    ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
+    ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p"),
+    ("rollout.sampling.top_k=0", "rollout.sampling.top_k"),
+    ("rollout.sampling.top_k=-2", "rollout.sampling.top_k"),
     ("rollout.engines.mode=cloud", "rollout.engines.mode"),
     ("rollout.engines.mode=remote", "rollout.engines.urls"),
     ("rollout.engines.urls=[node1:8000]", "rollout.engines.urls"),

@@ -14,21 +14,24 @@ class SamplingConfig:
     n: int = 4                         # samples per prompt (a group)
     max_new_tokens: int = 56           # response budget in tokens
     temperature: float = 1.0           # engine samples from softmax(logits / T); the trainer divides by the same T
-    top_p: float = 1.0                 # only 1.0: the trainer cannot yet renormalise over the nucleus
-    top_k: int = -1                    # only -1 (off): the trainer cannot yet renormalise over the k likeliest tokens
+    # nucleus: the engine samples from the smallest set of likeliest tokens whose probability
+    # reaches top_p (after top_k), renormalised; the trainer takes every logprob (old, new,
+    # reference) over the same set (models/sampling_cut.py, docs/algorithms.md "Sampling").
+    # 1.0: off. In (0, 1]
+    top_p: float = 1.0
+    # the k likeliest tokens (ties at the k-th all kept), renormalised, applied before top_p;
+    # the trainer's logprobs likewise. -1: off; else >= 1
+    top_k: int = -1
 
     def __post_init__(self):
         require(self.n >= 1, "rollout.sampling.n", self.n, "must be >= 1")
         require(self.max_new_tokens >= 1, "rollout.sampling.max_new_tokens", self.max_new_tokens, "must be >= 1")
         require(self.temperature > 0, "rollout.sampling.temperature", self.temperature,
                  "must be > 0: PPO needs sampled tokens with their logprobs")
-        require(self.top_p == 1.0, "rollout.sampling.top_p", self.top_p,
-                 "must be 1.0: the trainer's logprobs would not be those of the nucleus the engine "
-                 "sampled from (wrong PPO ratios); lower rollout.sampling.temperature instead")
-        require(self.top_k == -1, "rollout.sampling.top_k", self.top_k,
-                 "must be -1 (off): the engine would sample from the k likeliest tokens renormalised, and the "
-                 "trainer's logprobs are over the whole vocabulary (wrong PPO ratios); lower "
-                 "rollout.sampling.temperature instead")
+        require(0 < self.top_p <= 1, "rollout.sampling.top_p", self.top_p,
+                 "must be in (0, 1]: the probability mass of the likeliest tokens kept (1.0: no nucleus cut)")
+        require(self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k", self.top_k,
+                 "must be -1 (off) or >= 1: the number of likeliest tokens kept")
 
 
 # rollout.engines.mode values whose engines megarl starts itself, on the trainer's node

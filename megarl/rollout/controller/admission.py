@@ -107,6 +107,6 @@ class Admission:
         slot.attempts += 1
         budget = self._budget(slot) - len(slot.response_ids)
         return GenRequest(self._key(slot), self.groups[slot.gid].prompt_ids + slot.response_ids, budget,
-                          self.temperature, ignore_eos=self.ignore_eos,
+                          self.temperature, top_p=self.top_p, top_k=self.top_k, ignore_eos=self.ignore_eos,
                           # a function of how far the slot got: a rerun draws the same tokens
                           seed=seeds.request_seed(slot.seed, len(slot.response_ids), slot.restarts))

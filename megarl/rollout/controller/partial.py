@@ -88,7 +88,7 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
                  sample_every_s: Optional[float] = 0.05, episodes=None,
                  loop: Optional[asyncio.AbstractEventLoop] = None, step_multiple: int = 1,
-                 group_filter: Optional[GroupFilter] = None):
+                 group_filter: Optional[GroupFilter] = None, top_p: float = 1.0, top_k: int = -1):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.partial.stale_policy={stale_policy!r}: choose one of "
                              f"{', '.join(STALE_POLICIES)}")
@@ -96,6 +96,7 @@ class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
         self._loop = loop              # the event loop this controller lives on (see _on_loop)
         pool.holders.append(self)      # weight updates hold and release the round
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.top_p, self.top_k = top_p, top_k     # rollout.sampling's cut, on every request
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         # elastic steps: a step trains up to step_multiple x its target groups (whole multiples
         # of the target; rollout.partial.max_step_multiple); 1: exactly the target

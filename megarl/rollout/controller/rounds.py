@@ -132,6 +132,7 @@ class Rollout:
             self.controller = PartialRolloutController(
                 pool.pool, n=r.sampling.n, concurrency=r.partial.concurrency,
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,
+                top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                 max_staleness=r.partial.max_staleness, stale_policy=r.partial.stale_policy,
                 new_group=self._new_group, score=score, seed=cfg.run.seed, scorer=scorer,
                 episodes=self.episodes, loop=pool.loop.loop, step_multiple=r.partial.max_step_multiple,
@@ -261,7 +262,7 @@ class Rollout:
             [group_seed(self.cfg.run.seed, first_uid + i) for i in range(len(chosen))]
         return await generate_groups(self.pool.pool, chosen, prompts, r.sampling.n, r.sampling.max_new_tokens,
                                      seeds, r.sampling.temperature, tag=f"{step}-{draw}-" if draw else f"{step}-",
-                                     first_uid=first_uid)
+                                     first_uid=first_uid, top_p=r.sampling.top_p, top_k=r.sampling.top_k)
 
     def _engine_metrics(self) -> dict:
         """Engines retired and restarted so far, requests sent again to an engine that answered

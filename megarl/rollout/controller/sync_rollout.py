@@ -27,22 +27,23 @@ log = logging.getLogger("megarl.engines")
 
 
 def group_requests(prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                   seeds: list[int] | None, tag: str = "") -> list[GenRequest]:
+                   seeds: list[int] | None, tag: str = "", top_p: float = 1.0, top_k: int = -1) -> list[GenRequest]:
     """n requests per prompt, in group order. Sample j of prompt i is drawn from its own
     generator seeded seeds.sample_seed(seeds[i], j), so a run is reproducible from its seed
-    whatever the engines did before (e.g. after a resume) and whichever engine serves it."""
-    return [GenRequest(f"{tag}g{i}s{j}", p, max_new_tokens, temperature,
+    whatever the engines did before (e.g. after a resume) and whichever engine serves it.
+    top_p / top_k: rollout.sampling's cut (the trainer renormalises its logprobs over it)."""
+    return [GenRequest(f"{tag}g{i}s{j}", p, max_new_tokens, temperature, top_p=top_p, top_k=top_k,
                        seed=None if seeds is None else sample_seed(seeds[i], j))
             for i, p in enumerate(prompts) for j in range(n)]
 
 
 async def generate_groups(pool, records: list[dict], prompts: list[list[int]], n: int,
                           max_new_tokens: int, seeds: list[int] | None = None, temperature: float = 1.0,
-                          tag: str = "", first_uid: int = 0) -> list[Sample]:
+                          tag: str = "", first_uid: int = 0, top_p: float = 1.0, top_k: int = -1) -> list[Sample]:
     """n samples per prompt from the engine pool (an EnginePool, on its loop), unscored, in
     group order (group g = records[g], uid first_uid + g). Token versions are the ones the
     engines reported. Refused requests give refused samples (module docstring)."""
-    requests = group_requests(prompts, n, max_new_tokens, temperature, seeds, tag)
+    requests = group_requests(prompts, n, max_new_tokens, temperature, seeds, tag, top_p, top_k)
     outcomes = await pool.generate_each(requests)
     refused = [o for o in outcomes if isinstance(o, RequestError)]
     if refused and len(refused) == len(outcomes):

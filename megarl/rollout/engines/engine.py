@@ -8,8 +8,9 @@ tests/engine_contract.py checks the contract below on every kind.
 
 Contract (what PPO and the pool rely on):
 - Behaviour logprobs: `GenResult.logprobs[i]` is the log probability of `token_ids[i]` under
-  the distribution the engine sampled it from, after temperature: at top_p=1,
-  log_softmax(logits / temperature) of the weights that produced it (vLLM: servers and
+  the distribution the engine sampled it from, after temperature: at top_p=1 and top_k=-1,
+  log_softmax(logits / temperature) of the weights that produced it, else the same over the
+  top-k / top-p set renormalised (models/sampling_cut.py) (vLLM: servers and
   engines run with logprobs_mode=processed_logprobs; raw logprobs would make every
   importance ratio wrong at temperature != 1). PPO's ratios and the weight-sync check
   (`weight_sync.verify`) compare them with the trainer's own log_softmax(logits / T).
@@ -116,6 +117,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: Optional[int] = None         # per-request generator seed (reproducible sampling)
     ignore_eos: bool = False           # forced lengths (benchmarks)
+    top_k: int = -1                    # the k likeliest tokens only (-1: off), applied before top_p
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -212,7 +212,7 @@ class EnginePool(Failover, UpdateSessions):
             if not again:
                 engine = self.least_loaded() if self.engines else None   # none left: named at the loop's top
             current = GenRequest(req.key, req.prompt_ids + done.token_ids, req.max_tokens - len(done.token_ids),
-                                 req.temperature, req.top_p, req.seed, req.ignore_eos)
+                                 req.temperature, req.top_p, req.seed, req.ignore_eos, req.top_k)
 
     @property
     def running(self) -> int:

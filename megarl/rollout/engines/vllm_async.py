@@ -40,7 +40,7 @@ def sampling_params(req: GenRequest):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     return SamplingParams(n=1, max_tokens=req.max_tokens, temperature=req.temperature,
-                          top_p=req.top_p, seed=req.seed, logprobs=0, ignore_eos=req.ignore_eos,
+                          top_p=req.top_p, top_k=req.top_k, seed=req.seed, logprobs=0, ignore_eos=req.ignore_eos,
                           output_kind=RequestOutputKind.DELTA)
 
 

@@ -15,6 +15,7 @@ import math
 
 from megarl.data.sample import Sample
 from megarl.distributed.env import from_rank0
+from megarl.models.sampling_cut import NO_CUT, Cut
 from megarl.ppo import actor as actor_ops
 from megarl.ppo.batch import build_batch
 from megarl.rollout.engines.engine import GenRequest, RequestError
@@ -37,15 +38,16 @@ class WeightSyncError(RuntimeError):
 
 
 def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micro_batch_size: int,
-                    temperature: float = 1.0) -> dict[str, float]:
+                    temperature: float = 1.0, cut: Cut = NO_CUT) -> dict[str, float]:
     """Per engine of `pool`: mean |engine logprob - trainer logprob| over tokens that engine
-    samples now at `temperature` (fp32: ~1e-6 when it holds the trainer's weights).
+    samples now at `temperature` and top-k / top-p `cut`, the trainer renormalising over the
+    same set (fp32: ~1e-6 when it holds the trainer's weights).
     Collective over all trainer ranks; `pool` is a SyncPool on global rank 0, None elsewhere.
     A probe that cannot run (`probe_engines`) raises WeightSyncError on every rank."""
     per_engine = None
     if pool is not None:
         try:
-            per_engine = probe_engines(pool, prompts, max_tokens, temperature)
+            per_engine = probe_engines(pool, prompts, max_tokens, temperature, cut)
         except WeightSyncError as err:    # every rank raises it, none waits for rank 0's samples
             per_engine = str(err)
     per_engine = from_rank0(per_engine)
@@ -55,20 +57,22 @@ def engine_mismatch(actor, pool, prompts: list[list[int]], max_tokens: int, micr
     for name, samples in per_engine.items():
         batch = build_batch(samples, pad_id=0)
         mbs = micro_batch_size if batch.size % micro_batch_size == 0 else 1
-        trainer = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, temperature)
+        trainer = actor_ops.logprobs(actor.model, batch, mbs, actor.info.vocab_size, temperature, cut)
         mask = batch.resp_mask
         gaps[name] = float(((trainer - batch.behav_logp).abs() * mask).sum() / mask.sum())  # one sync per engine
     return gaps
 
 
-def probe_engines(pool, prompts: list[list[int]], max_tokens: int, temperature: float) -> dict[str, list[Sample]]:
+def probe_engines(pool, prompts: list[list[int]], max_tokens: int, temperature: float,
+                  cut: Cut = NO_CUT) -> dict[str, list[Sample]]:
     """Rank 0: per engine of `pool` (a SyncPool), `prompts` sampled on that engine, as Samples.
     A prompt the engine refuses as invalid (RequestError: longer than its max_model_len, ...)
     says nothing about the weights: it is left out, and no engine is retired for it. An engine
     that refuses every prompt cannot be checked: WeightSyncError naming it."""
     per_engine = {}
     for e in list(pool.engines):
-        reqs = [GenRequest(f"probe-{e.name}-{i}", p, max_tokens, temperature, seed=i) for i, p in enumerate(prompts)]
+        reqs = [GenRequest(f"probe-{e.name}-{i}", p, max_tokens, temperature, cut.top_p, seed=i, top_k=cut.top_k)
+                for i, p in enumerate(prompts)]
         outs = pool.call(pool.pool.generate_each(reqs, e), f"probing {e.name}")
         kept = [Sample(p, r.token_ids, r.logprobs, r.versions, r.stopped, i)
                 for i, (p, r) in enumerate(zip(prompts, outs)) if not isinstance(r, RequestError)]
@@ -82,10 +86,11 @@ def probe_engines(pool, prompts: list[list[int]], max_tokens: int, temperature: 
 
 
 def verify(actor, pool, prompts, max_tokens: int, micro_batch_size: int, temperature: float = 1.0,
-           tol: float = 1e-3) -> float:
+           tol: float = 1e-3, cut: Cut = NO_CUT) -> float:
     """Raise WeightSyncError when any engine's logprobs differ from the trainer's by more
-    than tol; returns the largest gap."""
-    gaps = engine_mismatch(actor, pool, prompts, max_tokens, micro_batch_size, temperature)
+    than tol (sampled at the run's temperature and `cut`: the check covers the trainer's
+    renormalisation too); returns the largest gap."""
+    gaps = engine_mismatch(actor, pool, prompts, max_tokens, micro_batch_size, temperature, cut)
     # NaN first: an engine whose probe returned no tokens has gap 0/0 = NaN, and NaN > tol is False
     name, gap = max(gaps.items(), key=lambda kv: math.inf if math.isnan(kv[1]) else kv[1])
     if math.isnan(gap):
