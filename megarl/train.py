@@ -147,7 +147,8 @@ class Trainer:
         # episodes: the environment against this data and tokenizer, before any engine starts
         _agree(lambda: preflight.check_episodes(cfg, self.records, tokenizer), self.is_driver)
         # errors and timeouts of a verifier score 0 and are counted (reward_errors / reward_timeouts)
-        self.reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
+        self.reward_fn = build_verifier(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key,
+                                        concurrency=cfg.reward.concurrency, batch_size=cfg.reward.batch_size)
         self.eval_sets = load_eval_sets(cfg, self.records if self.is_driver else None)   # read as data.prompts is
         if cfg.reward.model_path:
             check_model_dir(cfg.reward.model_path, "reward.model_path")

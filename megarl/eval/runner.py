@@ -29,7 +29,8 @@ from megarl.eval.generate import eval_requests, run_requests
 from megarl.eval.report import answers_of, console_line, dataset_metrics, dump_eval
 from megarl.eval.schedule import due
 from megarl.rewards import build_verifier
-from megarl.rollout.controller.sync_rollout import samples_of, score_all
+from megarl.rollout.controller.scoring import score_all
+from megarl.rollout.controller.sync_rollout import samples_of
 
 log = logging.getLogger("megarl.eval")
 
@@ -42,7 +43,8 @@ class Evaluator:
         self.stop = stop   # the run's StopSignal (distributed/stop.py): a SIGTERM cuts `at`'s generation
         d = cfg.data
         self.prompts = [encode_prompts(tokenizer, s.records, d) for s in sets]
-        self.verifiers = [build_verifier(s.verifier, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key)
+        self.verifiers = [build_verifier(s.verifier, timeout_s=cfg.reward.timeout_s, answer_key=d.answer_key,
+                                         concurrency=cfg.reward.concurrency, batch_size=cfg.reward.batch_size)
                           for s in sets]
         self.extractors = [extractor_of(s.verifier) for s in sets]
         self._cache_warned = False

@@ -4,9 +4,9 @@ Each verifier registers itself in megarl.config.registry.VERIFIERS next to its c
 (`register_verifier`, megarl.rewards.entry), with what it needs: the gold answer, a worker
 process. Importing this package registers the built-in ones; a verifier outside megarl is
 named by import path (reward.fn=package.module:function or path/to/file.py:function) and
-marked with `@verifier(needs_answer=..., isolated=...)`. `build_verifier` wraps one for the
-run: errors and timeouts score 0 and are counted (megarl.rewards.verify). Names, formats and
-what each needs: docs/data.md.
+marked with `@verifier(needs_answer=..., isolated=..., batched=...)` (an `async def` is awaited).
+`build_verifier` wraps one for the run: scored off the caller's thread, errors and timeouts
+score 0 and are counted (megarl.rewards.runner). Names, formats and what each needs: docs/data.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from megarl.config.registry import VERIFIERS
 from megarl.rewards import answer, countdown  # noqa: F401 - importing them registers their verifiers
 from megarl.rewards import math as math_reward  # noqa: F401
 from megarl.rewards.entry import RewardFn, VerifierEntry, register_verifier, verifier  # noqa: F401 - for users
-from megarl.rewards.verify import Verifier
+from megarl.rewards.runner import RewardOutputError, RewardRunner  # noqa: F401 - RewardOutputError: for callers
 
 
 @register_verifier("none")
@@ -40,9 +40,11 @@ def needs_answer(name: str) -> bool:
     return verifier_entry(name).needs_answer
 
 
-def build_verifier(name: str, *, timeout_s: float, answer_key: str = "answer") -> Verifier:
-    """The run's reward_fn: verifier `name`, reading the gold answer from `answer_key`, with
-    errors and timeouts counted (`take_counts()`) instead of raised."""
+def build_verifier(name: str, *, timeout_s: float, answer_key: str = "answer", concurrency: int = 1,
+                   batch_size: int = 0) -> RewardRunner:
+    """The run's reward: verifier `name` (any kind), reading the gold answer from `answer_key`,
+    `concurrency` calls at once, a batched one given up to `batch_size` samples (whole groups),
+    with errors and timeouts counted (`take_counts()`) instead of raised."""
     entry = verifier_entry(name)
-    return Verifier(entry.fn, timeout_s=timeout_s, isolate=entry.isolated, name=name,
-                    kwargs={"answer_key": answer_key} if entry.needs_answer else None)
+    return RewardRunner(entry, timeout_s=timeout_s, concurrency=concurrency, batch_size=batch_size, name=name,
+                        kwargs={"answer_key": answer_key} if entry.needs_answer else None)

@@ -6,9 +6,14 @@ about it, registered next to the function:
 
 A verifier outside megarl is named by import path (reward.fn=package.module:function or
 path/to/file.py:function) and says what it needs with `@verifier(...)` (`from_import` reads it).
+
+Three kinds, one entry: a plain function scores one sample; `batched=True` takes lists (one
+element per sample) and returns a list of floats; an `async def` (plain or batched) is awaited
+on the reward runner's own event loop (megarl.rewards.runner). Its kind is read here, once.
 """
 from __future__ import annotations
 
+import inspect
 import pickle
 from dataclasses import dataclass
 from typing import Callable
@@ -26,22 +31,31 @@ class VerifierEntry:
     fn: RewardFn            # fn(response_text, record, *, finished[, answer_key]) -> float
     needs_answer: bool      # compares with the gold answer data.answer_key (the loader checks every row has it)
     isolated: bool          # can hang (sympy / LaTeX parsing): runs in a worker process that can be killed
+    # fn(response_texts, records, *, finished[, answer_key]) -> list[float]: lists, one element per
+    # sample, called with up to reward.batch_size samples (whole groups)
+    batched: bool = False
+
+    @property
+    def is_async(self) -> bool:
+        """An `async def`: awaited on the reward runner's loop (megarl.rewards.runner)."""
+        return inspect.iscoroutinefunction(self.fn)
 
 
-def verifier(*, needs_answer: bool = False, isolated: bool = False):
+def verifier(*, needs_answer: bool = False, isolated: bool = False, batched: bool = False):
     """Decorator: what verifier `fn` needs, for reward.fn=module:fn. A verifier that needs the
     gold answer takes it as the `answer_key` keyword; an isolated one runs in a worker process
-    (megarl.rewards.verify), so it must be a module-level function."""
+    (megarl.rewards.verify), so it must be a module-level function; a batched one takes lists
+    (response_texts, records, finished: one element per sample) and returns one float per sample."""
     def mark(fn: RewardFn) -> RewardFn:
-        setattr(fn, MARK, VerifierEntry(fn, needs_answer, isolated))
+        setattr(fn, MARK, VerifierEntry(fn, needs_answer, isolated, batched))
         return fn
     return mark
 
 
-def register_verifier(name: str, *, needs_answer: bool = False, isolated: bool = False):
+def register_verifier(name: str, *, needs_answer: bool = False, isolated: bool = False, batched: bool = False):
     """Decorator: register `fn` as reward.fn=`name` (with what `verifier` says it needs)."""
     def add(fn: RewardFn) -> RewardFn:
-        VERIFIERS.register(name, VerifierEntry(fn, needs_answer, isolated))
+        VERIFIERS.register(name, VerifierEntry(fn, needs_answer, isolated, batched))
         return fn
     return add
 
@@ -56,6 +70,10 @@ def from_import(obj, value: str) -> VerifierEntry:
         raise ExtensionError(f"is {a(entry.fn)}, not a function: name a function "
                              f"fn(response_text, record, *, finished) -> float")
     _check_signature(entry)
+    if entry.isolated and entry.is_async:
+        raise ExtensionError("is an async function marked isolated: a worker process runs plain functions; "
+                             "drop isolated=True (it is awaited on the reward runner's loop, within "
+                             "reward.timeout_s) or make it a plain def")
     if entry.isolated:
         try:
             pickle.dumps(entry.fn)
@@ -67,6 +85,9 @@ def from_import(obj, value: str) -> VerifierEntry:
 
 def _check_signature(entry: VerifierEntry) -> None:
     """The verifier can be called as the rollout calls it (megarl.rewards.verify.Verifier)."""
-    kwargs = {"finished": False, **({"answer_key": "answer"} if entry.needs_answer else {})}
-    call = "fn(response_text, record, *, finished" + (", answer_key)" if entry.needs_answer else ")")
-    check_call(entry.fn, ("response_text", {}), kwargs, call)
+    many = "s" if entry.batched else ""
+    finished = [False] if entry.batched else False
+    kwargs = {"finished": finished, **({"answer_key": "answer"} if entry.needs_answer else {})}
+    call = (f"fn(response_text{many}, record{many}, *, finished"
+            + (", answer_key)" if entry.needs_answer else ")"))
+    check_call(entry.fn, (["response_text"], [{}]) if entry.batched else ("response_text", {}), kwargs, call)

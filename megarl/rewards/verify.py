@@ -39,7 +39,7 @@ LOGGED_ERRORS = 5
 
 def _serve(conn, warm: list[str]) -> None:
     """Worker loop: import the verifier modules once (names or file paths), say ready, then
-    answer (fn, args, kwargs) with ("ok", value) or ("err", text)."""
+    answer (fn, args, kwargs) with ("ok", value) or ("err", text); an unpicklable value is an "err"."""
     for source in warm:
         load_source(source)
     conn.send(("ready", None))
@@ -49,7 +49,7 @@ def _serve(conn, warm: list[str]) -> None:
         except (EOFError, OSError):   # the trainer is gone or closed the socket
             return
         try:
-            conn.send(("ok", float(fn(*args, **kwargs))))
+            conn.send(("ok", fn(*args, **kwargs)))   # the caller converts (one float, or a batch's list)
         except BaseException as err:   # noqa: BLE001 - everything goes back as text, the loop lives on
             conn.send(("err", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"))
 
@@ -121,7 +121,7 @@ class Worker:
             self._conn.close()
         self._proc = self._conn = None
 
-    def call(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> float:
+    def call(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float):
         if self._proc is None or self._proc.poll() is not None:
             self._drop()
             self._start()
@@ -147,6 +147,40 @@ class Worker:
         self._drop()
 
 
+class Failures:
+    """A verifier's errors and timeouts, counted (thread-safe: `take` never waits for a call),
+    the first LOGGED_ERRORS logged with their message, one line each."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self.errors = self.timeouts = 0
+        self._taken = (0, 0)
+
+    def note(self, what: str, err: BaseException, timeout: bool, samples: int = 1) -> None:
+        """`samples` scored 0 because the call `what` (timed out / failed) with `err`."""
+        with self._lock:
+            if timeout:
+                self.timeouts += samples
+            else:
+                self.errors += samples
+            n = self.errors + self.timeouts
+        if n - samples < LOGGED_ERRORS:
+            more = "" if n < LOGGED_ERRORS else " (further failures are only counted)"
+            on = "a sample" if samples == 1 else f"a batch of {samples} samples"
+            text = str(err).strip()
+            log.warning("reward.fn=%s %s on %s, scored 0: %s%s", self.name, what, on,
+                        text.splitlines()[0] if text else type(err).__name__, more)
+
+    def take(self) -> dict:
+        """Errors and timeouts since the previous call (the step's metrics)."""
+        with self._lock:
+            now = (self.errors, self.timeouts)
+            errors, timeouts = now[0] - self._taken[0], now[1] - self._taken[1]
+            self._taken = now
+        return {"reward_errors": errors, "reward_timeouts": timeouts}
+
+
 class Verifier:
     """`verifier(response_text, record, finished=...) -> float`, the reward_fn signature the
     rollout calls, with the errors and timeouts of that call counted instead of raised.
@@ -162,16 +196,14 @@ class Verifier:
         self.kwargs = dict(kwargs or {})
         self._worker = Worker((module_source(fn.__module__),)) if isolate else None
         self._lock = threading.Lock()         # one call at a time (one worker)
-        self._counts = threading.Lock()       # the counters: take_counts never waits for a call
-        self.errors = self.timeouts = 0
-        self._taken = (0, 0)
+        self.counts = Failures(self.name)
 
     def __call__(self, response_text: str, record: dict, *, finished: bool) -> float:
         kwargs = {**self.kwargs, "finished": finished}
         with self._lock:
             try:
                 if self._worker is not None:
-                    value = self._worker.call(self.fn, (response_text, record), kwargs, self.timeout_s)
+                    value = float(self._worker.call(self.fn, (response_text, record), kwargs, self.timeout_s))
                 else:
                     t0 = time.monotonic()
                     value = float(self.fn(response_text, record, **kwargs))
@@ -181,32 +213,16 @@ class Verifier:
                     raise ValueError(f"returned {value}")
                 return value
             except WorkerTimeout as err:
-                self._note("timed out", err, timeout=True)
+                self.counts.note("timed out", err, timeout=True)
             except WorkerStartError:
                 raise
             except Exception as err:   # noqa: BLE001 - a verifier's failure is one sample's 0, never the run's end
-                self._note("failed", err, timeout=False)
+                self.counts.note("failed", err, timeout=False)
             return 0.0
-
-    def _note(self, what: str, err: Exception, timeout: bool) -> None:
-        with self._counts:
-            if timeout:
-                self.timeouts += 1
-            else:
-                self.errors += 1
-            n = self.errors + self.timeouts
-        if n <= LOGGED_ERRORS:
-            more = "" if n < LOGGED_ERRORS else " (further failures are only counted)"
-            log.warning("reward.fn=%s %s on a sample, scored 0: %s%s", self.name, what,
-                        str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__, more)
 
     def take_counts(self) -> dict:
         """Errors and timeouts since the previous call (the step's metrics)."""
-        with self._counts:
-            now = (self.errors, self.timeouts)
-            errors, timeouts = now[0] - self._taken[0], now[1] - self._taken[1]
-            self._taken = now
-        return {"reward_errors": errors, "reward_timeouts": timeouts}
+        return self.counts.take()
 
     def close(self) -> None:
         if self._worker is not None:

@@ -1,7 +1,8 @@
 """Held-out evaluation (eval.*) end to end: `megarl train` on the tiny model with a held-out
 file whose prompts the training data does not hold, on the shared vLLM server
 (`remote_engine`). One sync run with evaluation, the same run without it, and one async
-partial run with evaluation beside its prefetched rounds."""
+partial run with evaluation beside its prefetched rounds; `megarl eval` of the sync run's
+checkpoint and export against its in-run evaluations."""
 import itertools
 import json
 
@@ -39,7 +40,9 @@ def training_prompts(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sync_runs(tiny_model, remote_engine, training_prompts, tmp_path_factory):
     base = tmp_path_factory.mktemp("eval_runs")
-    on = _train(tiny_model, remote_engine, base / "on", training_prompts, *SYNC, *EVAL)
+    # checkpoints step_1 and step_3 (versions 2 and 4, both evaluated in the run) and the final export
+    on = _train(tiny_model, remote_engine, base / "on", training_prompts, *SYNC, *EVAL, "checkpoint.every=2",
+                "checkpoint.hf_final=true")
     off = _train(tiny_model, remote_engine, base / "off", training_prompts, *SYNC)
     return base, on, off
 
@@ -106,6 +109,43 @@ def test_a_sync_run_trains_the_same_samples_with_evaluation_on_and_off(sync_runs
     trained_on = [r for r in on_rows if "reward_mean" in r]
     trained_off = [r for r in off_rows if "reward_mean" in r]
     assert [r["policy_loss"] for r in trained_on] == [r["policy_loss"] for r in trained_off]
+
+
+def _eval_cli(training_prompts, out, *args):
+    """`megarl eval` on a local server of its own: the shared remote server holds the weights some
+    run pushed last, not the model scored (evaluate.input_problem refuses remote engines)."""
+    proc = run_py(["-m", "megarl.cli", "eval", "recipes/tiny_cpu.yaml", *map(str, args), "--out", str(out),
+                   f"data.prompts={training_prompts}", "rollout.engines.mode=local_servers",
+                   "metrics.tensorboard=false", *EVAL])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _scored(row):
+    return {k: v for k, v in row.items() if k.startswith("eval/") and k not in ("eval/time_s", "eval/weight_version")}
+
+
+def test_megarl_eval_of_the_checkpoint_and_the_export_equals_the_in_run_evaluation(sync_runs, training_prompts,
+                                                                                  tmp_path):
+    """Slow (two engine starts): `megarl eval --run` of checkpoint step_1 is version 2, `--model`
+    of the final export (hf/final) version 0 with the final weights: each row and dump (tokens,
+    logprobs, rewards, answers) equals the run's own evaluation of those weights (the same seeds,
+    eval.temperature=1.0)."""
+    base, (_, rows), _ = sync_runs
+    in_run = {r["step"]: r for r in _eval_rows(rows)}
+    dumps = base / "on" / "eval" / "countdown_heldout"
+    cases = ((("--run", base / "on", "--step", 1), 2, 2), (("--model", base / "on" / "hf" / "final"), 0, 4))
+    for i, (args, version, step) in enumerate(cases):
+        out = tmp_path / f"eval{i}"
+        (row,) = _eval_cli(training_prompts, out, *args)
+        assert row["step"] == version and row["eval/weight_version"] == version
+        assert _scored(row) == _scored(in_run[step]), (args, _scored(row), _scored(in_run[step]))
+        mine = [json.loads(x) for x in (out / "eval" / "countdown_heldout" / f"step_{version}.jsonl").open()]
+        theirs = [json.loads(x) for x in (dumps / f"step_{step}.jsonl").open()]
+        assert {v for d in mine for v in d.pop("versions")} == {version}   # the engines' tokens say so
+        assert mine == [{k: v for k, v in d.items() if k != "versions"} for d in theirs], args
+    # the two versions' dumps differ (their logprobs at least): equal dumps tell the weights apart
+    assert (dumps / "step_2.jsonl").read_text() != (dumps / "step_4.jsonl").read_text()
 
 
 def test_async_partial_rounds_run_beside_the_evaluation(tiny_model, remote_engine, training_prompts, tmp_path):

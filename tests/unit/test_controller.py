@@ -63,11 +63,12 @@ class DyingKeyedEngine(KeyedEngine):
 
 async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_staleness=8,
                 policy="restart", engines=2, state=None, start_version=0, on_round=None, die_at=None,
-                update_mode="abort", keep_kv=False, between=None):
+                update_mode="abort", keep_kv=False, between=None, scorer_of=None):
     """Run `rounds` rounds like the trainer would: round, store old logprobs, bump version.
     die_at: the clock tick at which engine e1 dies (the pool retires it and carries on).
     update_mode / keep_kv: the pool's (rollout.update_mode / rollout.keep_kv).
-    between(ctl, version): awaited after each weight update (e.g. let held requests run)."""
+    between(ctl, version): awaited after each weight update (e.g. let held requests run).
+    scorer_of(clock): the controller's `scorer` (default: scores on the loop, costing nothing)."""
     clock = Clock()
     clock.start()
     pool = EnginePool([DyingKeyedEngine(f"e{i}", clock, die_at) if die_at is not None and i == 1
@@ -76,7 +77,8 @@ async def drive(rounds, *, concurrency=8, n=4, target=3, max_new=64, max_stalene
     ctl = PartialRolloutController(
         pool, n=n, concurrency=concurrency, max_new_tokens=max_new, temperature=1.0,
         max_staleness=max_staleness, stale_policy=policy,
-        new_group=lambda: ({"q": "x"}, [7, 7]), score=lambda s: float(len(s.response_ids)), seed=0)
+        new_group=lambda: ({"q": "x"}, [7, 7]), score=lambda s: float(len(s.response_ids)), seed=0,
+        scorer=None if scorer_of is None else scorer_of(clock))
     # work is pending while a round runs and has not yet got its groups
     clock.is_pending = lambda: ctl._round_done is not None and not ctl._ending
     if state is not None:
@@ -119,6 +121,49 @@ def test_inflight_stays_at_the_concurrency_while_the_round_runs():
     assert all(m["rollout_inflight_min"] == 8 for m in metrics), metrics
     served = [e.served for e in ctl.pool.engines]
     assert min(served) > 0.4 * sum(served)
+
+
+def test_a_slow_reward_leaves_the_slots_as_full_as_an_instant_one():
+    """The run's reward runner with an async verifier that takes 40 clock ticks per sample: the
+    engines' loop awaits it while it runs elsewhere, so at every tick of a round that still
+    needs groups `concurrency` requests run, as with a reward that costs nothing, and a round
+    waiting for its scores keeps the engines generating. The clock runs
+    during the reward on purpose (no `holding()`): a reward that stalled the loop would stop
+    the ticks' requests from being refilled and show as fewer running."""
+    from types import SimpleNamespace
+
+    from megarl.rewards import RewardRunner, VerifierEntry
+    from megarl.rollout.controller.scoring import score_group
+    tokenizer = SimpleNamespace(decode=lambda ids, **k: "t" * len(ids))
+    runners = []
+
+    def slow_scorer(clock):
+        async def judge(response_text, record, *, finished):   # on the runner's own loop and thread
+            until = clock.ticks + 40
+            while clock.ticks < until:
+                await asyncio.sleep(0.001)
+            return float(len(response_text))
+        runners.append(RewardRunner(VerifierEntry(judge, False, False), timeout_s=600, concurrency=64))
+        return lambda samples: score_group(samples, tokenizer, runners[-1])
+
+    results = {}
+    try:
+        for name, scorer_of in (("instant", None), ("slow", slow_scorer)):
+            ctl, trained, metrics, clock = run(drive(3, concurrency=8, scorer_of=scorer_of))
+            ticks = [c for c, pending in zip(clock.running_total, clock.pending) if pending]
+            results[name] = (ticks, metrics, trained)
+    finally:
+        for r in runners:
+            r.close()
+    for name, (ticks, metrics, trained) in results.items():
+        assert ticks and ticks.count(8) == len(ticks), (name, sorted(set(ticks)))
+        # (absent from a round that had its groups without generating)
+        assert all(m.get("rollout_inflight_min", 8) == 8 for m in metrics), (name, metrics)
+        assert all(g.rewards == [float(len(s.response_ids)) for s in g.slots] for _, gs in trained for g in gs)
+    # the first round waited for its scores, generating meanwhile: more tokens (the groups the
+    # next rounds train), at full slots all the while
+    assert results["slow"][1][0]["rollout_tokens"] > results["instant"][1][0]["rollout_tokens"]
+    assert runners[0].calls >= sum(len(g.slots) for _, gs in results["slow"][2] for g in gs)   # each trained one judged
 
 
 def test_each_group_is_emitted_once_and_tokens_survive_carry_over():

@@ -37,6 +37,21 @@ def no_record(response_text):
     return 1.0
 
 
+@verifier(batched=True)
+def lengths(response_texts, records, *, finished):
+    return [float(len(t)) for t in response_texts]
+
+
+@verifier(batched=True)
+def batch_no_finished(response_texts, records):
+    return [1.0] * len(response_texts)
+
+
+@verifier(isolated=True)
+async def isolated_async(response_text, record, *, finished):
+    return 1.0
+
+
 def double_kl(diff):
     return 2 * diff
 
@@ -104,6 +119,20 @@ def test_a_verifier_from_a_file_runs_in_its_worker_process_with_the_answer(user_
     assert value not in VERIFIERS.names()          # the registered names stay the built-in ones
 
 
+def test_a_batched_verifier_by_import_path_resolves_as_batched(user_file):
+    """One resolution point for every kind: @verifier(batched=True) in a file is read as batched,
+    and the run's runner hands it whole groups, the scores back in order."""
+    value = f"{user_file}:lengths"
+    entry = verifier_entry(value)
+    assert entry.batched and not entry.is_async and not entry.isolated
+    v = build_verifier(value, timeout_s=30.0, batch_size=4)
+    try:
+        assert v.score_groups([(["a", "bb"], [{}, {}], [True, True]), (["ccc"], [{}], [False])]) == [[1.0, 2.0], [3.0]]
+        assert v.take_counts() == {"reward_errors": 0, "reward_timeouts": 0}
+    finally:
+        v.close()
+
+
 def test_a_verifier_from_a_package_and_a_relative_file_path(user_package, user_file, monkeypatch):
     value = f"{user_package}:plain"
     entry = verifier_entry(value)
@@ -144,6 +173,10 @@ BAD = [
     (RewardConfig, "fn", "{file}:no_record", "has the signature (response_text), but megarl calls it as "
                                              "fn(response_text, record, *, finished)"),
     (RewardConfig, "fn", "{file}:NOT_CALLABLE", "is an int, not a function"),
+    (RewardConfig, "fn", "{file}:batch_no_finished", "has the signature (response_texts, records), but megarl "
+                                                     "calls it as fn(response_texts, records, *, finished)"),
+    (RewardConfig, "fn", "{file}:isolated_async", "is an async function marked isolated: a worker process runs "
+                                                  "plain functions"),
     (RewardConfig, "fn", "{file}:", "is not an import path: write package.module:attr or path/to/file.py:attr"),
     (EnvConfig, "name", "{file}:NotAnEnvironment", "is the class NotAnEnvironment, not a subclass of "
                                                    "megarl.envs.base.Environment"),

@@ -17,7 +17,9 @@ import pytest
 from aiohttp import web
 from scripted_engine import Clock, ScriptedEngine, assert_whole, run_on_clock
 
-from megarl.rollout.controller.sync_rollout import REFUSED, generate_groups, score_all
+from megarl.rewards import RewardRunner, VerifierEntry
+from megarl.rollout.controller.scoring import score_all
+from megarl.rollout.controller.sync_rollout import REFUSED, generate_groups
 from megarl.rollout.engines import vllm_async
 from megarl.rollout.engines.engine import EngineError, GenRequest, RequestError
 from megarl.rollout.engines.pool import EnginePool, LoopThread, SyncPool
@@ -64,7 +66,11 @@ def test_sync_rollout_scores_refused_samples_zero_and_the_others_come_out_whole(
         if s.group != 1:
             assert_whole(s.response_ids, s.logprobs, s.finish_reason, LENGTH)
     scored = []
-    score_all(samples, SimpleNamespace(decode=lambda ids, **k: str(ids)), lambda *a, **k: scored.append(a) or 1.0)
+    reward = RewardRunner(VerifierEntry(lambda *a, **k: scored.append(a) or 1.0, False, False), timeout_s=30)
+    try:
+        score_all(samples, SimpleNamespace(decode=lambda ids, **k: str(ids)), reward)
+    finally:
+        reward.close()
     assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
     assert len(scored) == 4, "the verifier was asked to score a refused sample"
 

@@ -2,8 +2,10 @@
 hang into a 0 that is counted. Worker-process tests take a few seconds (a fresh interpreter)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from conftest import ROOT
 from megarl.config import ConfigError
 from megarl.config.registry import VERIFIERS
 from megarl.config.schema import RewardConfig
-from megarl.rewards import build_verifier, needs_answer, verifier_entry
+from megarl.rewards import RewardOutputError, RewardRunner, VerifierEntry, build_verifier, needs_answer, verifier_entry
 from megarl.rewards.answer import exact_score, extract_answer, format_score, normalize
 from megarl.rewards.verify import Verifier, Worker, WorkerStartError
 
@@ -75,7 +77,7 @@ def test_math_sample_answers_verify_against_themselves(math_verifier):
     for r in rows:
         assert math_verifier(f"\\boxed{{{r['answer']}}}", r, finished=True) == 1.0, r["answer"]
     assert math_verifier.take_counts() == {"reward_errors": 0, "reward_timeouts": 0}
-    assert math_verifier._worker.starts == 1     # one worker for every call
+    assert [w.starts for w in math_verifier.workers] == [1]     # one worker for every call
 
 
 def test_math_unparseable_gold_is_a_counted_error(math_verifier):
@@ -165,6 +167,129 @@ def test_an_in_process_verifier_over_the_limit_scores_zero():
     v = Verifier(slow_verifier, timeout_s=0.1, isolate=False)
     assert v("x", {}, finished=True) == 0.0
     assert v.take_counts() == {"reward_errors": 0, "reward_timeouts": 1}
+
+
+# ------------------------------------------------------------------------------ reward runner
+def _runner(fn, *, batched=False, isolated=False, **kw) -> RewardRunner:
+    return RewardRunner(VerifierEntry(fn, False, isolated, batched), name=getattr(fn, "__name__", "fn"),
+                        **{"timeout_s": 30.0, **kw})
+
+
+def _group(*texts) -> tuple:
+    return list(texts), [{} for _ in texts], [True for _ in texts]
+
+
+def test_batched_calls_take_whole_groups_up_to_the_batch_size_as_calls_free():
+    """A batched verifier gets whole groups: the first at once (never held to fill a batch),
+    the groups that finished while it ran together, up to reward.batch_size samples (a group
+    that would pass it waits for the next call), the scores back to each group in order."""
+    gate, calls = threading.Event(), []
+
+    def lengths(response_texts, records, *, finished):
+        calls.append(len(response_texts))
+        gate.wait(30)
+        return [float(len(t)) for t in response_texts]
+    v = _runner(lengths, batched=True, concurrency=1, batch_size=4)
+    try:
+        first = v.submit(*_group("a", "bb"))
+        while not calls:               # the first group is being scored alone
+            time.sleep(0.001)
+        later = [v.submit(*_group("c" * k, "d")) for k in (1, 2, 3)]
+        while len(v._waiting) < 3:     # all three wait for the one call slot
+            time.sleep(0.001)
+        gate.set()
+        assert first.result(30) == [1.0, 2.0]
+        assert [f.result(30) for f in later] == [[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]]
+        assert calls == [2, 4, 2]
+    finally:
+        gate.set()
+        v.close()
+
+
+def test_an_async_verifier_is_awaited_with_bounded_concurrency():
+    """`async def` verifiers run on the runner's loop, at most reward.concurrency at once."""
+    now, most = [0], [0]
+
+    async def judge(response_text, record, *, finished):
+        now[0] += 1
+        most[0] = max(most[0], now[0])
+        await asyncio.sleep(0.01)
+        now[0] -= 1
+        return 0.5 if finished else 0.25
+    v = _runner(judge, concurrency=3)
+    try:
+        assert v.score_groups([_group(*"abcd"), _group(*"efgh")]) == [[0.5] * 4, [0.5] * 4]
+        assert most[0] == 3 and v.calls == 8
+        assert v("x", {}, finished=False) == 0.25
+    finally:
+        v.close()
+
+
+def test_a_call_past_the_timeout_scores_its_samples_zero_without_waiting_for_it(caplog):
+    """A plain function is left running in its thread; its batch scores 0 at the deadline, every
+    sample counted, and one warning line says so; the runner goes on scoring."""
+    gate = threading.Event()
+
+    def stuck(response_texts, records, *, finished):
+        if "hang" in response_texts:
+            gate.wait(60)
+        return [1.0] * len(response_texts)
+    v = _runner(stuck, batched=True, concurrency=2, timeout_s=0.2)
+    try:
+        with caplog.at_level("WARNING", logger="megarl.rewards"):
+            assert v.score_groups([_group("hang", "x", "y")]) == [[0.0, 0.0, 0.0]]
+        assert not gate.is_set()       # the call still runs: the score did not wait for it
+        assert v.take_counts() == {"reward_errors": 0, "reward_timeouts": 3}
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "reward.fn=stuck timed out on a batch of 3 samples, scored 0" in lines[0]
+        assert v.score_groups([_group("ok")]) == [[1.0]]
+    finally:
+        gate.set()
+        v.close()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_raising_verifier_of_either_kind_scores_zero_and_is_counted(batched):
+    async def fails(*args, finished):
+        raise RuntimeError("judge unreachable")
+    v = _runner(fails, batched=batched)
+    try:
+        assert v.score_groups([_group("a", "b")]) == [[0.0, 0.0]]
+        assert v.take_counts() == {"reward_errors": 2, "reward_timeouts": 0}
+    finally:
+        v.close()
+
+
+def test_a_batched_verifier_returning_the_wrong_count_stops_the_run_in_one_line():
+    """No score can be matched to its sample: the run stops with a line naming reward.fn."""
+    v = _runner(lambda texts, records, *, finished: [1.0], batched=True)
+    try:
+        with pytest.raises(RewardOutputError) as e:
+            v.score_groups([_group("a", "b")])
+        assert str(e.value).startswith("reward.fn=<lambda>: a batched verifier returned 1 scores for a batch of 2 "
+                                       "samples: return a list of one float per sample") and "\n" not in str(e.value)
+    finally:
+        v.close()
+    v = _runner(lambda texts, records, *, finished: 1.0, batched=True)
+    try:
+        with pytest.raises(RewardOutputError, match="returned float 1.0 for a batch of 1"):
+            v.score_groups([_group("a")])
+    finally:
+        v.close()
+
+
+def test_non_float_scores_of_a_batch_are_counted_errors_in_one_line(caplog):
+    """Each element that is not a finite number scores its sample 0 (counted); the others keep theirs."""
+    v = _runner(lambda texts, records, *, finished: [1, "good", None, float("inf")], batched=True)
+    try:
+        with caplog.at_level("WARNING", logger="megarl.rewards"):
+            assert v.score_groups([_group(*"abcd")]) == [[1.0, 0.0, 0.0, 0.0]]
+        assert v.take_counts() == {"reward_errors": 3, "reward_timeouts": 0}
+        first = caplog.records[0].getMessage()
+        assert first.startswith("reward.fn=<lambda> returned no score on a sample, scored 0: 'good' is not a "
+                                "finite number") and "\n" not in first
+    finally:
+        v.close()
 
 
 # ------------------------------------------------------------------------------------- config

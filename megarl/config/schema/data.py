@@ -110,8 +110,15 @@ class RewardConfig:
     fn: str = "countdown"              # verifier: countdown | math | exact | format | none (no verifier; docs/data.md)
     model_path: str = ""               # HF *ForSequenceClassification reward model, scored on the trainer ranks
     model_coef: float = 1.0            # score = verifier + model_coef * reward model
-    # a verifier taking longer than this on one sample scores it 0 (counted: reward_timeouts)
+    # a verifier call taking longer than this (one sample, or one batch of a batched verifier)
+    # scores its samples 0 (counted: reward_timeouts)
     timeout_s: float = 5.0
+    # verifier calls at once, off the engines' event loop (threads, async tasks, or worker
+    # processes of an isolated verifier; megarl/rewards/runner.py): raise it for a slow reward
+    concurrency: int = 4
+    # a batched verifier (@verifier(batched=True)) gets whole groups, up to this many samples per
+    # call (a group larger than this alone); 0: one group per call
+    batch_size: int = 0
     # DAPO's soft overlong punishment (docs/algorithms.md), on the trainer, every rollout mode: a
     # response longer than rollout.sampling.max_new_tokens - overlong_buffer tokens loses up to
     # overlong_penalty, linearly, reached at the budget; 0: off
@@ -124,7 +131,11 @@ class RewardConfig:
                  "must be >= 0 (tokens before rollout.sampling.max_new_tokens; 0: off)")
         require(self.overlong_penalty >= 0, "reward.overlong_penalty", self.overlong_penalty,
                  "must be >= 0 (the largest penalty, subtracted from the score)")
-        require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 (seconds per sample)")
+        require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0 (seconds per call)")
+        require(self.concurrency >= 1, "reward.concurrency", self.concurrency,
+                 "must be >= 1 (verifier calls running at once)")
+        require(self.batch_size >= 0, "reward.batch_size", self.batch_size,
+                 "must be >= 0 (samples per call of a batched verifier; 0: one group per call)")
         require(self.fn != "none" or bool(self.model_path), "reward.fn", self.fn,
                  "with reward.fn=none set reward.model_path, or nothing scores the samples")
         require(bool(self.model_path) or self.model_coef == 1.0, "reward.model_coef", self.model_coef,

@@ -40,7 +40,8 @@ _POLICY_LOSS_SKIPS = {"gspo": ({"algo.dual_clip"}, "GSPO clips the sequence rati
 IS_MODE_READS = {"tis": {"algo.is_cap"}, "mask": {"algo.is_low", "algo.is_high"}, "none": set()}
 _PARTIAL = {"rollout.partial.concurrency", "rollout.partial.max_staleness", "rollout.partial.stale_policy"}
 _SERVICE = {f"service.{f.name}" for f in fields(ServiceConfig)}
-_REWARD = {"reward.fn", "reward.timeout_s"}   # an environment or an outside agent gives the reward
+# an environment or an outside agent gives the reward
+_REWARD = {"reward.fn", "reward.timeout_s", "reward.concurrency", "reward.batch_size"}
 
 
 def _algo_name(value) -> tuple[set[str], str]:
@@ -98,7 +99,8 @@ CHOICES: dict[str, Callable] = {
                                        "give them vLLM's --enable-expert-parallel, their GPUs by their own "
                                        "CUDA_VISIBLE_DEVICES")
     if v == "remote" else (set(), ""),
-    "reward.fn": lambda v: ({"reward.timeout_s"}, "no verifier runs") if v == "none" else (set(), ""),
+    "reward.fn": lambda v: ({"reward.timeout_s", "reward.concurrency", "reward.batch_size"}, "no verifier runs")
+    if v == "none" else (set(), ""),
     "rollout.group_filter": lambda v: ({"rollout.group_filter_max_draws"}, "no group is dropped, so no step "
                                        "draws more prompts than it trains") if v == "none" else (set(), ""),
     "reward.overlong_buffer": lambda v: ({"reward.overlong_penalty"}, "no overlong punishment")
@@ -108,12 +110,12 @@ CHOICES: dict[str, Callable] = {
 
 def _evaluation_reads(cfg) -> set[str]:
     """What the held-out evaluation (megarl/eval/, on while eval.datasets is set) reads of the
-    settings CHOICES may call unused: its verifiers' time limit, and reward.fn, the verifier of
-    every dataset when eval.verifiers is empty."""
+    settings CHOICES may call unused: its verifiers' time limit, concurrency and batch size, and
+    reward.fn, the verifier of every dataset when eval.verifiers is empty."""
     e = cfg.eval
     if not e.datasets:
         return set()
-    return {"reward.timeout_s"} | (set() if e.verifiers else {"reward.fn"})
+    return {"reward.timeout_s", "reward.concurrency", "reward.batch_size"} | (set() if e.verifiers else {"reward.fn"})
 
 
 # the components a config turns on beside the run's own, each: cfg -> the settings it reads

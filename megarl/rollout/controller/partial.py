@@ -9,7 +9,7 @@ One round (docs/design.md "One training step"; docs/partial_rollout.md), on the 
   carried samples (tokens already generated), then waiting samples of the groups closest to
   completion, then a new group (n samples of one prompt).
 - a group whose n samples are all done (stopped, or at the token budget) is scored (off
-  the loop when a `scorer` executor is given) and queued for the trainer.
+  the loop when a `scorer` is given) and queued for the trainer.
 - the round ends when `train.groups_per_step` groups are complete AND every group due this
   step (below) is complete; the step takes every complete group it may, in whole multiples of
   groups_per_step up to `step_multiple` times it (elastic steps). What is still in flight is
@@ -76,14 +76,16 @@ STALE_POLICIES = staleness.POLICIES
 class PartialRolloutController(Admission, Serving, CarryOver, EpisodeTurns):
     """Drives an `EnginePool` (async). `new_group()` returns (record, prompt_ids) of the next
     prompt; `score(sample)` its reward, run in `scorer` (a concurrent.futures executor) or, when
-    None, on the loop (only for scores that cost nothing: tests, the simulator). All methods
+    None, on the loop (only for scores that cost nothing: tests, the simulator); `scorer` may
+    instead be a coroutine function, samples -> rewards, that the loop awaits while it scores
+    elsewhere (the run's reward runner; `score` is then unused). All methods
     run on the pool's event loop (`loop`, or the loop of the first call): its state changes
     there (requests finish, groups are scored, held requests run on between rounds), so a
     public method called from another thread while that loop runs raises (`_on_loop`)."""
 
     def __init__(self, pool, *, n: int, concurrency: int, max_new_tokens: int, temperature: float,
                  max_staleness: int, new_group: Callable[[], tuple[dict, list[int]]],
-                 score: Callable[[Sample], float], seed: int, stale_policy: str = "finish",
+                 score: Optional[Callable[[Sample], float]], seed: int, stale_policy: str = "finish",
                  budget_of: Optional[Callable[[int, int], int]] = None, ignore_eos: bool = False,
                  clock: Callable[[], float] = time.perf_counter, scorer=None,
                  sample_every_s: Optional[float] = 0.05, episodes=None,

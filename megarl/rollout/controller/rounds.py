@@ -26,7 +26,7 @@ import bisect
 import copy
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Callable
 
@@ -38,8 +38,8 @@ from megarl.envs.episodes import EpisodeDriver
 from megarl.rollout import routes
 from megarl.rollout.controller import group_filter, staleness
 from megarl.rollout.controller.partial import PartialRolloutController
-from megarl.rollout.controller.scoring import score_sample
-from megarl.rollout.controller.sync_rollout import generate_groups, score_all
+from megarl.rollout.controller.scoring import score_all, score_group
+from megarl.rollout.controller.sync_rollout import generate_groups
 
 
 def episode_driver(env, tokenizer) -> EpisodeDriver:
@@ -125,10 +125,12 @@ class Rollout:
             if cfg.env.name:   # episodes: the environment's rewards are the score (nothing to run)
                 self.episodes = episode_driver(cfg.env, tokenizer)
                 score, scorer = (lambda s: s.reward), None
-            else:   # one thread: the verifier runs one call at a time anyway (one worker process),
-                # and FIFO keeps the order in which groups complete
-                score = lambda s: score_sample(s, tokenizer, reward_fn)   # noqa: E731
-                scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-score")
+            else:   # each complete group awaited on the loop, scored off it by the reward runner
+                # (reward.concurrency calls at once, batched ones with whole groups)
+                score = None
+
+                async def scorer(samples: list[Sample]) -> list[float]:
+                    return await score_group(samples, tokenizer, reward_fn)
             self.controller = PartialRolloutController(
                 pool.pool, n=r.sampling.n, concurrency=r.partial.concurrency,
                 max_new_tokens=r.sampling.max_new_tokens, temperature=r.sampling.temperature,

@@ -1,13 +1,45 @@
-"""A sample's reward from the run's verifier: both rollout modes score through here."""
+"""Samples' rewards from the run's verifier (a megarl.rewards.RewardRunner, any kind of
+verifier): every rollout mode and the evaluation score through here. A group is scored as one
+unit (a batched verifier sees whole groups); a refused sample scores 0 without the verifier (it
+has no response: the environment contract's failed sample).
+"""
 from __future__ import annotations
 
-from typing import Callable
+import asyncio
+import itertools
 
 from megarl.data.sample import Sample
 
+REFUSED = "refused"        # finish_reason of a sample the engine refused as invalid
 
-def score_sample(sample: Sample, tokenizer, reward_fn: Callable) -> float:
-    """The verifier's reward of `sample`: its response decoded without special tokens, and
-    whether the engine stopped on EOS (the verifier's `finished`, not the token budget)."""
-    text = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-    return float(reward_fn(text, sample.record, finished=sample.stopped))
+
+def verifier_inputs(samples: list[Sample], tokenizer) -> tuple[list[str], list[dict], list[bool]]:
+    """What the verifier reads of each sample: its response decoded without special tokens, its
+    record, and whether the engine stopped on EOS (`finished`, not the token budget)."""
+    return ([tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
+            [s.record for s in samples], [s.stopped for s in samples])
+
+
+def score_all(samples: list[Sample], tokenizer, reward) -> list[Sample]:
+    """Each sample's reward (set on it), blocking: consecutive samples of one group are scored
+    together, every group submitted at once (scored concurrently, up to reward.concurrency)."""
+    live = [s for s in samples if s.finish_reason != REFUSED]
+    groups = [list(g) for _, g in itertools.groupby(live, key=lambda s: s.group)]
+    for s in samples:
+        s.reward = 0.0
+    for group, scores in zip(groups, reward.score_groups([verifier_inputs(g, tokenizer) for g in groups])):
+        for s, value in zip(group, scores):
+            s.reward = value
+    return samples
+
+
+async def score_group(samples: list[Sample], tokenizer, reward) -> list[float]:
+    """The group's rewards, awaited on the engines' loop while the decoding and the verifier run
+    off it (a worker thread, then the reward runner): the loop serves requests meanwhile."""
+    live = [i for i, s in enumerate(samples) if s.finish_reason != REFUSED]
+    inputs = await asyncio.to_thread(verifier_inputs, [samples[i] for i in live], tokenizer)
+    scores = await asyncio.wrap_future(reward.submit(*inputs))
+    out = [0.0] * len(samples)
+    for i, value in zip(live, scores):
+        out[i] = value
+    return out

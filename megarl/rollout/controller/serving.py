@@ -4,7 +4,8 @@ group scored and queued for the trainer.
 A request's result is absorbed into its slot when the request still serves the slot as it
 was when sent (neither restarted nor its group dropped since); a request the engine refuses
 ends its sample refused (scored 0); an engine failure ends the round. A group whose samples
-are all done is scored (off the loop in the `scorer` executor, when given), judged by the group
+are all done is scored (off the loop when a `scorer` is given: an executor running `score`, or
+a coroutine function awaited while the loop serves on), judged by the group
 filter (rollout.group_filter, `group_filter.py`: a dropped group leaves, its place goes to the
 next prompt) and queued in `completed`, unless a staleness rule changed its samples meanwhile;
 a finished request is replaced at once (`Admission._fill`).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Executor
 from typing import Callable
 
 from megarl.data.sample import Sample
@@ -117,8 +119,8 @@ class Serving:
             slot.finish_reason = "length"   # aborted exactly at the budget: nothing left to do
 
     def _emit(self, group: Group) -> None:
-        """Score a complete group and queue it: at once on the loop, or in `scorer` (the loop
-        goes on serving meanwhile; a verifier may take seconds)."""
+        """Score a complete group and queue it: at once on the loop, or off it by `scorer` (the
+        loop goes on serving meanwhile; a verifier may take seconds)."""
         group.reward_done = True   # never scored twice
         samples, scored = self.samples_of(group), sample_identity(group)
         if self.scorer is None:
@@ -128,7 +130,10 @@ class Serving:
 
     async def _score_off_loop(self, group: Group, scored: tuple, samples: list[Sample]) -> None:
         try:
-            rewards = await asyncio.get_running_loop().run_in_executor(self.scorer, _score_all, self.score, samples)
+            if isinstance(self.scorer, Executor):
+                rewards = await asyncio.get_running_loop().run_in_executor(self.scorer, _score_all, self.score, samples)
+            else:   # the run's reward runner (rollout/controller/scoring.py score_group)
+                rewards = await self.scorer(samples)
         except BaseException as err:   # noqa: BLE001 - e.g. the verifier's worker cannot start
             self._fail(err)
             return

@@ -14,15 +14,14 @@ where they can be (megarl/preflight.py `prompts_problem`).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 from megarl.data.sample import Sample
 from megarl.data.seeds import sample_seed
 from megarl.rollout import routes
-from megarl.rollout.controller.scoring import score_sample
+from megarl.rollout.controller.scoring import REFUSED
 from megarl.rollout.engines.engine import GenRequest, RequestError
 
-REFUSED = "refused"        # finish_reason of a sample the engine refused as invalid
 log = logging.getLogger("megarl.engines")
 
 
@@ -76,11 +75,3 @@ def all_refused(count: int, first: Optional[RequestError]) -> RequestError:
     on; it names the first refusal (the engine's message) where the caller saw one."""
     return RequestError(f"the engines refused every sample of the step ({count}), nothing to train on; "
                         f"the first: {first}", getattr(first, "key", ""))
-
-
-def score_all(samples: list[Sample], tokenizer, reward_fn: Callable) -> list[Sample]:
-    """Each sample's reward from the run's verifier, one after another (off the pool's loop);
-    a refused sample scores 0 without the verifier (it has no response)."""
-    for s in samples:
-        s.reward = 0.0 if s.finish_reason == REFUSED else score_sample(s, tokenizer, reward_fn)
-    return samples
