@@ -67,7 +67,8 @@ class RewardRunner:
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="megarl-reward-call")
         # isolated: one worker process per call slot, each started on its first call (no more
         # start than are used at once); `_idle` holds those no call holds
-        self.workers = [Worker((module_source(entry.fn.__module__),)) for _ in range(concurrency if entry.isolated else 0)]
+        warm = (module_source(entry.fn.__module__),)
+        self.workers = [Worker(warm) for _ in range(concurrency if entry.isolated else 0)]
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for w in self.workers:
             self._idle.put(w)
