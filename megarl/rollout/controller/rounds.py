@@ -17,7 +17,7 @@ Runs on trainer rank 0 only. Everything that touches the controller's state runs
 pool's event loop thread (the controller is not thread-safe); the driver thread only sees
 copies. A round's groups stay on the controller (`ready`) until the driver takes them on the
 loop, so a checkpoint taken at any moment holds each untrained group exactly once. Scoring
-(the verifier) runs in one thread of its own, off the loop: the engines are served meanwhile.
+(the verifier) runs in the reward runner, off the loop: the engines are served meanwhile.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import bisect
 import copy
 import time
 from collections import Counter
-from concurrent.futures import wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait
 from typing import Awaitable, Callable
 
 from megarl.data.prompts import encode_prompts
