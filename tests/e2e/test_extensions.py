@@ -1,7 +1,8 @@
 """User code outside the repository trains, named by import path, with the run tracked in an
 offline W&B run: a verifier (isolated: it runs in the verifier worker process, which loads the
-same file) and an advantage estimator in one sync run; an environment in a partial run. Both
-runs use the session's remote engine and the tiny countdown model."""
+same file) and an advantage estimator in one sync run; a batched verifier in a sync run, an
+async one in a partial run; an environment in a partial run. Every run uses the session's
+remote engine and the tiny countdown model (2 steps each)."""
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from conftest import ROOT, run_py
 from wandb_records import history, run_files
 
 USER_CODE = '''
+import asyncio
 import os
 import sys
 
@@ -30,6 +32,22 @@ def answer_words(response_text, record, *, finished, answer_key="answer"):
     with open(os.path.join(HERE, "verifier_calls.txt"), "a") as fh:
         fh.write(sys.argv[0] + "\\n")       # "-c" in the verifier worker process
     return words_found(response_text, record[answer_key])
+
+
+@verifier(batched=True)
+def batch_lengths(response_texts, records, *, finished):
+    """A batched verifier: each call's size on a line, then one score per sample."""
+    with open(os.path.join(HERE, "batch_calls.txt"), "a") as fh:
+        fh.write(f"{len(response_texts)}\n")
+    return [min(len(t), 40) / 40 for t in response_texts]
+
+
+async def judged_words(response_text, record, *, finished):
+    """An async verifier, as a judge behind a network call would be."""
+    await asyncio.sleep(0.01)
+    with open(os.path.join(HERE, "async_calls.txt"), "a") as fh:
+        fh.write("1\n")
+    return words_found(response_text, record["answer"])
 
 
 def _gae_unwhitened(scores, kl, mask, values, algo, group_size):
@@ -104,6 +122,43 @@ def test_verifier_and_estimator_from_a_file_train_and_wandb_logs_every_key(tiny_
     (wandb_run,) = run_files(run_dir)
     logged = history(wandb_run)
     assert [{k: r.get(k) for k in rows[0]} for r in logged] == rows
+
+
+def _dumped(run_dir, steps=(0, 1)) -> list[dict]:
+    return [json.loads(line) for step in steps
+            for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def test_a_batched_verifier_trains_a_sync_run_with_whole_groups(tiny_model, remote_engine, user_file, tmp_path):
+    """reward.fn names a batched verifier (@verifier(batched=True)) and reward.batch_size=4: the
+    run trains, each call held whole groups (rollout.sampling.n=2) of at most 4 samples, every
+    trained sample was scored by it (its reward is the rule's), none failed."""
+    from transformers import AutoTokenizer
+    run_dir = tmp_path / "batched"
+    rows = train(tiny_model, remote_engine, run_dir, "rollout.mode=sync", f"reward.fn={user_file}:batch_lengths",
+                 "reward.batch_size=4")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
+    sizes = [int(n) for n in (user_file.parent / "batch_calls.txt").read_text().split()]
+    samples = _dumped(run_dir)
+    assert sum(sizes) == len(samples) == 16 and all(n in (2, 4) for n in sizes), sizes
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for s in samples:
+        assert s["reward"] == pytest.approx(min(len(tok.decode(s["response_ids"], skip_special_tokens=True)), 40) / 40)
+
+
+def test_an_async_verifier_trains_a_partial_run(tiny_model, remote_engine, user_file, tmp_path):
+    """reward.fn names an `async def`: the partial rollout awaits it off the engines' loop (the
+    reward runner's), every trained sample scored by it, none failed."""
+    run_dir = tmp_path / "async"
+    rows = train(tiny_model, remote_engine, run_dir, "rollout.mode=partial", f"reward.fn={user_file}:judged_words",
+                 "reward.concurrency=8")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
+    calls = (user_file.parent / "async_calls.txt").read_text().split()
+    samples = _dumped(run_dir)
+    assert len(samples) == 16 and len(calls) >= len(samples)   # groups scored beyond the steps' are carried
+    assert all(0.0 <= s["reward"] <= 1.0 for s in samples)
 
 
 def test_environment_from_a_file_runs_episodes(tiny_model, remote_engine, user_file, tmp_path):
