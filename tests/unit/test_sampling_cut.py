@@ -1,12 +1,19 @@
 """The trainer's top-k / top-p cut (models/sampling_cut.py) and the logprobs renormalised over it
 (models/logprobs.py at TP=1), against direct references: vLLM's own masking function from the
 venv, and a per-row sort and cumulative sum written out here."""
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+from conftest import ROOT
 
 from megarl.distributed import parallel
+from megarl.distributed.env import free_port
 from megarl.models import logprobs as lp
 from megarl.models.sampling_cut import NO_CUT, Cut, kept_threshold
 
@@ -165,3 +172,58 @@ def test_chunked_threshold_search(one_rank, monkeypatch):
     whole = lp._kept_threshold(z, 50, Cut(top_k=10, top_p=0.8))
     monkeypatch.setattr(lp, "GATHER_ELEMENTS", 50 * 4)
     assert torch.equal(lp._kept_threshold(z, 50, Cut(top_k=10, top_p=0.8)), whole)
+
+
+_TP2_RANK = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from megarl.bootstrap import bootstrap
+    bootstrap()
+    from megarl.distributed import parallel
+    from megarl.models import logprobs as lp
+    from megarl.models.sampling_cut import Cut
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel.initialize(2, 1, 0)
+    true_vocab, T = 120, 0.7                        # 128 columns: 8 of padding on rank 1
+    full = torch.randn(2, 6, 128, generator=torch.Generator().manual_seed(4)) * 3
+    labels = torch.randint(0, true_vocab, (2, 6), generator=torch.Generator().manual_seed(5))
+    lp.GATHER_ELEMENTS = 3 * 128                    # several chunks of rows
+    out = {}
+    for cut in (Cut(top_k=20), Cut(top_p=0.7), Cut(top_k=20, top_p=0.9)):
+        z = full[..., :true_vocab] / T
+        kept = z >= lp.kept_threshold(z.reshape(-1, true_vocab), cut).reshape(2, 6, 1)
+        kept |= torch.nn.functional.one_hot(labels, true_vocab).bool()   # a label outside: kept, counted
+        ref_in = full.clone().requires_grad_(True)
+        zr = ref_in[..., :true_vocab] / T
+        ref = zr.gather(-1, labels[..., None])[..., 0] - zr.masked_fill(~kept, float("-inf")).logsumexp(-1)
+        ref.sum().backward()
+        part = full[..., 64 * rank: 64 * (rank + 1)].clone().requires_grad_(True)
+        report = {}
+        logp, _ = lp.vocab_parallel_logprobs(part, labels, true_vocab, True, T, cut, report)
+        logp.sum().backward()
+        out[str(cut)] = {"logp": float((logp - ref).abs().max()),
+                         "grad": float((part.grad - ref_in.grad[..., 64 * rank: 64 * (rank + 1)]).abs().max()),
+                         "outside": int(report["cut_outside"].sum())}
+    print(json.dumps(out))
+    parallel.destroy()
+    dist.destroy_process_group()
+""")
+
+
+def test_tensor_parallel_cut_is_the_whole_vocabularys():
+    """At TP=2 (2 gloo ranks, each a vocabulary slice, padding on the last) the cut's threshold
+    is the whole vocabulary's (gathered in several chunks), so the logprobs and their gradient
+    on each slice equal a one-process computation over the whole vocabulary. Two light ranks:
+    no model, a few small tensors."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", _TP2_RANK, str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    for r in results:
+        assert len(r) == 3
+        for cut, v in r.items():
+            assert v["logp"] < 1e-5 and v["grad"] < 1e-6, (cut, v)
+    assert results[0] == results[1] or all(results[0][c]["outside"] == results[1][c]["outside"] for c in results[0])
+    assert any(v["outside"] > 0 for v in results[0].values())   # random labels: some outside every cut

@@ -22,8 +22,8 @@ class EvalConfig:
     n: int = 1                         # samples per prompt
     k: list[int] = field(default_factory=lambda: [1])   # pass@k reported for each k (each <= n)
     temperature: float = 0.0           # 0: greedy; > 0: sampled, seeded by run.seed (the same draws at each evaluation)
-    # nucleus sampling (sampled evaluation only); below 1 is fine here: no trainer logprobs are
-    # computed for evaluation samples (rollout.sampling.top_p stays 1)
+    # nucleus sampling (sampled evaluation only), the evaluation's own: rollout.sampling.top_p
+    # (and top_k) do not apply to it
     top_p: float = 1.0
     max_new_tokens: int = 0            # response budget in tokens; 0: rollout.sampling.max_new_tokens
     max_prompts: int = 0               # the first this many prompts of each dataset; 0: all of them
