@@ -9,6 +9,7 @@ same request was held over the update and goes on. Writes the carried sample of 
 and an uninterrupted greedy run of the same prompt.
 usage: carry_probe.py MODEL_DIR OUT_JSON
 """
+import itertools
 import json
 import sys
 
@@ -19,7 +20,10 @@ def carried(pool, model_dir, long_prompt, short_prompt) -> dict:
     versions and requests sent."""
     version = pool.version
     from megarl.rollout.controller.partial import PartialRolloutController
-    prompts = iter([long_prompt] + [short_prompt] * 300)
+    # as many short prompts as the rounds take: each round draws one or two, and how many rounds
+    # the long sample needs depends on the machine's load (StopIteration from a finite list
+    # would end the probe before the round cap below says what went wrong)
+    prompts = itertools.chain([long_prompt], itertools.repeat(short_prompt))
     ctl = PartialRolloutController(
         pool.pool, n=1, concurrency=2, max_new_tokens=56, temperature=0.0, max_staleness=5,
         stale_policy="restart", new_group=lambda: ({}, next(prompts)), score=lambda s: 0.0, seed=0)
@@ -29,11 +33,12 @@ def carried(pool, model_dir, long_prompt, short_prompt) -> dict:
     long_done, rounds = None, 0
     # each round ends as soon as a short sample completes, so the long one gains a few
     # tokens per round, fewer on a loaded machine: allow rounds enough for its whole budget
-    while long_done is None and rounds < 300:
+    while long_done is None and rounds < 1000:
         rounds += 1
         for g in pool.call(ctl.run_round(1, version + 1), f"round {rounds}"):
             if g.gid == 0:
                 long_done = g.slots[0]
+    assert long_done is not None, f"the long sample did not finish in {rounds} rounds"
     return {"first_round_gid": first[0].gid, "partial_len": len(partial or []),
             "carried": long_done.response_ids, "carried_logprobs": long_done.logprobs,
             "versions": long_done.versions, "finish_reason": long_done.finish_reason,
