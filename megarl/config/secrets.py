@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.errors import ConfigError
+from megarl.config.renames import ALIASES, MOVED
 
 REDACTED = "<redacted>"
 
@@ -151,13 +152,13 @@ def resolve(cfg):
     return cfg
 
 
-def redacted_overrides(args: list[str], moved: dict[str, str]) -> list[str]:
+def redacted_overrides(args: list[str]) -> list[str]:
     """Command-line overrides (`key=value`) as a log may keep them: a secret's value, under its
-    key or an old name of it (`moved`: the loader's MOVED and ALIASES), is REDACTED."""
+    key or an old name of it (renames.MOVED and ALIASES), is REDACTED."""
     out = []
     for arg in args:
         key, sep, value = arg.partition("=")
-        if sep and value and moved.get(key, key) in SECRET_KEYS:
+        if sep and value and {**MOVED, **ALIASES}.get(key, key) in SECRET_KEYS:
             arg = f"{key}={REDACTED}"
         out.append(arg)
     return out
@@ -165,7 +166,5 @@ def redacted_overrides(args: list[str], moved: dict[str, str]) -> list[str]:
 
 if __name__ == "__main__":   # slurm/common.sh: a job's overrides.txt, one override a line
     import sys
-
-    from megarl.config.loader import ALIASES, MOVED
-    print("\n".join(redacted_overrides(sys.argv[1:], {**MOVED, **ALIASES})))
+    print("\n".join(redacted_overrides(sys.argv[1:])))
 

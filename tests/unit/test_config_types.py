@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from megarl.config import ConfigError, load_config
-from megarl.config.loader import MOVED
+from megarl.config.renames import MOVED
 from megarl.config.schema import RootConfig
 
 # each kind of value, as the command line writes it and as a recipe holds it
@@ -52,7 +52,7 @@ def _fits(declared, kind: str) -> bool:
 
 def _takes(key: str, kind: str) -> bool:
     """Whether `key` takes a value of `kind`: its own type's, or, for an old flat key that is now
-    a section (rollout.engines, config/loader.py MOVED), its new key's."""
+    a section (rollout.engines, config/renames.py MOVED), its new key's."""
     return _fits(KEYS[key], kind) or key in MOVED and _fits(KEYS[MOVED[key]], kind)
 
 

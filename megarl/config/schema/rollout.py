@@ -164,7 +164,7 @@ class PartialConfig:
 @dataclass
 class RolloutConfig:
     """`rollout.*`: the mode and the three groups of settings. The flat keys of before
-    (rollout.n, rollout.engine_mode, ...) still load, with a warning (config/loader.py MOVED)."""
+    (rollout.n, rollout.engine_mode, ...) still load, with a warning (config/renames.py MOVED)."""
     # partial (fixed concurrency, carry-over; megarl/rollout/controller/partial.py) | sync (wait for every sample)
     mode: str = "partial"
     dump_every: int = 0                # write <run.dir>/samples/step_<N>.jsonl every this many steps (0: never)
