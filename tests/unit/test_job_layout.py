@@ -103,8 +103,11 @@ def test_job_shell_prints_the_layout_for_bash():
 @pytest.mark.parametrize("recipe", ["recipes/qwen2.5_7b.yaml", "my_recipes/qwen2.5_7b_long.yaml"])
 def test_the_default_run_dir_holds_the_recipes_name(recipe):
     """Two recipes sent through one script (RECIPE=...) get run folders of their own: neither
-    resumes the other's checkpoint."""
-    shell = ('set -euo pipefail; MEGARL_ROOT=.; source slurm/common.sh; SLURM_JOB_NAME=megarl-ppo-7b; '
-             f'RECIPE={recipe}; megarl_settings; echo "$RUN_DIR"')
-    out = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == f"runs/megarl-ppo-7b-{Path(recipe).stem}"
+    resumes the other's checkpoint. Two submissions of the same recipe (job ids of their own)
+    share it: the second resumes where the first left, through the same resume a requeued run
+    takes (tests/e2e/test_slurm.py)."""
+    for job in (11, 12):
+        shell = ('set -euo pipefail; MEGARL_ROOT=.; source slurm/common.sh; SLURM_JOB_NAME=megarl-ppo-7b; '
+                 f'SLURM_JOB_ID={job}; RECIPE={recipe}; megarl_settings; echo "$RUN_DIR"')
+        out = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        assert out.strip() == f"runs/megarl-ppo-7b-{Path(recipe).stem}"
