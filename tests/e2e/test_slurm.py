@@ -174,6 +174,8 @@ def test_sbatch_ppo_70b_runs_checkpoints_on_sigterm_requeues_and_resumes(tiny_mo
     for folder in (first, second):
         names = {p.name for p in folder.iterdir()}
         assert {"git.txt", "config.yaml", "job.txt", "env.txt", "overrides.txt", "trainer.log", "engines"} <= names
+        raw = (folder / "trainer.log").read_bytes()   # bytes: read_text would turn a "\r" into "\n"
+        assert b"\r" not in raw and b"\x1b" not in raw, raw[-3000:]   # plain lines: no bar redraws, no colours
         config = (folder / "config.yaml").read_text()
         assert "    mode: remote" in config and f"http://127.0.0.1:{port}" in config
         assert re.match(r"[0-9a-f]{40}|not a git checkout", (folder / "git.txt").read_text())
