@@ -36,6 +36,7 @@ def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(ca
     assert captured["argv"] == want
     argv = captured["argv"]
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert "--no-use-tqdm-on-load" in argv   # no bar redraws ("\r") in the server's log file
     # the recipe's weight_sync.transport=collective: the server takes weights over the wire,
     # and every route but /health needs the key
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
@@ -104,8 +105,9 @@ def _flags(argv: list[str]) -> dict:
 def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, cuda, backend, eager):
     """vllm_settings.engine_settings is rendered once to AsyncEngineArgs keywords
     (in-process engines) and once to the server's flags (LocalServer, and so `serve`): every
-    setting reaches both with the same value; besides them the in-process engine adds only
-    its quiet logging and the server only its address, name and key middleware."""
+    setting reaches both with the same value (no weight-loading bar either); besides them the
+    in-process engine adds only its quiet stats and the server only its address, name and key
+    middleware."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     cfg = RolloutConfig(engines=EnginesConfig(enforce_eager=eager, kv_cache_mb=32, max_model_len=192,
                                              gpu_memory_utilization=0.3))
@@ -117,7 +119,7 @@ def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, 
     argv = server.command()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     flags = _flags(argv[3:])
-    shared = {k: v for k, v in in_process.items() if k not in ("disable_log_stats", "use_tqdm_on_load")}
+    shared = {k: v for k, v in in_process.items() if k != "disable_log_stats"}
     assert set(flags) - set(shared) == {"model", "host", "port", "served_model_name", "middleware"}
     for name, value in shared.items():
         got = flags[name]

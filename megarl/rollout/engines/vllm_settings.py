@@ -26,8 +26,10 @@ def engine_settings(*, seed: int, max_model_len: int, tp: int, enforce_eager: bo
     fp32). `weight_backend`: the weight-transfer backend it receives with ("": files only).
     `expert_parallel`: an MoE model's experts split over the `tp` ranks (vLLM's EP, sized TP x DP,
     and an engine here has no DP), rollout.engines.expert_parallel; `check_expert_parallel`."""
+    # no progress bar while the weights load: its redraws put carriage returns in the engines' log
+    # files (an in-process engine's: the trainer's log)
     settings = dict(max_model_len=max_model_len, tensor_parallel_size=tp, seed=seed,
-                    enforce_eager=enforce_eager, logprobs_mode=LOGPROBS_MODE)
+                    enforce_eager=enforce_eager, logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False)
     if expert_parallel:   # only when asked: the flags of every other engine stay as they were
         settings["enable_expert_parallel"] = True
     if cuda:
