@@ -227,3 +227,32 @@ def test_tensor_parallel_cut_is_the_whole_vocabularys():
             assert v["logp"] < 1e-5 and v["grad"] < 1e-6, (cut, v)
     assert results[0] == results[1] or all(results[0][c]["outside"] == results[1][c]["outside"] for c in results[0])
     assert any(v["outside"] > 0 for v in results[0].values())   # random labels: some outside every cut
+
+
+def test_requests_carry_the_cut_to_the_engines():
+    """rollout.sampling.top_k / top_p reach every request of a round, vLLM's SamplingParams and
+    the servers' request body; a continuation after an abort keeps them (pool.py)."""
+    from megarl.rollout.controller.sync_rollout import group_requests
+    from megarl.rollout.engines.http_stream import StreamedRequests
+    from megarl.rollout.engines.vllm_async import sampling_params
+    reqs = group_requests([[1, 2], [3]], 2, 8, 0.7, [5, 6], top_p=0.9, top_k=20)
+    assert len(reqs) == 4 and all((r.top_p, r.top_k) == (0.9, 20) for r in reqs)
+    params = sampling_params(reqs[0])
+    assert (params.top_p, params.top_k) == (0.9, 20)
+    body = StreamedRequests._payload(type("S", (), {"model": "m"})(), reqs[0])
+    assert (body["top_p"], body["top_k"]) == (0.9, 20)
+    off = group_requests([[1]], 1, 8, 0.7, None)[0]
+    assert (off.top_p, off.top_k) == (1.0, -1) and sampling_params(off).top_p == 1.0
+
+
+def test_the_service_samples_at_the_runs_cut_only():
+    """An agent's chat request may repeat the run's top_p / top_k, or leave them out; another
+    value is refused (400) naming the run's, as for the temperature."""
+    from megarl.service.app import chat_options
+    from megarl.service.recorder import ServiceError
+    assert chat_options({"top_p": 0.9, "top_k": 20}, 1.0, 0.9, 20) == (None, False)
+    assert chat_options({"top_k": 0}, 1.0) == (None, False)          # vLLM's "off" at a run without top_k
+    for body, words in (({"top_p": 0.95}, "run's top_p=0.9 "), ({"top_k": 50}, "run's top_k=20 "),
+                        ({"top_p": 1.0}, "run's top_p=0.9 ")):
+        with pytest.raises(ServiceError, match=words):
+            chat_options(body, 1.0, 0.9, 20)
