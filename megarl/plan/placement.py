@@ -162,8 +162,10 @@ def indivisible_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, rm_
         fix += (f"; on {trainer_gpus} GPUs the lightest layout is {layout_setting(lay, arch)} "
                 f"(dp={lay.dp}), {gib(peak)} GiB per GPU, which "
                 + ("fits" if fits else f"does not fit either ({gib(peak - usable)} GiB over)"))
+    where = f"{trainer_nodes} nodes x {g}" if trainer_gpus == trainer_nodes * g else \
+        f"those of its {g} the engines leave on the node"   # one node's split (plan/node_split.py)
     what = experts_why or (f"one model copy needs TP x PP = {tp * pp} GPUs, which does not "
-                           f"divide the trainer's {trainer_gpus} ({trainer_nodes} nodes x {g})")
+                           f"divide the trainer's {trainer_gpus} ({where})")
     return {"role": "trainer", "what": what,
             "short_gib": None, "fix": fix}   # the GiB are in the fix: they are the best layout's
 

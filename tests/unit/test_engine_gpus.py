@@ -128,3 +128,6 @@ def test_the_plan_follows_named_gpus_and_refuses_an_overlap_in_one_line():
     assert alone["placement"]["gpu_split"]["shared"] and alone["placement"]["trainer"]["gpus"] == 1
     with pytest.raises(ConfigError, match="rollout.engines.gpus=.*listed twice"):
         make_plan(config(*ONE_NODE[:2], "rollout.engines.count=2", "rollout.engines.gpus=[6,6]"))
+    odd = make_plan(config("cluster.gpus_per_node=8", "parallel.tp=2"))   # one engine leaves 7 GPUs to TP=2
+    assert odd["placement"]["gpu_split"]["trainer"] == [str(i) for i in range(7)] and not odd["fits"]
+    assert "divide the trainer's 7 (those of its 8 the engines leave on the node)" in odd["problems"][0]["what"]
