@@ -91,7 +91,9 @@ def test_r3_with_multi_turn_episodes_trains_the_episodes_carried_between_turns(m
     run_dir = tmp_path / "run"
     proc = run_py(["-m", "megarl.cli", "train", "recipes/tiny_agent_cpu.yaml", f"model.path={moe_agent}",
                    f"data.prompts={moe_agent}/prompts.jsonl", f"run.dir={run_dir}", "train.steps=3",
-                   "train.ppo_epochs=1", "train.mini_batches=1", "algo.routing_replay=r3"])
+                   # the recipe's 32 groups a step are for its learning curve; 16 carry episodes as well
+                   "train.groups_per_step=16", "train.ppo_epochs=1", "train.mini_batches=1",
+                   "algo.routing_replay=r3"])
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
