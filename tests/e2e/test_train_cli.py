@@ -173,15 +173,18 @@ def test_an_engine_of_tp2_on_cpu_takes_every_push(tiny_model, tmp_path):
 
 def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_path):
     """`megarl train ... parallel.tp=2` on 2 torchrun ranks with 2 engines sampling at
-    temperature 0.7: its pushes (TP shards gathered, QKV and gate/up regrouped) reach both
-    engines, and the trainer's logprobs of the sampled tokens (logits / 0.7) equal the
-    engines' processed logprobs at the fp32 level. The dumped samples carry, per token, the
-    version it was generated under (within the staleness bound) and the engine's logprob. GRPO:
-    no critic is built or trained. checkpoint.hf_every=1 and hf_final: the actor exported after
-    each step, gathered over TP (the export's logprobs: tests/dist/test_hf_export.py)."""
+    temperature 0.7, top_p 0.9 and top_k 50 (a recipe's nucleus): its pushes (TP shards
+    gathered, QKV and gate/up regrouped) reach both engines, and the trainer's logprobs of the
+    sampled tokens (logits / 0.7, renormalised over the engines' top-k / top-p set, found on
+    the TP group's whole vocabulary) equal the engines' processed logprobs at the fp32 level.
+    The dumped samples carry, per token, the version it was generated under (within the
+    staleness bound) and the engine's logprob. GRPO: no critic is built or trained.
+    checkpoint.hf_every=1 and hf_final: the actor exported after each step, gathered over TP
+    (the export's logprobs: tests/dist/test_hf_export.py)."""
     run_dir = tmp_path / "tp2"
     _, rows = train(tiny_model, run_dir, "train.steps=2", "parallel.tp=2", "rollout.engines.count=2",
-                    "rollout.sampling.temperature=0.7", "rollout.dump_every=1", "weight_sync.verify=true",
+                    "rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9", "rollout.sampling.top_k=50",
+                    "rollout.dump_every=1", "weight_sync.verify=true",
                     "algo.name=grpo", "checkpoint.hf_every=1", "checkpoint.hf_final=true", nproc=2)
     exports = {p.name: p for p in (run_dir / "hf").iterdir()}
     assert sorted(exports) == ["final", "step_0", "step_1"]
@@ -193,6 +196,7 @@ def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_pat
     assert final != (exports["step_0"] / "model-00001-of-00001.safetensors").read_bytes()
     assert len(rows) == 2
     assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows
+    assert all(0 <= r["cut_outside"] < 1e-2 for r in rows), rows   # sampled tokens outside the trainer's cut
     # GRPO trains without a critic: no value loss, group-normalised advantages, only the actor learns
     assert all(r["value_loss"] == 0.0 and "value_mean" not in r for r in rows)
     assert all(abs(r["advantage_mean"]) < 0.5 for r in rows)
