@@ -38,7 +38,7 @@ def answer_words(response_text, record, *, finished, answer_key="answer"):
 def batch_lengths(response_texts, records, *, finished):
     """A batched verifier: each call's size on a line, then one score per sample."""
     with open(os.path.join(HERE, "batch_calls.txt"), "a") as fh:
-        fh.write(f"{len(response_texts)}\n")
+        fh.write(f"{len(response_texts)}\\n")
     return [min(len(t), 40) / 40 for t in response_texts]
 
 
@@ -46,7 +46,7 @@ async def judged_words(response_text, record, *, finished):
     """An async verifier, as a judge behind a network call would be."""
     await asyncio.sleep(0.01)
     with open(os.path.join(HERE, "async_calls.txt"), "a") as fh:
-        fh.write("1\n")
+        fh.write("1\\n")
     return words_found(response_text, record["answer"])
 
 
@@ -157,7 +157,10 @@ def test_an_async_verifier_trains_a_partial_run(tiny_model, remote_engine, user_
     assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)
     calls = (user_file.parent / "async_calls.txt").read_text().split()
     samples = _dumped(run_dir)
-    assert len(samples) == 16 and len(calls) >= len(samples)   # groups scored beyond the steps' are carried
+    # elastic steps (rollout.partial.max_step_multiple) may train whole multiples of the 4 groups;
+    # groups scored beyond the steps' are carried, so the calls may outnumber the samples
+    assert len(samples) == sum(r["samples"] for r in rows) > 0 and len(samples) % 8 == 0
+    assert len(calls) >= len(samples)
     assert all(0.0 <= s["reward"] <= 1.0 for s in samples)
 
 
