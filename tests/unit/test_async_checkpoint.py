@@ -30,7 +30,7 @@ class Tok:
 def config(step_multiple: int = 1):
     return SimpleNamespace(
         rollout=SimpleNamespace(
-            mode="partial", sampling=SimpleNamespace(n=4, max_new_tokens=64, temperature=1.0),
+            mode="partial", sampling=SimpleNamespace(n=4, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1),
             group_filter="none", group_filter_max_draws=10,
             partial=SimpleNamespace(concurrency=12, max_staleness=2, stale_policy="finish", asynchronous=True,
                                     max_step_multiple=step_multiple)),

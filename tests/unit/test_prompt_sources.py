@@ -217,7 +217,7 @@ def test_a_checkpoint_of_another_data_stream_is_one_line():
     ("data.prompts=null", "data.prompts cannot be null"),
     ("data.max_prompt_tokens=-1", "data.max_prompt_tokens=-1: must be >= 0"),
     ("data.overlong_prompts=skip", "data.overlong_prompts='skip': must be one of"),
-    ("rollout.sampling.top_k=50", "rollout.sampling.top_k=50: must be -1 (off)"),   # no trainer renormalisation yet
+    ("rollout.sampling.top_k=0", "rollout.sampling.top_k=0: must be -1 (off) or >= 1"),
 ])
 def test_bad_settings_are_one_line(override, must):
     with pytest.raises(ConfigError) as e:

@@ -20,14 +20,25 @@ def verifier_inputs(samples: list[Sample], tokenizer) -> tuple[list[str], list[d
             [s.record for s in samples], [s.stopped for s in samples])
 
 
+def each_sample(reward, texts: list[str], records: list[dict], finished: list[bool]) -> list[float]:
+    """A group's scores from a plain per-sample function `reward(text, record, finished=...)`:
+    what a Rollout may be given instead of the run's RewardRunner (megarl.rewards.runner), as
+    the simulator and the tests give it, called in order on the calling thread."""
+    return [float(reward(t, r, finished=f)) for t, r, f in zip(texts, records, finished)]
+
+
 def score_all(samples: list[Sample], tokenizer, reward) -> list[Sample]:
     """Each sample's reward (set on it), blocking: consecutive samples of one group are scored
-    together, every group submitted at once (scored concurrently, up to reward.concurrency)."""
+    together, every group submitted at once (scored concurrently, up to reward.concurrency).
+    `reward`: a RewardRunner, or a plain per-sample function (each_sample)."""
     live = [s for s in samples if s.finish_reason != REFUSED]
     groups = [list(g) for _, g in itertools.groupby(live, key=lambda s: s.group)]
     for s in samples:
         s.reward = 0.0
-    for group, scores in zip(groups, reward.score_groups([verifier_inputs(g, tokenizer) for g in groups])):
+    inputs = [verifier_inputs(g, tokenizer) for g in groups]
+    scored = (reward.score_groups(inputs) if hasattr(reward, "score_groups")
+              else [each_sample(reward, *i) for i in inputs])
+    for group, scores in zip(groups, scored):
         for s, value in zip(group, scores):
             s.reward = value
     return samples
@@ -38,7 +49,10 @@ async def score_group(samples: list[Sample], tokenizer, reward) -> list[float]:
     off it (a worker thread, then the reward runner): the loop serves requests meanwhile."""
     live = [i for i, s in enumerate(samples) if s.finish_reason != REFUSED]
     inputs = await asyncio.to_thread(verifier_inputs, [samples[i] for i in live], tokenizer)
-    scores = await asyncio.wrap_future(reward.submit(*inputs))
+    if hasattr(reward, "submit"):
+        scores = await asyncio.wrap_future(reward.submit(*inputs))
+    else:   # a plain per-sample function: off the loop too
+        scores = await asyncio.to_thread(each_sample, reward, *inputs)
     out = [0.0] * len(samples)
     for i, value in zip(live, scores):
         out[i] = value
