@@ -106,6 +106,26 @@ def reinforce_pp_baseline_advantages(scores: Tensor, mask: Tensor, group_size: i
     return masked_whiten(centred[:, None] * mask, mask)
 
 
+def discounted_returns(rewards: Tensor, gamma: float) -> Tensor:
+    """[B, R]: G_t = r_t + gamma * G_{t+1}, from the last position back. Positions a sample does
+    not train (observation tokens between its turns, padding: reward 0) pass the return on."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262, sec. 3; OpenRLHF's `reinforce`, veRL's
+    reinforce_plus_plus): per-token rewards (the score on the last token, the KL penalty on
+    every token: `token_rewards`), their discounted returns, whitened over all the batch's
+    response tokens (`masked_whiten`). No group baseline: groups of any size. rewards and mask
+    [B, R]. Returns [B, R], 0 off the mask."""
+    return masked_whiten(discounted_returns(rewards, gamma) * mask, mask)
+
+
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), scaled by
     `penalty` (veRL's penalty_factor): 0 for a response of at most max_new_tokens - buffer
@@ -245,4 +265,11 @@ def _reinforce_pp_baseline(scores: Tensor, kl: Tensor, mask: Tensor, values: Ten
 ADVANTAGES.register("ppo", Estimator(_ppo, needs_critic=True))
 ADVANTAGES.register("grpo", Estimator(_grpo, needs_critic=False))
 ADVANTAGES.register("rloo", Estimator(_rloo, needs_critic=False))
+def _reinforce_pp(scores: Tensor, kl: Tensor, mask: Tensor, values: Tensor | None, algo: AlgoConfig,
+                  group_size: int) -> tuple[Tensor, None]:
+    rewards = token_rewards(scores, mask, kl if algo.kl_mode == "reward" else None, algo.kl_coef)
+    return reinforce_pp_advantages(rewards, mask, algo.gamma), None
+
+
 ADVANTAGES.register("reinforce_plus_plus_baseline", Estimator(_reinforce_pp_baseline, needs_critic=False))
+ADVANTAGES.register("reinforce_plus_plus", Estimator(_reinforce_pp, needs_critic=False))

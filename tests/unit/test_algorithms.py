@@ -19,7 +19,9 @@ from megarl.config.schema import AlgoConfig
 from megarl.data.sample import Sample
 from megarl.ppo.advantages import (
     group_normalized_advantages,
+    masked_whiten,
     overlong_penalty,
+    reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
@@ -297,6 +299,39 @@ def test_reinforce_pp_baseline_by_hand():
     # a wrong variant (GRPO's per-group std instead of the batch's) fails the same check
     grpo = group_normalized_advantages(scores, 2)[:, None] * mask
     assert not torch.allclose(grpo, paper(scores, mask, 2), atol=1e-6)
+
+
+def test_reinforce_pp_by_hand():
+    """Scores 1 and 0 on responses of 2 and 1 tokens, KL 0.1 on each token, kl_coef 1, gamma 1:
+    per-token rewards (-0.1, 0.9) and (-0.1); returns (0.8, 0.9) and (-0.1); on the three tokens
+    mean 0.5333, whitened (x - mean) / sqrt(var + 1e-8). A wrong variant (the score on every
+    token, no returns: GRPO-like without a group) fails the same check."""
+    scores = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    kl = torch.full((2, 2), 0.1)
+    est = ADVANTAGES.get("reinforce_plus_plus")
+    assert not est.needs_critic
+    got, ret = est.fn(scores, kl, mask, None, AlgoConfig(name="reinforce_plus_plus", kl_coef=1.0), 2)
+    assert ret is None
+    x = torch.tensor([0.8, 0.9, -0.1])
+    want = (torch.tensor([[0.8, 0.9], [-0.1, 0.0]]) - x.mean()) / torch.sqrt(x.var(unbiased=False) + 1e-8) * mask
+    assert torch.allclose(got, want, atol=1e-6)
+
+    def paper(rewards, mask, gamma):   # arXiv 2501.03262 sec. 3: discounted returns, batch-normalised
+        returns = torch.zeros_like(rewards)
+        for i in range(rewards.shape[0]):
+            for t in range(rewards.shape[1]):
+                returns[i, t] = sum(gamma ** (s - t) * rewards[i, s] for s in range(t, rewards.shape[1]))
+        x = returns[mask.bool()]
+        return (returns - x.mean()) / torch.sqrt(x.var(unbiased=False) + 1e-8) * mask
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randn(4, 5, generator=gen)
+    m = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0, 0.0, 1.0, 1.0, 0.0], [1.0] + [0.0] * 4])
+    rewards = rewards * m
+    for gamma in (1.0, 0.9):
+        assert torch.allclose(reinforce_pp_advantages(rewards, m, gamma), paper(rewards, m, gamma), atol=1e-5)
+    wrong = masked_whiten(rewards.sum(1, keepdim=True) * m, m)   # the score on every token, no returns
+    assert not torch.allclose(wrong, paper(rewards, m, 1.0), atol=1e-5)
 
 
 def test_new_estimators_are_registered_without_a_critic_and_read_the_kl_in_the_reward():

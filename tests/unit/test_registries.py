@@ -95,7 +95,7 @@ def test_a_home_that_fails_to_import_fails_every_time(tmp_path, monkeypatch):
 @pytest.mark.parametrize("reg, names", [
     (KL_KINDS, ["abs", "k1", "k2", "k3"]),
     (LOSS_AGGS, ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]),
-    (ADVANTAGES, ["grpo", "ppo", "reinforce_plus_plus_baseline", "rloo"]),
+    (ADVANTAGES, ["grpo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]),
     (POLICY_LOSSES, ["cispo", "gspo", "ppo"]),
     (IS_MODES, ["mask", "none", "tis"]),
     (IS_LEVELS, ["geo_sequence", "sequence", "token"]),

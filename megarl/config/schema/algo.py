@@ -11,7 +11,8 @@ from megarl.config.schema.checks import changed, one_of, require
 @dataclass
 class AlgoConfig:
     # advantages (docs/algorithms.md): ppo (GAE with a critic) | grpo (group-normalised, no critic) |
-    # rloo (leave-one-out baseline) | reinforce_plus_plus_baseline (group mean out, batch-whitened)
+    # rloo (leave-one-out baseline) | reinforce_plus_plus_baseline (group mean out, batch-whitened) |
+    # reinforce_plus_plus (discounted returns of per-token rewards, batch-whitened: reads algo.gamma)
     name: str = "ppo"
     # the policy loss (docs/algorithms.md): ppo (clipped token ratio) | gspo (clipped sequence ratio,
     # the token ratios' geometric mean) | cispo (clipped, stop-gradient IS weight on log pi; no lower bound)

@@ -28,10 +28,12 @@ _CRITIC = {"algo.value_clip", "algo.value_coef", "train.critic_lr", "train.criti
 # the settings each built-in algo.name reads and the others do not (one registered elsewhere:
 # only the critic's settings are checked, by its needs_critic)
 ESTIMATOR_READS = {"ppo": {"algo.gamma", "algo.lam", "algo.whiten_advantages"} | _CRITIC,
-                   "grpo": {"algo.grpo_std_normalize"}, "rloo": set(), "reinforce_plus_plus_baseline": set()}
+                   "grpo": {"algo.grpo_std_normalize"}, "rloo": set(), "reinforce_plus_plus_baseline": set(),
+                   "reinforce_plus_plus": {"algo.gamma"}}
 _ESTIMATOR_WHY = {"ppo": "PPO's advantages are GAE's, not group-normalised", "grpo": "GRPO has no critic and no GAE",
                   "rloo": "RLOO's baseline is the group's other samples: no critic, no GAE, no std",
-                  "reinforce_plus_plus_baseline": "REINFORCE++-baseline whitens over the batch: no critic, no GAE"}
+                  "reinforce_plus_plus_baseline": "REINFORCE++-baseline whitens over the batch: no critic, no GAE",
+                  "reinforce_plus_plus": "REINFORCE++ whitens discounted returns over the batch: no critic, no GAE"}
 # the settings each built-in algo.policy_loss leaves unused (docs/algorithms.md)
 _POLICY_LOSS_SKIPS = {"gspo": ({"algo.dual_clip"}, "GSPO clips the sequence ratio; the dual clip is PPO's token cap"),
                       "cispo": ({"algo.clip_low", "algo.dual_clip"},
