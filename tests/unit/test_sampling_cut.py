@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 from conftest import ROOT
+from test_moe_mapping import megatron_world  # noqa: F401  (the one-rank gloo world)
 
-from megarl.distributed import parallel
 from megarl.distributed.env import free_port
 from megarl.models import logprobs as lp
 from megarl.models.sampling_cut import NO_CUT, Cut, kept_threshold
@@ -106,22 +106,9 @@ def renormalised(z, labels, cut):
     return (z.gather(-1, labels[:, None])[:, 0] - torch.where(kept, z, -math.inf).logsumexp(-1))
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """World size 1 (gloo, TP=1): the logprobs' all-reduces are megatron's TP-group ones."""
-    import torch.distributed as dist
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel.initialize(1, 1, seed=0)
-    try:
-        yield
-    finally:
-        parallel.destroy()
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("cut", [Cut(top_k=20), Cut(top_p=0.7), Cut(top_k=20, top_p=0.9)], ids=str)
-def test_logprobs_renormalise_over_the_kept_set(one_rank, cut):
+@pytest.mark.usefixtures("megatron_world")
+def test_logprobs_renormalise_over_the_kept_set(cut):
     """vocab_parallel_logprobs at TP=1 with vocab padding and a temperature: the sampled token's
     logprob over the kept set renormalised; the entropy is the whole distribution's; a wrong
     renormalisation (over the whole vocabulary, or the top-k set ignoring top-p) differs."""
@@ -146,7 +133,8 @@ def test_logprobs_renormalise_over_the_kept_set(one_rank, cut):
         assert (w - want).abs().max() > 1e-4, name
 
 
-def test_no_cut_is_the_plain_log_softmax(one_rank):
+@pytest.mark.usefixtures("megatron_world")
+def test_no_cut_is_the_plain_log_softmax():
     raw = logits(n=8, v=64, seed=2)
     labels = torch.arange(8) * 5
     got, _ = lp.vocab_parallel_logprobs(raw[None], labels[None], 64, True, 1.0, NO_CUT, report := {})
@@ -154,7 +142,8 @@ def test_no_cut_is_the_plain_log_softmax(one_rank):
     assert report == {}
 
 
-def test_a_label_outside_the_cut_gets_the_set_with_it_and_is_counted(one_rank):
+@pytest.mark.usefixtures("megatron_world")
+def test_a_label_outside_the_cut_gets_the_set_with_it_and_is_counted():
     """The engine only samples inside its set; a token the trainer's cut leaves out (rounding at
     the boundary) is given its logprob over the kept set plus itself, never -inf."""
     z = torch.tensor([[3.0, 2.0, 1.0, 0.5, 0.0]])
@@ -166,7 +155,8 @@ def test_a_label_outside_the_cut_gets_the_set_with_it_and_is_counted(one_rank):
     assert report["cut_outside"].tolist() == [[True]]
 
 
-def test_chunked_threshold_search(one_rank, monkeypatch):
+@pytest.mark.usefixtures("megatron_world")
+def test_chunked_threshold_search(monkeypatch):
     """The rows are searched in chunks of GATHER_ELEMENTS values: the same thresholds."""
     z = logits(n=30, v=50, seed=9)[None]
     whole = lp._kept_threshold(z, 50, Cut(top_k=10, top_p=0.8))

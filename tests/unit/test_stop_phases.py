@@ -205,26 +205,36 @@ def eval_config(tmp_path):
                                                  f"eval.datasets=[{held}]", "eval.verifiers=[exact]"])
 
 
+def evaluate_until_stopped(sync, tmp_path):
+    """The real Evaluator's `at(0)` on `sync`, which must raise Stopped; its StopSignal."""
+    from megarl.distributed.stop import Stopped, StopSignal
+    stop = StopSignal()
+    ev, logger = evaluator(eval_config(tmp_path), tmp_path, sync, stop)
+    try:
+        with pytest.raises(Stopped):
+            ev.at(0)
+    finally:
+        ev.close()
+        logger.close()
+    return stop
+
+
+def wait_until(done, within_s: float = 30) -> None:
+    """Poll `done()` until it holds or `within_s` passed (the caller asserts what it needs)."""
+    deadline = time.monotonic() + within_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_the_evaluation_s_generation_is_cut_by_a_sigterm_and_its_requests_cancelled(hung_pool, tmp_path):
     """The real Evaluator, its requests hanging on a scripted engine: the SIGTERM raises
     Stopped out of `at`, the requests are cancelled (none left running on the engine), and
     nothing is logged or dumped."""
-    from megarl.distributed.stop import Stopped, StopSignal
     sync, engine = hung_pool
-    cfg = eval_config(tmp_path)
-    stop = StopSignal()
-    ev, logger = evaluator(cfg, tmp_path, sync, stop)
-    try:
-        with pytest.raises(Stopped):
-            ev.at(0)
-        assert stop.signalled and engine.served > 0
-        deadline = time.monotonic() + 30
-        while engine.running and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.running == 0, "the evaluation's requests were left running"
-    finally:
-        ev.close()
-        logger.close()
+    stop = evaluate_until_stopped(sync, tmp_path)
+    assert stop.signalled and engine.served > 0
+    wait_until(lambda: engine.running == 0)
+    assert engine.running == 0, "the evaluation's requests were left running"
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()
     assert not (tmp_path / "run" / "eval").exists()
@@ -235,7 +245,6 @@ def test_a_sigterm_landing_as_the_requests_are_submitted_still_cancels_them(hung
     after the evaluation's requests were handed to the pool's loop and before the driver waits
     for them (where a loaded machine's main thread often is when the first request reaches the
     engine). The run still stops with Stopped and no request is left running on the engine."""
-    from megarl.distributed.stop import Stopped, StopSignal
     sync, engine = hung_pool
     submit, generation = sync.loop.submit, []
 
@@ -246,20 +255,10 @@ def test_a_sigterm_landing_as_the_requests_are_submitted_still_cancels_them(hung
             term_self()        # the handler runs before this function returns
         return future
     monkeypatch.setattr(sync.loop, "submit", submit_then_term)
-    cfg = eval_config(tmp_path)
-    stop = StopSignal()
-    ev, logger = evaluator(cfg, tmp_path, sync, stop)
-    try:
-        with pytest.raises(Stopped):
-            ev.at(0)
-        deadline = time.monotonic() + 30
-        while not (generation[0].done() and engine.running == 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert generation[0].cancelled(), "the evaluation's generation was left running"
-        assert engine.running == 0, "the evaluation's requests were left running"
-    finally:
-        ev.close()
-        logger.close()
+    evaluate_until_stopped(sync, tmp_path)
+    wait_until(lambda: generation[0].done() and engine.running == 0)
+    assert generation[0].cancelled(), "the evaluation's generation was left running"
+    assert engine.running == 0, "the evaluation's requests were left running"
 
 
 def test_the_final_evaluation_is_not_cut_by_a_sigterm(pool, tmp_path):  # noqa: F811
