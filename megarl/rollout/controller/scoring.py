@@ -21,9 +21,10 @@ def verifier_inputs(samples: list[Sample], tokenizer) -> tuple[list[str], list[d
 
 
 def each_sample(reward, texts: list[str], records: list[dict], finished: list[bool]) -> list[float]:
-    """A group's scores from a plain per-sample function `reward(text, record, finished=...)`:
-    what a Rollout may be given instead of the run's RewardRunner (megarl.rewards.runner), as
-    the simulator and the tests give it, called in order on the calling thread."""
+    """A group's scores from a plain per-sample function `reward(text, record, finished=...)`,
+    called in order on the calling thread: what Rollout's signature (`reward_fn: Callable`)
+    accepts besides the run's RewardRunner (megarl.rewards.runner); train.py always gives the
+    runner, the controller's unit tests a plain function."""
     return [float(reward(t, r, finished=f)) for t, r, f in zip(texts, records, finished)]
 
 
