@@ -76,7 +76,7 @@ def receiving_engine(name: str):
         async def resume(self): self.paused = False
         async def reload_weights(self, path, version): raise EngineError("collective only")
         async def transfer_world_size(self): return 1
-        async def start_weight_update(self): self.staged = {}
+        async def start_weight_update(self, staged=False): self.staged = {}
         async def close(self): pass
 
         @property

@@ -130,9 +130,10 @@ class WireEngine(ScriptedEngine):
     unpacked tensors as its weights. `die_at`: the bucket index at which it dies (its group
     goes away, as with a killed process); `absent`: its join never reaches the group."""
 
-    def __init__(self, name, clock, tp=1, die_at=None, absent=False):
+    def __init__(self, name, clock, tp=1, die_at=None, absent=False, dies_at_swap=False):
         super().__init__(name, clock)
-        self.tp, self.die_at, self.absent = tp, die_at, absent
+        self.tp, self.die_at, self.absent, self.dies_at_swap = tp, die_at, absent, dies_at_swap
+        self.paused_at_receive: list[bool] = []      # per bucket: was the engine paused?
         self.groups, self.staged, self.weights = [], {}, {}
         self.buckets_seen, self.alive, self.joins = 0, True, 0
 
@@ -151,12 +152,15 @@ class WireEngine(ScriptedEngine):
         first = info["rank_offset"]
         self.groups = list(await asyncio.gather(*(asyncio.to_thread(join, first + r) for r in range(self.tp))))
 
-    async def start_weight_update(self):
-        assert self.paused and not self._running
-        self.staged = {}
+    async def start_weight_update(self, staged=False):
+        # staged (weight_sync.staged): the engine generates while the buckets arrive, and is
+        # paused only for the finish (the swap)
+        assert staged or (self.paused and not self._running)
+        self.staged, self.staging = {}, staged
 
     async def update_weights(self, info):
         meta = packing.BucketMeta(**info)
+        self.paused_at_receive.append(self.paused)
         self.buckets_seen += 1
         if self.die_at is not None and self.buckets_seen > self.die_at:
             self.alive, self.groups = False, []
@@ -174,6 +178,10 @@ class WireEngine(ScriptedEngine):
         self.staged.update({n: t.clone() for n, t in packing.unpack(meta, bufs[0])})
 
     async def finish_weight_update(self, version):
+        assert self.paused and not self._running
+        if self.dies_at_swap:
+            self.alive = False
+            raise EngineError(f"engine {self.name}: died loading the staged weights")
         self.weights, self.version = self.staged, version
 
     async def health(self):
@@ -207,8 +215,9 @@ async def _start_clock(clock):
     clock.start()
 
 
-def transport(sp, num_buffers=2):
-    return collective.CollectiveTransport(WeightSyncConfig(bucket_mb=1, num_buffers=num_buffers, backend="gloo"), sp)
+def transport(sp, num_buffers=2, staged=True):
+    return collective.CollectiveTransport(
+        WeightSyncConfig(bucket_mb=1, num_buffers=num_buffers, backend="gloo", staged=staged), sp)
 
 
 def same_weights(engine):
@@ -318,6 +327,73 @@ def test_a_replacement_engine_joins_a_new_group_at_the_next_push(fake_source):
         assert [e.name for e in sp.pool.engines] == ["e0", "e1-new"]
         assert engines[0].joins == 2 and fresh.joins == 1
         assert all(same_weights(e) and e.version == 2 for e in sp.pool.engines)
+    finally:
+        t.close()
+        loop.stop()
+
+
+# -- staged pushes (weight_sync.staged) -------------------------------------------------------
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_staged_push_pauses_the_engines_only_for_the_swap(fake_source, staged):
+    """Contract: staged, every bucket reaches the engines while they are not paused (they
+    generate meanwhile) and only the finish runs paused; unstaged, every bucket arrives
+    paused. Either way each engine ends with exactly the new weights, resumed, and the
+    push reports its paused seconds (sync_paused_s) within its total."""
+    clock = Clock()
+    engines = [WireEngine("e0", clock), WireEngine("e1", clock, tp=2)]
+    sp, loop = open_sync_pool(engines)
+    t = transport(sp, staged=staged)
+    try:
+        for version in (1, 2):
+            stats = t.push(None, None, version)
+            assert all(same_weights(e) and e.version == version and not e.paused for e in engines)
+            assert 0 < stats["sync_paused_s"] <= stats["sync_time_s"] and stats["sync_staged"] == float(staged)
+        assert all(e.paused_at_receive == [not staged] * 6 for e in engines)
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_an_engine_dying_at_the_swap_is_retired_and_the_others_take_the_version(fake_source):
+    clock = Clock()
+    engines = [WireEngine("e0", clock), WireEngine("dies", clock, dies_at_swap=True), WireEngine("e2", clock)]
+    sp, loop = open_sync_pool(engines, timeout_s=4.0)
+    t = transport(sp)
+    try:
+        t.push(None, None, 3)
+        assert [e.name for e in sp.pool.engines] == ["e0", "e2"]
+        assert all(same_weights(e) and e.version == 3 and not e.paused for e in sp.pool.engines)
+        assert sp.pool.failures[0]["engine"] == "dies" and engines[1].version == 0
+    finally:
+        t.close()
+        loop.stop()
+
+
+def test_a_replacement_waiting_to_join_gets_an_unstaged_push_and_a_staged_swap_leaves_it_waiting(fake_source):
+    """A replacement needs the whole version while paused: a push that finds one waiting is
+    not staged (it admits it); one arriving during a staged push's wire waits for the next."""
+    clock = Clock()
+    engines = [WireEngine("e0", clock)]
+    sp, loop = open_sync_pool(engines)
+    t = transport(sp)
+    try:
+        fresh = WireEngine("fresh", clock)
+        sp.pool.joining.append(fresh)
+        assert t.push(None, None, 1)["sync_staged"] == 0.0
+        assert [e.name for e in sp.pool.engines] == ["e0", "fresh"] and same_weights(fresh)
+        late = WireEngine("late", clock)
+        receive = engines[0].update_weights
+
+        async def arrives_during_the_wire(info):  # the pool's loop, as failover.py appends
+            if late not in sp.pool.joining and late not in sp.pool.engines:
+                sp.pool.joining.append(late)
+            await receive(info)
+        engines[0].update_weights = arrives_during_the_wire
+        assert t.push(None, None, 2)["sync_staged"] == 1.0
+        assert sp.pool.joining == [late] and late.version == 0
+        assert all(same_weights(e) and e.version == 2 for e in sp.pool.engines)
+        assert t.push(None, None, 3)["sync_staged"] == 0.0
+        assert late in sp.pool.engines and same_weights(late) and late.version == 3
     finally:
         t.close()
         loop.stop()

@@ -30,7 +30,7 @@ class QuietEngine(ScriptedEngine):
     async def init_weight_transfer(self, info):
         pass
 
-    async def start_weight_update(self):
+    async def start_weight_update(self, staged=False):
         pass
 
     async def update_weights(self, info):
@@ -65,6 +65,7 @@ class StuckWire:
     name = "stuck"
     Rendezvous = StuckRendezvous
     holds_buffers = False
+    stages = False                 # as NCCL's: the engines are paused for the whole push
     released = threading.Event()
     sends = 0
 

@@ -29,6 +29,17 @@ class WeightSyncConfig:
     num_buffers: int = 2
     staging_dir: str = "/dev/shm"      # files: where the safetensors buckets are staged (engines must see it)
     verify: bool = False               # after each push, compare engine and trainer logprobs
+    # collective: the new version travels into a staging buffer beside each engine worker while
+    # the engines keep generating; they pause only to load it from there (docs/engines.md,
+    # "Staged updates"). Costs one more copy of the weights per engine worker (host memory,
+    # counted by `megarl plan`); false: the engines pause for the whole push. Only the gloo
+    # wire stages: with nccl / ipc (vLLM's own receivers) the push pauses as with false.
+    staged: bool = True
+    # collective: every trainer rank sends the tensors it owns (its TP/PP/EP shard, converted
+    # locally) to the engine workers that need them, so no rank gathers the whole model and a
+    # push's bytes per trainer link shrink with the trainer (model bytes / TP x PP x EP); false:
+    # trainer rank 0 gathers and sends every tensor. Read by `megarl simulate` / `megarl plan`.
+    sharded: bool = True
 
     def __post_init__(self):
         one_of("weight_sync.transport", self.transport, {"collective", "files"})

@@ -239,7 +239,9 @@ class Engine(abc.ABC):
         """Join the weight group described by `init_info` (returns once joined)."""
         raise self._no_collective()
 
-    async def start_weight_update(self) -> None:
+    async def start_weight_update(self, staged: bool = False) -> None:
+        """Open a session. `staged` (weight_sync.staged): the engine keeps generating while
+        the buckets arrive into its staging area; it is paused only for the finish."""
         raise self._no_collective()
 
     async def update_weights(self, update_info: dict) -> None:

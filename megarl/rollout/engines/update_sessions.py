@@ -26,12 +26,14 @@ from megarl.rollout.engines.engine import Engine
 class UpdateSessions:
     """Versioned update sessions on every engine (a base of the pool)."""
 
-    async def begin_update(self) -> list[Engine]:
-        """Start a push; returns the engines that take it."""
+    async def begin_update(self, admit: bool = True) -> list[Engine]:
+        """Start a push; returns the engines that take it. `admit=False` (a staged push's swap:
+        the new version was staged on the engines of the session only) leaves replacements
+        waiting for the next push, which brings them the whole version."""
         for h in self.holders:
             await h.hold()
         try:
-            joining, self.joining = self.joining, []
+            joining, self.joining = (self.joining, []) if admit else ([], self.joining)
             if joining:
                 self.engines += joining
                 self.restarts += len(joining)

@@ -326,8 +326,9 @@ class AsyncVLLMEngine(Engine):
                         self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)),
                         float(init_info.get("timeout_s", self.timeout_s)) + 60)
 
-    async def start_weight_update(self) -> None:
-        self._check_quiet("a weight update")
+    async def start_weight_update(self, staged: bool = False) -> None:
+        if not staged:                   # staged: the engine generates while the version arrives
+            self._check_quiet("a weight update")
         try:
             await self._rpc("starting a weight update", self.llm.start_weight_update())
         except EngineError as err:

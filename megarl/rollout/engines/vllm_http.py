@@ -318,8 +318,9 @@ class HTTPVLLMEngine(StreamedRequests, Engine):
                     if "weight_transfer_config" in text or status == 404 else "")
             raise EngineError(f"{self._where()}: joining the weight group -> HTTP {status}: {text}.{hint}")
 
-    async def start_weight_update(self) -> None:
-        self._check_quiet("a weight update")
+    async def start_weight_update(self, staged: bool = False) -> None:
+        if not staged:                   # staged: the engine generates while the version arrives
+            self._check_quiet("a weight update")
         status, body = await self._call("POST", "/start_weight_update", check=False, own_connection=True)
         if status != 200 and STALE_SESSION in str(body):
             # a trainer died mid-session (this server outlives trainers): close it, open ours

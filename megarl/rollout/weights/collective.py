@@ -86,6 +86,8 @@ class CollectiveTransport:
         self.group = None
         self._store = None                       # the group's TCPStore (hosted here while the group lives)
         self.members: tuple = ()                 # ids of the engines in self.group, in rank order
+        self._staged_group = False               # whether self.group's engines stage (init info)
+        self._pause = _Pause(None)               # this push's pause of the engines
 
     # -- the push --------------------------------------------------------------------------
     def push(self, model, info, version: int) -> dict:
@@ -97,7 +99,11 @@ class CollectiveTransport:
         timers: dict[str, float] = {}
         stats = {"sync_wire_s": 0.0, "sync_bytes": 0, "sync_buckets": 0}
         sp = self.pool
-        engines = sp.call(sp.pool.begin_update(), "pausing the engines for a weight update") if sp else None
+        # staged: the engines pause only at the swap (_session); replacements waiting to join
+        # need the whole version in a pause, so a push that admits them is not staged
+        staged = self.stages and sp is not None and not sp.pool.joining
+        self._pause = _Pause(sp)
+        engines = self._pause.begin(admit=True) if sp and not staged else (list(sp.pool.engines) if sp else None)
         try:
             for attempt in (0, 1):
                 buckets = source.sender_buckets(model, info, self.ws.bucket_mb << 20, timers, self.buffers)
@@ -107,7 +113,7 @@ class CollectiveTransport:
                         for _ in buckets:        # gathers and PP relays only; rank 0 sends
                             pass
                     else:
-                        outcome = self._attempt(engines, buckets, version, stats, may_redo=attempt == 0)
+                        outcome = self._attempt(engines, buckets, version, stats, staged, may_redo=attempt == 0)
                 except Exception as err:  # noqa: BLE001 - this rank still joins the broadcast below
                     # its stage failed (rank 0 hears it through the relay and names it): leaving
                     # now would keep rank 0 and the other ranks waiting in from_rank0
@@ -124,18 +130,24 @@ class CollectiveTransport:
                     break
                 engines = [e for e in engines if e in sp.pool.engines] if sp else None
         finally:
-            if sp is not None:
-                sp.call(sp.pool.end_update(), "resuming the engines")
+            self._pause.end()
         return {"sync_time_s": time.perf_counter() - t0, "sync_gather_s": timers.get("gather", 0.0),
                 "sync_convert_s": timers.get("convert", 0.0), "sync_pack_s": timers.get("pack", 0.0),
-                "sync_stage_s": 0.0, **stats}
+                "sync_stage_s": 0.0, "sync_paused_s": self._pause.seconds, "sync_staged": float(staged),
+                **stats}
 
-    def _attempt(self, engines: list[Engine], buckets, version: int, stats: dict, may_redo: bool):
+    @property
+    def stages(self) -> bool:
+        """Whether pushes are staged: weight_sync.staged, on a wire whose engine side has a
+        staging area (megarl's gloo; vLLM's nccl and ipc receivers load as they receive)."""
+        return bool(self.ws.staged) and self.wire.stages
+
+    def _attempt(self, engines: list[Engine], buckets, version: int, stats: dict, staged: bool, may_redo: bool):
         """One session on rank 0: None when every engine took `version`, ("redo", why) when
         engines died and the survivors must get it again, ("error", message) otherwise. The
         source is always drained: the other trainer ranks iterate it to its end."""
         try:
-            self._session(engines, buckets, version, stats)
+            self._session(engines, buckets, version, stats, staged)
             return None
         except Exception as first:  # noqa: BLE001 - turned into one outcome every rank shares
             err = first
@@ -160,11 +172,13 @@ class CollectiveTransport:
                 return ("redo", str(err))
             return ("error", str(err))
 
-    def _session(self, engines: list[Engine], buckets, version: int, stats: dict) -> None:
+    def _session(self, engines: list[Engine], buckets, version: int, stats: dict, staged: bool) -> None:
+        """One session on `engines`. Unstaged they are paused already; staged they generate
+        until every bucket is on the wire, then pause for the finish (the swap) only."""
         sp, pool = self.pool, self.pool.pool
-        if self.group is None or self.members != tuple(id(e) for e in engines):
-            self._form(engines)
-        sp.call(pool.on_each(lambda e: e.start_weight_update(), engines), "starting a weight update")
+        if self.group is None or self.members != tuple(id(e) for e in engines) or self._staged_group != staged:
+            self._form(engines, staged)
+        sp.call(pool.on_each(lambda e: e.start_weight_update(staged=staged), engines), "starting a weight update")
         if any(e not in pool.engines for e in engines):   # retired: the group would wait for it
             raise WeightGroupError("an engine failed to start the weight update: "
                                    f"{pool.failures[-1]['error'] if pool.failures else '?'}")
@@ -199,6 +213,9 @@ class CollectiveTransport:
                                    f"died or hung mid-broadcast")
         if errors:
             raise errors[0]
+        if staged:       # the swap: every bucket was staged while the engines generated
+            self._pause.begin(admit=False)
+            engines = [e for e in engines if e in pool.engines]
         sp.call(pool.on_each(lambda e: e.finish_weight_update(version), engines),
                 f"finishing weight version {version}")
         self._give_held(reuse=True)           # the engines are done reading them (ipc)
@@ -250,7 +267,7 @@ class CollectiveTransport:
         stats["sync_buckets"] += 1
 
     # -- the group -------------------------------------------------------------------------
-    def _form(self, engines: list[Engine]) -> None:
+    def _form(self, engines: list[Engine], staged: bool = False) -> None:
         """A new group of rank 0 and every worker of `engines`. An engine whose join fails, or
         that has not arrived when the timeout passes, is named and retired; the group is then
         formed again without it."""
@@ -273,7 +290,7 @@ class CollectiveTransport:
             meet = box = None                    # a failed round's store frees its port first
             meet = self._rendezvous(host, port, world, timeout_s)
             first = [1 + sum(sizes[:i]) for i in range(len(engines))]
-            joins = [sp.loop.submit(e.init_weight_transfer(meet.engine_info(off)))
+            joins = [sp.loop.submit(e.init_weight_transfer(self._engine_info(meet, off, staged)))
                      for e, off in zip(engines, first)]
             box: dict = {}
 
@@ -301,7 +318,7 @@ class CollectiveTransport:
                 failed = [(e, r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
                 if not failed:
                     self.group, self._store = box["group"], meet
-                    self.members = tuple(id(e) for e in engines)
+                    self.members, self._staged_group = tuple(id(e) for e in engines), staged
                     return
             if not failed:              # the sender timed out: name who never arrived
                 absent = meet.missing()
@@ -320,6 +337,12 @@ class CollectiveTransport:
                     f"with megarl's weight-transfer config (or set weight_sync.transport=files)")),
                     "retiring an engine")
             engines[:] = [e for e in engines if e in pool.engines]
+
+    def _engine_info(self, meet, rank_offset: int, staged: bool) -> dict:
+        info = meet.engine_info(rank_offset)
+        if staged:                       # only a wire that stages knows the field
+            info["staged"] = True
+        return info
 
     def _rendezvous(self, host: str, port: int, world: int, timeout_s: float):
         """The wire's rendezvous, hosted here; a port in use or an address that is not this
@@ -371,6 +394,31 @@ class CollectiveTransport:
 
     def close(self) -> None:
         self._drop_group()
+
+
+class _Pause:
+    """A push's pause of every engine (rank 0): `begin` at most once (pool.begin_update: held
+    or aborted requests, paused engines), `end` always (the engines resume, also after a
+    failure); `seconds` from the start of the one to the end of the other: sync_paused_s."""
+
+    def __init__(self, sp):
+        self.sp = sp
+        self.since: float | None = None
+        self.seconds = 0.0
+
+    def begin(self, admit: bool) -> list[Engine]:
+        if self.since is not None:       # a redone session's swap: paused already
+            return list(self.sp.pool.engines)
+        self.since = time.perf_counter()
+        return self.sp.call(self.sp.pool.begin_update(admit=admit), "pausing the engines for a weight update")
+
+    def end(self) -> None:
+        if self.since is None:
+            return
+        try:
+            self.sp.call(self.sp.pool.end_update(), "resuming the engines")
+        finally:
+            self.seconds, self.since = time.perf_counter() - self.since, None
 
 
 async def _settled(coros) -> list:

@@ -10,6 +10,11 @@ and loads its views with `model.load_weights` while the next bucket arrives (the
 `finish_weight_update`), inside vLLM's layerwise reload (started in
 `start_weight_update`, finalized in `finish_weight_update`), which also refreshes the
 oneDNN-repacked copies the CPU backend keeps of linear weights.
+
+Staged (`GlooInitInfo.staged`, weight_sync.staged): `update_weights` only queues the bucket for
+the worker's staging area (staging.py), whose thread receives it while the engine generates;
+`start_weight_update` opens the area and `finish_weight_update`, called with the engine paused,
+loads every staged bucket inside one layerwise reload: the pause is the local load only.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from megarl.rollout.weights import group, packing
+from megarl.rollout.weights.staging import StagingArea
 
 
 @dataclass
@@ -29,6 +35,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int                    # the sender + every worker of every engine
     token: str                         # the group's key prefix (group.py)
     timeout_s: float = 300.0           # joining, and each broadcast
+    staged: bool = False               # receive into a staging area while the engine generates
 
 
 @dataclass
@@ -50,11 +57,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.rank = -1
         self.pending = None              # the bucket received last, loaded with the next one
         self.buffers = packing.ReceiveBuffers()   # reused once vLLM holds no view of them
+        self.staged = False
+        self.timeout_s = 300.0
+        self.staging: StagingArea | None = None   # the open staged session's area
+        # a staged push keeps every bucket until the swap: all of them are reused next push
+        self.staging_buffers = packing.ReceiveBuffers(keep=1 << 16)
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         pc = self.parallel_config
         worker = pc.data_parallel_index * pc.world_size + pc.rank
         self.shutdown()                  # a re-formed group replaces the old one
+        self.staged, self.timeout_s = bool(info.staged), float(info.timeout_s)
         self.rank = worker + info.rank_offset
         store = group.store(info.master_address, info.master_port, info.world_size, info.timeout_s,
                             sender=False)
@@ -63,10 +76,24 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         self.pending = None
+        if self.staged:                  # nothing touches the model until the swap
+            self._abandon_staging()
+            self.staging = StagingArea(self.group, self.staging_buffers)
+            return
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        if self.staged:
+            staging, self.staging = self.staging, None
+            if staging is None or staging.abandoned:
+                return                   # a session given up on (engine.py STALE_SESSION): load nothing
+            buckets = staging.take(self.timeout_s)   # raises, loading nothing, if a receive failed
+            initialize_layerwise_reload(self.model)
+            for meta, buf in buckets:
+                self.model.load_weights(packing.unpack(meta, buf))
+            finalize_layerwise_reload(self.model, self.model_config)
+            return
         self._load_pending()
         finalize_layerwise_reload(self.model, self.model_config)
 
@@ -86,6 +113,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("megarl gloo weight transfer: init_weight_transfer_engine was not called")
         meta = packing.BucketMeta(list(info.names), list(info.dtype_names), [list(s) for s in info.shapes],
                                   list(info.offsets), int(info.nbytes))
+        if self.staged:
+            if self.staging is None:
+                raise RuntimeError("megarl gloo weight transfer: a staged bucket arrived outside a session")
+            self.staging.receive(meta)   # returns at once: the engine goes on generating
+            return
         buf = self.buffers.take(meta.nbytes)
         work = group.start_broadcast(self.group, buf)
         try:
@@ -99,6 +131,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if pending is not None:
             self.model.load_weights(packing.unpack(*pending))
 
+    def _abandon_staging(self) -> None:
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.abandon()
+
     def shutdown(self) -> None:
+        self._abandon_staging()
         self.group = None                # gloo closes its pairs when the group is collected
         self.buffers.clear()

@@ -89,6 +89,7 @@ class GlooWire:
     name = "gloo"
     Rendezvous = GlooRendezvous
     holds_buffers = False          # a buffer is free again once its broadcast is done
+    stages = True                  # the engine side receives into a staging area (staging.py)
 
     @staticmethod
     def update_info(meta: packing.BucketMeta, buf) -> dict:
@@ -132,6 +133,7 @@ class NcclWire:
     name = "nccl"
     Rendezvous = NcclRendezvous
     holds_buffers = False
+    stages = False                 # vLLM's receiver loads each tensor as it arrives
 
     @staticmethod
     def update_info(meta: packing.BucketMeta, buf) -> dict:
@@ -183,6 +185,7 @@ class IpcWire:
     name = "ipc"
     Rendezvous = IpcRendezvous
     holds_buffers = True           # the engine reads the buffer in place until finish_weight_update
+    stages = False                 # vLLM's receiver loads in place from the sender's memory
 
     @staticmethod
     def update_info(meta: packing.BucketMeta, buf) -> dict:

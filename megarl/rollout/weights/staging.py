@@ -1,0 +1,97 @@
+"""The engine side of a staged update (weight_sync.staged): a staging area beside each engine
+worker that receives the next version while the engine keeps generating with the one it holds.
+
+Inside a vLLM worker every weight-transfer call runs on the engine core's thread, between
+model steps: a receive there stops generation for the bucket's wire time. Staged, the worker's
+`update_weights` only queues the bucket's description and returns; a receiver thread of the
+staging area takes its part of the chain broadcast (group.chain_pass: receive each chunk,
+forward it to the next member) into a buffer of its own, while the engine core goes on
+stepping. The swap (`finish_weight_update`, with the engine paused) waits for the last
+receive, then loads every staged bucket from local memory: the only part of the push that
+pauses the engine.
+
+A staging area belongs to one session. It is never loaded half: a receive that failed
+(a member died, the group was dropped) fails the swap, which loads nothing; a session that
+was given up on (the sender formed a new group, `abandon`) is discarded by the swap instead,
+which is how vLLM's still-open session is closed before the next one starts (engine.py
+STALE_SESSION). Memory: one more copy of the model's HF tensors per worker until the next swap
+(its buffers are reused push after push once vLLM holds no view of them: packing.ReceiveBuffers).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from megarl.rollout.weights import group as wgroup
+from megarl.rollout.weights import packing
+
+
+class StagingError(RuntimeError):
+    """The staged version cannot be swapped in (a receive failed or did not end in time)."""
+
+
+class StagingArea:
+    """One session's staged buckets on one worker. `receive(meta)` queues a bucket (the
+    receiver thread takes its part of the chain broadcast); `take(timeout_s)` waits for every
+    queued receive and returns the buckets in order, or raises StagingError."""
+
+    def __init__(self, group, buffers: packing.ReceiveBuffers):
+        self.group = group
+        self.buffers = buffers
+        self.buckets: list[tuple[packing.BucketMeta, object]] = []
+        self.error: BaseException | None = None
+        self.abandoned = False
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="megarl-weight-staging", daemon=True)
+        self._thread.start()
+
+    def receive(self, meta: packing.BucketMeta) -> None:
+        """Queue the next bucket; returns at once (the sender's broadcast of it may start now:
+        the chain's receives are ordered by the queue, one bucket after the other)."""
+        if self.error is not None:
+            raise StagingError(f"the staged weight update already failed: {self.error}")
+        self._queue.put(meta)
+
+    def _run(self) -> None:
+        while True:
+            meta = self._queue.get()
+            if meta is None:
+                return
+            group = self.group
+            if self.error is not None or group is None:
+                continue                 # drain: nothing more is received after a failure
+            try:
+                buf = self.buffers.take(meta.nbytes)
+                wgroup.chain_pass(group, buf)
+                self.buckets.append((meta, buf))
+            except BaseException as err:  # noqa: BLE001 - raised by take()
+                self.error = err
+                # let go of the group: gloo closes its pairs only once it is collected, and the
+                # next member of the chain waits on ours until then
+                self.group = None
+            del group
+
+    def take(self, timeout_s: float) -> list[tuple[packing.BucketMeta, object]]:
+        """Every staged bucket, once each queued receive has ended (bounded: each receive is
+        bounded by the group's timeout, this wait by `timeout_s` on top)."""
+        self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            raise StagingError(f"the staged receive did not end within {timeout_s:g} s")
+        if self.error is not None:
+            raise StagingError(f"a staged weight bucket was not received: {type(self.error).__name__}: "
+                               f"{self.error}") from self.error
+        buckets, self.buckets = self.buckets, []
+        return buckets
+
+    def abandon(self) -> None:
+        """The sender gave this session up (a new group): what arrives is never loaded."""
+        self.abandoned = True
+        self.group = None
+        self.buckets = []
+        self._queue.put(None)
+
+    def nbytes(self) -> int:
+        return sum(meta.nbytes for meta, _ in self.buckets)
