@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="the plan as JSON (fits, per_gpu_bytes by role, ...)")
     pl.add_argument("--config", action="store_true",
                     help="print the resolved config (YAML) with the plan as comments after it")
+    pl.add_argument("--search", action="store_true",
+                    help="rank trainer/engine node splits, engine TP and concurrency by simulated throughput")
     sm = sub.add_parser("simulate", help="project a recipe's step time on simulated hardware (docs/simulator.md)")
     sm.add_argument("recipe")
     sm.add_argument("overrides", nargs="*")
@@ -159,6 +161,13 @@ def _plan(cfg, args) -> int:
     if not cfg.cluster.gpus_per_node and args.gpus_per_node is None:
         print(redacted_yaml(cfg))
         return 0   # a CPU-only recipe: nothing to place (the resolved config, as before)
+    if args.search:   # ranks splits with the simulator (megarl/sim/search.py)
+        from megarl.sim import search
+        try:
+            print(search.format_search(search.search(cfg, seed=cfg.run.seed)))
+        except ConfigError as err:
+            return _explain(err, "config error", 2)
+        return 0
     try:
         p = plan.make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb)
     except ConfigError as err:

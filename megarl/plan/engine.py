@@ -1,5 +1,6 @@
-"""The engines' share of a plan: bytes per vLLM engine GPU (weights, KV cache, workspace)
-within rollout.engines.gpu_memory_utilization, and the weight transfer's buffers outside it."""
+"""The engines' share of a plan: bytes per vLLM engine GPU (weights, KV cache, workspace, and a
+staged update's staging area) within rollout.engines.gpu_memory_utilization, and the weight
+transfer's buffers outside it."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ from megarl.config.schema import ClusterConfig, RootConfig
 from megarl.models.arch import Arch
 from megarl.plan import memory as mem
 from megarl.plan.memory import GiB
-from megarl.plan.transfer import engine_transfer_buffers
+from megarl.plan.transfer import engine_transfer_buffers, staging_bytes, staging_place
 
 
 def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: int, engine_tp: int) -> dict:
@@ -30,7 +31,13 @@ def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: 
     transfer = engine_transfer_buffers(cfg, arch)   # none with ipc: the engine reads the trainer's
     room = total - r.engines.gpu_memory_utilization * total - cluster.reserve_gb * GiB
     transfer_fits = not transfer or transfer <= room
+    # weight_sync.staged on a GPU wire: the next version's slice beside the weights, in the
+    # budget (it takes what would be KV cache). The GPU wires do not stage yet (nccl / ipc pause
+    # for the whole push, run.py WeightSyncConfig.staged), so it is checked but not counted in
+    # `fits`: `staging_fits` says whether the staged design would fit this engine
+    staging = staging_bytes(cfg, arch) if staging_place(cfg) == "gpu" else 0.0
     return {"per_gpu_bytes": b, "need_bytes": sum(b.values()), "budget_bytes": budget,
             "requests_per_engine": per_engine, "kv_bytes_per_token_per_gpu": kv_tok,
             "transfer_bytes": transfer, "transfer_room_bytes": room,
+            "staging_bytes": staging, "staging_fits": sum(b.values()) + staging <= budget,
             "fits": sum(b.values()) <= budget and transfer_fits}

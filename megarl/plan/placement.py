@@ -23,7 +23,7 @@ from megarl.plan.trainer import (
     trainer_fixes,
     trainer_memory,
 )
-from megarl.plan.transfer import staging_note, transfer_buffers, transfer_formula
+from megarl.plan.transfer import staging_line, staging_note, transfer_buffers, transfer_formula
 
 FUSED = True   # GPU runs: Transformer Engine (fused norm + linear, flash attention), fused SwiGLU
 
@@ -82,9 +82,7 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
     if cluster.engine_nodes or r.engines.mode == "remote" or own:
         engine, more = engine_part(cfg, arch, cluster, engine_gpus)
         problems += more
-    note = staging_note(cfg, arch)
-    if note:
-        notes.append(note)
+    notes += [n for n in (staging_note(cfg, arch), staging_line(cfg, arch)) if n]
     return {"fits": not problems, "problems": problems, "notes": notes,
             "model": {**asdict(arch), "params": mem.total_params(arch), "active_params": mem.active_params(arch),
                       "source": arch_src},
@@ -197,7 +195,20 @@ def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engine_gpus
                                 f"more engines, or rollout.partial.concurrency <= {max_req}"})
     if e["transfer_bytes"] > e["transfer_room_bytes"]:
         problems.append(transfer_room_problem(cfg, arch, cluster, e))
+    if e["staging_bytes"] and not e["staging_fits"]:
+        e["staging_warning"] = staging_warning(cfg, e)
     return e, problems
+
+
+def staging_warning(cfg: RootConfig, e: dict) -> str:
+    """One line for an engine GPU that fits its weights, KV cache and workspace but not a staged
+    update's staging area beside them (weight_sync.staged on a GPU wire), naming the fix."""
+    return (f"weight_sync.staged=true: an engine GPU would need {gib(e['need_bytes'] + e['staging_bytes'])} GiB with "
+            f"the staging area of {gib(e['staging_bytes'])} GiB (the next version of its weights), its budget is "
+            f"{gib(e['budget_bytes'])} GiB (rollout.engines.gpu_memory_utilization="
+            f"{cfg.rollout.engines.gpu_memory_utilization}): DOES NOT FIT staged; "
+            f"to fix: weight_sync.staged=false (the engines pause for the whole push), "
+            f"a larger rollout.engines.tp or a lower rollout.partial.concurrency")
 
 
 def transfer_room_problem(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, e: dict) -> dict:
@@ -230,5 +241,6 @@ def per_gpu_bytes(trainer: dict | None, engine: dict | None) -> dict:
         per_gpu["engine_weights"] = engine["per_gpu_bytes"]["weights"]
         per_gpu["kv_cache"] = engine["per_gpu_bytes"]["kv_cache"]
         per_gpu["engine_workspace"] = engine["per_gpu_bytes"]["workspace"]
+        per_gpu["engine_staging"] = engine["staging_bytes"]
         per_gpu["engine_weight_transfer"] = engine["transfer_bytes"]
     return per_gpu

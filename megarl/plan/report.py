@@ -66,6 +66,11 @@ def format_plan(p: dict) -> str:
             lines.append(f"  + weight transfer buffers {gib(e['transfer_bytes'])} ({p['weight_transfer']}) outside "
                          f"vLLM's share, {gib(max(e['transfer_room_bytes'], 0))} left there after the reserve: "
                          + ("fits" if e["transfer_bytes"] <= e["transfer_room_bytes"] else "DOES NOT FIT"))
+    if e and e.get("staging_bytes"):
+        lines.append(f"  + staging area {gib(e['staging_bytes'])} (weight_sync.staged: the next version beside the "
+                     f"weights, in the budget): " + ("fits" if e["staging_fits"] else "DOES NOT FIT"))
+    if e and e.get("staging_warning"):
+        lines.append(f"warning: {e['staging_warning']}")
     for n in p["notes"]:
         lines.append(f"note: {n}")
     lines.append("fits" if p["fits"] else "DOES NOT FIT")

@@ -79,3 +79,41 @@ def staging_note(cfg: RootConfig, arch: Arch) -> str:
                 f"buffers in place over CUDA IPC, so during a sync its GPU holds {transfer_formula(cfg, arch)}; "
                 f"the engine GPUs hold no transfer buffers")
     return ""
+
+
+def staging_place(cfg: RootConfig) -> str:
+    """Where a staged update's staging area lives (weight_sync.staged, collective only): "host"
+    on the gloo wire (CPU engines: the worker's memory), "gpu" on the GPU wires (beside the
+    worker's weights, so the swap is a copy on the device), "" when nothing is staged."""
+    ws = cfg.weight_sync
+    if ws.transport != "collective" or not ws.staged:
+        return ""
+    return "host" if plan_backend(cfg) == "gloo" else "gpu"
+
+
+def staging_bytes(cfg: RootConfig, arch: Arch) -> float:
+    """Bytes of one engine worker's staging area: the new version of what the worker holds.
+    On a GPU that is its slice (the bf16 weights / engine TP); on the gloo wire without
+    weight_sync.sharded every worker receives and stages every tensor whole (the model's HF
+    tensors), with sharded sends only its slice. 0 when nothing is staged."""
+    place = staging_place(cfg)
+    if not place:
+        return 0.0
+    if place == "host" and not cfg.weight_sync.sharded:
+        return mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+    return mem.engine_weight_bytes(arch, cfg.rollout.engines.tp)
+
+
+def staging_line(cfg: RootConfig, arch: Arch) -> str:
+    """The staging area as the plan prints it: its size per engine worker and where it lives."""
+    size = staging_bytes(cfg, arch)
+    if not size:
+        return ""
+    what = "the worker's slice" if cfg.weight_sync.sharded or staging_place(cfg) == "gpu" else \
+        "every tensor whole (weight_sync.sharded=false)"
+    if staging_place(cfg) == "host":
+        return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}) in host memory of every engine "
+                f"worker (gloo wire), not counted on a GPU")
+    return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}) per engine GPU, checked in its "
+            f"budget (it takes what would be KV cache); the GPU wires (nccl, ipc) do not stage yet: a push "
+            f"pauses the engines for its whole length there")

@@ -16,8 +16,8 @@ Two calibrations:
   is routed to (`Model.step_weight_bytes`), and the weight push moves the total. `forward_s`
   is the forward-only share of that (old and reference logprobs, values): what
   rollout.overlap runs while the round still generates.
-- `WeightSyncCosts`: a weight sync by the route the recipe's weight_sync.transport takes (one
-  broadcast over the trainer's link, or files written once and read by every engine).
+- `WeightSyncCosts` (megarl/sim/push.py): a weight sync by the route the recipe's weight_sync
+  settings take (a broadcast or sharded sends, staged or not; or files read by every engine).
 All pure functions of their inputs: the simulator's clock only ever advances by them.
 """
 from __future__ import annotations
@@ -34,6 +34,9 @@ from megarl.models.arch import Arch, resolve_arch
 from megarl.plan.experts import expert_params
 from megarl.plan.memory import active_params, total_params
 from megarl.ppo.microbatch import Batching, plan_rows, round_up
+
+# the weight push lives in its own module; its callers of before import it from here too
+from megarl.sim.push import TRANSPORTS, PushCost, WeightSyncCosts, weight_push_s  # noqa: F401
 
 # architecture facts of published models (config.json of each), one file per model
 MODEL_FACTS = Path(__file__).resolve().parents[2] / "recipes" / "models"
@@ -252,6 +255,7 @@ class RooflineTrainer:
     prompt_tokens: int = 256    # per sample: the trainer processes prompt + response
     route: str = "collective"   # the weight_sync.transport push_s was modelled for
     shape: StepShape | None = None
+    push_cost: PushCost | None = None   # the sync push_s is the trainer side of (staged, sharded, bytes)
 
     def positions(self, trained_tokens: int, samples: int, lengths: list[int] | None) -> tuple[int, int]:
         """(positions of the update passes, of each forward-only pass): prompt + response
@@ -298,60 +302,7 @@ class RooflineTrainer:
         return 2 * self._passes()[1] * self.model.active * forward / self._rate()
 
 
-# -- weight sync ----------------------------------------------------------------------------
-TRANSPORTS = ("collective", "files")
-
-
-@dataclass(frozen=True)
-class WeightSyncCosts:
-    """One weight sync by the route weight_sync.transport takes (docs/simulator.md, "Weight
-    sync"), in bytes/s and seconds. Every figure is a field, so a measurement can replace it
-    (bench/weight_sync.py fits seconds = fixed + per_byte x bytes per route).
-
-    collective: trainer global rank 0 broadcasts the weights to every engine worker at once
-      (one group, vLLM's weight-transfer API): the bytes leave over the sender's link ONCE
-      whatever the engine count, plus `per_engine_s` per engine (its start/update/finish
-      control calls, one more member of the group).
-    files: the trainer writes the weights once into a staging folder on a shared file system
-      and every engine reads all of it: the reads share the file system's bandwidth, so the
-      time grows with the engines.
-    Either way each engine GPU then copies its share of the received tensors into its model
-    (`load`), apart from moving the bytes."""
-    # one 400 Gb/s NIC per GPU (DGX H100: 8 ConnectX-7 for 8 GPUs) = 50 GB/s, at 80%
-    wire_bytes_per_s: float = 40e9
-    per_engine_s: float = 0.05          # assumption, until bench/weight_sync.py measures 1 vs 2 engines
-    # a parallel file system: one client's write stream, and the read bandwidth all engines
-    # share (assumptions: sites differ by 10x; set them from a measurement)
-    write_bytes_per_s: float = 5e9
-    read_bytes_per_s: float = 20e9
-    load_hbm_frac: float = 0.5          # engine-side copy at this share of its GPU's HBM bandwidth
-    fixed_s: float = 0.5                # per sync: pause, prefix-cache reset, resume, version
-
-    def seconds(self, transport: str, weight_bytes: float, engines: int, engine_tp: int,
-                gpu: GPU) -> tuple[float, float]:
-        """(trainer-side seconds, engine-side seconds) of one sync of `weight_bytes`.
-
-        The trainer side runs while the engines still generate (the simulator sleeps it before
-        the pool's update); the engine side runs with every engine paused, all in parallel
-        (`load_weights_s` of each). A broadcast holds the engines for its whole length (they
-        receive inside the update session), so its wire time is on the engine side; a file
-        write is not, so it is on the trainer side."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"weight_sync.transport={transport!r}: choose one of {TRANSPORTS}")
-        load = weight_bytes / engine_tp / (gpu.hbm_bytes_per_s * self.load_hbm_frac)
-        if transport == "collective":
-            wire = weight_bytes / self.wire_bytes_per_s + engines * self.per_engine_s
-            return 0.0, wire + load + self.fixed_s
-        write = weight_bytes / self.write_bytes_per_s
-        read = engines * weight_bytes / self.read_bytes_per_s   # every engine reads the whole model
-        return write, read + load + self.fixed_s
-
-
-def weight_push_s(model: Model, gpu: GPU, engines: int, engine_tp: int, transport: str = "collective",
-                  sync: WeightSyncCosts = WeightSyncCosts()) -> tuple[float, float]:
-    """(trainer-side seconds, engine-side load seconds) of one sync of the bf16 weights by
-    `transport` (the recipe's weight_sync.transport): `WeightSyncCosts.seconds`."""
-    return sync.seconds(transport, model.weight_bytes, engines, engine_tp, gpu)
+# -- weight sync: megarl/sim/push.py (re-exported here for the callers of before) ---------------
 
 
 def engines_to_keep_trainer_busy(train_s: float, push_s: float, tokens_per_step: float,

@@ -5,7 +5,8 @@ generation budget, PPO or GRPO); the command line gives what a recipe does not h
 response-length distribution and the hardware, either measured on this machine
 (`--calibration`, a `bench/rollout_speedup.py` result) or a GPU roofline (`--gpu`, `--model`,
 `--engine-tp`, `--trainer-gpus`). The weight sync takes the recipe's route
-(weight_sync.transport: one broadcast, or files every engine reads). Prints step time, engine
+(weight_sync.transport: a broadcast or sharded sends, staged or not; or files every engine
+reads), printed with the seconds it pauses the engines per push. Prints step time, engine
 busy and trainer idle fractions and trained tokens/s for sync, partial and async mode, the recipe's own mode marked,
 each under the recipe's rollout.update_mode, rollout.keep_kv and rollout.overlap (sync: no overlap). A
 roofline trainer computes the positions of the recipe's batching rule (padding included:
@@ -31,8 +32,8 @@ from megarl.sim.costs import (
     StepShape,
     interp,
     published_models,
-    weight_push_s,
 )
+from megarl.sim.push import WeightSyncCosts
 from megarl.sim.run import MODES, SimSettings, simulate
 from megarl.sim.workload import Workload, parse_dist
 
@@ -94,15 +95,40 @@ def step_shape(cfg, trainer_gpus: int, padded: bool = False) -> StepShape:
     return StepShape(batching, dp, cfg.train.mini_batches)
 
 
-def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int):
+def shard_owners(cfg, trainer_gpus: int) -> int:
+    """The trainer's distinct shard owners, TP x PP x EP (EP: parallel.ep, 1 for a dense model),
+    at most its GPUs: what a sharded push (weight_sync.sharded) divides a trainer link's bytes by."""
+    p = cfg.parallel
+    return max(1, min(trainer_gpus, p.tp * p.pp * max(1, getattr(p, "ep", 1))))
+
+
+def push_cost(cfg, m: Model, gpu, engines: int, engine_tp: int, trainer_gpus: int,
+              sync: WeightSyncCosts | None = None):
+    """One sync by the recipe's route: weight_sync.transport, .staged, .sharded (push.PushCost)."""
+    ws, sync = cfg.weight_sync, sync or WeightSyncCosts()
+    return sync.push(ws.transport, m.weight_bytes, engines, engine_tp, gpu, staged=ws.staged,
+                     sharded=ws.sharded, owners=shard_owners(cfg, trainer_gpus))
+
+
+def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int, engines: int = 0):
+    """(engine, trainer) cost models on `gpu` (`engines`: rollout.engines.count unless given)."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
     m, g = roofline_model(cfg, model), GPUS[gpu]
-    # the recipe's route: collective = one broadcast, files = written once, read by every engine
-    send, load = weight_push_s(m, g, cfg.rollout.engines.count, engine_tp, cfg.weight_sync.transport)
-    return (RooflineEngine(m, g, engine_tp, load_weights_s=load),
-            RooflineTrainer(m, g, trainer_gpus, critic=ADVANTAGES.get(cfg.algo.name).needs_critic, push_s=send,
-                            route=cfg.weight_sync.transport, shape=step_shape(cfg, trainer_gpus)))
+    # the recipe's route: a broadcast or sharded sends, staged or not; or files read by every engine
+    push = push_cost(cfg, m, g, engines or cfg.rollout.engines.count, engine_tp, trainer_gpus)
+    trainer = RooflineTrainer(m, g, trainer_gpus, critic=ADVANTAGES.get(cfg.algo.name).needs_critic,
+                              push_s=push.trainer_s, route=cfg.weight_sync.transport,
+                              shape=step_shape(cfg, trainer_gpus), push_cost=push)
+    return RooflineEngine(m, g, engine_tp, load_weights_s=push.paused_s), trainer
+
+
+def route_name(cfg, push) -> str:
+    """The route as printed: the transport, and for collective whether staged / sharded."""
+    if cfg.weight_sync.transport != "collective":
+        return cfg.weight_sync.transport
+    return "collective, " + ("staged" if push.staged else "unstaged") + ", " + (
+        "sharded" if push.sharded else "gathered on rank 0")
 
 
 def default_lengths(cfg) -> str:
@@ -128,27 +154,49 @@ def run(cfg, lengths: str, costs, steps: int, seed: int = 0) -> dict:
     engine, trainer = costs
     out = {"recipe_mode": recipe_mode, "modes": {},
            "lengths": {"spec": lengths, "from": source, "max_new_tokens": r.sampling.max_new_tokens, **stats},
-           # one sync: trainer side (engines still generate), then engine side (engines paused)
-           "weight_sync": {"transport": cfg.weight_sync.transport, "route": trainer.route,
-                           "trainer_s": trainer.push_s, "engine_s": engine.load_weights_s}}
+           "weight_sync": weight_sync_figures(cfg, engine, trainer)}
     # the padded trainer beside the recipe's (a trainer whose padding is modelled: roofline)
     shape = getattr(trainer, "shape", None)
     padded = replace(trainer, shape=step_shape(cfg, trainer.gpus, padded=True)) if shape else None
     if padded is not None:
         out["padded"] = {}
     for mode in MODES:
-        s = SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
-                        concurrency=r.partial.concurrency, engines=r.engines.count,
-                        max_staleness=max(r.partial.max_staleness, 1) if mode == "async" else r.partial.max_staleness,
-                        stale_policy=r.partial.stale_policy, seed=seed, update_mode=r.update_mode,
-                        keep_kv=r.keep_kv, overlap=r.overlap and mode != "sync",
-                        max_step_multiple=r.partial.max_step_multiple)
-        out["modes"][mode] = _figures(simulate(s, Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed),
-                                               engine, trainer), steps)
+        out["modes"][mode] = simulate_mode(cfg, dist, mode, costs, steps, seed)
         if padded is not None:
-            out["padded"][mode] = _figures(simulate(s, Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed),
-                                                    engine, padded), steps)
+            out["padded"][mode] = simulate_mode(cfg, dist, mode, (engine, padded), steps, seed)
     add_ceilings(out["modes"])
+    return out
+
+
+def mode_settings(cfg, mode: str, steps: int, seed: int = 0) -> SimSettings:
+    """The recipe's rollout settings for `mode` (async: a staleness bound of at least 1; sync:
+    no overlap)."""
+    r = cfg.rollout
+    return SimSettings(mode=mode, steps=steps, groups_per_step=cfg.train.groups_per_step,
+                       concurrency=r.partial.concurrency, engines=r.engines.count,
+                       max_staleness=max(r.partial.max_staleness, 1) if mode == "async" else r.partial.max_staleness,
+                       stale_policy=r.partial.stale_policy, seed=seed, update_mode=r.update_mode,
+                       keep_kv=r.keep_kv, overlap=r.overlap and mode != "sync",
+                       max_step_multiple=r.partial.max_step_multiple)
+
+
+def simulate_mode(cfg, dist, mode: str, costs, steps: int, seed: int = 0) -> dict:
+    """One mode of the recipe on `costs` (engine, trainer): its figures (`_figures`)."""
+    r = cfg.rollout
+    engine, trainer = costs
+    return _figures(simulate(mode_settings(cfg, mode, steps, seed),
+                             Workload(dist, r.sampling.n, r.sampling.max_new_tokens, seed), engine, trainer), steps)
+
+
+def weight_sync_figures(cfg, engine, trainer) -> dict:
+    """One sync: trainer side (the engines still generate), paused (every engine, in parallel),
+    and with a modelled push (roofline) its wire seconds and bytes per link."""
+    out = {"transport": cfg.weight_sync.transport, "route": trainer.route,
+           "trainer_s": trainer.push_s, "engine_s": engine.load_weights_s, "paused_s": engine.load_weights_s}
+    push = getattr(trainer, "push_cost", None)
+    if push is not None:
+        out.update(route=route_name(cfg, push), wire_s=push.wire_s, load_s=push.load_s, staged=push.staged,
+                   sharded=push.sharded, send_bytes=push.send_bytes, recv_bytes=push.recv_bytes)
     return out
 
 
@@ -199,10 +247,20 @@ def format_table(result: dict) -> str:
                              f"{m['trained_tokens_per_s']:13.0f}  {m['computed_per_real']:20.2f}")
         lines.append("(padded: every row at the step's longest; recipe's: its batching rule, "
                      "docs/design.md \"Batching\")")
-    ws = result["weight_sync"]
-    lines.append(f"weight sync ({ws['route']}): {ws['trainer_s']:.2f} s trainer side + {ws['engine_s']:.2f} s "
-                 f"engines paused, per step")
+    lines.append(weight_sync_line(result["weight_sync"]))
     return "\n".join(lines)
+
+
+def weight_sync_line(ws: dict) -> str:
+    """The push per sync: paused seconds, and the wire (bytes per link) where it runs."""
+    paused = ws.get("paused_s", ws["engine_s"])   # engine_s: the same figure, its name before issue 47
+    line = (f"weight sync ({ws['route']}): engines paused {paused:.2f} s per push; trainer side "
+            f"{ws['trainer_s']:.2f} s (engines generating)")
+    if "wire_s" in ws:
+        where = "engines generating" if ws["staged"] else "engines paused"
+        line += (f"; wire {ws['wire_s']:.2f} s ({where}): {ws['send_bytes'] / 1e9:.1f} GB per trainer link, "
+                 f"{ws['recv_bytes'] / 1e9:.1f} GB per engine worker link; load {ws['load_s']:.2f} s")
+    return line
 
 
 def lengths_line(lengths: dict) -> str:

@@ -271,12 +271,12 @@ def _model_70b():
 
 def test_collective_push_is_one_broadcast_whatever_the_engine_count():
     """The bytes leave the trainer once: more engines add only the per-engine term. By hand:
-    141 GB over a 40 GB/s link, the engine's copy of its quarter at half of 3.35 TB/s, 0.5 s."""
+    141 GB over a 40 GB/s link, the engine's copy of its quarter at half of 3.35 TB/s, 0.1 s."""
     from megarl.sim.costs import H100, WeightSyncCosts, weight_push_s
     m, sync = _model_70b(), WeightSyncCosts()
     trainer, engine = weight_push_s(m, H100, 1, 4, "collective")
     assert trainer == 0.0
-    assert engine == pytest.approx(m.weight_bytes / 40e9 + 0.05 + m.weight_bytes / 4 / (3.35e12 * 0.5) + 0.5)
+    assert engine == pytest.approx(m.weight_bytes / 40e9 + 0.05 + m.weight_bytes / 4 / (3.35e12 * 0.5) + 0.1)
     for engines in (2, 8, 64):
         more = sum(weight_push_s(m, H100, engines, 4, "collective"))
         assert more == pytest.approx(trainer + engine + (engines - 1) * sync.per_engine_s)
@@ -322,7 +322,9 @@ def test_the_recipe_picks_the_route(route, tmp_path):
         cfg = load_config("recipes/tiny_cpu.yaml",
                           [f"rollout.engines.count={engines}", f"weight_sync.transport={route}"])
         engine, trainer = roofline_costs(cfg, "h100", "llama3.1-70b", 4, 32)
-        assert (trainer.push_s, engine.load_weights_s) == weight_push_s(_model_70b(), H100, engines, 4, route)
+        ws = cfg.weight_sync   # staged / sharded: the recipe's (tiny_cpu's trainer: one shard owner)
+        assert (trainer.push_s, engine.load_weights_s) == weight_push_s(_model_70b(), H100, engines, 4, route,
+                                                                        staged=ws.staged, sharded=ws.sharded)
         assert trainer.route == route
         measured, _ = measured_costs(str(_bench_json(tmp_path)), cfg)
         assert measured.load_weights_s == pytest.approx(1.1 * (engines if route == "files" else 1))
