@@ -5,6 +5,8 @@
         [--bucket-mb 64 256] [--repeats 2] [--layouts 1x1 tp2 pp2] [--engines 1 2]
         [--transports collective files] [--out bench/out/weight_sync.json]
     .venv/bin/python bench/weight_sync.py --report bench/out/weight_sync.json   # tables only
+    .venv/bin/python bench/weight_sync.py --staged-compare [--sizes medium] [--repeats 3]
+        [--in-flight 4] [--out bench/out/weight_sync_staged.json]   # weight_sync.staged on / off
 
 1. builds random Qwen2-architecture HF folders (vocab 16000/32000, untied, fp32) locally, one
    tensor at a time, with the countdown tokenizer (no downloads; reused when already there):
@@ -30,6 +32,16 @@
    time = a + b x bytes per transport / layout / engines (over the sizes, each at its fastest
    bucket, median over repeats) and the projection to 7B / 70B bf16 bytes with the engine's own
    load cost apart.
+
+--staged-compare: today's push (weight_sync.staged=false: the engines pause for the whole push)
+against the staged one (the version travels into each engine's staging area while it generates;
+the engines pause only for the swap), into the same 2 local vLLM servers
+(rollout.engines.mode=local_servers, rollout.update_mode=keep) with --in-flight requests per
+engine generating through the push, from a 1-rank trainer (TP=1), --repeats pushes per route,
+the order alternating (bench/staged_push_probe.py). Reports per route the median pause
+(sync_paused_s), total push (sync_time_s) and tokens generated during the push, the ratios
+(targets: paused staged / unstaged <= 0.25, total <= 1.2) and the pause by parts (begin_update,
+the worker's wait for its last staged receive, the load, the prefix reset, end_update).
 """
 from __future__ import annotations
 
@@ -60,6 +72,7 @@ LAYOUTS = ("1x1", "tp2", "pp2")
 TRANSPORTS = ("collective", "files")
 PROJECT = {"7B": 15.2e9, "70B": 141e9}  # bytes pushed as bf16 (Qwen2-7B 7.6B, Llama-70B 70.6B params)
 TWO_ENGINES_MAX = 1.3                    # issue 17: two engines cost at most 1.3x one (collective)
+STAGED_PAUSE_MAX, STAGED_TOTAL_MAX = 0.25, 1.2   # weight_sync.staged: pause and whole push vs unstaged
 
 
 def make_model(out: Path, shape: dict, shard_bytes: int = 512 << 20) -> int:
@@ -111,7 +124,8 @@ def make_model(out: Path, shape: dict, shard_bytes: int = 512 << 20) -> int:
     return total
 
 
-def run_probe(spec: dict, work: Path, tag: str, resume: bool = False) -> dict:
+def run_probe(spec: dict, work: Path, tag: str, resume: bool = False, script: str = "bench/weight_sync_probe.py",
+              nproc: int = 2) -> dict:
     """Run one probe world; its result (rows so far, `complete` false, when it died: the size's
     rows are kept and the failure noted). With `resume`, a complete earlier result of the same
     spec is reused instead."""
@@ -128,8 +142,8 @@ def run_probe(spec: dict, work: Path, tag: str, resume: bool = False) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    args = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(ROOT / "bench/weight_sync_probe.py"), str(spec_path)]
+    args = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / script), str(spec_path)]
     t = time.perf_counter()
     log = work / f"probe_{tag}.log"
     with open(log, "w") as f:
@@ -403,6 +417,11 @@ def main() -> None:
     p.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --out file")
     p.add_argument("--resume", action="store_true",
                    help="reuse a size's complete probe result under --work when its spec is the same")
+    p.add_argument("--staged-compare", action="store_true",
+                   help="weight_sync.staged on vs off into 2 local vLLM servers with requests in flight, at "
+                        "--sizes (default medium), bucket max(--bucket-mb) (default 512, weight_sync.bucket_mb's), "
+                        "--repeats (default 3) pushes per route; written to bench/out/weight_sync_staged.json")
+    p.add_argument("--in-flight", type=int, default=4, help="--staged-compare: requests generating per engine")
     p.add_argument("--bounds", action="store_true",
                    help="no engines: only the per-byte steps alone (memcpy, packing, gloo broadcast over loopback "
                         "to 1 / 2 receivers, staging-folder write / read), median of 3, at --sizes (default "
@@ -410,13 +429,18 @@ def main() -> None:
     a = p.parse_args()
     if a.report:
         d = json.loads(Path(a.report).read_text())
-        if d.get("rows"):
+        if d.get("staged_compare"):
+            print(staged_report(d))
+        elif d.get("rows"):
             report(d["rows"], d["probes"], d["sizes"], d["runtime_s"], a.report)
         else:
             print(bounds_table(d["probes"]))
         return
     if a.bounds:
         bounds(a)
+        return
+    if a.staged_compare:
+        staged_compare(a)
         return
     sizes = a.sizes or (["small", "large"] if a.quick else list(SIZES))
     sizes = [s for s in SIZES if s in sizes]
@@ -500,6 +524,92 @@ def report(rows: list[dict], probes: dict, sizes: list[str], runtime: float, whe
     print(projection(b)[0])
     starts = ", ".join(f"{s} {p.get('pool_start_s', 0):.0f} s" for s, p in probes.items())
     print(f"\nruntime {runtime:.0f} s (pool starts: {starts}); rows in {where}")
+
+
+STAGED_PARTS = (("begin_update_s", "begin_update (pause, hold)"),
+                ("finish_http_s", "/finish_weight_update (slowest engine)"),
+                ("worker_take_s", "  worker: wait for the last staged receive"),
+                ("worker_init_s", "  worker: layerwise reload set-up"),
+                ("worker_load_s", "  worker: load_weights"),
+                ("worker_finalize_s", "  worker: layerwise reload finalisation"),
+                ("reset_prefix_s", "/reset_prefix_cache"), ("version_http_s", "/update_weight_version"),
+                ("end_update_s", "end_update (resume)"))
+
+
+def staged_compare(a) -> None:
+    """weight_sync.staged on vs off (see the module doc): one probe world, both routes."""
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    default = str(ROOT / "bench/out/weight_sync.json")
+    out = a.out if a.out != default else str(ROOT / "bench/out/weight_sync_staged.json")
+    t_all, probes = time.perf_counter(), {}
+    sizes = [s for s in SIZES if s in (a.sizes or ["medium"])]
+    for size in sizes:
+        model_dir = work / f"model_{size}"
+        nbytes = make_model(model_dir, SIZES[size])
+        spec = {"model_dir": str(model_dir), "model_bytes": nbytes, "engines": 2,
+                "bucket_mb": max(a.bucket_mb or [512]), "repeats": a.repeats or 3, "in_flight": a.in_flight,
+                "max_tokens": 448, "kv_cache_mb": 128, "gap_s": 2.0, "logs": str(work / f"logs_staged_{size}"),
+                "swap_log": str(work / f"swap_{size}.jsonl")}
+        probes[size] = run_probe(spec, work, f"staged_{size}", script="bench/staged_push_probe.py", nproc=1)
+        probes[size]["summary"] = staged_summary(probes[size]["rows"])
+    result = {"staged_compare": True, "probes": probes, "sizes": sizes, "runtime_s": time.perf_counter() - t_all,
+              "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "loadavg": os.getloadavg()}}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1, default=str))
+    print(staged_report(result))
+    print(f"\nruntime {result['runtime_s']:.0f} s; in {out}")
+
+
+def staged_summary(rows: list[dict]) -> dict:
+    """Per route the medians over its timed pushes, and the two ratios with their targets."""
+    out: dict = {}
+    for route in ("unstaged", "staged"):
+        rs = [r for r in rows if r["route"] == route]
+        keys = ["sync_paused_s", "sync_time_s", "sync_wire_s", "tokens_in_push", "tokens_rate_in_push",
+                "tokens_before_rate"] + [k for k, _ in STAGED_PARTS]
+        out[route] = {k: med([r[k] for r in rs if r.get(k) is not None]) for k in keys}
+        out[route]["pushes"] = len(rs)
+        out[route]["paused_each"] = [round(r["sync_paused_s"], 3) for r in rs]
+        out[route]["total_each"] = [round(r["sync_time_s"], 3) for r in rs]
+    u, s = out["unstaged"], out["staged"]
+    if u["pushes"] and s["pushes"]:
+        out["paused_ratio"] = s["sync_paused_s"] / u["sync_paused_s"]
+        out["total_ratio"] = s["sync_time_s"] / u["sync_time_s"]
+        out["paused_met"] = out["paused_ratio"] <= STAGED_PAUSE_MAX
+        out["total_met"] = out["total_ratio"] <= STAGED_TOTAL_MAX
+    return out
+
+
+def staged_report(d: dict) -> str:
+    lines = []
+    for size, p in d["probes"].items():
+        sm = p.get("summary") or staged_summary(p["rows"])
+        spec = p["spec"]
+        lines += [f"\n{size} ({human(spec['model_bytes'])}), {spec['engines']} local servers, bucket "
+                  f"{spec['bucket_mb']} MB, {spec['in_flight']} requests in flight per engine; medians of "
+                  f"{sm['unstaged']['pushes']} / {sm['staged']['pushes']} pushes:",
+                  "| route | paused s | total s | wire s | tokens in push | tok/s in push | tok/s before |",
+                  "|---|---|---|---|---|---|---|"]
+        for route in ("unstaged", "staged"):
+            r = sm[route]
+            lines.append(f"| {route} | {r['sync_paused_s']:.2f} | {r['sync_time_s']:.2f} | {r['sync_wire_s']:.2f} | "
+                         f"{r['tokens_in_push']:.0f} | {r['tokens_rate_in_push']:.0f} | "
+                         f"{r['tokens_before_rate']:.0f} |")
+        if "paused_ratio" in sm:
+            lines.append(f"- paused staged / unstaged = {sm['paused_ratio']:.2f} (target <= {STAGED_PAUSE_MAX}) -> "
+                         f"{'MET' if sm['paused_met'] else 'MISSED'}; total staged / unstaged = "
+                         f"{sm['total_ratio']:.2f} (target <= {STAGED_TOTAL_MAX}) -> "
+                         f"{'MET' if sm['total_met'] else 'MISSED'}")
+            lines.append(f"- every push: paused unstaged {sm['unstaged']['paused_each']}, staged "
+                         f"{sm['staged']['paused_each']}; total unstaged {sm['unstaged']['total_each']}, staged "
+                         f"{sm['staged']['total_each']}")
+        lines += ["", "the pause by parts (s, medians; per engine call the slowest engine):",
+                  "| part | unstaged | staged |", "|---|---|---|"]
+        for k, name in STAGED_PARTS:
+            lines.append(f"| {name} | {sm['unstaged'][k]:.3f} | {sm['staged'][k]:.3f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
