@@ -10,7 +10,7 @@ from megarl.config.schema.agents import EnvConfig, ServiceConfig
 from megarl.config.schema.algo import AlgoConfig, TrainConfig
 from megarl.config.schema.data import DataConfig, RewardConfig
 from megarl.config.schema.eval import EvalConfig
-from megarl.config.schema.model import ArchConfig, ModelConfig, ParallelConfig, RunConfig
+from megarl.config.schema.model import ArchConfig, LoraConfig, ModelConfig, ParallelConfig, RunConfig
 from megarl.config.schema.rollout import LOCAL_ENGINE_MODES, EnginesConfig, PartialConfig, RolloutConfig, SamplingConfig
 from megarl.config.schema.root import RootConfig, validate_world
 from megarl.config.schema.run import CheckpointConfig, ClusterConfig, MetricsConfig, WeightSyncConfig
@@ -20,6 +20,7 @@ __all__ = [
     "RunConfig",
     "ArchConfig",
     "ModelConfig",
+    "LoraConfig",
     "ParallelConfig",
     "AlgoConfig",
     "TrainConfig",

@@ -86,6 +86,35 @@ class ArchConfig:
                  f"layer indices must lie in 0..{self.num_layers - 1}")
 
 
+#: model.lora.targets' names -> megatron's layers (megarl/models/lora.py TARGETS)
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor's linear layers (megarl/models/lora.py, docs/lora.md). Only the
+    layer exists yet: the trainer does not build adapters, so rank > 0 is refused for now."""
+    rank: int = 0                      # adapter rank r; 0: off (full fine-tuning)
+    # the adapters' output is scaled by alpha / rank; 16: veRL's and OpenRLHF's default lora_alpha
+    alpha: float = 16.0
+    # on the adapters' input only, in [0, 1); 0 keeps the trainer's logprobs the engine's
+    dropout: float = 0.0
+    # megatron's layers: qkv (linear_qkv), proj (linear_proj), fc1 (linear_fc1), fc2 (linear_fc2)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    seed: int = 0                      # the adapters' init (A), the same at every TP x PP layout
+
+    def __post_init__(self):
+        require(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0: LoRA off)")
+        require(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "must lie in [0, 1) (0: no dropout)")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        require(not bad, "model.lora.targets", list(self.targets),
+                 f"unknown {bad}: name megatron's layers among {list(LORA_TARGETS)}")
+        if self.rank > 0:
+            require(self.alpha > 0, "model.lora.alpha", self.alpha, "must be > 0 when model.lora.rank > 0")
+            require(len(self.targets) > 0, "model.lora.targets", list(self.targets),
+                     f"name at least one of {list(LORA_TARGETS)} when model.lora.rank > 0")
+
+
 @dataclass
 class ModelConfig:
     path: str = "artifacts/tiny_countdown"  # HF checkpoint dir (config.json, safetensors, tokenizer)
@@ -95,6 +124,7 @@ class ModelConfig:
     # weights from a megatron dist checkpoint (tools/convert_hf_to_megatron.py --out), at any TP x PP;
     # model.path still gives config.json and the tokenizer. "": weights from model.path's safetensors
     megatron_path: str = ""
+    lora: LoraConfig = field(default_factory=LoraConfig)   # LoRA adapters (docs/lora.md; not trained yet)
 
     def __post_init__(self):
         one_of("model.dtype", self.dtype, {"float32", "bfloat16"})
@@ -102,6 +132,19 @@ class ModelConfig:
                  self.make_vocab_size_divisible_by, "must be >= 1")
         require(self.megatron_path != self.path, "model.megatron_path", self.megatron_path,
                  "is model.path; point it at the output folder of tools/convert_hf_to_megatron.py")
+        self._check_lora()
+
+    def _check_lora(self):
+        """What model.lora cannot do with this model, and that training does not build it yet."""
+        lora = self.lora
+        if not lora.rank:
+            return
+        mlp = sorted({"fc1", "fc2"} & set(lora.targets))
+        require(not (self.arch.num_experts and mlp), "model.lora.targets", list(lora.targets),
+                 f"expert MLPs are not supported yet (model.arch.num_experts={self.arch.num_experts}): "
+                 f"target qkv and proj only")
+        require(False, "model.lora.rank", lora.rank, "LoRA training is not wired into the trainer yet "
+                 "(docs/lora.md: only the layer exists): set model.lora.rank=0")
 
 
 @dataclass
