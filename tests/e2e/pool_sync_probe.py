@@ -13,7 +13,11 @@ safetensors' writer is counted: nothing may be staged. At TP=2 (TP=2 x PP=1) and
 after the files push, every engine also samples at top-k / top-p cuts (`CUTS`), and the
 trainer's logprobs of those tokens are taken renormalised as the engine did and, on purpose,
 wrongly (over the whole vocabulary; over the top-k set ignoring top-p). Finally one push per
-transport silently drops a bucket, which the same measure must expose. Before the first push, rank 0 runs the
+transport silently drops a bucket, which the same measure must expose (the sharded route,
+weight_sync.sharded at TP x PP > 1, refuses such a push before sending, naming the tensors
+its senders leave uncovered: the engines keep the old weights). The keep-mode check starts a
+request as the last collective push pauses the engines (with weight_sync.staged the pause is
+the swap at the push's end), so the swap always holds it. Before the first push, rank 0 runs the
 engine contract (tests/engine_contract.py) on the in-process engine, whose weights are still
 the model folder's (its logprobs' reference: a transformers forward of them).
 usage: pool_sync_probe.py MODEL_DIR OUT_JSON ENGINE_MODES STAGING_BASE LOG_DIR
@@ -108,6 +112,28 @@ def start_held(mode: str, pool):
         time.sleep(0.002)
 
 
+def hold_at_the_swap(mode: str, pool, held: dict) -> None:
+    """Rank 0: the pool's next begin_update (the pause: with weight_sync.staged, the swap at the
+    push's end, after the engines generated through the wire) first starts a long request on
+    the engine and waits until it streams, so the swap always finds it in flight; (request, its
+    future) in `held[mode]`. The wrapper removes itself."""
+    import asyncio
+
+    from megarl.rollout.engines.engine import GenRequest
+    original = pool.pool.begin_update
+
+    async def begin_update(*args, **kwargs):
+        pool.pool.begin_update = original
+        req = GenRequest(f"held-{mode}", [1, 7, 9, 11, 13], 200, TEMPERATURE, seed=3, ignore_eos=True)
+        fut = asyncio.run_coroutine_threadsafe(pool.pool.generate(req, pool.engines[0]), asyncio.get_running_loop())
+        while (part := pool.pool.partial(req.key)) is None or len(part.token_ids) < 3:
+            assert not fut.done(), f"{mode}: the held request ended before it streamed"
+            await asyncio.sleep(0.002)
+        held[mode] = (req, fut)
+        return await original(*args, **kwargs)
+    pool.pool.begin_update = begin_update
+
+
 def held_gaps(actor, info, held: dict | None, version: int) -> dict:
     """Collective: per engine, the held request's versions (old then `version`, both present)
     and the largest |engine - trainer| logprob over its tokens of `version`, the trainer's
@@ -158,7 +184,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
     from megarl.models.loading import load_hf_shard
     from megarl.models.transformer_config import transformer_config
     from megarl.rollout.engines.pool import open_pool
-    from megarl.rollout.weights import files, source
+    from megarl.rollout.weights import files, pieces, source
     from megarl.rollout.weights import sync as weight_sync
     writes = {"n": 0}
     real_save = safetensors.torch.save_file
@@ -225,7 +251,8 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                 held = {} if keep_check and env.rank == 0 else None
                 for mode, pool in pools.items():
                     if held is not None:
-                        held[mode] = start_held(mode, pool)
+                        start_held(f"{mode}-wire", pool)    # generates through the staged wire
+                        hold_at_the_swap(mode, pool, held)
                     sync = transports[mode, kind].push(actor.model, info, version)
                     gaps = weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
                     entry["gaps"].update({f"{mode}/{k}": v for k, v in gaps.items()})
@@ -254,6 +281,13 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
                 if k != 1:
                     yield b
         source.buckets = lossy
+        real_groups = pieces.group_pieces
+
+        def lossy_pieces(items, size):   # the sharded route's: each sender's second bucket is lost
+            for k, g in enumerate(real_groups(items, 64 << 10)):
+                if k != 1:
+                    yield g
+        pieces.group_pieces = lossy_pieces
         result["skipped_bucket_gaps"] = {}
         for kind in ("collective", "files"):
             with torch.no_grad():

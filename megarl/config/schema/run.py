@@ -35,10 +35,11 @@ class WeightSyncConfig:
     # counted by `megarl plan`); false: the engines pause for the whole push. Only the gloo
     # wire stages: with nccl / ipc (vLLM's own receivers) the push pauses as with false.
     staged: bool = True
-    # collective: every trainer rank sends the tensors it owns (its TP/PP/EP shard, converted
-    # locally) to the engine workers that need them, so no rank gathers the whole model and a
-    # push's bytes per trainer link shrink with the trainer (model bytes / TP x PP x EP); false:
-    # trainer rank 0 gathers and sends every tensor. Read by `megarl simulate` / `megarl plan`.
+    # collective, staged, gloo wire: every trainer rank that owns shards sends the pieces of HF
+    # tensors they cover (converted on the rank), so no rank gathers the model and each sender's
+    # link carries its shard (docs/engines.md, "Sharded sends"); false, or a trainer where one
+    # rank owns everything: trainer rank 0 gathers and sends every tensor. `megarl simulate` /
+    # `megarl plan` cost the push by it.
     sharded: bool = True
 
     def __post_init__(self):

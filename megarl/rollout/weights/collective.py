@@ -42,7 +42,7 @@ from torch.distributed import DistNetworkError
 from megarl.distributed import faults
 from megarl.distributed.env import free_port, from_rank0
 from megarl.rollout.engines.engine import Engine, EngineError
-from megarl.rollout.weights import packing, source
+from megarl.rollout.weights import packing, sharded, source
 from megarl.rollout.weights.wires import MEMBER_GRACE_S, WIRES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -88,6 +88,8 @@ class CollectiveTransport:
         self.members: tuple = ()                 # ids of the engines in self.group, in rank order
         self._staged_group = False               # whether self.group's engines stage (init info)
         self._pause = _Pause(None)               # this push's pause of the engines
+        self._sharded = None                     # sharded.ShardedPush, made at the first sharded push
+        self._senders: list[int] | None = None   # global ranks that send in a sharded push (this push's)
 
     # -- the push --------------------------------------------------------------------------
     def push(self, model, info, version: int) -> dict:
@@ -102,7 +104,12 @@ class CollectiveTransport:
         # staged: the engines pause only at the swap (_session); replacements waiting to join
         # need the whole version in a pause, so a push that admits them is not staged
         staged = self.stages and sp is not None and not sp.pool.joining
+        if self.ws.sharded and self.stages:   # every rank: the senders and whether this push stages
+            self._senders = sharded.sender_ranks()
+            staged = from_rank0(staged)
         self._pause = _Pause(sp)
+        if staged and self.shards:
+            return self._push_sharded(model, info, version, t0)
         engines = self._pause.begin(admit=True) if sp and not staged else (list(sp.pool.engines) if sp else None)
         try:
             for attempt in (0, 1):
@@ -134,7 +141,31 @@ class CollectiveTransport:
         return {"sync_time_s": time.perf_counter() - t0, "sync_gather_s": timers.get("gather", 0.0),
                 "sync_convert_s": timers.get("convert", 0.0), "sync_pack_s": timers.get("pack", 0.0),
                 "sync_stage_s": 0.0, "sync_paused_s": self._pause.seconds, "sync_staged": float(staged),
-                **stats}
+                "sync_sharded": 0.0, "sync_link_bytes": stats["sync_bytes"], **stats}
+
+    def _push_sharded(self, model, info, version: int, t0: float) -> dict:
+        timers: dict[str, float] = {}
+        stats = {"sync_wire_s": 0.0, "sync_bytes": 0, "sync_buckets": 0}
+        if self._sharded is None or self._sharded.senders != self._senders:
+            if self._sharded is not None:    # the trainer's layout changed: a group of the new senders
+                self._drop_group()
+            self._sharded = sharded.ShardedPush(self, self._senders)
+        try:
+            self._sharded.push(model, info, version, stats, timers)
+        finally:
+            self._pause.end()
+        return {"sync_time_s": time.perf_counter() - t0, "sync_gather_s": 0.0,
+                "sync_convert_s": timers.get("convert", 0.0), "sync_pack_s": timers.get("pack", 0.0),
+                "sync_stage_s": 0.0, "sync_paused_s": self._pause.seconds, "sync_staged": 1.0,
+                "sync_sharded": 1.0, **stats}
+
+    @property
+    def shards(self) -> bool:
+        """Whether staged pushes are sharded (weight_sync.sharded): every trainer rank that owns
+        shards sends them (sharded.py), where more than one does (one: rank 0's route is the
+        same). The same on every rank: the settings, and the senders each push learns
+        collectively (`push`)."""
+        return bool(self.ws.sharded and self.stages and self._senders and len(self._senders) > 1)
 
     @property
     def stages(self) -> bool:
@@ -267,10 +298,11 @@ class CollectiveTransport:
         stats["sync_buckets"] += 1
 
     # -- the group -------------------------------------------------------------------------
-    def _form(self, engines: list[Engine], staged: bool = False) -> None:
+    def _form(self, engines: list[Engine], staged: bool = False, senders: int = 1, announce=None) -> None:
         """A new group of rank 0 and every worker of `engines`. An engine whose join fails, or
         that has not arrived when the timeout passes, is named and retired; the group is then
-        formed again without it."""
+        formed again without it. A sharded push (sharded.py): `senders` trainer ranks lead the
+        group (rank 0 one of them) and `announce` tells the others each round's rendezvous."""
         sp, pool = self.pool, self.pool.pool
         self._drop_group()
         timeout_s = float(pool.timeout_s)
@@ -285,12 +317,14 @@ class CollectiveTransport:
             if unable:
                 engines[:] = [e for e in engines if e in pool.engines]
                 continue
-            world, host = 1 + sum(sizes), self._address(engines)
+            world, host = senders + sum(sizes), self._address(engines)
             port = self.ws.master_port or free_port()
             meet = box = None                    # a failed round's store frees its port first
             meet = self._rendezvous(host, port, world, timeout_s)
-            first = [1 + sum(sizes[:i]) for i in range(len(engines))]
-            joins = [sp.loop.submit(e.init_weight_transfer(self._engine_info(meet, off, staged)))
+            first = [senders + sum(sizes[:i]) for i in range(len(engines))]
+            if announce is not None:     # the other senders join this round's group too
+                announce(("join", meet.host, meet.port, meet.token, world, meet.timeout_s))
+            joins = [sp.loop.submit(e.init_weight_transfer(self._engine_info(meet, off, staged, senders)))
                      for e, off in zip(engines, first)]
             box: dict = {}
 
@@ -338,10 +372,12 @@ class CollectiveTransport:
                     "retiring an engine")
             engines[:] = [e for e in engines if e in pool.engines]
 
-    def _engine_info(self, meet, rank_offset: int, staged: bool) -> dict:
+    def _engine_info(self, meet, rank_offset: int, staged: bool, senders: int = 1) -> dict:
         info = meet.engine_info(rank_offset)
-        if staged:                       # only a wire that stages knows the field
+        if staged:                       # only a wire that stages knows the fields
             info["staged"] = True
+        if senders > 1:
+            info["senders"] = senders
         return info
 
     def _rendezvous(self, host: str, port: int, world: int, timeout_s: float):

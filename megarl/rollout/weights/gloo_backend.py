@@ -24,7 +24,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from megarl.rollout.weights import group, packing
-from megarl.rollout.weights.staging import StagingArea
+from megarl.rollout.weights.pieces import PieceMeta
+from megarl.rollout.weights.staging import ShardedStaging, StagingArea
 
 
 @dataclass
@@ -36,15 +37,22 @@ class GlooInitInfo(WeightTransferInitInfo):
     token: str                         # the group's key prefix (group.py)
     timeout_s: float = 300.0           # joining, and each broadcast
     staged: bool = False               # receive into a staging area while the engine generates
+    # a sharded push (weight_sync.sharded): the group's ranks 0 .. senders-1 are trainer ranks,
+    # each sending the pieces of HF tensors its own shards cover (pieces.py); 1: rank 0 sends all
+    senders: int = 1
 
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    names: list
-    dtype_names: list
-    shapes: list
-    offsets: list
-    nbytes: int
+    # one packed bucket from rank 0 ...
+    names: list | None = None
+    dtype_names: list | None = None
+    shapes: list | None = None
+    offsets: list | None = None
+    nbytes: int = 0
+    # ... or, sharded: every piece bucket (pieces.PieceMeta dicts) of trainer sender `sender`
+    sender: int = -1
+    pieces: list | None = None
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -59,15 +67,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.buffers = packing.ReceiveBuffers()   # reused once vLLM holds no view of them
         self.staged = False
         self.timeout_s = 300.0
-        self.staging: StagingArea | None = None   # the open staged session's area
+        self.staging: StagingArea | ShardedStaging | None = None   # the open staged session's area
         # a staged push keeps every bucket until the swap: all of them are reused next push
         self.staging_buffers = packing.ReceiveBuffers(keep=1 << 16)
+        self.senders = 1
+        self.staged_tensors: dict = {}  # a sharded push's full tensors, reused by the next one
+        self.sender_buffers: list[packing.ReceiveBuffers] = []
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         pc = self.parallel_config
         worker = pc.data_parallel_index * pc.world_size + pc.rank
         self.shutdown()                  # a re-formed group replaces the old one
         self.staged, self.timeout_s = bool(info.staged), float(info.timeout_s)
+        self.senders = int(info.senders)
+        if self.senders > 1 and not self.staged:
+            raise ValueError("megarl gloo weight transfer: a sharded push (senders > 1) must be staged")
+        self.sender_buffers = [packing.ReceiveBuffers() for _ in range(self.senders)]
         self.rank = worker + info.rank_offset
         store = group.store(info.master_address, info.master_port, info.world_size, info.timeout_s,
                             sender=False)
@@ -78,7 +93,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.pending = None
         if self.staged:                  # nothing touches the model until the swap
             self._abandon_staging()
-            self.staging = StagingArea(self.group, self.staging_buffers)
+            self.staging = (ShardedStaging(self.group, self.senders, self.staged_tensors, self.sender_buffers)
+                            if self.senders > 1 else StagingArea(self.group, self.staging_buffers))
             return
         initialize_layerwise_reload(self.model)
 
@@ -88,10 +104,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             staging, self.staging = self.staging, None
             if staging is None or staging.abandoned:
                 return                   # a session given up on (engine.py STALE_SESSION): load nothing
-            buckets = staging.take(self.timeout_s)   # raises, loading nothing, if a receive failed
+            staged = staging.take(self.timeout_s)   # raises, loading nothing, if a receive failed
             initialize_layerwise_reload(self.model)
-            for meta, buf in buckets:
-                self.model.load_weights(packing.unpack(meta, buf))
+            if isinstance(staging, ShardedStaging):
+                self.model.load_weights(list(staged.items()))
+            else:
+                for meta, buf in staged:
+                    self.model.load_weights(packing.unpack(meta, buf))
             finalize_layerwise_reload(self.model, self.model_config)
             return
         self._load_pending()
@@ -111,6 +130,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         bucket still uses (packing.ReceiveBuffers), else a new one."""
         if self.group is None:
             raise RuntimeError("megarl gloo weight transfer: init_weight_transfer_engine was not called")
+        if info.pieces is not None:      # sharded: every piece bucket of one sender
+            if not isinstance(self.staging, ShardedStaging):
+                raise RuntimeError("megarl gloo weight transfer: piece buckets arrived outside a sharded session")
+            self.staging.receive(int(info.sender), [PieceMeta.from_dict(d) for d in info.pieces])
+            return
         meta = packing.BucketMeta(list(info.names), list(info.dtype_names), [list(s) for s in info.shapes],
                                   list(info.offsets), int(info.nbytes))
         if self.staged:

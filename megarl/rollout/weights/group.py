@@ -110,23 +110,30 @@ class _ChainWork:
             raise self._error
 
 
-def chain_pass(group, tensor) -> None:
+def chain_pass(group, tensor, order: list[int] | None = None, tag_base: int = 0) -> None:
     """This member's part of the chain: rank 0 sends every chunk to rank 1; rank r receives
     each chunk from r-1 (every receive posted at once) and forwards it to r+1 as soon as it is
-    in. Each send and receive is bounded by the group's timeout; a dropped group ends them."""
-    rank, world = group.rank(), group.size()
+    in. Each send and receive is bounded by the group's timeout; a dropped group ends them.
+
+    `order` (a sharded push: several senders, each with a chain of its own through the same
+    receivers): the members of this chain, its root first; `tag_base` keeps the chains'
+    messages apart where two of them pass between the same pair of members."""
+    me = group.rank()
+    order = list(range(group.size())) if order is None else order
+    pos = order.index(me)
     flat = tensor.view(-1).view(torch.uint8)
     spans = chunk_spans(flat.numel(), CHUNK_BYTES)
-    after = rank + 1 if rank + 1 < world else None
+    after = order[pos + 1] if pos + 1 < len(order) else None
     sends = []
-    if rank == 0:
+    if pos == 0:
         if after is not None:
-            sends = [group.send([flat[a:b]], after, tag) for tag, (a, b) in enumerate(spans)]
+            sends = [group.send([flat[a:b]], after, tag_base + tag) for tag, (a, b) in enumerate(spans)]
     else:
-        recvs = [group.recv([flat[a:b]], rank - 1, tag) for tag, (a, b) in enumerate(spans)]
+        before = order[pos - 1]
+        recvs = [group.recv([flat[a:b]], before, tag_base + tag) for tag, (a, b) in enumerate(spans)]
         for tag, (work, (a, b)) in enumerate(zip(recvs, spans)):
             work.wait()
             if after is not None:
-                sends.append(group.send([flat[a:b]], after, tag))
+                sends.append(group.send([flat[a:b]], after, tag_base + tag))
     for work in sends:
         work.wait()

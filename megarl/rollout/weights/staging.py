@@ -36,9 +36,13 @@ class StagingArea:
     receiver thread takes its part of the chain broadcast); `take(timeout_s)` waits for every
     queued receive and returns the buckets in order, or raises StagingError."""
 
-    def __init__(self, group, buffers: packing.ReceiveBuffers):
+    def __init__(self, group, buffers: packing.ReceiveBuffers, order: list[int] | None = None,
+                 tag_base: int = 0, on_bucket=None):
+        # order / tag_base: this area's chain in a sharded push (one sender of several: group.py);
+        # on_bucket(meta, buf): a sharded push's pieces are placed as they arrive, not kept
         self.group = group
         self.buffers = buffers
+        self.order, self.tag_base, self.on_bucket = order, tag_base, on_bucket
         self.buckets: list[tuple[packing.BucketMeta, object]] = []
         self.error: BaseException | None = None
         self.abandoned = False
@@ -63,8 +67,12 @@ class StagingArea:
                 continue                 # drain: nothing more is received after a failure
             try:
                 buf = self.buffers.take(meta.nbytes)
-                wgroup.chain_pass(group, buf)
-                self.buckets.append((meta, buf))
+                wgroup.chain_pass(group, buf, self.order, self.tag_base)
+                if self.on_bucket is not None:
+                    self.on_bucket(meta, buf)
+                    del buf              # placed: the buffer is free for the next bucket
+                else:
+                    self.buckets.append((meta, buf))
             except BaseException as err:  # noqa: BLE001 - raised by take()
                 self.error = err
                 # let go of the group: gloo closes its pairs only once it is collected, and the
@@ -95,3 +103,46 @@ class StagingArea:
 
     def nbytes(self) -> int:
         return sum(meta.nbytes for meta, _ in self.buckets)
+
+
+class ShardedStaging:
+    """A sharded push's staging on one worker: one StagingArea per trainer sender (weight-group
+    ranks 0 .. senders-1, each with its chain through every worker: order [s, senders, ...,
+    world-1], its own tags), all placing their pieces into one Assembler of full HF tensors."""
+
+    TAG_STRIDE = 1 << 20                 # chunks per bucket below this: 8 TiB at 8 MiB chunks
+
+    def __init__(self, group, senders: int, kept: dict, buffers: list[packing.ReceiveBuffers]):
+        from megarl.rollout.weights import pieces
+
+        self.assembler = pieces.Assembler(kept)
+        workers = list(range(senders, group.size()))
+
+        def place(meta, buf):
+            self.assembler.add(pieces.unpack(meta, buf))
+        self.areas = [StagingArea(group, buffers[s], [s] + workers, s * self.TAG_STRIDE, place)
+                      for s in range(senders)]
+
+    def receive(self, sender: int, metas: list) -> None:
+        if not 0 <= sender < len(self.areas):
+            raise StagingError(f"a piece bucket from sender {sender} of a group with {len(self.areas)} senders")
+        for meta in metas:
+            self.areas[sender].receive(meta)
+
+    def take(self, timeout_s: float) -> dict:
+        """The full HF tensors, once every sender's receives ended and every tensor is covered."""
+        deadline = time.monotonic() + timeout_s
+        for area in self.areas:
+            area.take(max(0.0, deadline - time.monotonic()))
+        try:
+            return self.assembler.tensors()
+        except ValueError as err:
+            raise StagingError(f"the staged pieces do not cover the model: {err}") from err
+
+    @property
+    def abandoned(self) -> bool:
+        return any(a.abandoned for a in self.areas)
+
+    def abandon(self) -> None:
+        for area in self.areas:
+            area.abandon()
