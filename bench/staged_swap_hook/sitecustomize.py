@@ -43,10 +43,10 @@ def _patch(mod) -> None:
     staging.StagingArea.take = _timed(staging.StagingArea.take, "take_s")
     real_pass = group.chain_pass
 
-    def chain_pass(g, tensor):
+    def chain_pass(g, tensor, *args, **kwargs):   # every signature of group.chain_pass
         t = time.time()
         try:
-            return real_pass(g, tensor)
+            return real_pass(g, tensor, *args, **kwargs)
         finally:
             if threading.current_thread().name == "megarl-weight-staging":
                 with _lock:
