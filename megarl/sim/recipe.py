@@ -260,6 +260,11 @@ def weight_sync_line(ws: dict) -> str:
         where = "engines generating" if ws["staged"] else "engines paused"
         line += (f"; wire {ws['wire_s']:.2f} s ({where}): {ws['send_bytes'] / 1e9:.1f} GB per trainer link, "
                  f"{ws['recv_bytes'] / 1e9:.1f} GB per engine worker link; load {ws['load_s']:.2f} s")
+    if ws.get("staged"):
+        # the simulator prices GPUs, whose wires (vLLM's nccl / ipc receivers) neither stage nor
+        # shard in megarl yet (docs/engines.md "Staged updates"): say the figure is a projection
+        line += ("\n  (a projection: megarl stages and shards on the gloo wire only; on GPUs its nccl / ipc "
+                 "pushes still pause the engines for the whole push, weight_sync.staged=false's figures)")
     return line
 
 
