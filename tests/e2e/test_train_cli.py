@@ -196,6 +196,10 @@ def test_tensor_parallel_run_with_two_engines_at_temperature(tiny_model, tmp_pat
     assert final != (exports["step_0"] / "model-00001-of-00001.safetensors").read_bytes()
     assert len(rows) == 2
     assert all(r["sync_verify_gap"] < 1e-4 and r["logprob_mismatch_mean"] < 1e-4 for r in rows), rows
+    # the pushes were staged (the engines paused only for the swap) and sharded (both TP ranks
+    # sent their own halves: no rank gathered the model), and still landed exactly (the gaps above)
+    assert all(r["sync_staged"] == 1.0 and r["sync_sharded"] == 1.0 for r in rows), rows
+    assert all(0 < r["sync_paused_s"] < r["sync_time_s"] and r["sync_link_bytes"] < r["sync_bytes"] for r in rows), rows
     assert all(0 <= r["cut_outside"] < 1e-2 for r in rows), rows   # sampled tokens outside the trainer's cut
     # GRPO trains without a critic: no value loss, group-normalised advantages, only the actor learns
     assert all(r["value_loss"] == 0.0 and "value_mean" not in r for r in rows)
