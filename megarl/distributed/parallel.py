@@ -86,6 +86,13 @@ def dp_size() -> int:
     return ps.get_data_parallel_world_size()
 
 
+def layout() -> tuple:
+    """(TP, PP, EP, DP) sizes, () before `initialize` (one process without groups)."""
+    if not ps.model_parallel_is_initialized():
+        return ()
+    return tp_size(), pp_size(), ep_size(), dp_size()
+
+
 def dp_rows(n: int) -> slice:
     """This DP rank's share of `n` rows: the r-th of dp_size() equal consecutive slices
     (n // dp_size() rows each; the caller makes n divisible)."""

@@ -19,8 +19,6 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -150,29 +148,12 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def main(out_path: str) -> None:
-    import multiprocessing as mp
+    from forked_ranks import run_ranks
 
-    from megarl.distributed.env import free_port
     from megarl.formats.mapping import mapping_for
     from megarl.models.builders import build_model  # noqa: F401 - megatron imported once, before the fork
     inject_failure()
-    ctx, port = mp.get_context("fork"), free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=rank_main, args=(r, port, out_dir), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + HANG_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-        ranks = {}
-        for r in range(WORLD):
-            f = Path(out_dir, f"rank{r}.json")
-            ranks[r] = json.loads(f.read_text()) if f.exists() else {}
-    out = {"ranks": ranks, "hung": hung, "exitcodes": [p.exitcode for p in procs],
-           "hf_tensors": len(mapping_for(tiny_config()).hf_names())}
+    out = {**run_ranks(rank_main, WORLD, (), HANG_S), "hf_tensors": len(mapping_for(tiny_config()).hf_names())}
     Path(out_path).write_text(json.dumps(out, indent=1))
 
 

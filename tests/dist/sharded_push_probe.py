@@ -19,9 +19,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
-import threading
-import time
 import types
 from pathlib import Path
 
@@ -122,7 +119,7 @@ def digest(loaded: dict) -> dict:
             for n, t in sorted(loaded.items())}
 
 
-def rank_main(rank: int, port: int, layout: str, out_dir: str) -> None:
+def rank_main(rank: int, port: int, out_dir: str, layout: str) -> None:
     import torch.distributed as dist
 
     from megarl.config.schema import WeightSyncConfig
@@ -185,27 +182,11 @@ def rank_main(rank: int, port: int, layout: str, out_dir: str) -> None:
 
 
 def main(out_path: str, layout: str) -> None:
-    import multiprocessing as mp
+    from forked_ranks import run_ranks
 
-    from megarl.distributed.env import free_port
     from megarl.models.builders import build_model  # noqa: F401 - megatron imported once, before the fork
-    world = LAYOUTS[layout][3]
-    ctx, port = mp.get_context("fork"), free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=rank_main, args=(r, port, layout, out_dir), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + HANG_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-        ranks = {r: (json.loads(f.read_text()) if (f := Path(out_dir, f"rank{r}.json")).exists() else {})
-                 for r in range(world)}
-    Path(out_path).write_text(json.dumps({"ranks": ranks, "hung": hung, "exitcodes": [p.exitcode for p in procs],
-                                          "threads": threading.active_count()}, indent=1))
-
+    out = run_ranks(rank_main, LAYOUTS[layout][3], (layout,), HANG_S)
+    Path(out_path).write_text(json.dumps(out, indent=1))
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -58,23 +58,23 @@ class Session:
         joiner.join()
         self.engine, self.sender = engine, box["g"]
 
+    def open(self, buckets):
+        """A staged session with every bucket queued on the worker (nothing sent yet)."""
+        self.engine.start_weight_update()
+        for named in buckets:
+            self.engine.update_weights(packing.layout(named).to_dict())
+
     def send(self, buckets):
         for named in buckets:
             group.broadcast(self.sender, packing.pack(named)[1])
 
 
-def metas(buckets):
-    return [packing.layout(named).to_dict() for named in buckets]
-
-
 def test_staged_buckets_arrive_while_the_worker_is_free_and_load_only_at_the_finish(reload_hooks):
     s = Session()
     model = s.engine.model
-    s.engine.start_weight_update()
-    for info in metas(BUCKETS):
-        # returns before the sender has sent anything: were it waiting for its bytes, this
-        # test would never reach the send below
-        s.engine.update_weights(info)
+    # each update_weights returns before the sender has sent anything: were it waiting for its
+    # bytes, this test would never reach the send below
+    s.open(BUCKETS)
     sending = threading.Thread(target=s.send, args=(BUCKETS,))
     sending.start()
     sending.join(TIMEOUT_S * 3)
@@ -85,45 +85,36 @@ def test_staged_buckets_arrive_while_the_worker_is_free_and_load_only_at_the_fin
     assert set(model.loaded) == set(expected) and all(torch.equal(model.loaded[k], v) for k, v in expected.items())
 
     # the next push stages into the same buffers once the model holds no view of them
-    s.engine.start_weight_update()
     second = [[(n, t + 1) for n, t in named] for named in BUCKETS]
-    for info in metas(second):
-        s.engine.update_weights(info)
+    s.open(second)
     s.send(second)
     s.engine.finish_weight_update()
     assert all(torch.equal(model.loaded[n], t) for named in second for n, t in named)
     s.engine.shutdown()
 
 
-def test_a_failed_receive_loads_nothing_and_an_abandoned_session_is_discarded(reload_hooks):
+def test_a_failed_receive_loads_nothing(reload_hooks):
     s = Session()
     model = s.engine.model
-    s.engine.start_weight_update()
-    for info in metas(BUCKETS):
-        s.engine.update_weights(info)
+    s.open(BUCKETS)
     s.send(BUCKETS[:1])
     wires.GlooWire.drop(s.sender)           # the sender dies after the first bucket
     s.sender = None
     with pytest.raises(StagingError, match="not received"):
         s.engine.finish_weight_update()
     assert model.events == [] and model.loaded == {}
-
     s.engine.shutdown()
 
 
 def test_a_session_the_sender_gave_up_on_is_discarded_and_the_next_one_loads(reload_hooks):
     s = Session()
     model = s.engine.model
-    s.engine.start_weight_update()
-    for info in metas(BUCKETS):
-        s.engine.update_weights(info)
+    s.open(BUCKETS)
     s.send(BUCKETS[:2])                      # the push fails here; the trainer forms a new group
     s2 = Session(s.engine)
     s2.engine.finish_weight_update()         # vLLM's stale session closed: nothing loaded, no error
     assert model.events == [] and model.loaded == {}
-    s2.engine.start_weight_update()
-    for info in metas(BUCKETS):
-        s2.engine.update_weights(info)
+    s2.open(BUCKETS)
     s2.send(BUCKETS)
     s2.engine.finish_weight_update()
     assert model.events == ["init", "load", "load", "load", "final"] and len(model.loaded) == 6

@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 import torch
 from torch.distributed import DistNetworkError
 
-from megarl.distributed import faults
+from megarl.distributed import faults, parallel
 from megarl.distributed.env import free_port, from_rank0
 from megarl.rollout.engines.engine import Engine, EngineError
 from megarl.rollout.weights import packing, sharded, source
@@ -89,7 +89,8 @@ class CollectiveTransport:
         self._staged_group = False               # whether self.group's engines stage (init info)
         self._pause = _Pause(None)               # this push's pause of the engines
         self._sharded = None                     # sharded.ShardedPush, made at the first sharded push
-        self._senders: list[int] | None = None   # global ranks that send in a sharded push (this push's)
+        self._senders: list[int] | None = None   # global ranks that send in a sharded push
+        self._layout: tuple = ()                 # the trainer layout self._senders was learnt for
 
     # -- the push --------------------------------------------------------------------------
     def push(self, model, info, version: int) -> dict:
@@ -104,9 +105,14 @@ class CollectiveTransport:
         # staged: the engines pause only at the swap (_session); replacements waiting to join
         # need the whole version in a pause, so a push that admits them is not staged
         staged = self.stages and sp is not None and not sp.pool.joining
-        if self.ws.sharded and self.stages:   # every rank: the senders and whether this push stages
-            self._senders = sharded.sender_ranks()
-            staged = from_rank0(staged)
+        if self.ws.sharded and self.stages:
+            # the senders, learnt collectively once per trainer layout (every rank sees the same
+            # layout, so all of them gather again together; only tests change it mid-run)
+            layout = parallel.layout()
+            if self._senders is None or self._layout != layout:
+                self._senders, self._layout = sharded.sender_ranks(), layout
+            if self.shards:                  # every rank follows rank 0's staged or not
+                staged = from_rank0(staged)
         self._pause = _Pause(sp)
         if staged and self.shards:
             return self._push_sharded(model, info, version, t0)
@@ -163,8 +169,8 @@ class CollectiveTransport:
     def shards(self) -> bool:
         """Whether staged pushes are sharded (weight_sync.sharded): every trainer rank that owns
         shards sends them (sharded.py), where more than one does (one: rank 0's route is the
-        same). The same on every rank: the settings, and the senders each push learns
-        collectively (`push`)."""
+        same). The same on every rank: the settings, and the senders learnt collectively
+        (`push`)."""
         return bool(self.ws.sharded and self.stages and self._senders and len(self._senders) > 1)
 
     @property

@@ -71,12 +71,6 @@ def layout(pieces: list[HFSlice]) -> PieceMeta:
                      [list(p.shape) for p in pieces], [p.dim for p in pieces], [p.start for p in pieces])
 
 
-def pack(pieces: list[HFSlice], out: torch.Tensor | None = None) -> tuple[PieceMeta, torch.Tensor]:
-    meta = layout(pieces)
-    _, buf = packing.pack([(p.name, p.tensor) for p in pieces], out=out)
-    return meta, buf
-
-
 def unpack(meta: PieceMeta, buf: torch.Tensor) -> list[HFSlice]:
     """Views into `buf`, as packing.unpack."""
     return [HFSlice(name, tuple(shape), dim, start, t)

@@ -41,7 +41,7 @@ from megarl.formats.shard_slices import Coverage, HFSlice, rank_to_hf_slices
 from megarl.models.builders import ModelInfo, use_te
 from megarl.rollout.engines.engine import EngineError
 from megarl.rollout.weights import group as wgroup
-from megarl.rollout.weights import pieces, source
+from megarl.rollout.weights import packing, pieces, source
 from megarl.rollout.weights.staging import ShardedStaging
 
 log = logging.getLogger("megarl.engines")
@@ -212,7 +212,7 @@ class ShardedPush:
             for g, meta in zip(groups, layouts):
                 t0 = time.perf_counter()
                 buf = t.buffers.take(meta.nbytes, "cpu")
-                _, packed = pieces.pack(g, out=buf)
+                _, packed = packing.pack([(p.name, p.tensor) for p in g], out=buf)   # meta's layout
                 t1 = time.perf_counter()
                 wgroup.chain_pass(t.group, packed if packed.device.type == "cpu" else packed.cpu(), order, tags)
                 t.buffers.give(buf)

@@ -101,9 +101,6 @@ class StagingArea:
         self.buckets = []
         self._queue.put(None)
 
-    def nbytes(self) -> int:
-        return sum(meta.nbytes for meta, _ in self.buckets)
-
 
 class ShardedStaging:
     """A sharded push's staging on one worker: one StagingArea per trainer sender (weight-group
