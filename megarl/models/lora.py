@@ -1,5 +1,6 @@
-"""LoRA adapters on megatron-core's tensor-parallel linear layers (issue 46, first piece: the layer
-and its settings; the trainer does not build them yet, docs/lora.md).
+"""LoRA adapters on megatron-core's tensor-parallel linear layers (issue 46, docs/lora.md): the
+layer, `apply_lora` (the trainer's actor, models/setup.py), the reference as the adapters turned
+off, and the merge the weight push sends (base + scale * B A, per TP shard).
 
     y = base(x) + (alpha / r) * B(A(dropout(x)))
 
@@ -61,6 +62,19 @@ def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     if n % size:
         raise ValueError(f"dimension {dim} of {tuple(full.shape)} does not split into {size} TP shards")
     return full.narrow(dim, rank * (n // size), n // size).clone()
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A for one TP shard, in W's dtype (computed in fp32 at least).
+
+    column-parallel: weight [out/tp, in], lora_b [out/tp, r] (this rank's shard), lora_a [r, in];
+    row-parallel: weight [out, in/tp], lora_b [out, r], lora_a [r, in/tp] (this rank's shard).
+    Either way the shard's B A is exactly the full B A's block at the weight shard's place, so
+    each rank merges its own shard with no gather, and the merged shards are the full merged
+    weight split as megatron splits the base."""
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    delta = lora_b.detach().to(wide) @ lora_a.detach().to(wide)
+    return (weight.detach().to(wide) + scale * delta).to(weight.dtype)
 
 
 # ---- the layer ----------------------------------------------------------------------------
@@ -127,6 +141,10 @@ class LoRALinear(torch.nn.Module):
             self.lora_a.copy_(a_full if self.column else shard(a_full, 1, rank, tp))
             self.lora_b.copy_(shard(b_full, 0, rank, tp) if self.column else b_full)
 
+    def merged(self) -> torch.Tensor:
+        """This rank's shard of the merged weight W + (alpha / r) B A (`merged_weight`)."""
+        return merged_weight(self.weight, self.lora_a, self.lora_b, self.scale)
+
     def forward(self, x, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
         if not self.enabled:
@@ -172,7 +190,7 @@ class LoRALinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The base's own sharded tensors under its usual keys, and the adapters split as above
-        (not exercised by any checkpoint yet: docs/lora.md)."""
+        (a checkpoint keeps only the adapters: checkpoint/manager.py)."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
         out = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         own = {"lora_a": self.lora_a, "lora_b": self.lora_b}
@@ -201,6 +219,7 @@ def apply_lora(model: torch.nn.Module, lora_cfg) -> int:
                          f"(this model has {experts} experts): target qkv and proj only")
     for p in model.parameters():
         p.requires_grad = False
+    _inputs_require_grad(model)
     count = 0
     for layer in model.decoder.layers:
         number = layer.layer_number - 1     # global over PP stages: the seed is the same at any layout
@@ -218,6 +237,36 @@ def apply_lora(model: torch.nn.Module, lora_cfg) -> int:
     if not count:
         raise ValueError(f"model.lora.targets={list(cfg.targets)}: no such layer on this stage")
     return count
+
+
+def _inputs_require_grad(model: torch.nn.Module) -> None:
+    """With the embedding frozen, the first stage's hidden states need no gradient, and megatron's
+    activation recompute (train.recompute: a reentrant autograd Function whose only tensor inputs
+    are those states) would then give its output none either: no gradient would reach the
+    adapters inside. The embedding's output is marked as needing one (HF's
+    enable_input_require_grads); only this leaf is marked, the frozen weights stay frozen."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is None:       # a later PP stage: its input comes from the previous stage, with grad
+        return
+
+    def hook(_module, _inputs, out):
+        if torch.is_grad_enabled() and torch.is_tensor(out) and not out.requires_grad:
+            out.requires_grad_(True)
+    embedding.register_forward_hook(hook)
+
+
+def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+    """(name, parameter, tensor) of every parameter of `model` (this rank's shards) as the engines
+    and an HF export see it: a LoRA layer's base weight merged with its adapters (`merged_weight`)
+    under the base's name, the adapters themselves left out, everything else as it is. Without
+    LoRA layers: every parameter, detached."""
+    merged = {id(m.weight): m for m in lora_layers(model)}
+    adapters = {id(p) for m in merged.values() for p in (m.lora_a, m.lora_b)}
+    for name, p in model.named_parameters():
+        if id(p) in adapters:
+            continue
+        layer = merged.get(id(p))
+        yield name, p, layer.merged() if layer is not None else p.detach()
 
 
 @contextlib.contextmanager

@@ -12,11 +12,13 @@ from megarl.config import ConfigError
 from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import RootConfig
 from megarl.data.builders import how_to_build
+from megarl.distributed import parallel
 from megarl.formats.mapping import mapping_for
 from megarl.models import loading, offload
 from megarl.models.arch import check_arch_matches
 from megarl.models.builders import Trainable, build_model, make_trainable, use_te
 from megarl.models.loading import check_megatron_dir
+from megarl.models.lora import apply_lora
 from megarl.models.moe_layout import check_moe_layout
 from megarl.models.reward import build_reward_model
 from megarl.models.transformer_config import transformer_config
@@ -25,7 +27,9 @@ from megarl.models.transformer_config import transformer_config
 @dataclass
 class Models:
     actor: Trainable
-    reference: torch.nn.Module | None   # None: algo.kl_coef=0, nothing reads its logprobs
+    # None: algo.kl_coef=0, nothing reads its logprobs. With LoRA (model.lora.rank > 0) the actor's
+    # own model (`actor.model`): the reference is its base, run with the adapters off (ppo/step.py)
+    reference: torch.nn.Module | None
     critic: Trainable | None
     tokenizer: object
     reward_model: torch.nn.Module | None = None
@@ -95,6 +99,7 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     on_gpu = torch.cuda.is_available()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     load, divisible_by = weight_source(cfg, hf_config)
+    lora = cfg.model.lora
 
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it
@@ -102,13 +107,21 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
                                   cfg.parallel.sequence_parallel, **moe_layout(cfg, hf_config, role))
         model, info = build_model(hf_config, tcfg, divisible_by, role)
         load(model, info, role)
+        if lora.rank and (role == "actor" or (role == "critic" and lora.critic)):
+            # after the load (the base's weights are model.path's), before DDP and the optimizer:
+            # megatron's DDP gives frozen parameters no grad buffer, its optimizer no state
+            apply_lora(model, lora)
+            if role == "critic" and parallel.is_last_stage():
+                model.output_layer.weight.requires_grad = True   # the value head is new: trained in full
         return model, info
 
     t = cfg.train
     schedule = lr_schedule(cfg)
     actor = make_trainable(*make("actor"), t.actor_lr, t.weight_decay, t.grad_clip, **schedule)
     reference = None   # only the KL term reads its logprobs (algo.uses_reference): else neither built nor run
-    if cfg.algo.uses_reference:
+    if cfg.algo.uses_reference and lora.rank:
+        reference = actor.model   # the actor's frozen base, adapters off: no second model (ppo/step.py)
+    elif cfg.algo.uses_reference:
         reference, _ = make("reference")
         reference.eval().requires_grad_(False)
     critic = None
@@ -119,7 +132,8 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
         reward_model = build_reward_model(cfg.reward.model_path, tp, pp, dtype,
                                           cfg.model.make_vocab_size_divisible_by)
     if t.offload_idle:
-        for idle in (reference, critic.model if critic else None, reward_model):
+        separate = reference if reference is not actor.model else None   # the actor itself is never idle
+        for idle in (separate, critic.model if critic else None, reward_model):
             if idle is not None:
                 offload.enable(idle)
     return Models(actor, reference, critic, tokenizer, reward_model)

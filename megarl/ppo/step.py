@@ -18,6 +18,7 @@ from megarl.config.schema import RootConfig
 from megarl.data.seeds import minibatch_seed
 from megarl.distributed import device as dev
 from megarl.distributed import parallel
+from megarl.models.lora import adapters_disabled
 from megarl.models.offload import resident
 from megarl.models.sampling_cut import Cut
 from megarl.ppo import actor as actor_ops
@@ -60,7 +61,8 @@ class Pass:
 
 def forward_passes(cfg: RootConfig, actor, reference, critic) -> dict[str, Pass]:
     """The step's forward-only passes by name: `logp` (old logprobs, current weights), `ref`
-    when the reference model is built (algo.uses_reference) and, when algo.name needs a
+    when a reference is given (algo.uses_reference: its own model, or with LoRA the actor's
+    model, run with its adapters off) and, when algo.name needs a
     critic, `values`."""
     vocab = actor.info.vocab_size
     temp = cfg.rollout.sampling.temperature   # the engine sampled from softmax(z / T): so must every logprob here
@@ -71,7 +73,13 @@ def forward_passes(cfg: RootConfig, actor, reference, critic) -> dict[str, Pass]
     def logprobs(m, b, s):
         return actor_ops.logprobs(m, b, s, vocab, temp, cut)
     out = {"logp": Pass("logp", actor.model, logprobs)}
-    if reference is not None:
+    if reference is not None and reference is actor.model:
+        # LoRA (models/setup.py): the reference policy is the actor's frozen base, its adapters off
+        def base_logprobs(m, b, s):
+            with adapters_disabled(m):
+                return logprobs(m, b, s)
+        out["ref"] = Pass("ref", reference, base_logprobs, versioned=False)
+    elif reference is not None:
         out["ref"] = Pass("ref", reference, logprobs, resident=reference, versioned=False)
     if ADVANTAGES.get(cfg.algo.name).needs_critic:
         out["values"] = Pass("values", critic.model, critic_ops.values, resident=critic.model)

@@ -181,7 +181,8 @@ def test_apply_lora_targets_and_refusals():
     (["model.lora.targets=[qkv,mlp]"], r"model\.lora\.targets=\['qkv', 'mlp'\]: unknown \['mlp'\]"),
     (["model.lora.rank=4", "model.lora.alpha=0"], r"model\.lora\.alpha=0\.0: must be > 0"),
     (["model.lora.rank=4", "model.lora.targets=[]"], r"model\.lora\.targets=\[\]: name at least one"),
-    (["model.lora.rank=4"], r"model\.lora\.rank=4: LoRA training is not wired into the trainer yet"),
+    (["model.lora.rank=4", "weight_sync.lora=adapters"], r"weight_sync\.lora='adapters': is not built yet .*"
+     r"weight_sync\.lora=merged"),
 ])
 def test_bad_settings_are_one_line_naming_the_setting(overrides, named):
     with pytest.raises(ConfigError, match=rf"^{named}") as err:
@@ -206,5 +207,6 @@ MOE_ARCH = ["model.arch.hidden_size=32", "model.arch.num_layers=2", "model.arch.
 
 def test_defaults_are_off():
     cfg = load_config("recipes/tiny_cpu.yaml")
-    assert cfg.model.lora == LoraConfig() and cfg.model.lora.rank == 0
+    assert cfg.model.lora == LoraConfig() and cfg.model.lora.rank == 0 and not cfg.model.lora.critic
+    assert load_config("recipes/tiny_cpu.yaml", ["model.lora.rank=4"]).model.lora.rank == 4   # trained: no refusal
     assert cfg.model.lora.targets == ["qkv", "proj", "fc1", "fc2"] and cfg.model.lora.alpha == 16.0

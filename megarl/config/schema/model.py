@@ -92,8 +92,9 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters on the actor's linear layers (megarl/models/lora.py, docs/lora.md). Only the
-    layer exists yet: the trainer does not build adapters, so rank > 0 is refused for now."""
+    """LoRA adapters on the actor's linear layers (megarl/models/lora.py, docs/lora.md): with
+    rank > 0 the actor's base weights are frozen (no gradient, no optimizer state), only the
+    adapters train, and the reference policy (a KL term) is the base with the adapters off."""
     rank: int = 0                      # adapter rank r; 0: off (full fine-tuning)
     # the adapters' output is scaled by alpha / rank; 16: veRL's and OpenRLHF's default lora_alpha
     alpha: float = 16.0
@@ -102,6 +103,9 @@ class LoraConfig:
     # megatron's layers: qkv (linear_qkv), proj (linear_proj), fc1 (linear_fc1), fc2 (linear_fc2)
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     seed: int = 0                      # the adapters' init (A), the same at every TP x PP layout
+    # the critic (algo.name=ppo) with adapters too (its value head, new, trained in full); false: the
+    # critic is fine-tuned in full whatever the actor does
+    critic: bool = False
 
     def __post_init__(self):
         require(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0: LoRA off)")
@@ -124,7 +128,7 @@ class ModelConfig:
     # weights from a megatron dist checkpoint (tools/convert_hf_to_megatron.py --out), at any TP x PP;
     # model.path still gives config.json and the tokenizer. "": weights from model.path's safetensors
     megatron_path: str = ""
-    lora: LoraConfig = field(default_factory=LoraConfig)   # LoRA adapters (docs/lora.md; not trained yet)
+    lora: LoraConfig = field(default_factory=LoraConfig)   # LoRA adapters on the actor (docs/lora.md)
 
     def __post_init__(self):
         one_of("model.dtype", self.dtype, {"float32", "bfloat16"})
@@ -135,7 +139,7 @@ class ModelConfig:
         self._check_lora()
 
     def _check_lora(self):
-        """What model.lora cannot do with this model, and that training does not build it yet."""
+        """What model.lora cannot do with this model."""
         lora = self.lora
         if not lora.rank:
             return
@@ -143,8 +147,6 @@ class ModelConfig:
         require(not (self.arch.num_experts and mlp), "model.lora.targets", list(lora.targets),
                  f"expert MLPs are not supported yet (model.arch.num_experts={self.arch.num_experts}): "
                  f"target qkv and proj only")
-        require(False, "model.lora.rank", lora.rank, "LoRA training is not wired into the trainer yet "
-                 "(docs/lora.md: only the layer exists): set model.lora.rank=0")
 
 
 @dataclass

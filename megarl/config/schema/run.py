@@ -41,9 +41,17 @@ class WeightSyncConfig:
     # rank owns everything: trainer rank 0 gathers and sends every tensor. `megarl simulate` /
     # `megarl plan` cost the push by it.
     sharded: bool = True
+    # with LoRA (model.lora.rank > 0), what travels after each step (docs/lora.md): merged: each
+    # adapted weight merged, W + (alpha / r) B A, computed per TP shard without a gather and sent
+    # under the base's name by every transport above | adapters: only the adapters, into vLLM's
+    # LoRA slots (not built yet)
+    lora: str = "merged"
 
     def __post_init__(self):
         one_of("weight_sync.transport", self.transport, {"collective", "files"})
+        one_of("weight_sync.lora", self.lora, {"merged", "adapters"})
+        require(self.lora != "adapters", "weight_sync.lora", self.lora,
+                "is not built yet (the engines take merged weights only): use weight_sync.lora=merged")
         one_of("weight_sync.backend", self.backend, {"auto", "gloo", "nccl", "ipc"})
         require(self.bucket_mb >= 1, "weight_sync.bucket_mb", self.bucket_mb, "must be >= 1")
         require(self.num_buffers >= 1, "weight_sync.num_buffers", self.num_buffers,

@@ -39,6 +39,7 @@ from megarl.distributed.env import from_rank0
 from megarl.formats.mapping import mapping_for
 from megarl.formats.shard_slices import Coverage, HFSlice, rank_to_hf_slices
 from megarl.models.builders import ModelInfo, use_te
+from megarl.models.lora import merged_parameters
 from megarl.rollout.engines.engine import EngineError
 from megarl.rollout.weights import group as wgroup
 from megarl.rollout.weights import packing, pieces, source
@@ -62,7 +63,8 @@ def own_pieces(model, info: ModelInfo, timers: dict) -> list:
     rank 0 only, and outside DP replica 0 the experts only (their dense tensors are replica 0's)."""
     t = time.perf_counter()
     table = mapping_for(info.hf_config, te_names=use_te())
-    state = {name: p.detach() for name, p in source.unwrap(model).named_parameters()}
+    # with LoRA: each adapted weight's shard merged with its adapters (models/lora.py), no adapters
+    state = {name: data for name, _, data in merged_parameters(source.unwrap(model))}
     out = rank_to_hf_slices(table, state, tp_rank=parallel.tp_rank(), tp_size=parallel.tp_size(),
                             layer_offset=info.layer_offset, expert_offset=info.expert_offset,
                             sends_replicated=parallel.tp_rank() == 0, experts_only=parallel.dp_rank() != 0)

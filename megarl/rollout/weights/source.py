@@ -1,4 +1,6 @@
 """The trainer side of a weight sync: the actor's shards as full HF tensors, in packed buckets.
+With LoRA (model.lora.rank > 0, weight_sync.lora=merged) each adapted weight is sent merged,
+W + (alpha / r) B A under the base's name, so the engines sample from the adapted policy.
 
 Each PP stage converts its own layers (layer numbers offset by stage). Within a stage the TP
 ranks all-gather each parameter on its partition dimension; the mapping table (shared with the
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from megarl.distributed import device, parallel
 from megarl.formats.mapping import mapping_for
 from megarl.models.builders import ModelInfo, use_te
+from megarl.models.lora import merged_parameters
 from megarl.rollout.weights import packing
 
 
@@ -40,7 +43,9 @@ def joins_gathers() -> bool:
 
 
 def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This stage's parameters as full HF tensors (TP gathered; with expert parallelism each
+    """This stage's parameters as full HF tensors (with LoRA each adapted weight merged,
+    W + (alpha / r) B A, per TP shard before the gather: models/lora.py `merged_parameters`;
+    TP gathered; with expert parallelism each
     expert tensor gathered from its EP owner, one local expert at a time, so no rank holds
     more than `ep` copies of one expert's tensor). All TP ranks, and the EP ranks of an
     expert group, must iterate (`joins_gathers`). `timers` (optional) accumulates seconds
@@ -49,9 +54,9 @@ def hf_tensors(model, info: ModelInfo, timers: dict | None = None) -> Iterator[t
     tp, ep = parallel.tp_size(), parallel.ep_size()
     local_experts = (info.config.num_moe_experts or 0) // ep
     timers = timers if timers is not None else {}
-    for name, param in unwrap(model).named_parameters():
+    for name, param, data in merged_parameters(unwrap(model)):
         t0 = time.perf_counter()
-        owners = _gathered(param, tp, ep)
+        owners = _gathered(param, tp, ep, data)
         t1 = time.perf_counter()
         converted = {}
         for g, owner in enumerate(owners):
@@ -68,11 +73,12 @@ def _is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _gathered(param, tp: int, ep: int) -> list[list[torch.Tensor]]:
+def _gathered(param, tp: int, ep: int, data: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
     """`param`'s TP shards (one tensor where it is not TP-split), per EP owner: an expert's
     tensor is its EP peers' same local expert too, after each one's own TP gather (one list per
-    peer, in EP rank order); any other tensor is this rank's alone (one list)."""
-    data = param.detach()
+    peer, in EP rank order); any other tensor is this rank's alone (one list). `data`: what to
+    gather in its place (a LoRA layer's merged shard; default the parameter itself)."""
+    data = param.detach() if data is None else data
     if tp > 1 and getattr(param, "tensor_model_parallel", False):
         shards = [torch.empty_like(data) for _ in range(tp)]
         dist.all_gather(shards, data.contiguous(), group=parallel.tp_group())
@@ -203,8 +209,8 @@ def _device() -> torch.device:
 
 def stage_bytes(model) -> int:
     """Bytes this rank's stage writes per sync: its parameters at full (TP-gathered) size, every
-    expert (EP-gathered) included."""
+    expert (EP-gathered) included; with LoRA the merged base weights (no adapters)."""
     tp, ep = parallel.tp_size(), parallel.ep_size()
-    return sum(p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+    return sum(t.numel() * t.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
                * (ep if _is_expert(p) else 1)
-               for p in unwrap(model).parameters())
+               for _, p, t in merged_parameters(unwrap(model)))
