@@ -7,22 +7,29 @@ import math
 
 from megarl.config.schema import ClusterConfig, RootConfig
 from megarl.models.arch import Arch
+from megarl.plan import lora as plan_lora
 from megarl.plan import memory as mem
 from megarl.plan.memory import GiB
 from megarl.plan.transfer import engine_transfer_buffers, staging_bytes, staging_place
 
 
 def engine_memory(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engines: int, engine_tp: int) -> dict:
-    """Bytes per engine GPU. vLLM fills its share (rollout.engines.gpu_memory_utilization) with weights,
-    workspace and KV cache when it starts; the weight transfer's buffers are allocated later,
-    at each sync, so they must fit in what vLLM leaves outside its share, less the reserve."""
+    """Bytes per engine GPU. vLLM fills its share (rollout.engines.gpu_memory_utilization) with
+    weights (and with weight_sync.lora=adapters its LoRA slot), workspace and KV cache when it
+    starts; the weight transfer's buffers are allocated later, at each sync, so they must fit in
+    what vLLM leaves outside its share, less the reserve."""
     r = cfg.rollout
     # sync mode submits every sample of the step at once; partial keeps `concurrency` in flight;
     # the agent service at most one call per open episode
     in_flight = {"sync": cfg.samples_per_step, "service": cfg.service.max_episodes}.get(r.mode, r.partial.concurrency)
     per_engine = math.ceil(in_flight / engines)
     kv_tok = mem.kv_bytes_per_token(arch, engine_tp)
+    lora = cfg.model.lora
     b = {"weights": mem.engine_weight_bytes(arch, engine_tp),
+         # weight_sync.lora=adapters: vLLM serves base + adapters, one LoRA slot (max_loras=1) of
+         # rank model.lora.rank, its A / B split over the engine's TP as megatron splits them
+         "lora": plan_lora.peft_params(arch, lora.rank, lora.targets, engine_tp) * 2
+         if plan_lora.adapters_pushed(cfg) else 0,
          "kv_cache": per_engine * r.engines.max_model_len * kv_tok,
          "workspace": mem.engine_workspace_bytes(arch, engine_tp, per_engine,
                                                  expert_parallel=r.engines.expert_parallel)}

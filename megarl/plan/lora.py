@@ -60,6 +60,23 @@ def adapter_params(a: Arch, rank: int, targets, tp: int = 1, layers: int | None 
     return layer_adapter_params(a, rank, targets, tp) * (a.layers if layers is None else layers)
 
 
+#: how many HF layers share a fused megatron layer's A: q, k, v (qkv); gate, up (fc1)
+PEFT_PARTS = {"qkv": 3, "proj": 1, "fc1": 2, "fc2": 1}
+
+
+def peft_params(a: Arch, rank: int, targets, tp: int = 1) -> int:
+    """Adapter elements as PEFT, transformers and vLLM hold them (formats/lora_peft.py): per HF
+    linear layer, so a fused layer's shared A is copied for each part (q, k, v: 3 x [r, hidden];
+    gate, up: 2 x [r, hidden]) and B is split among them (the same elements). What a push of the
+    adapters carries (tp=1) and what vLLM's LoRA slot holds per engine GPU (tp: the engine's;
+    vLLM splits the A / B of column / row layers as megatron does). 0 when rank is 0."""
+    if rank <= 0:
+        return 0
+    extra = sum((PEFT_PARTS[t] - 1) * target_shapes(a, rank, t, tp)[0][0] * target_shapes(a, rank, t, tp)[0][1]
+                for t in targets)
+    return adapter_params(a, rank, targets, tp) + extra * a.layers
+
+
 def largest_adapter_tensor(a: Arch, rank: int, targets) -> int:
     """Elements of the largest single adapter tensor (whole, TP gathered): fc1's B when fc1 is
     targeted (2 x intermediate x r)."""
@@ -87,9 +104,31 @@ def adapters_pushed(cfg) -> bool:
 
 
 def pushed_params(cfg, a: Arch, total: int) -> int:
-    """Elements one push carries: the adapters alone with weight_sync.lora=adapters, else
-    `total` (the whole model: full fine-tuning, or merged LoRA weights)."""
+    """Elements one push carries: the adapters alone, in PEFT's per-layer form (`peft_params`),
+    with weight_sync.lora=adapters, else `total` (the whole model: full fine-tuning, or merged
+    LoRA weights)."""
     lora = lora_of(cfg)
     if adapters_pushed(cfg):
-        return adapter_params(a, lora.rank, lora.targets)
+        return peft_params(a, lora.rank, lora.targets)
     return total
+
+
+def adapted(cfg, role: str):
+    """model.lora when `role`'s model carries adapters: the actor whenever LoRA is on, the critic
+    with model.lora.critic too; else None (fine-tuned in full)."""
+    lora = lora_of(cfg)
+    if lora and (role == "actor" or (role == "critic" and getattr(lora, "critic", False))):
+        return lora
+    return None
+
+
+def adapted_model_bytes(base: float, adapters: float, trained: float, per_param: dict[str, float],
+                        w_bytes: int) -> dict[str, float]:
+    """Bytes of one GPU's share of a model with frozen base and trained adapters, by part:
+    `base` frozen elements hold their weights only (no gradient, no fp32 main copy, no Adam
+    moments: megatron's DDP and distributed optimizer cover only parameters that require a
+    gradient); `adapters` and `trained` (a critic's new value head) hold what a trained
+    parameter holds (`per_param`: memory.trainable_bytes_per_param at the model's dtype and DP)."""
+    own = adapters + trained
+    return {"weights": base * w_bytes + own * per_param["weights"], "grads": own * per_param["grads"],
+            "optimizer": own * per_param["optimizer"]}

@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 
 from megarl.config.schema import ClusterConfig, ConfigError, RootConfig, validate_world
 from megarl.models.arch import Arch, resolve_arch
+from megarl.plan import lora as plan_lora
 from megarl.plan import memory as mem
 from megarl.plan.engine import engine_memory
 from megarl.plan.inputs import resolve_cluster, reward_arch
@@ -23,7 +24,7 @@ from megarl.plan.trainer import (
     trainer_fixes,
     trainer_memory,
 )
-from megarl.plan.transfer import staging_line, staging_note, transfer_buffers, transfer_formula
+from megarl.plan.transfer import push_bytes, staging_line, staging_note, transfer_buffers, transfer_formula
 
 FUSED = True   # GPU runs: Transformer Engine (fused norm + linear, flash attention), fused SwiGLU
 
@@ -43,6 +44,10 @@ ASSUMPTIONS = [
     "+ the largest tensor on global rank 0's GPU (in every phase: a safe bound) and on every engine GPU "
     "(outside vLLM's gpu_memory_utilization share, less the reserve); (ipc, engines on global rank 0's node) "
     "the whole model once more + those buffers on global rank 0's GPU, none on the engine GPUs",
+    "LoRA (model.lora.rank > 0): the actor's base frozen, its weights only; the adapters (per TP rank as "
+    "models/lora.py splits them) with gradients and Adam state; no reference copy (the actor with its adapters "
+    "off); the critic likewise with model.lora.critic; activations as in full fine-tuning (a bound); "
+    "weight_sync.lora=adapters pushes the PEFT adapters and adds one vLLM LoRA slot per engine GPU",
 ]
 
 
@@ -92,7 +97,22 @@ def make_plan(cfg: RootConfig, nodes: int | None = None, gpus_per_node: int | No
             "recompute": cfg.train.recompute, "offload_idle": cfg.train.offload_idle,
             "per_gpu_bytes": per_gpu_bytes(trainer, engine), "trainer": trainer, "engine": engine,
             "weight_transfer": transfer_formula(cfg, arch) if transfer_buffers(cfg, arch) else "",
+            "lora": lora_part(cfg, arch),
             "assumptions": ASSUMPTIONS}
+
+
+def lora_part(cfg: RootConfig, arch: Arch) -> dict | None:
+    """LoRA's figures for the whole model (the per-GPU ones are the trainer's): the adapters'
+    elements and bytes, what one push carries (weight_sync.lora) against the full model. None
+    without LoRA."""
+    lora = plan_lora.lora_of(cfg)
+    if not lora:
+        return None
+    wb = mem.DTYPE_BYTES[cfg.model.dtype]
+    n = plan_lora.adapter_params(arch, lora.rank, lora.targets)
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "adapter_params": n,
+            "adapter_bytes": n * wb, "model_bytes": mem.total_params(arch) * wb,
+            "push": plan_lora.push_mode(cfg), "push_bytes": push_bytes(cfg, arch)}
 
 
 def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None:
@@ -182,7 +202,8 @@ def engine_part(cfg: RootConfig, arch: Arch, cluster: ClusterConfig, engine_gpus
                                 f"cluster.engine_nodes={math.ceil(engines * etp / g)}"})
     e = engine_memory(cfg, arch, cluster, engines, etp)
     if e["need_bytes"] > e["budget_bytes"]:
-        kv_room = e["budget_bytes"] - e["per_gpu_bytes"]["weights"] - e["per_gpu_bytes"]["workspace"]
+        kv_room = e["budget_bytes"] - e["per_gpu_bytes"]["weights"] - e["per_gpu_bytes"]["workspace"] \
+            - e["per_gpu_bytes"]["lora"]
         max_req = max(0, int(kv_room // (r.engines.max_model_len * e["kv_bytes_per_token_per_gpu"]))) * engines
         problems.append({"role": "engines", "what": f"an engine GPU needs {gib(e['need_bytes'])} GiB "
                          f"(weights {gib(e['per_gpu_bytes']['weights'])}, KV cache for "
@@ -241,6 +262,8 @@ def per_gpu_bytes(trainer: dict | None, engine: dict | None) -> dict:
         per_gpu["engine_weights"] = engine["per_gpu_bytes"]["weights"]
         per_gpu["kv_cache"] = engine["per_gpu_bytes"]["kv_cache"]
         per_gpu["engine_workspace"] = engine["per_gpu_bytes"]["workspace"]
+        if engine["per_gpu_bytes"]["lora"]:
+            per_gpu["engine_lora"] = engine["per_gpu_bytes"]["lora"]
         per_gpu["engine_staging"] = engine["staging_bytes"]
         per_gpu["engine_weight_transfer"] = engine["transfer_bytes"]
     return per_gpu

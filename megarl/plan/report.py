@@ -35,9 +35,13 @@ def format_plan(p: dict) -> str:
             if sum(parts.values()):
                 lines.append(f"  {role:12s}{gib(sum(parts.values())):8.2f}  (weights {gib(parts['weights'])}, "
                              f"grads {gib(parts['grads'])}, optimizer {gib(parts['optimizer'])})")
+            if role == "actor" and t.get("lora"):
+                lines.append(lora_line(t["lora"], p["lora"]))
         for role in ("reference", "reward"):
             if t["roles"][role]:
                 lines.append(f"  {role:12s}{gib(t['roles'][role]):8.2f}")
+        if p.get("lora") and not t["roles"]["reference"]:
+            lines.append(f"  {'reference':12s}{0:8.2f}  (LoRA: the actor with its adapters off, no second copy)")
         if t["roles"]["weight_transfer"]:
             lines.append(f"  {'transfer':12s}{gib(t['roles']['weight_transfer']):8.2f}  (weight transfer buffers, "
                          f"on global rank 0: {p['weight_transfer']})")
@@ -58,7 +62,9 @@ def format_plan(p: dict) -> str:
     e = p["engine"]
     if e:
         b = e["per_gpu_bytes"]
-        lines.append(f"engine GPU, GiB: weights {gib(b['weights'])}, KV cache {gib(b['kv_cache'])} "
+        lines.append(f"engine GPU, GiB: weights {gib(b['weights'])}, "
+                     + (f"LoRA slot {gib(b['lora'])} (the adapters, served beside the base), " if b["lora"] else "")
+                     + f"KV cache {gib(b['kv_cache'])} "
                      f"({e['requests_per_engine']} requests x {p['sequence_tokens']} tokens), workspace "
                      f"{gib(b['workspace'])}; {gib(e['need_bytes'])} of {gib(e['budget_bytes'])} budget: "
                      + ("fits" if e["need_bytes"] <= e["budget_bytes"] else "DOES NOT FIT"))
@@ -71,6 +77,8 @@ def format_plan(p: dict) -> str:
                      f"weights, in the budget): " + ("fits" if e["staging_fits"] else "DOES NOT FIT"))
     if e and e.get("staging_warning"):
         lines.append(f"warning: {e['staging_warning']}")
+    if p.get("lora"):
+        lines.append(push_line(p["lora"]))
     for n in p["notes"]:
         lines.append(f"note: {n}")
     lines.append("fits" if p["fits"] else "DOES NOT FIT")
@@ -80,3 +88,22 @@ def format_plan(p: dict) -> str:
 def problems_message(p: dict) -> str:
     return "; ".join(f"{x['role']}: {x['what']}" + (f" ({x['short_gib']} GiB short)" if x["short_gib"] else "")
                      + f"; to fix: {x['fix']}" for x in p["problems"])
+
+
+def lora_line(t: dict, whole: dict) -> str:
+    """The actor's LoRA share of a trainer GPU: the adapter-only optimizer state and gradients,
+    and the frozen base beside them."""
+    critic = "; the critic has adapters too (model.lora.critic)" if t["critic"] else ""
+    return (f"  {'  adapters':12s}{gib(t['adapter_bytes'] + t['grads'] + t['optimizer']):8.2f}  (LoRA rank {t['rank']} "
+            f"on {'/'.join(t['targets'])}: {t['adapter_params'] / 1e6:.1f}M adapter params on this GPU of "
+            f"{whole['adapter_params'] / 1e6:.1f}M; adapter-only optimizer {gib(t['optimizer'])} GiB, grads "
+            f"{gib(t['grads'])} GiB; the base's {gib(t['base_bytes'])} GiB frozen: weights only{critic})")
+
+
+def push_line(lora: dict) -> str:
+    """What a push of a LoRA run carries (weight_sync.lora), against the whole model."""
+    what = ("the adapters only, per HF layer as PEFT and vLLM take them (a fused layer's A once per part)"
+            if lora["push"] == "adapters" else "the full model, adapters merged")
+    return (f"weight push per sync: {gib(lora['push_bytes'])} GiB = {lora['push_bytes'] / lora['model_bytes']:.1%} of "
+            f"the model's {gib(lora['model_bytes'])} GiB: {what} (weight_sync.lora={lora['push']}; the trainer's "
+            f"adapters {gib(lora['adapter_bytes'])} GiB)")

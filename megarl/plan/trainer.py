@@ -8,6 +8,7 @@ from megarl.config.registry import ADVANTAGES
 from megarl.config.schema import ConfigError, RootConfig, validate_world
 from megarl.models.arch import Arch
 from megarl.plan import experts, routes
+from megarl.plan import lora as plan_lora
 from megarl.plan import memory as mem
 from megarl.plan.memory import gib
 from megarl.plan.transfer import transfer_buffers
@@ -111,6 +112,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     per_expert = mem.trainable_bytes_per_param(cfg.model.dtype, lay.edp) if arch.moe else per_param
     ppo = ADVANTAGES.get(cfg.algo.name).needs_critic   # a critic to place
     sp = cfg.parallel.sequence_parallel
+    lora = plan_lora.lora_of(cfg)
     worst = None
 
     def params(role, stage):
@@ -118,12 +120,17 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
 
     def trainable(role, stage):
         dense, local_experts = params(role, stage)
+        if plan_lora.adapted(cfg, role):   # the base frozen (weights only), the adapters trained
+            head = arch.hidden if role == "critic" and stage == pp - 1 else 0   # a critic's new value head
+            adapters = stage_adapters(cfg, arch, lay, role, stage)
+            return plan_lora.adapted_model_bytes(dense + local_experts - head, adapters, head, per_param, wb)
         return {k: dense * per_param[k] + local_experts * per_expert[k] for k in per_param}
 
     for stage in range(pp):
         actor = trainable("actor", stage)
         critic = trainable("critic", stage) if ppo else {"weights": 0, "grads": 0, "optimizer": 0}
-        ref = sum(params("reference", stage)) * wb if cfg.algo.uses_reference else 0   # built only for a KL term
+        # built only for a KL term; with LoRA the reference is the actor with its adapters off: no copy
+        ref = sum(params("reference", stage)) * wb if cfg.algo.uses_reference and not lora else 0
         # a reward model is built with the trainer's layout too (its own experts, if any, over EP)
         rm = mem.stage_params(rm_arch, tp, pp, stage, "reward", div, lay.ep, lay.etp) * wb if rm_arch else 0
         act = dict(seq=seq, mbs=mbs, tp=tp, pp=pp, stage=stage, act_bytes=wb, sequence_parallel=sp,
@@ -159,6 +166,8 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
                "roles": {"actor": actor, "critic": critic, "reference": ref, "reward": rm,
                          "weight_transfer": transfer, "routes": held_routes, "activations": phases[phase][1]},
                "microbatches": micro, "in_flight": mem.in_flight_microbatches(pp, stage, micro)}
+        if lora:   # the actor's adapters on this GPU, apart: what LoRA trains and what it costs
+            res["lora"] = lora_figures(cfg, arch, lay, stage, actor, ppo)
         if stage == 0:
             sender_peak = totals[phase]
         if worst is None or res["peak_bytes"] > worst["peak_bytes"]:
@@ -167,6 +176,24 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     worst.update(sender_bytes=sender, sender_peak_bytes=sender_peak,
                  route_host_bytes=routes.host_route_bytes(cfg.algo.routing_replay, arch, cfg.samples_per_step, seq))
     return worst
+
+
+def stage_adapters(cfg: RootConfig, arch: Arch, lay: Layout, role: str, stage: int) -> int:
+    """LoRA adapter elements of `role` on one GPU of PP stage `stage` (0: none, trained in full)."""
+    own = plan_lora.adapted(cfg, role)
+    if not own:
+        return 0
+    return plan_lora.adapter_params(arch, own.rank, own.targets, lay.tp, len(mem.stage_layers(arch, lay.pp, stage)))
+
+
+def lora_figures(cfg: RootConfig, arch: Arch, lay: Layout, stage: int, actor: dict, ppo: bool) -> dict:
+    """The actor's LoRA share of one GPU of `stage`, as the plan prints it: its adapters, their
+    gradients and (adapter-only) optimizer state, the frozen base beside them."""
+    lora, wb = cfg.model.lora, mem.DTYPE_BYTES[cfg.model.dtype]
+    n = stage_adapters(cfg, arch, lay, "actor", stage)
+    return {"rank": lora.rank, "targets": list(lora.targets), "adapter_params": n, "adapter_bytes": n * wb,
+            "grads": actor["grads"], "optimizer": actor["optimizer"], "base_bytes": actor["weights"] - n * wb,
+            "critic": bool(plan_lora.adapted(cfg, "critic")) and ppo}
 
 
 def candidate_layouts(arch: Arch, gpus: int, gpus_per_node: int, etp: int = 0, sequence_parallel: bool = True):

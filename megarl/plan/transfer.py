@@ -1,10 +1,13 @@
 """The weight transfer's share of a plan: its packed GPU buffers (weight_sync.transport=
 collective over NCCL) on the sending trainer GPU and every engine GPU, over CUDA IPC (backend
-ipc) the whole model held on the sending GPU, or what a sync over files stages on disk instead."""
+ipc) the whole model held on the sending GPU, or what a sync over files stages on disk instead.
+With LoRA and weight_sync.lora=adapters a push carries the adapters alone (plan/lora.py), and
+every figure here is of them."""
 from __future__ import annotations
 
 from megarl.config.schema import ConfigError, RootConfig
 from megarl.models.arch import Arch
+from megarl.plan import lora as plan_lora
 from megarl.plan import memory as mem
 from megarl.plan.memory import gib
 from megarl.plan.node_split import one_node_split
@@ -27,6 +30,22 @@ def plan_backend(cfg: RootConfig) -> str:
     return ws.resolved_backend(True, "remote")
 
 
+def push_bytes(cfg: RootConfig, arch: Arch) -> float:
+    """Bytes one push carries: the whole model (full fine-tuning; LoRA with weight_sync.lora=
+    merged, the adapters merged into the weights they adapt), or the adapters alone (weight_sync.
+    lora=adapters), at the trainer's model.dtype."""
+    return plan_lora.pushed_params(cfg, arch, mem.total_params(arch)) * mem.DTYPE_BYTES[cfg.model.dtype]
+
+
+def adapter_buffer_bytes(cfg: RootConfig, arch: Arch) -> float:
+    """One side's packed buffers of a push of the adapters alone: `memory.transfer_buffer_bytes`
+    with the largest adapter tensor for the largest tensor, and never more than the adapters
+    themselves (buffers in flight hold parts of one push)."""
+    ws, lora, wb = cfg.weight_sync, cfg.model.lora, mem.DTYPE_BYTES[cfg.model.dtype]
+    largest = plan_lora.largest_adapter_tensor(arch, lora.rank, lora.targets) * wb
+    return min(ws.num_buffers * (ws.bucket_mb * mem.MiB + largest), push_bytes(cfg, arch))
+
+
 def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
     """GPU bytes of the weight transfer on the sending trainer GPU (global rank 0): nccl's
     packed buffers (`memory.transfer_buffer_bytes`), which every engine GPU holds too
@@ -37,6 +56,8 @@ def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
     backend = plan_backend(cfg) if ws.transport == "collective" else ""
     if backend not in ("nccl", "ipc"):
         return 0
+    if plan_lora.adapters_pushed(cfg):   # the adapters alone travel (ipc: held until the finish too)
+        return adapter_buffer_bytes(cfg, arch) + (push_bytes(cfg, arch) if backend == "ipc" else 0)
     size = mem.ipc_sender_bytes if backend == "ipc" else mem.transfer_buffer_bytes
     return size(arch, ws.bucket_mb, ws.num_buffers, mem.DTYPE_BYTES[cfg.model.dtype])
 
@@ -53,12 +74,20 @@ def engine_transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
 def transfer_formula(cfg: RootConfig, arch: Arch) -> str:
     """How `transfer_buffers` came about, with the settings that set it, for the printed plan."""
     ws = cfg.weight_sync
-    big = mem.largest_hf_tensor(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
-    buffers = (f"weight_sync.num_buffers={ws.num_buffers} x (weight_sync.bucket_mb={ws.bucket_mb} MiB "
-               f"+ largest tensor {gib(big)} GiB)")
+    if plan_lora.adapters_pushed(cfg):
+        lora = cfg.model.lora
+        big = plan_lora.largest_adapter_tensor(arch, lora.rank, lora.targets) * mem.DTYPE_BYTES[cfg.model.dtype]
+        buffers = (f"the adapters only (weight_sync.lora=adapters): weight_sync.num_buffers={ws.num_buffers} x "
+                   f"(weight_sync.bucket_mb={ws.bucket_mb} MiB + largest adapter {gib(big)} GiB), at most the "
+                   f"adapters' {gib(push_bytes(cfg, arch))} GiB")
+    else:
+        big = mem.largest_hf_tensor(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+        buffers = (f"weight_sync.num_buffers={ws.num_buffers} x (weight_sync.bucket_mb={ws.bucket_mb} MiB "
+                   f"+ largest tensor {gib(big)} GiB)")
     if ws.transport == "collective" and plan_backend(cfg) == "ipc":
-        model = mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
-        return f"the whole model {gib(model)} GiB (weight_sync.backend=ipc: held until the engines finish) + {buffers}"
+        what = "the adapters" if plan_lora.adapters_pushed(cfg) else "the whole model"
+        return f"{what} {gib(push_bytes(cfg, arch))} GiB (weight_sync.backend=ipc: held until the engines finish) + " \
+            f"{buffers}"
     return buffers
 
 
@@ -66,9 +95,10 @@ def staging_note(cfg: RootConfig, arch: Arch) -> str:
     """What a sync over files needs on disk (not on a GPU): the whole model as safetensors,
     written by the trainer and read by every engine, every step."""
     ws = cfg.weight_sync
-    size = mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+    size = push_bytes(cfg, arch)
+    what = "the adapters (weight_sync.lora=adapters)" if plan_lora.adapters_pushed(cfg) else "the whole model"
     if ws.transport == "files":
-        return (f"weight_sync.transport=files: every sync stages the whole model, {gib(size)} GiB, as files under "
+        return (f"weight_sync.transport=files: every sync stages {what}, {gib(size)} GiB, as files under "
                 f"weight_sync.staging_dir={ws.staging_dir} (host memory for /dev/shm, else disk), which every engine "
                 f"must reach (a shared file system on a cluster) and reads in full; no GPU transfer buffers")
     if plan_backend(cfg) == "gloo":
@@ -99,7 +129,12 @@ def staging_bytes(cfg: RootConfig, arch: Arch) -> float:
     place = staging_place(cfg)
     if not place:
         return 0.0
-    if place == "host" and not cfg.weight_sync.sharded:
+    whole = place == "host" and not cfg.weight_sync.sharded
+    if plan_lora.adapters_pushed(cfg):   # the next adapters: whole, or the worker's TP shard of them
+        lora = cfg.model.lora
+        n = plan_lora.peft_params(arch, lora.rank, lora.targets, 1 if whole else cfg.rollout.engines.tp)
+        return n * mem.DTYPE_BYTES[cfg.model.dtype]
+    if whole:
         return mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
     return mem.engine_weight_bytes(arch, cfg.rollout.engines.tp)
 

@@ -19,11 +19,13 @@ import json
 import math
 from dataclasses import replace
 
-from megarl.config import ConfigError
+from megarl.config import ConfigError, load_config
 from megarl.config.registry import ADVANTAGES
+from megarl.plan import lora as plan_lora
 from megarl.ppo.microbatch import batching_of
 from megarl.sim.costs import (
     GPUS,
+    MODEL_FACTS,
     MeasuredEngine,
     MeasuredTrainer,
     Model,
@@ -79,6 +81,43 @@ def roofline_model(cfg, model: str = "") -> Model:
     return known[model]
 
 
+def model_arch(cfg, model: str = ""):
+    """The architecture facts of `roofline_model(cfg, model)`'s model."""
+    from megarl.plan import resolve_arch
+    if not model:
+        return resolve_arch(cfg)[0]
+    roofline_model(cfg, model)   # an unknown name: its one line
+    return resolve_arch(load_config(str(MODEL_FACTS / f"{model.replace('-', '_')}.yaml")))[0]
+
+
+def lora_params(cfg, model: str = "") -> tuple[float, float]:
+    """(the actor's LoRA adapter parameters as the trainer holds them, as PEFT and vLLM hold
+    them: plan/lora.py) at the model the simulator prices; (0, 0) without LoRA. The first is
+    what a LoRA trainer trains, the second what a push of the adapters carries and an engine
+    serves."""
+    lora = plan_lora.lora_of(cfg)
+    if not lora:
+        return 0.0, 0.0
+    a = model_arch(cfg, model)
+    return (float(plan_lora.adapter_params(a, lora.rank, lora.targets)),
+            float(plan_lora.peft_params(a, lora.rank, lora.targets)))
+
+
+def pushed_bytes(cfg, m: Model, peft: float) -> float:
+    """Bytes one push carries: the model's weights, or the adapters alone in PEFT's form (`peft`
+    parameters; weight_sync.lora=adapters), at the model's bytes per parameter."""
+    return peft * m.bytes_per_param if plan_lora.adapters_pushed(cfg) else m.weight_bytes
+
+
+def served_model(cfg, m: Model, peft: float) -> Model:
+    """The model an engine computes with: with weight_sync.lora=adapters vLLM serves the base and
+    the adapters beside it (`peft` parameters, read and multiplied every step: x A then B);
+    merged weights, or no LoRA, are the model itself."""
+    if not plan_lora.adapters_pushed(cfg):
+        return m
+    return replace(m, params=m.params + peft, active_params=m.active + peft)
+
+
 def trainer_gpus(cfg) -> int:
     """The trainer's GPUs in the recipe's cluster section; 8 (one node) for a CPU recipe."""
     c = cfg.cluster
@@ -103,10 +142,12 @@ def shard_owners(cfg, trainer_gpus: int) -> int:
 
 
 def push_cost(cfg, m: Model, gpu, engines: int, engine_tp: int, trainer_gpus: int,
-              sync: WeightSyncCosts | None = None):
-    """One sync by the recipe's route: weight_sync.transport, .staged, .sharded (push.PushCost)."""
+              sync: WeightSyncCosts | None = None, peft: float = 0.0):
+    """One sync by the recipe's route: weight_sync.transport, .staged, .sharded (push.PushCost),
+    of the model's weights or, with LoRA and weight_sync.lora=adapters, of its adapters (`peft`
+    parameters in PEFT's form)."""
     ws, sync = cfg.weight_sync, sync or WeightSyncCosts()
-    return sync.push(ws.transport, m.weight_bytes, engines, engine_tp, gpu, staged=ws.staged,
+    return sync.push(ws.transport, pushed_bytes(cfg, m, peft), engines, engine_tp, gpu, staged=ws.staged,
                      sharded=ws.sharded, owners=shard_owners(cfg, trainer_gpus))
 
 
@@ -115,12 +156,14 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int,
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
     m, g = roofline_model(cfg, model), GPUS[gpu]
+    adapters, peft = lora_params(cfg, model)
     # the recipe's route: a broadcast or sharded sends, staged or not; or files read by every engine
-    push = push_cost(cfg, m, g, engines or cfg.rollout.engines.count, engine_tp, trainer_gpus)
+    push = push_cost(cfg, m, g, engines or cfg.rollout.engines.count, engine_tp, trainer_gpus, peft=peft)
     trainer = RooflineTrainer(m, g, trainer_gpus, critic=ADVANTAGES.get(cfg.algo.name).needs_critic,
                               push_s=push.trainer_s, route=cfg.weight_sync.transport,
-                              shape=step_shape(cfg, trainer_gpus), push_cost=push)
-    return RooflineEngine(m, g, engine_tp, load_weights_s=push.paused_s), trainer
+                              shape=step_shape(cfg, trainer_gpus), push_cost=push, adapter_params=adapters,
+                              critic_adapters=bool(plan_lora.adapted(cfg, "critic")))
+    return RooflineEngine(served_model(cfg, m, peft), g, engine_tp, load_weights_s=push.paused_s), trainer
 
 
 def route_name(cfg, push) -> str:

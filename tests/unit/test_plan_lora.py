@@ -103,3 +103,140 @@ def test_llama_70b_adapters_by_hand():
     assert plan_lora.largest_adapter_tensor(arch, 64, ALL) == 2 * 28672 * 64
     # a PP stage's layers: the share of them
     assert plan_lora.adapter_params(arch, 64, ALL, layers=16) * 5 == n
+
+
+def test_peft_count_is_what_peft_builds():
+    """The adapters as PEFT holds them per HF layer (a fused layer's A once per part: q, k, v;
+    gate, up): get_peft_model on the tiny Llama, its lora_A / lora_B elements counted."""
+    peft = pytest.importorskip("peft")
+    hf = llama_config()
+    arch = arch_from_hf(hf.to_dict())
+    model = transformers.LlamaForCausalLM(hf)
+    modules = {"qkv": ["q_proj", "k_proj", "v_proj"], "proj": ["o_proj"], "fc1": ["gate_proj", "up_proj"],
+               "fc2": ["down_proj"]}
+    for targets in (ALL, ["qkv", "fc2"]):
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=sum(
+            (modules[t] for t in targets), [])))
+        held = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
+        assert held == plan_lora.peft_params(arch, 4, targets) > plan_lora.adapter_params(arch, 4, targets)
+        model = wrapped.unload()
+
+
+# ---- megarl plan and megarl simulate with LoRA ------------------------------------------------
+R70 = "recipes/llama3.1_70b.yaml"
+LORA = ["model.lora.rank=64", "model.lora.alpha=128"]
+
+
+def adapters_push(cfg):
+    """`cfg` with weight_sync.lora=adapters, set past the schema's checks (the plan and the
+    simulator price the route whether or not the engines take it yet)."""
+    cfg.weight_sync.lora = "adapters"
+    return cfg
+
+
+def plan_of(overrides, adapters=False):
+    from megarl.config import load_config
+    from megarl.plan import make_plan
+    cfg = load_config(R70, overrides)
+    return make_plan(adapters_push(cfg) if adapters else cfg)
+
+
+def test_frozen_base_holds_weights_only_and_the_adapters_the_optimizer():
+    """The 70B recipe's layout (TP=8 x PP=5 x DP=1) with LoRA on the actor: its gradients and Adam
+    state are the adapters' alone (4 and 12 bytes per adapter element on this GPU), its weights the
+    stage's base + adapters at 2 bytes; the critic unchanged; no reference copy under the KL term."""
+    from megarl.config import load_config
+    from megarl.models.arch import resolve_arch
+    from megarl.plan import memory as mem
+    full, lora = plan_of([]), plan_of(LORA)
+    arch, _ = resolve_arch(load_config(R70))
+    t, f = lora["trainer"], full["trainer"]
+    stage = t["stage"]
+    n = plan_lora.adapter_params(arch, 64, ALL, tp=8, layers=16)
+    assert t["lora"]["adapter_params"] == n
+    base = mem.stage_params(arch, 8, 5, stage, "actor")
+    actor = t["roles"]["actor"]
+    assert actor == {"weights": (base + n) * 2, "grads": n * 4, "optimizer": n * 12}
+    assert f["roles"]["actor"]["optimizer"] == base * 12 > 30 * actor["optimizer"]
+    assert t["roles"]["critic"] == full["trainer"]["roles"]["critic"]
+    assert f["roles"]["reference"] > 0 and t["roles"]["reference"] == 0
+    assert t["peak_bytes"] < f["peak_bytes"]
+    # no KL term: no reference either way
+    assert plan_of(["algo.kl_coef=0"])["trainer"]["roles"]["reference"] == 0
+
+
+def test_critic_with_adapters_trains_its_value_head_in_full():
+    """model.lora.critic: the critic's base frozen too; its value head (new, hidden elements on the
+    last stage) trained with the adapters."""
+    p = plan_of([*LORA, "model.lora.critic=true", "parallel.pp=1", "cluster.trainer_nodes=1",
+                 "cluster.nodes=4"])
+    t = p["trainer"]
+    n = t["lora"]["adapter_params"]
+    assert t["roles"]["critic"]["grads"] == (n + 8192) * 4
+    assert t["roles"]["critic"]["optimizer"] == (n + 8192) * 12
+    assert t["lora"]["critic"] and p["fits"]
+
+
+def test_printed_plan_names_the_adapter_only_optimizer():
+    from megarl.plan import format_plan
+    p = plan_of(LORA)
+    text = format_plan(p)
+    opt = p["trainer"]["lora"]["optimizer"]
+    assert f"adapter-only optimizer {round(opt / 2 ** 30, 2)} GiB" in text
+    assert "the actor with its adapters off, no second copy" in text
+    assert "weight push per sync: 131.42 GiB" in text and "weight_sync.lora=merged" in text
+    assert "adapter" not in format_plan(plan_of([]))
+
+
+def test_adapters_push_carries_the_peft_adapters():
+    """weight_sync.lora=adapters: a push is the PEFT adapters (828,375,040 elements at rank 64 =
+    1.2% of the model), the nccl buffers at most that on both sides, the staging area and vLLM's
+    LoRA slot the engine TP rank's share of them; merged: the full model as without LoRA."""
+    from megarl.config import load_config
+    from megarl.models.arch import resolve_arch
+    from megarl.plan.transfer import push_bytes, transfer_buffers
+    arch, _ = resolve_arch(load_config(R70))
+    peft = plan_lora.peft_params(arch, 64, ALL)
+    assert peft == 702_545_920 + 80 * 3 * 64 * 8192
+    ads, merged, full = plan_of(LORA, adapters=True), plan_of(LORA), plan_of([])
+    assert ads["lora"]["push_bytes"] == peft * 2 and merged["lora"]["push_bytes"] == full["model"]["params"] * 2
+    assert ads["lora"]["push_bytes"] / merged["lora"]["push_bytes"] < 0.02
+    cfg = adapters_push(load_config(R70, LORA))
+    assert push_bytes(cfg, arch) == peft * 2
+    buffers = transfer_buffers(cfg, arch)
+    assert buffers <= peft * 2 and buffers < transfer_buffers(load_config(R70, LORA), arch) / 4
+    assert ads["trainer"]["roles"]["weight_transfer"] == ads["engine"]["transfer_bytes"] == buffers
+    e = ads["engine"]
+    assert e["per_gpu_bytes"]["lora"] == plan_lora.peft_params(arch, 64, ALL, tp=4) * 2
+    assert e["staging_bytes"] == plan_lora.peft_params(arch, 64, ALL, tp=4) * 2
+    assert merged["engine"]["per_gpu_bytes"]["lora"] == 0
+    assert merged["engine"]["staging_bytes"] == full["engine"]["staging_bytes"]
+
+
+def test_simulator_prices_frozen_base_training_and_adapter_pushes():
+    """A LoRA trainer's updates cost 4 x active + 6 x adapters FLOPs per position per model (a frozen
+    weight's gradient GEMM skipped), forward-only passes unchanged; an adapters push moves the
+    PEFT adapters' bytes, a merged one the model's."""
+    from megarl.config import load_config
+    from megarl.sim.costs import H100, Model, RooflineTrainer
+    from megarl.sim.recipe import roofline_costs
+    m = Model("m", 1e9, 16, 2048, 8, 128)
+    full = RooflineTrainer(m, H100, 8, critic=False)
+    lora = RooflineTrainer(m, H100, 8, critic=False, adapter_params=1e7)
+    assert lora.update_flops() == 4e9 + 6e7 and full.update_flops() == 6e9
+    assert lora.train_s(1000) / full.train_s(1000) == pytest.approx((4e9 + 6e7 + 2 * 2e9) / (6e9 + 2 * 2e9))
+    assert lora.forward_s(1000) == full.forward_s(1000)
+    ppo = RooflineTrainer(m, H100, 8, adapter_params=1e7, critic_adapters=False)
+    assert ppo.update_flops() == 4e9 + 6e7 + 6e9
+    assert RooflineTrainer(m, H100, 8, adapter_params=1e7, critic_adapters=True).update_flops() == 2 * (4e9 + 6e7)
+
+    arch_peft = 702_545_920 + 80 * 3 * 64 * 8192
+    merged = roofline_costs(load_config(R70, LORA), "h100", "", 4, 40)
+    ads = roofline_costs(adapters_push(load_config(R70, LORA)), "h100", "", 4, 40)
+    plain = roofline_costs(load_config(R70), "h100", "", 4, 40)
+    assert merged[1].push_cost == plain[1].push_cost
+    assert ads[1].push_cost.send_bytes == pytest.approx(arch_peft * 2 / 40)   # sharded over TP x PP owners
+    assert ads[1].push_s < merged[1].push_s and ads[0].load_weights_s < merged[0].load_weights_s
+    assert merged[1].adapter_params == 702_545_920 and plain[1].adapter_params == 0
+    # vLLM serves base + adapters: the engine's model holds them beside the base
+    assert ads[0].model.params == plain[0].model.params + arch_peft and merged[0].model == plain[0].model
