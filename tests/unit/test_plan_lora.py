@@ -240,3 +240,27 @@ def test_simulator_prices_frozen_base_training_and_adapter_pushes():
     assert merged[1].adapter_params == 702_545_920 and plain[1].adapter_params == 0
     # vLLM serves base + adapters: the engine's model holds them beside the base
     assert ads[0].model.params == plain[0].model.params + arch_peft and merged[0].model == plain[0].model
+
+
+@pytest.mark.usefixtures("megatron_world")
+@pytest.mark.parametrize("critic_adapters", [False, True])
+def test_plan_bytes_are_the_built_trainers(tiny_model, critic_adapters):
+    """The tiny recipe (fp32, one rank) with LoRA built by the trainer's own build_all: the plan's
+    actor and critic weights are the modules' parameter bytes, their gradients megatron DDP's grad
+    buffers (4 bytes per element), their optimizer the Adam m, v (fp32: 8 bytes) of the parameters
+    the optimizer holds: the adapters (and a LoRA critic's value head) only."""
+    from megarl.config import load_config
+    from megarl.models.arch import resolve_arch
+    from megarl.models.setup import build_all
+    from megarl.plan.trainer import Layout, trainer_memory
+    cfg = load_config("recipes/tiny_cpu.yaml", [f"model.path={tiny_model}", "model.lora.rank=4", "algo.name=ppo",
+                                                "algo.kl_coef=0.01", f"model.lora.critic={critic_adapters}"])
+    models = build_all(cfg, with_tokenizer=False)
+    plan = trainer_memory(cfg, resolve_arch(cfg)[0], Layout(1, 1, 1), fused=False)
+    for role in ("actor", "critic"):
+        model = getattr(models, role)
+        real = {"weights": sum(p.numel() * p.element_size() for p in model.model.module.parameters()),
+                "grads": sum(b.numel_unpadded for b in model.model.buffers) * 4,
+                "optimizer": sum(p.numel() for g in model.optimizer.optimizer.param_groups for p in g["params"]) * 8}
+        assert plan["roles"][role] == real, role
+    assert plan["roles"]["reference"] == 0 and plan["lora"]["adapter_params"] * 8 == plan["roles"]["actor"]["optimizer"]
