@@ -32,6 +32,14 @@ PATHS = ("model.path", "model.megatron_path", "data.prompts", "reward.model_path
 BREAKING = {"algo.name": "a checkpoint holds a critic only under an estimator that trains one, and the "
                          "optimizer and schedule continue another objective",
             "model": "every weight and optimizer tensor has another shape or meaning"}
+#: with LoRA a checkpoint holds the adapters only, loaded onto model.path's base at resume
+#: (checkpoint/manager.py): another base or other adapters would load without a shape error
+#: into another model
+LORA_BREAKING = ("model.path", "model.megatron_path", "model.lora.rank", "model.lora.alpha",
+                 "model.lora.targets", "model.lora.critic")
+for _key in LORA_BREAKING:
+    BREAKING[_key] = ("a LoRA checkpoint holds the adapters only, trained on the base weights and adapter "
+                      "settings it was written with: they load onto model.path's weights at resume")
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
@@ -77,13 +85,15 @@ def changes(saved: dict, cfg) -> tuple[list[str], list[str]]:
     ours = redacted_dict(cfg)
     before, now = flat(saved), flat(ours)
     breaking, other = [], []
+    adapters_only = bool(before.get("model.lora.rank") or now.get("model.lora.rank"))   # either run LoRA
     for key in sorted(set(before) | set(now)):
         a, b = before.get(key), now.get(key)
         if key not in before or key not in now or _same(key, a, b) or key.startswith("model.arch."):
             continue
         if key.startswith(EXPECTED):
             continue
-        (breaking if key == "algo.name" else other).append(f"{key} {a!r} -> {b!r}")
+        breaks = key == "algo.name" or (adapters_only and key in LORA_BREAKING)
+        (breaking if breaks else other).append(f"{key} {a!r} -> {b!r}")
     old_arch, new_arch = _arch_of(saved), _arch_of(ours)
     if old_arch is not None and new_arch is not None and old_arch != new_arch:
         diff = [f"{f} {getattr(old_arch, f)} -> {getattr(new_arch, f)}" for f in old_arch.__dataclass_fields__

@@ -2,7 +2,9 @@
 
 Layout of `<dir>/step_<N>/`:
   actor/, critic/      megatron dist checkpoints (model + distributed optimizer + LR schedule),
-                       fully reshardable: a run may resume at another TP x PP x DP
+                       fully reshardable: a run may resume at another TP x PP x DP. With LoRA
+                       (model.lora) the trained tensors only (adapters; a LoRA critic's value head)
+                       and base.json naming the base: its frozen weights load from model.path
   driver.pt            step, weight version, and the state of every component registered in
                        a `StateRegistry` (checkpoint/state.py: data cursor "sampler", RNG
                        states "rng", the driver's carry "rollout"), under its name (rank 0 writes)
@@ -14,6 +16,7 @@ moment leaves the previous checkpoint intact. Only the newest `keep` are kept.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -34,6 +37,8 @@ from megarl.distributed.env import from_rank0
 from megarl.models.builders import Trainable
 
 _STEP = re.compile(r"^step_(\d+)$")
+#: in a model folder of a LoRA run: the base the adapters were trained on (the weights are not saved)
+BASE_FILE = "base.json"
 
 
 def _barrier():
@@ -139,10 +144,21 @@ def _ensure_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def frozen_names(module) -> set[str]:
+    """The parameters of `module` that do not train (with LoRA: the base weights, models/lora.py)."""
+    return {n for n, p in module.named_parameters() if not p.requires_grad}
+
+
 def _sharded(t: Trainable, is_loading: bool) -> dict:
     if is_loading:
         _ensure_optimizer_state(t.optimizer)
     model_sd = t.model.module.sharded_state_dict()
+    frozen = frozen_names(t.model.module)
+    if frozen:
+        # LoRA: the frozen base is model.path's, loaded from there at every start (models/setup.py);
+        # a copy in every checkpoint would cost the model's size each save for bytes that never
+        # change. The checkpoint holds the trained tensors and their optimizer state only.
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
     return {"model": model_sd,
             "optimizer": t.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
 
@@ -154,12 +170,21 @@ def save_trainable(t: Trainable, folder: Path) -> None:
     dist_checkpointing.save(_sharded(t, is_loading=False), str(folder))
     if _is_rank0():
         torch.save(t.scheduler.state_dict(), folder / "scheduler.pt")
+        if frozen_names(t.model.module):   # what the adapters were trained on (compat.py checks model.path)
+            base = getattr(t.info.hf_config, "_name_or_path", "")
+            (folder / BASE_FILE).write_text(json.dumps({"base": os.path.abspath(base) if base else "",
+                                                        "holds": "trained tensors only (LoRA adapters)"}))
 
 
 def load_trainable(t: Trainable, folder: Path) -> None:
     sharded = _sharded(t, is_loading=True)
     state = dist_checkpointing.load(sharded, str(folder))
-    t.model.module.load_state_dict(state["model"], strict=True)
+    frozen = frozen_names(t.model.module)
+    missing, unexpected = t.model.module.load_state_dict(state["model"], strict=not frozen)
+    # with LoRA only the frozen base (model.path's, already loaded) may be absent
+    if set(missing) - frozen or unexpected:
+        raise RuntimeError(f"the checkpoint lacks {sorted(set(missing) - frozen)[:3]} or holds unknown "
+                           f"{sorted(unexpected)[:3]}")
     # a checkpoint of another expert-parallel size holds its optimizers' param groups in its
     # own structure: into this run's (optimizer_layout.py)
     t.optimizer.load_state_dict(to_this_layout(sharded["optimizer"], state["optimizer"]))

@@ -88,7 +88,10 @@ class LoRALinear(torch.nn.Module):
     `lora_b`. The base module itself is held outside the module tree (it owns nothing else).
     """
 
-    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, seed: int):
+    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float, seed: int,
+                 gated: bool = False):
+        """gated: the base is a gated MLP's linear_fc1, whose TP rank r holds [gate_r; up_r] (gate
+        and up split separately), so B's rows follow that order too (`set_full`, checkpoints)."""
         super().__init__()
         if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
             raise TypeError(f"LoRA wraps megatron's ColumnParallelLinear / RowParallelLinear, not "
@@ -100,7 +103,7 @@ class LoRALinear(torch.nn.Module):
             if isinstance(p, torch.nn.Parameter):
                 p.requires_grad = False
                 self._parameters[name] = p   # (register_parameter would see it through __getattr__)
-        self.rank, self.scale, self.enabled = rank, alpha / rank, True
+        self.rank, self.scale, self.enabled, self.gated = rank, alpha / rank, True, gated
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         tp, tp_rank = parallel.tp_size(), parallel.tp_rank()
         full_in, full_out = base.input_size, base.output_size
@@ -135,11 +138,17 @@ class LoRALinear(torch.nn.Module):
         self.base.set_extra_state(state)
 
     def set_full(self, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
-        """Set the adapters from full-size A [r, in] and B [out, r]: this TP rank keeps its shard."""
+        """Set the adapters from full-size A [r, in] and B [out, r]: this TP rank keeps its shard.
+        A gated fc1's B is [gate; up] (the HF order, the same at any TP): rank r keeps
+        [gate_r; up_r], as megatron splits the weight."""
         tp, rank = parallel.tp_size(), parallel.tp_rank()
+        if self.gated:
+            b_mine = torch.cat([shard(half, 0, rank, tp) for half in b_full.chunk(2, 0)])
+        else:
+            b_mine = shard(b_full, 0, rank, tp) if self.column else b_full
         with torch.no_grad():
             self.lora_a.copy_(a_full if self.column else shard(a_full, 1, rank, tp))
-            self.lora_b.copy_(shard(b_full, 0, rank, tp) if self.column else b_full)
+            self.lora_b.copy_(b_mine)
 
     def merged(self) -> torch.Tensor:
         """This rank's shard of the merged weight W + (alpha / r) B A (`merged_weight`)."""
@@ -190,12 +199,20 @@ class LoRALinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The base's own sharded tensors under its usual keys, and the adapters split as above
-        (a checkpoint keeps only the adapters: checkpoint/manager.py)."""
+        (a checkpoint keeps only the adapters: checkpoint/manager.py). A gated fc1's B is saved
+        as megatron's MLP saves the weight (its swiglu factory: gate and up as two tensors, each
+        split over TP), so it reshards to another TP size; a plain split would mix gate and up rows."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
         out = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         own = {"lora_a": self.lora_a, "lora_b": self.lora_b}
         split = {"lora_b": 0} if self.column else {"lora_a": 1}
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, split, sharded_offsets))
+        adapters = make_sharded_tensors_for_checkpoint(own, prefix, split, sharded_offsets)
+        if self.gated:
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            key = f"{prefix}lora_b"
+            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets, singleton)
+        out.update(adapters)
         return out
 
 
@@ -231,7 +248,8 @@ def apply_lora(model: torch.nn.Module, lora_cfg) -> int:
                 if not isinstance(module, names[child]):
                     raise ValueError(f"model.lora.targets: {where} is a {type(module).__name__}, not megatron's "
                                      f"{names[child].__name__} (Transformer Engine layers are not supported yet)")
-                wrapped = LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout, adapter_seed(cfg.seed, where))
+                gated = child == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
+                wrapped = LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout, adapter_seed(cfg.seed, where), gated)
                 setattr(parent, child, wrapped)
                 count += wrapped.lora_a.numel() + wrapped.lora_b.numel()
     if not count:

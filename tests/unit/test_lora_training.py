@@ -187,3 +187,22 @@ def test_push_sends_the_merged_weights_under_the_base_names(tiny_model):
     assert set(pieces) == set(pushed) and all(torch.equal(pieces[n], pushed[n]) for n in pushed)
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.module.named_parameters() if "lora" not in n)
     assert source.stage_bytes(model) == base_bytes
+
+
+@pytest.mark.parametrize("change", ["model.path=artifacts/another_base", "model.lora.rank=8", "model.lora.rank=0",
+                                    "model.lora.targets=[qkv]"])
+def test_resuming_adapters_onto_another_base_or_other_adapters_is_refused(tiny_model, tmp_path, change):
+    """A LoRA checkpoint holds the adapters only and loads them onto model.path's weights: another
+    base (same architecture: nothing would fail on shapes) or other adapter settings are breaking
+    changes, one line naming the setting; the same settings resume without a word."""
+    from megarl.checkpoint import compat
+    from megarl.config import ConfigError
+    from megarl.config.loader import save_config
+    step = tmp_path / "step_1"
+    step.mkdir()
+    save_config(config(tiny_model), step / "config.yaml")
+    assert compat.check_resume(config(tiny_model, "train.steps=9"), step) == []
+    key = change.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.resume: .* another {key} .*holds the adapters only") as err:
+        compat.check_resume(config(tiny_model, change), step)
+    assert "\n" not in str(err.value)
