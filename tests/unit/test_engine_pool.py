@@ -397,7 +397,7 @@ def test_engine_kinds_are_the_builders_registered_next_to_them(monkeypatch):
     assert type(made["remote"]) is HTTPVLLMEngine and made["remote"].url == "http://h:2"
     assert all(e.name == "engine1" for e in made.values())
 
-    def fake(cfg, model_path, seed, log_dir, i, weight_backend):
+    def fake(cfg, model_path, seed, log_dir, i, weight_backend, lora_rank=0):
         return ("fake", model_path, seed, i)
     ENGINE_KINDS.register("test_fake", fake)
     try:
@@ -475,7 +475,7 @@ class _FakeAsyncLLM:
     def __init__(self):
         self.aborted = set()
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
         for i in range(10 ** 6):
             await asyncio.sleep(0.01)
             done = request_id in self.aborted

@@ -22,12 +22,21 @@ from megarl.rollout.engines.vllm_http import HTTPVLLMEngine
 from megarl.rollout.engines.vllm_settings import BIND_ENV, check_expert_parallel, cpu_binds
 
 
-def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "") -> list[Engine]:
+def build_engines(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "",
+                  lora_rank: int = 0) -> list[Engine]:
     """`cfg` is a RolloutConfig. Logs of servers megarl starts go to <log_dir>/engine_<i>.log.
     `weight_backend`: the weight-transfer backend engines megarl starts receive with (see
-    `weight_backend`); "" for weight_sync.transport=files."""
+    `weight_backend`); "" for weight_sync.transport=files. `lora_rank`: > 0 for engines that
+    serve the trainer's LoRA adapters (`lora_rank`)."""
     check_expert_parallel(cfg.engines.expert_parallel, model_path, torch.cuda.is_available())   # before any starts
-    return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend) for i in range(cfg.engines.pool_size)]
+    return [build_engine(cfg, model_path, seed, log_dir, i, weight_backend, lora_rank)
+            for i in range(cfg.engines.pool_size)]
+
+
+def lora_rank(model_cfg, ws) -> int:
+    """The adapter rank engines megarl starts serve: model.lora.rank when the adapters travel
+    alone (weight_sync.lora=adapters), else 0 (merged weights need no LoRA in the engine)."""
+    return model_cfg.lora.rank if getattr(ws, "lora", "merged") == "adapters" else 0
 
 
 def weight_backend(ws, engine_mode: str, own_gpus: bool = False) -> str:
@@ -39,22 +48,26 @@ def weight_backend(ws, engine_mode: str, own_gpus: bool = False) -> str:
     return ws.resolved_backend(torch.cuda.is_available(), engine_mode, own_gpus)
 
 
-def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str = "") -> Engine:
+def build_engine(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str = "",
+                 lora_rank: int = 0) -> Engine:
     """Engine i of the pool, unstarted; called again for a replacement of a failed engine i
     (a fresh object: a new server process, or a new connection to the same remote URL).
     An unknown rollout.engines.mode raises ConfigError naming the known kinds."""
     build = ENGINE_KINDS.get(cfg.engines.mode)
-    return build(cfg, model_path, seed, log_dir, i, weight_backend)
+    return build(cfg, model_path, seed, log_dir, i, weight_backend, lora_rank)
 
 
 @ENGINE_KINDS.register("inprocess")
-def _inprocess(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str) -> Engine:
-    return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path, vllm_async.engine_args(cfg, seed, i, weight_backend),
+def _inprocess(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str,
+               lora_rank: int = 0) -> Engine:
+    return vllm_async.AsyncVLLMEngine(f"engine{i}", model_path,
+                                      vllm_async.engine_args(cfg, seed, i, weight_backend, lora_rank),
                                       cfg.engines.timeout_s, env=engine_env(cfg, i, weight_backend))
 
 
 @ENGINE_KINDS.register("local_servers")
-def _local_server(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str) -> Engine:
+def _local_server(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str,
+                  lora_rank: int = 0) -> Engine:
     # the server listens on 127.0.0.1 only; the key still keeps other local users off /v1.
     # Its log is appended to: a replacement's lines follow those of the engine it replaces.
     server = LocalServer(model_path, os.path.join(log_dir, f"engine_{i}.log"),
@@ -90,7 +103,7 @@ def engine_env(cfg, i: int, weight_backend: str = "") -> dict:
 
 
 @ENGINE_KINDS.register("remote")
-def _remote(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str) -> Engine:
+def _remote(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_backend: str, lora_rank: int = 0) -> Engine:
     api_key = cfg.engines.api_key or os.environ.get("MEGARL_ENGINE_API_KEY", "")
     return HTTPVLLMEngine(f"engine{i}", cfg.engines.urls[i], api_key, cfg.engines.timeout_s,
                           start_timeout_s=cfg.engines.start_timeout_s, max_model_len=cfg.engines.max_model_len)

@@ -1,7 +1,8 @@
 """vLLM general plugin (entry point `vllm.general_plugins` in setup.py): registers megarl's
 `gloo` weight-transfer backend, the engine core's count of held tokens (`rollout/engines/held_tokens.py`),
-the CPU MoE reload fix (`rollout/engines/moe_reload.py`) and the workers' route capture methods
-(`rollout/engines/route_capture.py`, used only when asked) in every vLLM process (API server, engine
+the CPU MoE reload fix (`rollout/engines/moe_reload.py`), the workers' route capture methods
+(`rollout/engines/route_capture.py`, used only when asked) and LoRA adapter swap
+(`rollout/engines/lora_slots.py`) in every vLLM process (API server, engine
 core, workers), so servers started by megarl, by slurm or by hand accept `--weight-transfer-config
 '{"backend": "gloo"}'`. vLLM may call it several times per process: registering is idempotent.
 Lazy: the backend module is imported only where an engine is built with it."""
@@ -13,11 +14,12 @@ BACKEND = "gloo"
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from megarl.rollout.engines import moe_reload, route_capture
+    from megarl.rollout.engines import lora_slots, moe_reload, route_capture
     from megarl.rollout.engines.held_tokens import install_core_utility
     install_core_utility()     # the engine core's count of held tokens (pause contract)
     moe_reload.install()       # CPU MoE experts keep their kernel layout over weight updates
     route_capture.install_worker_methods()   # routing replay: experts chosen per request (on demand)
+    lora_slots.install_worker_method()       # an adapters push's swap (weight_sync.lora=adapters)
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "megarl.rollout.weights.gloo_backend", "GlooWeightTransferEngine")

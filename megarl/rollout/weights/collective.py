@@ -42,7 +42,7 @@ from torch.distributed import DistNetworkError
 from megarl.distributed import faults, parallel
 from megarl.distributed.env import free_port, from_rank0
 from megarl.rollout.engines.engine import Engine, EngineError
-from megarl.rollout.weights import packing, sharded, source
+from megarl.rollout.weights import adapters, packing, sharded, source
 from megarl.rollout.weights.wires import MEMBER_GRACE_S, WIRES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -80,7 +80,9 @@ class CollectiveTransport:
         self.pool = pool
         # engine_mode: rollout.engines.mode, and own_gpus (engines megarl starts on GPUs of their
         # own: rollout/engines/gpus.py), which weight_sync.backend=auto resolves with
-        self.wire = WIRES[ws.resolved_backend(torch.cuda.is_available(), engine_mode, own_gpus)]
+        self.wire_name = ws.resolved_backend(torch.cuda.is_available(), engine_mode, own_gpus)
+        self.wire = WIRES[self.wire_name]
+        self._adapter: dict | None = None       # this push's adapter spec (weight_sync.lora=adapters)
         self.buffers = packing.BufferPool(ws.num_buffers)   # packed buckets' buffers, reused push after push
         self._held: list = []   # wire.holds_buffers: this session's sent buffers, until its finish
         self.group = None
@@ -113,13 +115,20 @@ class CollectiveTransport:
                 self._senders, self._layout = sharded.sender_ranks(), layout
             if self.shards:                  # every rank follows rank 0's staged or not
                 staged = from_rank0(staged)
+        # weight_sync.lora=adapters: only the LoRA adapters travel (adapters.py), unstaged and
+        # unsharded (megabytes: the pause is the receive and the swap)
+        self._adapter = adapters.spec(model) if adapters.wanted(self.ws, model) else None
+        if self._adapter is not None:
+            adapters.check_route(self.ws, self.wire_name)
+            staged = False
         self._pause = _Pause(sp)
         if staged and self.shards:
             return self._push_sharded(model, info, version, t0)
         engines = self._pause.begin(admit=True) if sp and not staged else (list(sp.pool.engines) if sp else None)
         try:
             for attempt in (0, 1):
-                buckets = source.sender_buckets(model, info, self.ws.bucket_mb << 20, timers, self.buffers)
+                make = adapters.sender_buckets if self._adapter is not None else source.sender_buckets
+                buckets = make(model, info, self.ws.bucket_mb << 20, timers, self.buffers)
                 outcome = local = None
                 try:
                     if sp is None:
@@ -281,7 +290,10 @@ class CollectiveTransport:
     def _send(self, engines, meta, buf, stats: dict, on_wire: _OnWire) -> None:
         sp = self.pool
         faults.point("sync_bucket")
-        receive = sp.loop.submit(_settled([e.update_weights(self.wire.update_info(meta, buf)) for e in engines]))
+        update = self.wire.update_info(meta, buf)
+        if self._adapter is not None:    # the engines swap these in as adapters (gloo_backend.py)
+            update[adapters.ADAPTER_KEY] = self._adapter
+        receive = sp.loop.submit(_settled([e.update_weights(update) for e in engines]))
         t = time.perf_counter()
         on_wire.since = time.monotonic()
         try:

