@@ -264,3 +264,34 @@ def test_plan_bytes_are_the_built_trainers(tiny_model, critic_adapters):
                 "optimizer": sum(p.numel() for g in model.optimizer.optimizer.param_groups for p in g["params"]) * 8}
         assert plan["roles"][role] == real, role
     assert plan["roles"]["reference"] == 0 and plan["lora"]["adapter_params"] * 8 == plan["roles"]["actor"]["optimizer"]
+
+
+R70_LORA = "recipes/lora_llama3.1_70b.yaml"
+
+
+def test_lora_70b_recipe_fits_on_fewer_trainer_gpus(capsys):
+    """`megarl plan recipes/lora_llama3.1_70b.yaml` fits on 16 trainer GPUs (the full fine-tune's
+    recipe: 40) and prints the adapter-only optimizer memory; the same layout trained in full does
+    not fit."""
+    from megarl.cli import main
+    from megarl.config import load_config
+    from megarl.plan import make_plan
+    assert main(["plan", R70_LORA]) == 0
+    out = capsys.readouterr().out
+    lora, full = make_plan(load_config(R70_LORA)), make_plan(load_config(R70))
+    opt = lora["trainer"]["lora"]["optimizer"]
+    assert f"adapter-only optimizer {round(opt / 2 ** 30, 2)} GiB" in out and out.rstrip().endswith("fits")
+    assert lora["placement"]["trainer"]["gpus"] == 16 < full["placement"]["trainer"]["gpus"] == 40
+    assert lora["trainer"]["lora"]["adapter_params"] * 12 / 2 == opt   # Adam over DP=2, adapters only
+    assert not make_plan(load_config(R70_LORA, ["model.lora.rank=0"]))["fits"]
+
+
+def test_plan_search_on_the_lora_recipe():
+    """`megarl plan --search` plans and simulates the LoRA recipe's splits (the recipe's own among
+    the simulated rows, fitting)."""
+    from megarl.config import load_config
+    from megarl.sim.search import format_search, search
+    result = search(load_config(R70_LORA), steps=1)
+    own = next(r for r in result["rows"] if r["recipe"])
+    assert own["fits"] and own["tokens_per_s"] > 0
+    assert "*" in format_search(result)

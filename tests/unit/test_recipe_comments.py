@@ -56,8 +56,21 @@ def facts(cfg, plan) -> list[tuple[str, list]]:
         (r"warm-up over (\d+) steps = (\d+) optimizer updates",
          [cfg.train.lr_warmup_steps, cfg.train.lr_warmup_steps * cfg.train.ppo_epochs * cfg.train.mini_batches]),
         (r"(\d+) layers: PP must divide them", [m["layers"]]),
+        (r"(\d+) trainer GPUs where the full fine-tune needs (\d+)", [tr["gpus"], full_fine_tune_gpus(cfg)]),
         *experts,
     ]
+
+
+def full_fine_tune_gpus(cfg) -> int | None:
+    """A LoRA recipe's counterpart: the trainer GPUs of the cluster recipe that fine-tunes the same
+    model in full (same model.path, model.lora.rank=0); None without LoRA or counterpart."""
+    if not cfg.model.lora.rank:
+        return None
+    for path in RECIPES:
+        other = load_config(path)
+        if other.model.path == cfg.model.path and not other.model.lora.rank:
+            return make_plan(other)["placement"]["trainer"]["gpus"]
+    return None
 
 
 def comments(text: str) -> str:
