@@ -246,3 +246,45 @@ def test_lag_trains_rounds_k_versions_late_and_resumes_its_queue(tiny_model, rem
     queued = {s["uid"] for r in torch.load(run_dir / "checkpoints" / "step_5" / "driver.pt",
                                              weights_only=True)["lag"]["rounds"] for s in r["samples"]}
     assert not queued & set(trained) and set(trained) | queued == set(range(len(trained) + len(queued)))
+
+
+def test_lora_run_trains_adapters_on_a_frozen_base_through_the_engine(tiny_model, remote_engine, tmp_path):
+    """PPO with LoRA (model.lora.rank=8) through a vLLM engine, 3 steps: the engine samples
+    from the merged weights (logprob mismatch and the verify probe < 1e-4 every step); the
+    checkpoints hold the actor's adapters only and name the base; the adapters moved (B from 0,
+    and between steps). The base did not: a second run resumed from step 1's adapters-only
+    checkpoint, its base loaded afresh from model.path, trains step 2 exactly as the first run did
+    (same samples, same losses), which a drifting base in the first run would have changed."""
+    import shutil
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "train.actor_lr=1e-3", "rollout.mode=sync",
+            "checkpoint.every=1", "checkpoint.keep=3", *remote_engine.overrides]
+    first = tmp_path / "lora"
+    _, rows = train(tiny_model, first, "train.steps=3", "weight_sync.verify=true", *lora, env=remote_engine.env)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["logprob_mismatch_mean"] < 1e-4 and r["sync_verify_gap"] < 1e-4, r
+    adapters = []
+    for step in (0, 2):
+        actor = first / "checkpoints" / f"step_{step}" / "actor"
+        saved = FileSystemReader(str(actor)).read_metadata().state_dict_metadata   # layers stacked per name
+        names = {k for k in saved if not k.startswith("optimizer.") and "_extra_state" not in k}
+        assert names and all(k.endswith((".lora_a", ".lora_b")) for k in names), sorted(names)[:4]
+        assert json.loads((actor / "base.json").read_text())["base"] == str(tiny_model.resolve())
+        dcp_to_torch_save(str(actor), str(tmp_path / f"actor{step}.pt"))
+        adapters.append({k: v for k, v in torch.load(tmp_path / f"actor{step}.pt").items() if k in names})
+    assert all(v.abs().max() > 0 for k, v in adapters[0].items() if k.endswith("lora_b"))   # from zeros
+    assert all(not torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+
+    second = tmp_path / "resumed"
+    (second / "checkpoints").mkdir(parents=True)
+    shutil.copytree(first / "checkpoints" / "step_1", second / "checkpoints" / "step_1")
+    _, resumed = train(tiny_model, second, "train.steps=3", *lora, env=remote_engine.env)
+    assert [r["step"] for r in resumed] == [2]
+    got, want = resumed[0], rows[2]
+    assert got["reward_mean"] == want["reward_mean"] and got["response_len_mean"] == want["response_len_mean"]
+    assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-5)
+    assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-4)
