@@ -206,3 +206,11 @@ def test_resuming_adapters_onto_another_base_or_other_adapters_is_refused(tiny_m
     with pytest.raises(ConfigError, match=rf"^checkpoint\.resume: .* another {key} .*holds the adapters only") as err:
         compat.check_resume(config(tiny_model, change), step)
     assert "\n" not in str(err.value)
+
+
+def test_offload_idle_with_only_the_lora_reference_is_refused(tiny_model):
+    """With LoRA the reference is the actor (never idle): GRPO with a KL term builds nothing to offload."""
+    from megarl.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^train\.offload_idle=True: .*model\.lora\.rank > 0"):
+        config(tiny_model, "algo.name=grpo", "train.offload_idle=true")
+    assert config(tiny_model, "algo.name=ppo", "train.offload_idle=true").train.offload_idle   # the critic is

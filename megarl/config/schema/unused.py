@@ -155,8 +155,10 @@ def check_unused(cfg) -> None:
 
 def _offload(cfg) -> None:
     """train.offload_idle moves the idle frozen or critic models to host memory: with none built it does nothing."""
-    idle = cfg.algo.uses_reference or bool(cfg.reward.model_path) or (
+    # with LoRA the reference is the actor itself, adapters off (docs/lora.md): not an idle model
+    reference = cfg.algo.uses_reference and not cfg.model.lora.rank
+    idle = reference or bool(cfg.reward.model_path) or (
         cfg.algo.name in ADVANTAGES and ADVANTAGES.get(cfg.algo.name).needs_critic)
     require(idle or not cfg.train.offload_idle, "train.offload_idle", cfg.train.offload_idle,
             "moves idle models (reference, critic, reward model) to host memory, and this run builds none "
-            "(algo.kl_coef=0, no critic, no reward.model_path): remove it")
+            "(no reference model: algo.kl_coef=0 or model.lora.rank > 0; no critic, no reward.model_path): remove it")
