@@ -10,8 +10,8 @@ trainer GPU (global rank 0: PP stage 0) and on every engine GPU. The memory form
 `megarl/plan/memory.py`; docs/plan.md compares them with published figures.
 
 Modules: `placement` (make_plan), `trainer`, `engine` and `transfer` (each one's share of a
-GPU), `inputs` (reward model, cluster), `report` (the printed plan); the architecture facts
-come from `megarl.models.arch`.
+GPU), `inputs` (reward model, cluster), `report` (the printed plan), `lora` (LoRA adapters'
+sizes: model.lora); the architecture facts come from `megarl.models.arch`.
 """
 from __future__ import annotations
 

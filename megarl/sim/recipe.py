@@ -167,11 +167,13 @@ def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int,
 
 
 def route_name(cfg, push) -> str:
-    """The route as printed: the transport, and for collective whether staged / sharded."""
+    """The route as printed: the transport, for collective whether staged / sharded, and with
+    LoRA what travels (weight_sync.lora: the adapters alone, or merged weights)."""
+    lora = f", LoRA {plan_lora.push_mode(cfg)}" if plan_lora.push_mode(cfg) else ""   # adapters only, or merged
     if cfg.weight_sync.transport != "collective":
-        return cfg.weight_sync.transport
+        return cfg.weight_sync.transport + lora
     return "collective, " + ("staged" if push.staged else "unstaged") + ", " + (
-        "sharded" if push.sharded else "gathered on rank 0")
+        "sharded" if push.sharded else "gathered on rank 0") + lora
 
 
 def default_lengths(cfg) -> str:

@@ -240,6 +240,11 @@ def test_simulator_prices_frozen_base_training_and_adapter_pushes():
     assert merged[1].adapter_params == 702_545_920 and plain[1].adapter_params == 0
     # vLLM serves base + adapters: the engine's model holds them beside the base
     assert ads[0].model.params == plain[0].model.params + arch_peft and merged[0].model == plain[0].model
+    # the printed route says what travels
+    from megarl.sim.recipe import route_name
+    assert route_name(adapters_push(load_config(R70, LORA)), ads[1].push_cost).endswith(", LoRA adapters")
+    assert route_name(load_config(R70, LORA), merged[1].push_cost).endswith(", LoRA merged")
+    assert "LoRA" not in route_name(load_config(R70), plain[1].push_cost)
 
 
 @pytest.mark.usefixtures("megatron_world")
