@@ -83,6 +83,21 @@ def largest_adapter_tensor(a: Arch, rank: int, targets) -> int:
     return max((x * y for t in targets for x, y in target_shapes(a, rank, t)), default=0)
 
 
+def layer_activation_bytes(a: Arch, lora, tokens: float, tp: int, act_bytes: int = 2, mask_bytes: int = 1) -> float:
+    """What one layer's adapters keep for backward beyond what the layer keeps fine-tuned in
+    full, for `tokens` tokens on one of `tp` TP ranks: each target's A x (r values per token, B's
+    input). A frozen base layer keeps no input (megatron's linear_with_frozen_weight needs none),
+    and A keeps the one the trained base would have kept; with model.lora.dropout > 0 A keeps the
+    dropped input instead, and dropout its mask: 1 byte per input feature on a GPU (a bool mask),
+    act_bytes on the CPU (torch multiplies by a mask of the input's dtype there)."""
+    per_token = 0.0
+    for t in lora.targets:
+        per_token += lora.rank * act_bytes
+        if lora.dropout > 0:
+            per_token += target_shapes(a, lora.rank, t, tp)[0][1] * mask_bytes
+    return tokens * per_token
+
+
 def lora_of(cfg):
     """The recipe's model.lora when on (rank > 0), else None."""
     lora = cfg.model.lora

@@ -112,7 +112,6 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
     per_expert = mem.trainable_bytes_per_param(cfg.model.dtype, lay.edp) if arch.moe else per_param
     ppo = ADVANTAGES.get(cfg.algo.name).needs_critic   # a critic to place
     sp = cfg.parallel.sequence_parallel
-    lora = plan_lora.lora_of(cfg)
     worst = None
 
     def params(role, stage):
@@ -130,14 +129,16 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
         actor = trainable("actor", stage)
         critic = trainable("critic", stage) if ppo else {"weights": 0, "grads": 0, "optimizer": 0}
         # built only for a KL term; with LoRA the reference is the actor with its adapters off: no copy
-        ref = sum(params("reference", stage)) * wb if cfg.algo.uses_reference and not lora else 0
+        ref = sum(params("reference", stage)) * wb if cfg.algo.uses_reference and not plan_lora.lora_of(cfg) else 0
         # a reward model is built with the trainer's layout too (its own experts, if any, over EP)
         rm = mem.stage_params(rm_arch, tp, pp, stage, "reward", div, lay.ep, lay.etp) * wb if rm_arch else 0
         act = dict(seq=seq, mbs=mbs, tp=tp, pp=pp, stage=stage, act_bytes=wb, sequence_parallel=sp,
                    fused=fused, divisible_by=div, etp=lay.etp)
-        train_actor = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute, **act)
+        train_actor = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute, **act) \
+            + adapter_activation_bytes(cfg, arch, lay, "actor", stage, seq * mbs, micro, fused)
         train_critic = mem.stage_activation_bytes(arch, microbatches=micro, recompute=t.recompute,
-                                                  with_logits=False, **act)
+                                                  with_logits=False, **act) \
+            + adapter_activation_bytes(cfg, arch, lay, "critic", stage, seq * mbs, micro, fused)
         fwd = mem.forward_only_bytes(arch, **act)
         fwd_value = mem.forward_only_bytes(arch, with_logits=False, **act)
         a, c_model, c_opt = sum(actor.values()), critic["weights"] + critic["grads"], critic["optimizer"]
@@ -166,7 +167,7 @@ def trainer_memory(cfg: RootConfig, arch: Arch, lay: Layout, fused: bool = True,
                "roles": {"actor": actor, "critic": critic, "reference": ref, "reward": rm,
                          "weight_transfer": transfer, "routes": held_routes, "activations": phases[phase][1]},
                "microbatches": micro, "in_flight": mem.in_flight_microbatches(pp, stage, micro)}
-        if lora:   # the actor's adapters on this GPU, apart: what LoRA trains and what it costs
+        if plan_lora.lora_of(cfg):   # the actor's adapters on this GPU, apart: what LoRA trains and costs
             res["lora"] = lora_figures(cfg, arch, lay, stage, actor, ppo)
         if stage == 0:
             sender_peak = totals[phase]
@@ -184,6 +185,22 @@ def stage_adapters(cfg: RootConfig, arch: Arch, lay: Layout, role: str, stage: i
     if not own:
         return 0
     return plan_lora.adapter_params(arch, own.rank, own.targets, lay.tp, len(mem.stage_layers(arch, lay.pp, stage)))
+
+
+def adapter_activation_bytes(cfg: RootConfig, arch: Arch, lay: Layout, role: str, stage: int, tokens: float,
+                             micro: int, fused: bool = True) -> float:
+    """What `role`'s adapters keep for backward on one GPU of `stage` (lora.layer_activation_bytes
+    per layer; `fused`: the GPU path): every layer of every in-flight micro-batch, or with
+    train.recompute=full the one layer recomputed at a time (the layer inputs it keeps are the
+    base's)."""
+    own = plan_lora.adapted(cfg, role)
+    if not own:
+        return 0.0
+    wb = mem.DTYPE_BYTES[cfg.model.dtype]
+    each = plan_lora.layer_activation_bytes(arch, own, tokens, lay.tp, wb, 1 if fused else wb)
+    if cfg.train.recompute == "full":
+        return each
+    return mem.in_flight_microbatches(lay.pp, stage, micro) * len(mem.stage_layers(arch, lay.pp, stage)) * each
 
 
 def lora_figures(cfg: RootConfig, arch: Arch, lay: Layout, stage: int, actor: dict, ppo: bool) -> dict:

@@ -300,3 +300,47 @@ def test_plan_search_on_the_lora_recipe():
     own = next(r for r in result["rows"] if r["recipe"])
     assert own["fits"] and own["tokens_per_s"] > 0
     assert "*" in format_search(result)
+
+
+def saved_activation_bytes(fn, x, params) -> int:
+    """Bytes of the distinct tensors autograd saves for backward in fn(x), parameters left out."""
+    skip = {p.data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        if t.data_ptr() not in skip:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(seen.values())
+
+
+@pytest.mark.usefixtures("megatron_world")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("target", ["qkv", "fc2"])
+def test_adapter_activations_are_what_autograd_saves(target, dropout):
+    """lora.layer_activation_bytes for one target: the bytes autograd saves in LoRALinear's forward
+    beyond those of its base layer trained in full (fp32 on the CPU, 4 bytes a value and a mask
+    value): A x, and with dropout the mask (the dropped input takes the place of the input the
+    trained base keeps; the frozen base keeps none)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.models.lora import LoRALinear
+    arch = arch_from_hf(llama_config().to_dict())
+    (_, fan_in), (fan_out, _) = plan_lora.target_shapes(arch, 4, target)
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
+                            params_dtype=torch.float32, gradient_accumulation_fusion=False)
+    init = torch.nn.init.normal_
+    base = (ColumnParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False, gather_output=False)
+            if target == "qkv" else RowParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False,
+                                                      input_is_parallel=True, skip_bias_add=False))
+    x = torch.randn(10, 3, fan_in, requires_grad=True)
+    trained = saved_activation_bytes(base, x, list(base.parameters()))   # the weight trained: x kept
+    layer = LoRALinear(base, 4, 8.0, dropout, seed=0).train()
+    params = list(layer.parameters())
+    assert saved_activation_bytes(base, x, params) == 0   # frozen: megatron keeps no input
+    extra = saved_activation_bytes(layer, x, params) - trained
+    lora = LoraConfig(rank=4, dropout=dropout, targets=[target])
+    assert extra == plan_lora.layer_activation_bytes(arch, lora, 30, 1, act_bytes=4, mask_bytes=4) > 0
