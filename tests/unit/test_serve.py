@@ -40,9 +40,11 @@ def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(ca
     # the recipe's weight_sync.transport=collective: the server takes weights over the wire,
     # and every route but /health needs the key
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
-    # the held-token route, then the key check: vLLM adds them in order, the last outermost
+    # the held-token and LoRA adapter routes, then the key check: vLLM adds them in order, the
+    # last outermost
     middleware = [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]
     assert middleware == ["megarl.rollout.engines.held_tokens.HeldTokensRoute",
+                          "megarl.rollout.engines.lora_slots.AdapterRoute",
                           "megarl.rollout.engines.auth.RequireKey"]
     assert "--api-key" not in argv and "k" * 32 not in " ".join(argv)
     env = captured["env"]
@@ -102,7 +104,8 @@ def _flags(argv: list[str]) -> dict:
 @pytest.mark.parametrize("cuda", [False, True])
 @pytest.mark.parametrize("backend", ["", "gloo"])
 @pytest.mark.parametrize("eager", [True, False])
-def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, cuda, backend, eager):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, cuda, backend, eager, lora_rank):
     """vllm_settings.engine_settings is rendered once to AsyncEngineArgs keywords
     (in-process engines) and once to the server's flags (LocalServer, and so `serve`): every
     setting reaches both with the same value (no weight-loading bar either); besides them the
@@ -111,11 +114,12 @@ def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     cfg = RolloutConfig(engines=EnginesConfig(enforce_eager=eager, kv_cache_mb=32, max_model_len=192,
                                              gpu_memory_utilization=0.3))
-    in_process = vllm_async.engine_args(cfg, seed=5, index=2, weight_backend=backend)
+    in_process = vllm_async.engine_args(cfg, seed=5, index=2, weight_backend=backend, lora_rank=lora_rank)
     server = LocalServer("m", "/dev/null", api_key="", seed=7, max_model_len=cfg.engines.max_model_len,
                          tp=cfg.engines.tp, enforce_eager=cfg.engines.enforce_eager,
                          kv_cache_mb=cfg.engines.kv_cache_mb,
-                         gpu_memory_utilization=cfg.engines.gpu_memory_utilization, port=8123, weight_backend=backend)
+                         gpu_memory_utilization=cfg.engines.gpu_memory_utilization, port=8123, weight_backend=backend,
+                         lora_rank=lora_rank)
     argv = server.command()
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     flags = _flags(argv[3:])
@@ -131,6 +135,10 @@ def test_in_process_engines_and_servers_get_the_same_vllm_settings(monkeypatch, 
             assert got == str(value), name
     assert shared["logprobs_mode"] == "processed_logprobs" and shared["seed"] == 7 and flags["enforce_eager"] is eager
     assert ("weight_transfer_config" in shared) == bool(backend)
+    # an adapters push's engines: vLLM's LoRA, one slot, its rank rounded up to one vLLM takes
+    lora = {k: shared.get(k) for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")}
+    assert lora == ({"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 1} if lora_rank
+                    else dict.fromkeys(lora))
     if cuda:
         assert shared["dtype"] == "auto" and shared["gpu_memory_utilization"] == 0.3
     else:

@@ -76,7 +76,7 @@ def _local_server(cfg, model_path: str, seed: int, log_dir: str, i: int, weight_
                          enforce_eager=cfg.engines.enforce_eager, kv_cache_mb=cfg.engines.kv_cache_mb,
                          gpu_memory_utilization=cfg.engines.gpu_memory_utilization,
                          weight_backend=weight_backend, env=engine_env(cfg, i, weight_backend),
-                         expert_parallel=cfg.engines.expert_parallel)
+                         expert_parallel=cfg.engines.expert_parallel, lora_rank=lora_rank)
     return LocalServerEngine(f"engine{i}", server, cfg.engines.timeout_s, cfg.engines.start_timeout_s)
 
 

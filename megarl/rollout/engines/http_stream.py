@@ -96,7 +96,9 @@ class StreamedRequests:
         return None
 
     def _payload(self, req: GenRequest) -> dict:
-        return {"model": self.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
+        # the trainer's adapter once a push swapped it in (weight_sync.lora=adapters), else the base
+        model = getattr(self, "lora_model", None) or self.model
+        return {"model": model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
                 "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
                 "ignore_eos": req.ignore_eos, "logprobs": 0, "return_token_ids": True,
                 "return_tokens_as_token_ids": True, "stream": True, "n": 1}

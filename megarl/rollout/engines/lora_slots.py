@@ -11,12 +11,19 @@ swapped inside the session would be gone before the next step. vLLM's worker LoR
 an adapter from its `lora_path` only when the id is not registered; the swap registers it, so
 requests never read a path. A request held across the update (rollout.update_mode=keep) goes on
 under the new adapter, as a held request goes on under new merged weights.
+
+A server names adapters by the OpenAI `model` field; `AdapterRoute` (a middleware of the servers
+megarl starts) registers the swapped adapter's name there, with no load (vLLM's own
+/v1/load_lora_adapter loads from a path), so the HTTP engine's requests name it after a push.
 """
 from __future__ import annotations
+
+import json
 
 import torch
 
 from megarl.formats import lora_peft
+from megarl.rollout.engines.engine import EngineError
 
 
 def manager_of(model):
@@ -48,6 +55,13 @@ def build(manager, model, tensors: dict[str, torch.Tensor], spec: dict):
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
 
 
+def lora_request(name: str, lora_id: int):
+    """vLLM's LoRARequest naming the adapter a push swapped in. Its path is never read (the
+    workers have the id registered); vLLM only requires one."""
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(name, int(lora_id), lora_path=f"megarl-pushed:{name}")
+
+
 #: the worker method (collective_rpc) that swaps the pushed adapter in
 SWAP = "megarl_lora_swap"
 
@@ -65,9 +79,10 @@ def worker_swap(worker) -> int:
 
 
 def check_swapped(answers, engine: str) -> None:
-    """`SWAP`'s answers, one per worker: every worker must have swapped an adapter in."""
-    if not answers or any(a != 1 for a in answers):
-        raise RuntimeError(f"engine {engine}: the adapters push reached the workers as {answers} (1: swapped in, "
+    """`SWAP`'s answers, one per worker (numbers; strings over HTTP's /collective_rpc): every
+    worker must have swapped an adapter in."""
+    if not answers or any(str(a) != "1" for a in answers):
+        raise EngineError(f"engine {engine}: the adapters push reached the workers as {answers} (1: swapped in, "
                            f"0: no adapter received): the engine keeps serving its previous adapter")
 
 
@@ -86,3 +101,41 @@ def swap(model, tensors: dict[str, torch.Tensor], spec: dict) -> None:
     manager.add_adapter(lora)
     manager.activate_adapter(lora.id)
 
+
+
+ROUTE = "/megarl/lora_adapter"
+
+
+class AdapterRoute:
+    """Pure ASGI middleware of servers megarl starts: `POST /megarl/lora_adapter` {"name", "id"}
+    makes the OpenAI `model` name `name` the adapter the workers hold under `id` (swapped in by
+    `SWAP` first: the LoRARequest's path is never read). Every other request passes through.
+    Listed before `auth.RequireKey`, which wraps it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = (scope.get("path") or "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] != "http" or path != ROUTE or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        status, answer = 200, {}
+        try:
+            body = b""
+            while True:
+                msg = await receive()
+                body += msg.get("body", b"")
+                if not msg.get("more_body"):
+                    break
+            ask = json.loads(body or b"{}")
+            models = scope["app"].state.openai_serving_models
+            name, lora_id = str(ask["name"]), int(ask["id"])
+            models.lora_requests[name] = lora_request(name, lora_id)
+            answer = {"name": name, "id": lora_id}
+        except Exception as err:   # the answer names it; the server stays up
+            status, answer = 500, {"error": f"{type(err).__name__}: {err}"}
+        data = json.dumps(answer).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})

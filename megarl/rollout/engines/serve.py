@@ -6,7 +6,8 @@
         the settings in-process engines get too), configured
         from the same recipe and overrides as the trainer: model.path, rollout.engines.max_model_len,
         rollout.engines.tp, rollout.engines.enforce_eager, rollout.engines.kv_cache_mb,
-        rollout.engines.gpu_memory_utilization, rollout.engines.expert_parallel; seed run.seed + I, as
+        rollout.engines.gpu_memory_utilization, rollout.engines.expert_parallel, and vLLM's LoRA
+        when model.lora.rank > 0 with weight_sync.lora=adapters; seed run.seed + I, as
         `build_engines` gives engine I.
         The API key comes from $MEGARL_ENGINE_API_KEY (required) and reaches vLLM as
         $VLLM_API_KEY, so it never shows in the process list. ADDR is the node's
@@ -31,7 +32,7 @@ from collections import deque
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.rollout.engines.build import weight_backend
+from megarl.rollout.engines.build import lora_rank, weight_backend
 from megarl.rollout.engines.reaper import pid_alive
 from megarl.rollout.engines.servers import LocalServer
 from megarl.rollout.engines.vllm_settings import check_expert_parallel
@@ -83,7 +84,8 @@ def _serve(args) -> int:
                          enforce_eager=ro.engines.enforce_eager,
                          kv_cache_mb=ro.engines.kv_cache_mb, gpu_memory_utilization=ro.engines.gpu_memory_utilization,
                          port=args.port, host=args.host, weight_backend=backend,
-                         expert_parallel=ro.engines.expert_parallel)
+                         expert_parallel=ro.engines.expert_parallel,
+                         lora_rank=lora_rank(cfg.model, cfg.weight_sync))
     # env() names a socket folder after this pid, which the server keeps (exec): once it is
     # gone, the next megarl process on the node removes the folder (reaper.remove_stale)
     cmd, env = server.command(), server.env()

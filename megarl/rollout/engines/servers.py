@@ -75,7 +75,8 @@ class LocalServer:
                  max_model_len: int = 256, tp: int = 1, enforce_eager: bool = True,
                  kv_cache_mb: int = 64, gpu_memory_utilization: float = 0.5,
                  port: Optional[int] = None, host: str = "127.0.0.1", extra_args: tuple = (),
-                 weight_backend: str = "", env: Optional[dict] = None, expert_parallel: bool = False):
+                 weight_backend: str = "", env: Optional[dict] = None, expert_parallel: bool = False,
+                 lora_rank: int = 0):
         self.model_path = str(model_path)
         self.log_path = str(log_path)
         self.api_key = api_key
@@ -90,6 +91,7 @@ class LocalServer:
         self.extra_args = tuple(extra_args)
         self.weight_backend = weight_backend     # weight-transfer backend ("": files only)
         self.expert_parallel = expert_parallel   # an MoE model's experts split over the TP ranks
+        self.lora_rank = lora_rank               # > 0: serves the trainer's LoRA adapters (build.lora_rank)
         self.extra_env = dict(env or {})         # e.g. the CPU cores of its workers (build.engine_env)
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
@@ -104,7 +106,7 @@ class LocalServer:
                                enforce_eager=self.enforce_eager, kv_cache_mb=self.kv_cache_mb,
                                gpu_memory_utilization=self.gpu_memory_utilization,
                                cuda=torch.cuda.is_available(), weight_backend=self.weight_backend,
-                               expert_parallel=self.expert_parallel)
+                               expert_parallel=self.expert_parallel, lora_rank=self.lora_rank)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -114,6 +116,8 @@ class LocalServer:
                # the held-token counts of a paused engine (held_tokens.py); listed first, so
                # that RequireKey, added last, is the outermost and guards it too
                "--middleware", "megarl.rollout.engines.held_tokens.HeldTokensRoute",
+               # the name an adapters push serves its adapter under (lora_slots.py)
+               "--middleware", "megarl.rollout.engines.lora_slots.AdapterRoute",
                "--middleware", "megarl.rollout.engines.auth.RequireKey"]
         return cmd + cli_flags(self.settings()) + list(self.extra_args)
 

@@ -73,13 +73,6 @@ def refused_by_vllm(err: BaseException) -> bool:
     return isinstance(err, VLLMClientError)
 
 
-def lora_request(spec: dict):
-    """vLLM's LoRARequest naming the adapter a push swapped in (adapters.spec). Its path is never
-    read: the workers have the id registered (lora_slots.py); vLLM only requires one."""
-    from vllm.lora.request import LoRARequest
-    return LoRARequest(spec["name"], int(spec["id"]), lora_path=f"megarl-pushed:{spec['name']}")
-
-
 ABORT_POLL_S = 0.05
 
 
@@ -362,7 +355,7 @@ class AsyncVLLMEngine(Engine):
         spec, self._adapter_pushed = self._adapter_pushed, None
         if spec is not None:     # swapped in while paused: requests name it from here on
             lora_slots.check_swapped(await self._collective(lora_slots.SWAP), self.name)
-            self._lora = lora_request(spec)
+            self._lora = lora_slots.lora_request(spec["name"], spec["id"])
 
     async def health(self) -> EngineHealth:
         alive = self.llm is not None and not getattr(self.llm, "errored", False)

@@ -27,7 +27,7 @@ from typing import Optional
 import aiohttp
 
 from megarl.rollout import routes
-from megarl.rollout.engines import held_tokens, route_capture
+from megarl.rollout.engines import held_tokens, lora_slots, route_capture
 from megarl.rollout.engines.engine import (
     STALE_SESSION,
     Engine,
@@ -36,6 +36,7 @@ from megarl.rollout.engines.engine import (
     settle_streams,
 )
 from megarl.rollout.engines.http_stream import ABORT_GRACE_S, StreamedRequests, _Flight
+from megarl.rollout.engines.vllm_settings import ADAPTER_KEY
 
 # vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
 # aiohttp would reuse one idle for up to 15 s, and a request sent as the server closes it fails
@@ -67,6 +68,8 @@ class HTTPVLLMEngine(StreamedRequests, Engine):
         self._ids = itertools.count()
         self._tag = secrets.token_hex(3)        # request ids stay unique across clients of one server
         self._capturing = False                 # the server's workers capture routes (routes set)
+        self.lora_model: Optional[str] = None    # the adapter requests name once a push swapped it in
+        self._adapter_pushed: Optional[dict] = None   # this update's adapter spec, until its finish
 
     # -- messages ------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -330,10 +333,22 @@ class HTTPVLLMEngine(StreamedRequests, Engine):
             raise EngineError(f"{self._where()}: POST /start_weight_update -> HTTP {status}: {str(body)[:500]}")
 
     async def update_weights(self, update_info: dict) -> None:
+        self._adapter_pushed = update_info.get(ADAPTER_KEY) or self._adapter_pushed
         await self._call("POST", "/update_weights", {"update_info": update_info}, own_connection=True)
 
     async def finish_weight_update(self, version: int) -> None:
         await self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
+        spec, self._adapter_pushed = self._adapter_pushed, None
+        if spec is not None:     # swapped in while paused, then served under its name
+            lora_slots.check_swapped(await self._collective(lora_slots.SWAP), self.name)
+            status, body = await self._call("POST", lora_slots.ROUTE, {"name": spec["name"], "id": spec["id"]},
+                                            check=False)
+            if status != 200:
+                raise EngineError(f"{self._where()}: POST {lora_slots.ROUTE} -> HTTP {status}: {str(body)[:300]}. "
+                                  f"weight_sync.lora=adapters needs a server started as megarl starts them "
+                                  f"(python -m megarl.rollout.engines.serve: --enable-lora and megarl's "
+                                  f"middleware {lora_slots.__name__}.AdapterRoute); else set weight_sync.lora=merged")
+            self.lora_model = spec["name"]
         await self._loaded(version)
 
     async def health(self) -> EngineHealth:
