@@ -106,11 +106,28 @@ def lora_of(cfg):
 
 def push_mode(cfg) -> str:
     """What a push of a LoRA run carries: weight_sync.lora (adapters: only the adapters, into
-    vLLM's LoRA slots; merged: the full merged weights, as without LoRA); "" without LoRA.
-    Read with its default, merged, where a config predates the setting."""
+    vLLM's LoRA slots; merged: the full merged weights, as without LoRA); "" without LoRA."""
     if not lora_of(cfg):
         return ""
-    return getattr(cfg.weight_sync, "lora", "merged")
+    return cfg.weight_sync.lora
+
+
+def check_push_route(cfg, backend: str) -> None:
+    """What the run refuses of an adapters push (rollout/weights/adapters.check_route): it
+    travels on the collective transport over megarl's gloo wire only, unstaged and gathered on
+    rank 0 (vLLM's nccl and ipc receivers load every tensor into the model; files reload whole
+    weights). `backend`: the wire the plan resolved. Raises ConfigError naming the fix."""
+    if not adapters_pushed(cfg):
+        return
+    ws = cfg.weight_sync
+    if ws.transport != "collective":
+        raise ConfigError(f"weight_sync.lora=adapters with weight_sync.transport={ws.transport}: only the collective "
+                          f"transport carries adapters (the files route reloads whole weights): set "
+                          f"weight_sync.transport=collective or weight_sync.lora=merged")
+    if backend != "gloo":
+        raise ConfigError(f"weight_sync.lora=adapters on the {backend} wire (weight_sync.backend={ws.backend}): vLLM's "
+                          f"{backend} receiver loads every tensor into the model and has no adapter path yet; use "
+                          f"weight_sync.lora=merged on GPUs, or weight_sync.backend=gloo")
 
 
 def adapters_pushed(cfg) -> bool:

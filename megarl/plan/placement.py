@@ -24,7 +24,14 @@ from megarl.plan.trainer import (
     trainer_fixes,
     trainer_memory,
 )
-from megarl.plan.transfer import push_bytes, staging_line, staging_note, transfer_buffers, transfer_formula
+from megarl.plan.transfer import (
+    plan_backend,
+    push_bytes,
+    staging_line,
+    staging_note,
+    transfer_buffers,
+    transfer_formula,
+)
 
 FUSED = True   # GPU runs: Transformer Engine (fused norm + linear, flash attention), fused SwiGLU
 
@@ -117,12 +124,14 @@ def lora_part(cfg: RootConfig, arch: Arch) -> dict | None:
 
 def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None:
     """What no plan can place: a CPU-only cluster, a TP x PP or an engine TP the model (or
-    vLLM, or one node) does not allow. Raises ConfigError."""
+    vLLM, or one node) does not allow, a LoRA adapters push on a wire that cannot carry it.
+    Raises ConfigError."""
     g = cluster.gpus_per_node
     if g == 0:
         raise ConfigError("cluster.gpus_per_node=0 (a CPU-only recipe): nothing to place; give "
                           "--gpus-per-node and --nodes, or a recipe with a cluster: block")
     check_layout(arch, cfg.parallel.tp, cfg.parallel.pp, *expert_layout(cfg), cfg.parallel.sequence_parallel)
+    plan_lora.check_push_route(cfg, plan_backend(cfg))   # an adapters push: the gloo wire only
     etp = cfg.rollout.engines.tp
     if arch.heads % etp or (arch.kv_heads % etp and etp % arch.kv_heads):
         raise ConfigError(f"rollout.engines.tp={etp}: vLLM needs it to divide the {arch.heads} heads, and to divide "

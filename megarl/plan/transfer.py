@@ -116,8 +116,8 @@ def staging_place(cfg: RootConfig) -> str:
     on the gloo wire (CPU engines: the worker's memory), "gpu" on the GPU wires (beside the
     worker's weights, so the swap is a copy on the device), "" when nothing is staged."""
     ws = cfg.weight_sync
-    if ws.transport != "collective" or not ws.staged:
-        return ""
+    if ws.transport != "collective" or not ws.staged or plan_lora.adapters_pushed(cfg):
+        return ""   # (an adapters push is unstaged: the engines pause for its receive and swap)
     return "host" if plan_backend(cfg) == "gloo" else "gpu"
 
 
@@ -129,12 +129,7 @@ def staging_bytes(cfg: RootConfig, arch: Arch) -> float:
     place = staging_place(cfg)
     if not place:
         return 0.0
-    whole = place == "host" and not cfg.weight_sync.sharded
-    if plan_lora.adapters_pushed(cfg):   # the next adapters: whole, or the worker's TP shard of them
-        lora = cfg.model.lora
-        n = plan_lora.peft_params(arch, lora.rank, lora.targets, 1 if whole else cfg.rollout.engines.tp)
-        return n * mem.DTYPE_BYTES[cfg.model.dtype]
-    if whole:
+    if place == "host" and not cfg.weight_sync.sharded:
         return mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
     return mem.engine_weight_bytes(arch, cfg.rollout.engines.tp)
 

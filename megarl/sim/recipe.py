@@ -147,8 +147,10 @@ def push_cost(cfg, m: Model, gpu, engines: int, engine_tp: int, trainer_gpus: in
     of the model's weights or, with LoRA and weight_sync.lora=adapters, of its adapters (`peft`
     parameters in PEFT's form)."""
     ws, sync = cfg.weight_sync, sync or WeightSyncCosts()
-    return sync.push(ws.transport, pushed_bytes(cfg, m, peft), engines, engine_tp, gpu, staged=ws.staged,
-                     sharded=ws.sharded, owners=shard_owners(cfg, trainer_gpus))
+    # the adapters travel unstaged and gathered on rank 0 (rollout/weights/adapters.py): megabytes
+    whole = plan_lora.adapters_pushed(cfg)
+    return sync.push(ws.transport, pushed_bytes(cfg, m, peft), engines, engine_tp, gpu, staged=ws.staged and not whole,
+                     sharded=ws.sharded and not whole, owners=shard_owners(cfg, trainer_gpus))
 
 
 def roofline_costs(cfg, gpu: str, model: str, engine_tp: int, trainer_gpus: int, engines: int = 0):
@@ -305,6 +307,10 @@ def weight_sync_line(ws: dict) -> str:
         where = "engines generating" if ws["staged"] else "engines paused"
         line += (f"; wire {ws['wire_s']:.2f} s ({where}): {ws['send_bytes'] / 1e9:.1f} GB per trainer link, "
                  f"{ws['recv_bytes'] / 1e9:.1f} GB per engine worker link; load {ws['load_s']:.2f} s")
+    if ws["route"].endswith("LoRA adapters"):
+        # the simulator prices GPUs, and megarl pushes adapters on the gloo wire only
+        line += ("\n  (a projection: megarl pushes adapters on the gloo wire only (CPU engines); on GPUs "
+                 "weight_sync.lora=merged's figures apply)")
     if ws.get("staged"):
         # the simulator prices GPUs, whose wires (vLLM's nccl / ipc receivers) neither stage nor
         # shard in megarl yet (docs/engines.md "Staged updates"): say the figure is a projection

@@ -124,13 +124,13 @@ def test_peft_count_is_what_peft_builds():
 
 # ---- megarl plan and megarl simulate with LoRA ------------------------------------------------
 R70 = "recipes/llama3.1_70b.yaml"
-LORA = ["model.lora.rank=64", "model.lora.alpha=128"]
+LORA = ["model.lora.rank=64", "model.lora.alpha=128", "weight_sync.lora=merged"]
 
 
-def adapters_push(cfg):
-    """`cfg` with weight_sync.lora=adapters, set past the schema's checks (the plan and the
-    simulator price the route whether or not the engines take it yet)."""
-    cfg.weight_sync.lora = "adapters"
+def adapters_push(cfg, backend="gloo"):
+    """`cfg` with weight_sync.lora=adapters on weight_sync.backend `backend` (the gloo wire: the one
+    that carries adapters), set past the schema's checks so that a plan meets every wire."""
+    cfg.weight_sync.lora, cfg.weight_sync.backend = "adapters", backend
     return cfg
 
 
@@ -189,12 +189,14 @@ def test_printed_plan_names_the_adapter_only_optimizer():
 
 
 def test_adapters_push_carries_the_peft_adapters():
-    """weight_sync.lora=adapters: a push is the PEFT adapters (828,375,040 elements at rank 64 =
-    1.2% of the model), the nccl buffers at most that on both sides, the staging area and vLLM's
-    LoRA slot the engine TP rank's share of them; merged: the full model as without LoRA."""
-    from megarl.config import load_config
+    """weight_sync.lora=adapters (the gloo wire): a push is the PEFT adapters (828,375,040 elements at
+    rank 64 = 1.2% of the model), unstaged (no staging area), its buffers host memory; each engine
+    GPU holds vLLM's LoRA slot of its TP rank's share; merged: the full model as without LoRA. The
+    wires that cannot carry adapters are refused naming the setting, as the run refuses them."""
+    from megarl.config import ConfigError, load_config
     from megarl.models.arch import resolve_arch
-    from megarl.plan.transfer import push_bytes, transfer_buffers
+    from megarl.plan import make_plan
+    from megarl.plan.transfer import push_bytes, transfer_buffers, transfer_formula
     arch, _ = resolve_arch(load_config(R70))
     peft = plan_lora.peft_params(arch, 64, ALL)
     assert peft == 702_545_920 + 80 * 3 * 64 * 8192
@@ -202,15 +204,20 @@ def test_adapters_push_carries_the_peft_adapters():
     assert ads["lora"]["push_bytes"] == peft * 2 and merged["lora"]["push_bytes"] == full["model"]["params"] * 2
     assert ads["lora"]["push_bytes"] / merged["lora"]["push_bytes"] < 0.02
     cfg = adapters_push(load_config(R70, LORA))
-    assert push_bytes(cfg, arch) == peft * 2
-    buffers = transfer_buffers(cfg, arch)
-    assert buffers <= peft * 2 and buffers < transfer_buffers(load_config(R70, LORA), arch) / 4
-    assert ads["trainer"]["roles"]["weight_transfer"] == ads["engine"]["transfer_bytes"] == buffers
+    assert push_bytes(cfg, arch) == peft * 2 and transfer_buffers(cfg, arch) == 0   # gloo: host buffers
+    assert "largest adapter" in transfer_formula(cfg, arch)
     e = ads["engine"]
-    assert e["per_gpu_bytes"]["lora"] == plan_lora.peft_params(arch, 64, ALL, tp=4) * 2
-    assert e["staging_bytes"] == plan_lora.peft_params(arch, 64, ALL, tp=4) * 2
+    assert e["per_gpu_bytes"]["lora"] == plan_lora.peft_params(arch, 64, ALL, tp=4) * 2 > 0
+    assert e["staging_bytes"] == 0 and ads["per_gpu_bytes"]["engine_lora"] == e["per_gpu_bytes"]["lora"]
     assert merged["engine"]["per_gpu_bytes"]["lora"] == 0
-    assert merged["engine"]["staging_bytes"] == full["engine"]["staging_bytes"]
+    assert merged["engine"]["staging_bytes"] == full["engine"]["staging_bytes"] > 0
+    # auto is nccl for this cluster's remote engines (the plan refuses it); nccl named: the schema
+    for backend in ("auto", "nccl"):
+        with pytest.raises(ConfigError, match=r"weight_sync\.lora=.?adapters.*nccl.*weight_sync\.lora=merged"):
+            make_plan(adapters_push(load_config(R70, LORA), backend))
+    files = adapters_push(load_config(R70, [*LORA, "weight_sync.transport=files"]))
+    with pytest.raises(ConfigError, match=r"weight_sync\.lora=.?adapters.*weight_sync\.transport=(files|collective)"):
+        make_plan(files)
 
 
 def test_simulator_prices_frozen_base_training_and_adapter_pushes():
@@ -235,8 +242,10 @@ def test_simulator_prices_frozen_base_training_and_adapter_pushes():
     ads = roofline_costs(adapters_push(load_config(R70, LORA)), "h100", "", 4, 40)
     plain = roofline_costs(load_config(R70), "h100", "", 4, 40)
     assert merged[1].push_cost == plain[1].push_cost
-    assert ads[1].push_cost.send_bytes == pytest.approx(arch_peft * 2 / 40)   # sharded over TP x PP owners
-    assert ads[1].push_s < merged[1].push_s and ads[0].load_weights_s < merged[0].load_weights_s
+    # the adapters travel unstaged and gathered on rank 0, whatever weight_sync.staged / sharded say
+    assert ads[1].push_cost.send_bytes == ads[1].push_cost.recv_bytes == arch_peft * 2
+    assert not ads[1].push_cost.staged and not ads[1].push_cost.sharded and merged[1].push_cost.staged
+    assert ads[0].load_weights_s < plain[1].push_cost.wire_s + plain[0].load_weights_s
     assert merged[1].adapter_params == 702_545_920 and plain[1].adapter_params == 0
     # vLLM serves base + adapters: the engine's model holds them beside the base
     assert ads[0].model.params == plain[0].model.params + arch_peft and merged[0].model == plain[0].model
