@@ -249,7 +249,8 @@ def check_backends(cfg) -> None:
     """The launch against this machine, before the ranks' process group is built (torch's own
     errors are tracebacks from inside it): more trainer ranks on this node than GPUs; the weight
     transfer's backend against the engines (weight_sync.backend=auto is ipc with a GPU and engines
-    megarl starts, which needs rollout.engines.tp=1); NCCL, CUDA IPC or sequence parallelism asked
+    megarl starts, which needs rollout.engines.tp=1) and against weight_sync.lora=adapters (gloo
+    only); NCCL, CUDA IPC or sequence parallelism asked
     for on a machine without a GPU; an address or port global rank 0 cannot host the weight
     group's rendezvous at."""
     check_weight_rendezvous(cfg)
@@ -260,8 +261,12 @@ def check_backends(cfg) -> None:
                               f"launch at most {gpus} ranks per node (torchrun --nproc_per_node, srun "
                               f"--ntasks-per-node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
         own = own_gpus(cfg.rollout.engines)   # the node's GPU split, refused here if it cannot be made
-        if cfg.weight_sync.transport == "collective":
-            cfg.weight_sync.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp, own)
+        ws = cfg.weight_sync
+        if ws.transport == "collective":
+            ws.check_engines(True, cfg.rollout.engines.mode, cfg.rollout.engines.tp, own)
+            wire = ws.resolved_backend(True, cfg.rollout.engines.mode, own)
+            if cfg.model.lora.rank and ws.lora == "adapters" and ws.adapters_refusal(wire):
+                raise ConfigError(ws.adapters_refusal(wire))
         return
     for key, value in (("parallel.backend", cfg.parallel.backend), ("weight_sync.backend", cfg.weight_sync.backend)):
         if value in ("nccl", "ipc"):

@@ -260,7 +260,9 @@ def test_lora_run_trains_adapters_on_a_frozen_base_through_the_engine(tiny_model
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    lora = ["model.lora.rank=8", "model.lora.alpha=16", "train.actor_lr=1e-3", "rollout.mode=sync",
+    # the merged route: the shared server runs without vLLM's LoRA (test_lora_push: the adapters route)
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "weight_sync.lora=merged", "train.actor_lr=1e-3",
+            "rollout.mode=sync",
             "checkpoint.every=1", "checkpoint.keep=3", *remote_engine.overrides]
     first = tmp_path / "lora"
     _, rows = train(tiny_model, first, "train.steps=3", "weight_sync.verify=true", *lora, env=remote_engine.env)

@@ -181,8 +181,10 @@ def test_apply_lora_targets_and_refusals():
     (["model.lora.targets=[qkv,mlp]"], r"model\.lora\.targets=\['qkv', 'mlp'\]: unknown \['mlp'\]"),
     (["model.lora.rank=4", "model.lora.alpha=0"], r"model\.lora\.alpha=0\.0: must be > 0"),
     (["model.lora.rank=4", "model.lora.targets=[]"], r"model\.lora\.targets=\[\]: name at least one"),
-    (["model.lora.rank=4", "weight_sync.lora=adapters"], r"weight_sync\.lora='adapters': is not built yet .*"
-     r"weight_sync\.lora=merged"),
+    (["model.lora.rank=4", "weight_sync.transport=files"], r"weight_sync\.lora=adapters with "
+     r"weight_sync\.transport=files: only the collective transport .*weight_sync\.lora=merged"),
+    (["model.lora.rank=4", "weight_sync.backend=nccl"], r"weight_sync\.lora=adapters on the nccl wire "
+     r"\(weight_sync\.backend=nccl\).*weight_sync\.lora=merged"),
 ])
 def test_bad_settings_are_one_line_naming_the_setting(overrides, named):
     with pytest.raises(ConfigError, match=rf"^{named}") as err:

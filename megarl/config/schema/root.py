@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.config.errors import ConfigError
 from megarl.config.schema.agents import EnvConfig, ServiceConfig
 from megarl.config.schema.algo import AlgoConfig, TrainConfig
 from megarl.config.schema.checks import require
@@ -92,10 +93,15 @@ class RootConfig:
 
     def _check_weight_sync(self) -> None:
         """weight_sync.backend=ipc against the engines (auto's choice of ipc depends on CUDA:
-        preflight.check_backends checks it once CUDA is known)."""
+        preflight.check_backends checks it once CUDA is known); weight_sync.lora=adapters against
+        the transport and backend (auto's nccl / ipc on GPUs: preflight.check_backends too)."""
         ws, e = self.weight_sync, self.rollout.engines
         if ws.transport == "collective" and ws.backend == "ipc":
             ws.check_engines(True, e.mode, e.tp)
+        if self.model.lora.rank and ws.lora == "adapters":   # the routes that carry adapters (docs/lora.md)
+            refusal = ws.adapters_refusal(ws.backend)
+            if refusal:
+                raise ConfigError(refusal)
 
     @property
     def checkpoint_dir(self) -> str:

@@ -41,23 +41,36 @@ class WeightSyncConfig:
     # rank owns everything: trainer rank 0 gathers and sends every tensor. `megarl simulate` /
     # `megarl plan` cost the push by it.
     sharded: bool = True
-    # with LoRA (model.lora.rank > 0), what travels after each step (docs/lora.md): merged: each
-    # adapted weight merged, W + (alpha / r) B A, computed per TP shard without a gather and sent
-    # under the base's name by every transport above | adapters: only the adapters, into vLLM's
-    # LoRA slots (not built yet)
-    lora: str = "merged"
+    # with LoRA (model.lora.rank > 0), what travels after each step (docs/lora.md, "What
+    # travels"): adapters: only the adapters (megabytes), swapped into each engine's vLLM LoRA
+    # slot; the collective transport on the gloo wire (CPU engines) only | merged: each adapted
+    # weight merged, W + (alpha / r) B A, computed per TP shard without a gather and sent under
+    # the base's name by every transport and wire above (the engines need no LoRA)
+    lora: str = "adapters"
 
     def __post_init__(self):
         one_of("weight_sync.transport", self.transport, {"collective", "files"})
         one_of("weight_sync.lora", self.lora, {"merged", "adapters"})
-        require(self.lora != "adapters", "weight_sync.lora", self.lora,
-                "is not built yet (the engines take merged weights only): use weight_sync.lora=merged")
         one_of("weight_sync.backend", self.backend, {"auto", "gloo", "nccl", "ipc"})
         require(self.bucket_mb >= 1, "weight_sync.bucket_mb", self.bucket_mb, "must be >= 1")
         require(self.num_buffers >= 1, "weight_sync.num_buffers", self.num_buffers,
                  "must be >= 1 (2: the next bucket is gathered while one is sent)")
         require(0 <= self.master_port < 65536, "weight_sync.master_port", self.master_port,
                  "must be a TCP port (0: pick a free one)")
+
+    def adapters_refusal(self, wire: str) -> str:
+        """Why weight_sync.lora=adapters cannot run on this transport and `wire` (the resolved
+        backend), in one line naming the fix; "" where it runs (the collective transport on the
+        gloo wire: rollout/weights/adapters.py)."""
+        if self.transport != "collective":
+            return (f"weight_sync.lora=adapters with weight_sync.transport={self.transport}: only the collective "
+                    f"transport carries adapters (the files route reloads whole weights): set "
+                    f"weight_sync.transport=collective or weight_sync.lora=merged")
+        if wire not in ("gloo", "auto"):
+            return (f"weight_sync.lora=adapters on the {wire} wire (weight_sync.backend={self.backend}): vLLM's {wire} "
+                    f"receiver loads every tensor into the model and has no adapter path yet; use "
+                    f"weight_sync.lora=merged on GPUs, or weight_sync.backend=gloo")
+        return ""
 
     def resolved_backend(self, cuda: bool, engine_mode: str, own_gpus: bool = False) -> str:
         """The collective backend actually used with engines of rollout.engines.mode `engine_mode`:

@@ -41,15 +41,10 @@ def wanted(ws, model) -> bool:
 
 def check_route(ws, wire_name: str) -> None:
     """The routes that cannot carry adapters, one line each (the engines would be left on the
-    base weights)."""
-    if ws.transport != "collective":
-        raise ValueError(f"weight_sync.lora=adapters with weight_sync.transport={ws.transport}: only the collective "
-                         f"transport carries adapters (the files route reloads whole weights): set "
-                         f"weight_sync.transport=collective or weight_sync.lora=merged")
-    if wire_name != "gloo":
-        raise ValueError(f"weight_sync.lora=adapters on the {wire_name} wire: vLLM's {wire_name} receiver loads every "
-                         f"tensor into the model and has no adapter path yet; use weight_sync.backend=gloo (CPU "
-                         f"engines) or weight_sync.lora=merged")
+    base weights): WeightSyncConfig.adapters_refusal, as the config and preflight refuse them."""
+    refusal = ws.adapters_refusal(wire_name)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def spec(model) -> dict:
