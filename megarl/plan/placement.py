@@ -119,7 +119,8 @@ def lora_part(cfg: RootConfig, arch: Arch) -> dict | None:
     n = plan_lora.adapter_params(arch, lora.rank, lora.targets)
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "adapter_params": n,
             "adapter_bytes": n * wb, "model_bytes": mem.total_params(arch) * wb,
-            "push": plan_lora.push_mode(cfg), "push_bytes": push_bytes(cfg, arch)}
+            "push": plan_lora.push_mode(cfg), "push_bytes": push_bytes(cfg, arch),
+            "reference": cfg.algo.uses_reference}   # a KL term: the reference is the actor, adapters off
 
 
 def check_placeable(cfg: RootConfig, arch: Arch, cluster: ClusterConfig) -> None:

@@ -40,7 +40,7 @@ def format_plan(p: dict) -> str:
         for role in ("reference", "reward"):
             if t["roles"][role]:
                 lines.append(f"  {role:12s}{gib(t['roles'][role]):8.2f}")
-        if p.get("lora") and not t["roles"]["reference"]:
+        if p.get("lora") and p["lora"]["reference"]:
             lines.append(f"  {'reference':12s}{0:8.2f}  (LoRA: the actor with its adapters off, no second copy)")
         if t["roles"]["weight_transfer"]:
             lines.append(f"  {'transfer':12s}{gib(t['roles']['weight_transfer']):8.2f}  (weight transfer buffers, "

@@ -186,6 +186,7 @@ def test_printed_plan_names_the_adapter_only_optimizer():
     assert "the actor with its adapters off, no second copy" in text
     assert "weight push per sync: 131.42 GiB" in text and "weight_sync.lora=merged" in text
     assert "adapter" not in format_plan(plan_of([]))
+    assert "no second copy" not in format_plan(plan_of([*LORA, "algo.kl_coef=0"]))   # no reference at all
 
 
 def test_adapters_push_carries_the_peft_adapters():
