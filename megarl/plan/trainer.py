@@ -290,6 +290,10 @@ def trainer_fixes(cfg, arch, lay, gpus, gpn, fused, rm_arch, usable) -> str:
         if ws.bucket_mb > 128:
             opts.append(("weight_sync.bucket_mb=128", sync(bucket_mb=128)))
         opts.append(("weight_sync.transport=files (staged on disk, slower)", sync(transport="files")))
+    lora = plan_lora.lora_of(cfg)
+    if lora and ADVANTAGES.get(cfg.algo.name).needs_critic and not lora.critic:   # a LoRA actor, a full critic
+        frozen = replace(cfg, model=replace(cfg.model, lora=replace(lora, critic=True)))
+        opts.append(("model.lora.critic=true (the critic's base frozen too)", peak(frozen, lay)))
     more = replace(lay, dp=lay.dp * 2)
     opts.append((f"twice the trainer nodes (dp={more.dp}: Adam state sharded twice as thin)", peak(cfg, more)))
     opts.sort(key=lambda o: o[1])

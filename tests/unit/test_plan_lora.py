@@ -175,6 +175,10 @@ def test_critic_with_adapters_trains_its_value_head_in_full():
     assert t["roles"]["critic"]["grads"] == (n + 8192) * 4
     assert t["roles"]["critic"]["optimizer"] == (n + 8192) * 12
     assert t["lora"]["critic"] and p["fits"]
+    # with the critic in full the same GPUs do not fit, and the plan names the fix
+    full_critic = plan_of([*LORA, "parallel.pp=1", "cluster.trainer_nodes=1", "cluster.nodes=4"])
+    assert not full_critic["fits"]
+    assert "model.lora.critic=true (the critic's base frozen too) -> " in full_critic["problems"][0]["fix"]
 
 
 def test_printed_plan_names_the_adapter_only_optimizer():
