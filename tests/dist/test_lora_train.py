@@ -1,5 +1,5 @@
 """PPO with LoRA on the actor (model.lora.rank=4, a KL term: the reference is the actor's base)
-at TP=2, PP=2 and DP=2 equals one rank, the base stays frozen everywhere, the weight push
+at TP=2, PP=2 and DP=2 equals one rank (and a LoRA critic at TP=2), the base stays frozen everywhere, the weight push
 sends the same merged tensors at every layout, and an adapters-only checkpoint saved at TP=2
 resumes at PP=2 (real ranks on gloo: lora_train_probe.py over layout_probe.py's steps).
 
@@ -36,10 +36,12 @@ def launch(tiny_model, tmp, nproc, args):
 def runs(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_train")
     ckpt = tmp / "ckpt"
-    one = ["--case", "ref", *COMMON, "--case", "push1", "push"]
+    one = ["--case", "ref", *COMMON, "--case", "ref_critic", *COMMON, "model.lora.critic=true",
+           "--case", "push1", "push"]
     two = []
     for name, (_, overrides) in CASES.items():
         two += ["--case", name, *COMMON, *overrides]
+    two += ["--case", "tp2_critic", *COMMON, "parallel.tp=2", "model.lora.critic=true"]
     two += ["--case", "ckpt_save_tp2", "train.steps=2", "algo.kl_coef=0.01", "parallel.tp=2", f"save={ckpt}",
             "--case", "ckpt_resumed_pp2", *COMMON, "parallel.pp=2", f"resume={ckpt}",
             "--case", "push_tp2", "push", "parallel.tp=2", "--case", "push_pp2", "push", "parallel.pp=2"]
@@ -56,6 +58,14 @@ def test_lora_layout_matches_single_rank(runs, name):
     tolerances; the reference logprobs (the KL term) come from the same actor model."""
     assert_parity(runs[name]["history"], runs["ref"]["history"], what=f"LoRA at {name}")
     assert runs[name]["facts"]["reference_is_actor"] == 2   # both ranks: no second model
+
+
+def test_lora_critic_at_tp2_matches_single_rank(runs):
+    """model.lora.critic=true: the critic's adapters and its value head (trained in full) at TP=2
+    give one rank's value losses and critic gradient norms, and differ from the full critic's."""
+    assert_parity(runs["tp2_critic"]["history"], runs["ref_critic"]["history"], what="LoRA critic at tp2")
+    full, lora = runs["ref"]["history"], runs["ref_critic"]["history"]
+    assert lora[-1]["critic_grad_norm"] != pytest.approx(full[-1]["critic_grad_norm"], rel=1e-3)
 
 
 @pytest.mark.parametrize("name", ["ref", *CASES])
