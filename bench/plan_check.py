@@ -10,8 +10,10 @@ Builds actor, reference and critic exactly as a run does (models/setup.build_all
   storage counted once, parameters excluded);
 and writes them next to what megarl/plan/memory.py predicts for the same model and settings.
 
-usage: python bench/plan_check.py [--out bench/out/plan_check.json] [--dtype float32|bfloat16]
+usage: python bench/plan_check.py [--out bench/out/plan_check.json] [--dtype float32|bfloat16] [key=value ...]
 Takes a few seconds; needs artifacts/tiny_countdown (`python tools/make_tiny_model.py`).
+`--recipe recipes/tiny_lora_cpu.yaml`: the same with LoRA (frozen base, adapter-only gradients
+and optimizer state, the reference the actor itself, the adapters' activations).
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ def buffer_bytes(ddp) -> dict:
     g = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers if b.grad_data is not None)
     if not w:   # fp32 without a param buffer: the parameters themselves
         w = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
+    elif any(not p.requires_grad for p in ddp.module.parameters()):
+        # LoRA: DDP's buffers hold the trained parameters only; the frozen base holds its own
+        w += sum(p.numel() * p.element_size() for p in ddp.module.parameters() if not p.requires_grad)
     return {"weights": w, "grads": g}
 
 
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="recipes/tiny_cpu.yaml")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default="bench/out/plan_check.json")
+    ap.add_argument("overrides", nargs="*", help="settings of the recipe, key=value (e.g. model.lora.rank=8)")
     args = ap.parse_args()
     from megarl.config import load_config
     from megarl.distributed import cpu, parallel
@@ -97,10 +103,11 @@ def main() -> None:
     from megarl.models.setup import build_all
     from megarl.plan import Layout, resolve_arch, trainer_memory
     from megarl.plan import memory as mem
+    from megarl.plan.trainer import adapter_activation_bytes
 
     torch.set_num_threads(1)
     cfg = load_config(args.recipe, [f"model.dtype={args.dtype}", "train.offload_idle=false",
-                                    "train.recompute=none"])
+                                    "train.recompute=none", *args.overrides])
     init_distributed("gloo")
     cpu.apply()
     parallel.initialize(1, 1, cfg.run.seed)
@@ -110,18 +117,22 @@ def main() -> None:
     for role in ("actor", "critic"):
         t = getattr(models, role)
         measured[role] = {**buffer_bytes(t.model), "optimizer": optimizer_bytes(t)}
-    measured["reference"] = sum(p.numel() * p.element_size() for p in models.reference.parameters())
+    # LoRA: the reference is the actor itself (its adapters off), no second copy
+    measured["reference"] = 0 if models.reference is None or models.reference is models.actor.model else sum(
+        p.numel() * p.element_size() for p in models.reference.parameters())
     seq, mbs = cfg.rollout.engines.max_model_len, cfg.train.rows_per_micro_batch   # rows of one micro-batch
     measured["activations_actor_microbatch"] = saved_activation_bytes(
         models.actor.model, models.actor.info.vocab_size, mbs, seq, cfg.rollout.sampling.temperature)
 
     arch, _ = resolve_arch(cfg)
     est = trainer_memory(cfg, arch, Layout(1, 1, 1), fused=False)
+    # a LoRA actor's adapters keep A x (and with dropout its mask) beyond the base's activations
+    adapters = adapter_activation_bytes(cfg, arch, Layout(1, 1, 1), "actor", 0, seq * mbs, 1, fused=False)
     predicted = {"actor": est["roles"]["actor"], "critic": est["roles"]["critic"],
                  "reference": est["roles"]["reference"],
                  "activations_actor_microbatch": mem.stage_activation_bytes(
                      arch, seq, mbs, 1, 1, 0, 1, act_bytes=mem.DTYPE_BYTES[args.dtype], fused=False,
-                     divisible_by=cfg.model.make_vocab_size_divisible_by)}
+                     divisible_by=cfg.model.make_vocab_size_divisible_by) + adapters}
 
     def ratio(m, p):
         return round(m / p, 4) if p else None
@@ -133,7 +144,8 @@ def main() -> None:
                                       "ratio": ratio(measured[role][k], predicted[role][k])}
     for k in ("reference", "activations_actor_microbatch"):
         compare[k] = {"measured": measured[k], "predicted": predicted[k], "ratio": ratio(measured[k], predicted[k])}
-    result = {"recipe": args.recipe, "dtype": args.dtype, "seq": seq, "micro_batch_size": mbs,
+    result = {"recipe": args.recipe, "overrides": args.overrides, "dtype": args.dtype, "seq": seq,
+              "micro_batch_size": mbs,
               "params": mem.total_params(arch), "compare": compare}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
