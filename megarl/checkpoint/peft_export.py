@@ -26,9 +26,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.checkpoint.manager import BASE_FILE
+from megarl.conversion.output import copy_side_files
 from megarl.formats import lora_peft
 from megarl.formats.dist_reader import DistCheckpointReader
-from megarl.formats.hf_reader import ConversionError
+from megarl.formats.hf_reader import INDEX_JSON, ConversionError
 from megarl.formats.mapping import mapping_for
 
 MERGED = "merged"
@@ -98,9 +99,10 @@ def write_merged(tensors: dict[str, torch.Tensor], scale: float, side: Path, out
                      - {lora_peft.PEFT_PREFIX + n.removesuffix(".weight") for n in merged_any})
     if missing:
         raise ConversionError(f"{side}: the base model has no weight for the adapters of {missing[:4]}")
-    for extra in side.iterdir():        # config, tokenizer, generation config, the index
-        if extra.is_file() and extra.suffix != ".safetensors":
-            shutil.copy2(extra, out / extra.name)
+    copy_side_files(side, out)          # config, generation config, tokenizer files
+    index = side / INDEX_JSON
+    if index.is_file():                 # the same files hold the same names
+        shutil.copy2(index, out / INDEX_JSON)
 
 
 def _peft_names(hf_weight: str) -> tuple[str, str]:
