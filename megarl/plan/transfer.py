@@ -37,15 +37,6 @@ def push_bytes(cfg: RootConfig, arch: Arch) -> float:
     return plan_lora.pushed_params(cfg, arch, mem.total_params(arch)) * mem.DTYPE_BYTES[cfg.model.dtype]
 
 
-def adapter_buffer_bytes(cfg: RootConfig, arch: Arch) -> float:
-    """One side's packed buffers of a push of the adapters alone: `memory.transfer_buffer_bytes`
-    with the largest adapter tensor for the largest tensor, and never more than the adapters
-    themselves (buffers in flight hold parts of one push)."""
-    ws, lora, wb = cfg.weight_sync, cfg.model.lora, mem.DTYPE_BYTES[cfg.model.dtype]
-    largest = plan_lora.largest_adapter_tensor(arch, lora.rank, lora.targets) * wb
-    return min(ws.num_buffers * (ws.bucket_mb * mem.MiB + largest), push_bytes(cfg, arch))
-
-
 def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
     """GPU bytes of the weight transfer on the sending trainer GPU (global rank 0): nccl's
     packed buffers (`memory.transfer_buffer_bytes`), which every engine GPU holds too
@@ -56,8 +47,7 @@ def transfer_buffers(cfg: RootConfig, arch: Arch) -> float:
     backend = plan_backend(cfg) if ws.transport == "collective" else ""
     if backend not in ("nccl", "ipc"):
         return 0
-    if plan_lora.adapters_pushed(cfg):   # the adapters alone travel (ipc: held until the finish too)
-        return adapter_buffer_bytes(cfg, arch) + (push_bytes(cfg, arch) if backend == "ipc" else 0)
+    plan_lora.check_push_route(cfg, backend)   # adapters travel on the gloo wire only: no GPU buffers
     size = mem.ipc_sender_bytes if backend == "ipc" else mem.transfer_buffer_bytes
     return size(arch, ws.bucket_mb, ws.num_buffers, mem.DTYPE_BYTES[cfg.model.dtype])
 
