@@ -113,21 +113,14 @@ def push_mode(cfg) -> str:
 
 
 def check_push_route(cfg, backend: str) -> None:
-    """What the run refuses of an adapters push (rollout/weights/adapters.check_route): it
-    travels on the collective transport over megarl's gloo wire only, unstaged and gathered on
-    rank 0 (vLLM's nccl and ipc receivers load every tensor into the model; files reload whole
-    weights). `backend`: the wire the plan resolved. Raises ConfigError naming the fix."""
-    if not adapters_pushed(cfg):
-        return
-    ws = cfg.weight_sync
-    if ws.transport != "collective":
-        raise ConfigError(f"weight_sync.lora=adapters with weight_sync.transport={ws.transport}: only the collective "
-                          f"transport carries adapters (the files route reloads whole weights): set "
-                          f"weight_sync.transport=collective or weight_sync.lora=merged")
-    if backend != "gloo":
-        raise ConfigError(f"weight_sync.lora=adapters on the {backend} wire (weight_sync.backend={ws.backend}): vLLM's "
-                          f"{backend} receiver loads every tensor into the model and has no adapter path yet; use "
-                          f"weight_sync.lora=merged on GPUs, or weight_sync.backend=gloo")
+    """What the run refuses of an adapters push: it travels on the collective transport over
+    megarl's gloo wire only, unstaged and gathered on rank 0 (vLLM's nccl and ipc receivers load
+    every tensor into the model; files reload whole weights). `backend`: the wire the plan
+    resolved. Raises ConfigError with the line the config, preflight and the push give
+    (WeightSyncConfig.adapters_refusal)."""
+    refusal = cfg.weight_sync.adapters_refusal(backend) if adapters_pushed(cfg) else ""
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def adapters_pushed(cfg) -> bool:
