@@ -358,3 +358,35 @@ def test_adapter_activations_are_what_autograd_saves(target, dropout):
     extra = saved_activation_bytes(layer, x, params) - trained
     lora = LoraConfig(rank=4, dropout=dropout, targets=[target])
     assert extra == plan_lora.layer_activation_bytes(arch, lora, 30, 1, act_bytes=4, mask_bytes=4) > 0
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_frozen_base_skips_its_weight_gradient_gemms():
+    """What the simulator prices (RooflineTrainer.update_flops): a training pass with a frozen base
+    and adapters costs the full fine-tune's matmul FLOPs less 2 x (the linear weights) per token,
+    megatron's skipped weight-gradient GEMMs, plus 6 x (the adapters) per token: counted by torch's
+    FlopCounterMode on the trainer's model, forward and backward, attention's own matmuls alike in
+    both."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megarl.models.builders import build_model
+    from megarl.models.lora import apply_lora
+    from megarl.models.masks import causal_mask
+    from megarl.models.transformer_config import transformer_config
+    hf = llama_config()
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    t = tokens.numel()
+
+    def flops(lora):
+        model, _ = build_model(hf, transformer_config(hf, 1, 1, torch.float32, on_gpu=False), 128, "actor")
+        adapters = apply_lora(model, LoraConfig(rank=4, targets=ALL)) if lora else 0
+        linear = sum(p.numel() for n, p in model.named_parameters()
+                     if n.endswith("weight") and ("linear_" in n or n.startswith("output_layer")))
+        with FlopCounterMode(display=False) as counter:
+            model(tokens, torch.arange(12).expand(2, 12), causal_mask(12, tokens.device)).sum().backward()
+        return counter.get_total_flops(), linear, adapters
+
+    full, linear, _ = flops(False)
+    lora, same, adapters = flops(True)
+    assert same == linear and adapters == plan_lora.adapter_params(arch_from_hf(hf.to_dict()), 4, ALL)
+    assert lora == full - 2 * linear * t + 6 * adapters * t
