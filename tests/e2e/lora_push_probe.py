@@ -1,5 +1,6 @@
 """Subprocess body of test_lora_push: adapters-only weight pushes (weight_sync.lora=adapters)
-from a TP=2 trainer into a real vLLM engine with LoRA on (megarl/rollout/weights/adapters.py).
+from a TP=2 and then a PP=2 trainer into real vLLM engines with LoRA on
+(megarl/rollout/weights/adapters.py).
 
 Run under torchrun with 2 ranks. Every rank builds the tiny model's actor at TP=2 with LoRA
 adapters (apply_lora, as the trainer does), sets the adapters to seeded noise (B != 0: the
@@ -9,6 +10,7 @@ two pushes (the second with other adapters, with a request in flight on the engi
 rollout.update_mode=keep) it measures the engine's mean |engine - trainer| logprob
 (weight_sync.engine_mismatch, what weight_sync.verify checks) and, as a control, the gap to the
 trainer with its adapters off (the base the engine would serve if the adapters missed it).
+Then the same world rebuilds the actor at PP=2 with other adapters and pushes a third version.
 usage: lora_push_probe.py MODEL_DIR OUT_JSON ENGINE_MODES LOG_DIR
 ENGINE_MODES: comma-separated, each inprocess or local_servers
 """
@@ -86,11 +88,15 @@ def main(model_dir: str, out_path: str, modes: str, logs: str) -> None:
     cpu.apply()
     torch.set_num_threads(1)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    parallel.initialize(2, 1, 0)
-    tcfg = transformer_config(hf_config, 2, 1, torch.float32, False, "none", False)
-    model, info = build_model(hf_config, tcfg, 128, "actor")
-    load_hf_shard(model, info, HFCheckpoint(model_dir), "actor")
-    apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA))
+
+    def lora_actor(tp: int, pp: int):
+        parallel.initialize(tp, pp, 0)
+        tcfg = transformer_config(hf_config, tp, pp, torch.float32, False, "none", False)
+        model, info = build_model(hf_config, tcfg, 128, "actor")
+        load_hf_shard(model, info, HFCheckpoint(model_dir), "actor")
+        apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA))
+        return model, info
+    model, info = lora_actor(2, 1)
     actor = SimpleNamespace(model=model, info=info)
     pools = {}
     for mode in modes.split(","):
@@ -118,6 +124,15 @@ def main(model_dir: str, out_path: str, modes: str, logs: str) -> None:
                                          "engine_version": pool.version if pool is not None else None})
             if version == 2:
                 result["held_over_push"] = held_gaps(actor, info, held, version)
+        # PP=2: each stage's adapters reach rank 0 (the object gather over the PP group)
+        model, info = lora_actor(1, 2)
+        actor = SimpleNamespace(model=model, info=info)
+        set_adapters(model, 3, 0.08)
+        for mode, pool in pools.items():
+            sync = transports[mode].push(model, info, 3)
+            result["pp2"] = {**result.get("pp2", {}), mode: {
+                "gaps": weight_sync.engine_mismatch(actor, pool, prompts, 16, 1, TEMPERATURE),
+                "sync_bytes": sync["sync_bytes"]}}
         result["peft_folder_gaps"] = peft_folder_gaps(actor, info, pools.get("inprocess"), prompts, logs)
     finally:
         for t in transports.values():

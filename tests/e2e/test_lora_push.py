@@ -15,7 +15,9 @@ def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
     would serve had the adapters missed it) differs by far more; the engine reports each
     version; a request in flight during the second push (rollout.update_mode=keep) goes on under
     the new adapters, its tokens after the update matching the trainer's; and each push carries
-    the adapters' bytes only, a small fraction of the model's. Finally the adapters written as a
+    the adapters' bytes only, a small fraction of the model's. The same world then rebuilds the
+    actor at PP=2 (each stage's adapters gathered to rank 0) and a third push matches as well.
+    Finally the adapters written as a
     PEFT folder (formats/lora_peft.write_adapter, `megarl export`'s writer) load in the engine
     from the folder (vLLM's own loader, a LoRARequest with its path) and sample as the trainer.
 
@@ -41,5 +43,9 @@ def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
         assert held["versions"] == [1, 2] and held["old_tokens"] > 0 and held["new_tokens"] > 0, (mode, held)
         assert held["new_are_the_last"] and held["gap"] < 1e-4, (mode, held)
     assert set(r["held_over_push"]) == {"inprocess", "local_servers"}
+    # a PP=2 trainer's push: each stage's adapters reach rank 0 and the engines
+    assert set(r["pp2"]) == {"inprocess", "local_servers"}
+    for mode, p in r["pp2"].items():
+        assert all(g < 1e-4 for g in p["gaps"].values()) and p["sync_bytes"] == r["pushes"][0]["sync_bytes"], (mode, p)
     # the adapters written as a PEFT folder (the export's writer), loaded by vLLM from the folder
     assert len(r["peft_folder_gaps"]) == 1 and all(g < 1e-4 for g in r["peft_folder_gaps"].values()), r
