@@ -142,7 +142,7 @@ def adapted(cfg, role: str):
     """model.lora when `role`'s model carries adapters: the actor whenever LoRA is on, the critic
     with model.lora.critic too; else None (fine-tuned in full)."""
     lora = lora_of(cfg)
-    if lora and (role == "actor" or (role == "critic" and getattr(lora, "critic", False))):
+    if lora and (role == "actor" or (role == "critic" and lora.critic)):
         return lora
     return None
 
