@@ -9,7 +9,9 @@ offload.py), not a generic rule:
   precision count (Rajbhandari et al. 2020, sec. 3.1) is 2 + 2 + 12 = 16 bytes/param; megarl's
   fp32 gradient buffer makes it 18. An MoE model's experts are split over EP (and ETP) and
   their Adam state is sharded over the expert-data-parallel group instead (plan/experts.py).
-- frozen models (reference, reward model): their weights only.
+- frozen models (reference, reward model): their weights only. LoRA (model.lora): the actor's
+  (and with model.lora.critic the critic's) base is frozen, its weights only, and its adapters
+  hold what a trainable parameter holds (plan/lora.py); the reference is the actor itself.
 - activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", sec. 4.1) per layer, re-derived for what the models are (RMSNorm,
   SwiGLU, GQA, no dropout, flash attention on GPU), plus the logits on the last stage.
