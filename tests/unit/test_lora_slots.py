@@ -45,8 +45,8 @@ def unstaged_worker():
     config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
                                    model_config=None)
     engine = gloo_backend.GlooWeightTransferEngine(None, config, torch.device("cpu"), Model())
-    engine.init_transfer_engine(gloo_backend.GlooInitInfo(master_address="127.0.0.1", master_port=port,
-                                                          rank_offset=1, world_size=2, token=token, timeout_s=TIMEOUT_S))
+    engine.init_transfer_engine(gloo_backend.GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                                          world_size=2, token=token, timeout_s=TIMEOUT_S))
     joiner.join()
     return engine, box["g"], store
 
