@@ -36,7 +36,10 @@ from megarl.rollout.weights import packing, source
 def wanted(ws, model) -> bool:
     """Whether a push of `model` sends only its adapters: weight_sync.lora=adapters and the actor
     has LoRA layers (every trainer rank answers alike)."""
-    return getattr(ws, "lora", "merged") == "adapters" and next(lora_layers(source.unwrap(model)), None) is not None
+    if getattr(ws, "lora", "merged") != "adapters":
+        return False
+    module = source.unwrap(model)
+    return isinstance(module, torch.nn.Module) and next(lora_layers(module), None) is not None
 
 
 def check_route(ws, wire_name: str) -> None:
