@@ -25,6 +25,20 @@ def captured(monkeypatch):
     return got
 
 
+@pytest.mark.parametrize("route,rank", [("adapters", 8), ("merged", 0)])
+def test_serve_of_a_lora_recipe_serves_the_adapters_when_they_travel_alone(captured, monkeypatch, route, rank):
+    """The cluster's servers of a LoRA recipe: vLLM's LoRA on (the rank rounded up to one vLLM
+    takes) exactly when weight_sync.lora=adapters; merged weights need none."""
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "k" * 32)
+    with pytest.raises(SystemExit):
+        serve.main(["serve", "recipes/tiny_lora_cpu.yaml", "model.lora.rank=5", f"weight_sync.lora={route}",
+                    "--host", "10.1.2.3", "--port", "8123"])
+    argv = captured["argv"]
+    assert ("--enable-lora" in argv) == bool(rank)
+    if rank:
+        assert argv[argv.index("--max-lora-rank") + 1] == str(rank) and argv[argv.index("--max-loras") + 1] == "1"
+
+
 def test_serve_execs_the_local_server_command_with_the_key_in_the_environment(captured, monkeypatch):
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", "k" * 32)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
