@@ -2,7 +2,8 @@
 held-out evaluation (eval.*) of a model, without training (docs/evaluation.md "Without training").
 
 The model is an HF folder, or a run's checkpoint exported to `<out>/model` as `megarl export`
-does (the actor's weights after that many steps). The engines of rollout.engines.* start on it,
+does (the actor's weights after that many steps; a LoRA run's: the merged full model, `--merged`).
+The engines of rollout.engines.* start on it,
 `eval/runner.Evaluator` runs once at version V (0 for --model; K + 1 for checkpoint step_K, which
 holds the weights after step K, the ones the run evaluates as version K + 1), and its row goes to
 `<out>/metrics.jsonl` at step V, its dumps to `<out>/eval/<dataset>/step_<V>.jsonl`: the same
@@ -35,6 +36,21 @@ def input_problem(cfg, model: str | None, run: str | None, step: int | None, out
     return None
 
 
+def checkpoint_model(run: str, step: int | None, out: str, progress: bool = True) -> tuple[str, int]:
+    """The HF model folder (written under `<out>/model`) of `run`'s checkpoint step_<step> (the
+    newest when None), and the weight version it holds."""
+    from megarl.checkpoint.hf_export import export_checkpoint, pick_checkpoint
+    from megarl.checkpoint.peft_export import MERGED, is_lora_checkpoint
+    checkpoint = pick_checkpoint(run, step)
+    saved = int(checkpoint.name.removeprefix("step_"))
+    # a LoRA run's checkpoint holds adapters only: its export is a PEFT adapter folder, which the
+    # engines cannot open as a model, so the merged full model written beside it is scored
+    lora = is_lora_checkpoint(checkpoint / "actor")
+    model = export_checkpoint(run, saved, os.path.join(out, "model"), force=True, progress=progress, merged=lora)
+    # checkpoint step_K holds the weights after step K: version K + 1
+    return str(model / MERGED if lora else model), saved + 1
+
+
 def evaluate(cfg, model: str | None, run: str | None, step: int | None, out: str, progress: bool = True) -> dict:
     """Score `cfg`'s eval.datasets on the model (module docstring); the evaluation's metrics."""
     from megarl import preflight
@@ -45,11 +61,7 @@ def evaluate(cfg, model: str | None, run: str | None, step: int | None, out: str
     os.makedirs(out, exist_ok=True)
     version = 0
     if run:
-        from megarl.checkpoint.hf_export import export_checkpoint, pick_checkpoint
-        checkpoint = pick_checkpoint(run, step)
-        saved = int(checkpoint.name.removeprefix("step_"))
-        version = saved + 1   # checkpoint step_K holds the weights after step K: version K + 1
-        model = str(export_checkpoint(run, saved, os.path.join(out, "model"), force=True, progress=progress))
+        model, version = checkpoint_model(run, step, out, progress)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model)),
                               run=dataclasses.replace(cfg.run, dir=str(out)))
     sets = load_eval_sets(cfg)

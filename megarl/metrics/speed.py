@@ -6,7 +6,9 @@ MFU counts the matrix FLOPs of the step's trainer passes per token from the mode
 parameters N (megarl/plan/memory.py): 2N per forward-only pass (old logprobs; reference with a KL
 term; values with a critic), 6N per trained token and epoch (actor; critic), over the step's
 real tokens (prompt + response), divided by the train time x the trainer's GPUs x the GPU's dense
-BF16 peak. Attention's sequence-quadratic FLOPs are left out (a lower bound at long contexts).
+BF16 peak. A model with LoRA adapters (model.lora) trains at 4N + 6 x its adapters per token: its
+frozen base needs no weight gradients. Attention's sequence-quadratic FLOPs are left out (a
+lower bound at long contexts).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from megarl.config.registry import ADVANTAGES
 from megarl.models.arch import resolve_arch
+from megarl.plan import lora as plan_lora
 from megarl.plan.memory import active_params
 
 GiB = 2**30
@@ -33,14 +36,19 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-def train_flops_per_token(cfg, active: int, train_actor: bool = True) -> float:
-    """Matrix FLOPs per real token of one step's trainer passes (module docstring)."""
+def train_flops_per_token(cfg, active: int, train_actor: bool = True, adapters: int = 0) -> float:
+    """Matrix FLOPs per real token of one step's trainer passes (module docstring). `adapters`:
+    the LoRA adapters' parameters (model.lora): a model with a frozen base computes no weight
+    gradients of the base, 4N + 6 x adapters per trained token (as the simulator prices it)."""
     epochs = cfg.train.ppo_epochs
-    flops = 2 * active + (6 * active * epochs if train_actor else 0)    # old logprobs + actor updates
+
+    def update(role: str) -> float:
+        return (4 * active + 6 * adapters if adapters and plan_lora.adapted(cfg, role) else 6 * active) * epochs
+    flops = 2 * active + (update("actor") if train_actor else 0)         # old logprobs + actor updates
     if cfg.algo.uses_reference:
         flops += 2 * active
     if ADVANTAGES.get(cfg.algo.name).needs_critic:
-        flops += 2 * active + 6 * active * epochs                       # values + critic updates
+        flops += 2 * active + update("critic")                           # values + critic updates
     return flops
 
 
@@ -78,7 +86,10 @@ class SpeedMeter:
 
     def __init__(self, cfg, world_size: int):
         self.cfg, self.world = cfg, world_size
-        self.active = active_params(resolve_arch(cfg)[0])   # model.arch facts, else model.path/config.json
+        arch = resolve_arch(cfg)[0]                          # model.arch facts, else model.path/config.json
+        self.active = active_params(arch)
+        lora = plan_lora.lora_of(cfg)
+        self.adapters = plan_lora.adapter_params(arch, lora.rank, lora.targets) if lora else 0
         self.cuda = torch.cuda.is_available()
         self.peak = peak_flops(torch.cuda.get_device_name()) if self.cuda else None
 
@@ -94,6 +105,6 @@ class SpeedMeter:
             out["gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / GiB
             if self.peak and self.active:
                 warm = ADVANTAGES.get(self.cfg.algo.name).needs_critic and step < self.cfg.train.critic_warmup_steps
-                flops = tokens * train_flops_per_token(self.cfg, self.active, train_actor=not warm)
+                flops = tokens * train_flops_per_token(self.cfg, self.active, not warm, self.adapters)
                 out["mfu"] = flops / (max(train_s, 1e-9) * self.peak * self.world)
         return out

@@ -11,7 +11,8 @@ every step and every step's samples dumped. Both are served by one vLLM server t
 (as on a cluster, the server outlives each killed trainer: a leg killed mid-rollout leaves
 requests in flight there, one killed mid-sync leaves it paused). The chained run is killed (MEGARL_FAULT, see
 megarl/distributed/faults.py) mid-update, mid-weight-sync, mid-checkpoint-save and mid-rollout,
-each leg resuming from the newest complete checkpoint the previous one left.
+each leg resuming from the newest complete checkpoint the previous one left; once fine-tuned in
+full, once with the LoRA recipe (recipes/tiny_lora_cpu.yaml: adapters-only checkpoints).
 
 Partial rounds end when enough groups are complete, which depends on timing, so the two runs
 do not train the same groups at the same steps; what must hold is the accounting: every prompt
@@ -49,9 +50,14 @@ LEGS = [("update@7", "step 1's second mini-batch: actor and critic have stepped 
         ("rollout_result@30", "its first round, continuing the carried samples")]
 
 
-def _train(tiny_model, engine, run_dir, fault=None):
-    cli = ["-m", "megarl.cli", "train", "recipes/tiny_cpu.yaml", f"model.path={tiny_model}",
-           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", *COMMON, *engine.overrides]
+# the LoRA recipe's chained run: adapters-only checkpoints (base.json, the base from model.path at
+# each resume); merged pushes, since the shared server runs without vLLM's LoRA
+LORA = ("weight_sync.lora=merged",)
+
+
+def _train(tiny_model, engine, run_dir, fault=None, recipe="recipes/tiny_cpu.yaml", extra=()):
+    cli = ["-m", "megarl.cli", "train", recipe, f"model.path={tiny_model}",
+           f"data.prompts={tiny_model}/prompts.jsonl", f"run.dir={run_dir}", *COMMON, *extra, *engine.overrides]
     return run_py(cli, env={**engine.env, **({"MEGARL_FAULT": fault} if fault else {})})
 
 
@@ -166,12 +172,15 @@ def test_async_rounds_generate_while_training_within_the_bound(uninterrupted):
         assert len(s["old_logprobs"]) >= older, (version, s["versions"], len(s["old_logprobs"]))
 
 
-def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, remote_engine, tmp_path, uninterrupted):
+@pytest.mark.parametrize("recipe, extra", [("recipes/tiny_cpu.yaml", ()), ("recipes/tiny_lora_cpu.yaml", LORA)],
+                         ids=["full", "lora"])
+def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, remote_engine, tmp_path, uninterrupted,
+                                                            recipe, extra):
     run_dir = tmp_path / "chained"
     resumes = []     # (checkpoint a leg resumed from, its carry, the leg's output)
     for fault, doing in LEGS + [(None, "the rest of the run")]:
         found = _complete(run_dir) if (run_dir / "checkpoints").exists() else []
-        proc = _train(tiny_model, remote_engine, run_dir, fault)
+        proc = _train(tiny_model, remote_engine, run_dir, fault, recipe, extra)
         if fault is None:
             assert proc.returncode == 0, proc.stderr[-6000:]
         else:
@@ -185,6 +194,9 @@ def test_sigkill_at_every_phase_loses_and_duplicates_nothing(tiny_model, remote_
             assert half and not any((p / "COMPLETE").exists() for p in half), half
             assert _complete(run_dir)[-1].name == f"step_{_step(found[-1]) + 1}"
     assert len(resumes) == len(LEGS)
+    # the LoRA run's checkpoints hold its adapters only, beside base.json naming the base
+    assert all(((ck / "actor" / "base.json").is_file()) == (recipe != "recipes/tiny_cpu.yaml")
+               for ck in _complete(run_dir))
 
     # each leg resumed from the newest complete checkpoint the previous leg left
     for ck, _, out in resumes:

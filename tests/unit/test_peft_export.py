@@ -3,6 +3,7 @@ loads in transformers + peft onto the base model, and the merged full model in t
 both reproduce the trainer's logprobs of the adapted actor. (vLLM loading the same folder:
 tests/e2e/test_lora_push.py.)"""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,24 @@ def test_peft_folder_and_merged_model_reproduce_the_trainer(tiny_model, tmp_path
     for m in (adapted, merged):
         assert (hf_logprobs(m, batch) - trainer)[mask].abs().max() < TOL
     assert (plain - trainer)[mask].abs().max() > 1e-2      # the adapters matter: the check is not vacuous
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_megarl_eval_of_a_lora_run_scores_the_merged_model(tiny_model, tmp_path):
+    """`megarl eval --run` of a LoRA run: the engines get a full model folder (the merged one), not
+    the PEFT adapter folder they cannot open, and it is the trainer's adapted actor."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.evaluate import checkpoint_model
+    from megarl.ppo.batch import build_batch
+    cfg, actor = lora_run(tiny_model, tmp_path / "run")
+    model, version = checkpoint_model(str(tmp_path / "run"), None, str(tmp_path / "eval"), progress=False)
+    assert version == 1 and (tmp_path / "eval" / "model" / "adapter_config.json").is_file()
+    assert (Path(model) / "config.json").is_file() and not (Path(model) / "adapter_config.json").exists()
+    batch = build_batch(samples(actor.info.vocab_size), 0)
+    trainer = logprobs(cfg, actor.model, batch, actor.info.vocab_size)
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    assert (hf_logprobs(hf, batch) - trainer)[batch.resp_mask > 0].abs().max() < TOL
 
 
 def test_merged_is_refused_for_a_full_checkpoint(tmp_path, monkeypatch):

@@ -7,9 +7,10 @@ import pytest
 from megarl.metrics.speed import peak_flops, real_tokens, throughput, train_flops_per_token
 
 
-def _cfg(name: str, epochs: int, kl_coef: float):
+def _cfg(name: str, epochs: int, kl_coef: float, rank: int = 0, critic: bool = False):
     return SimpleNamespace(train=SimpleNamespace(ppo_epochs=epochs),
-                           algo=SimpleNamespace(name=name, uses_reference=kl_coef != 0))
+                           algo=SimpleNamespace(name=name, uses_reference=kl_coef != 0),
+                           model=SimpleNamespace(lora=SimpleNamespace(rank=rank, critic=critic)))
 
 
 @pytest.mark.parametrize("name, epochs, kl, per_n", [
@@ -24,6 +25,16 @@ def test_flops_per_token_count_each_pass(name, epochs, kl, per_n):
 
 def test_critic_warmup_trains_no_actor():
     assert train_flops_per_token(_cfg("ppo", 2, 0.0), 10, train_actor=False) == (2 + 2 + 12) * 10
+
+
+@pytest.mark.parametrize("critic, critic_update", [(False, 6 * 1000), (True, 4 * 1000 + 6 * 10)])
+def test_lora_updates_count_no_weight_gradients_of_the_frozen_base(critic, critic_update):
+    # 1000 parameters, 10 of them adapters: the actor's update is 4N + 6 x adapters; the critic's
+    # the same with model.lora.critic, else a full 6N; forward-only passes stay 2N
+    cfg = _cfg("ppo", 1, 0.1, rank=4, critic=critic)
+    assert train_flops_per_token(cfg, 1000, adapters=10) == 2 * 1000 + (4 * 1000 + 6 * 10) + 2 * 1000 \
+        + 2 * 1000 + critic_update
+    assert train_flops_per_token(_cfg("ppo", 1, 0.1), 1000, adapters=10) == (2 + 6 + 2 + 2 + 6) * 1000
 
 
 def test_peak_lookup_prefers_the_longest_name():
