@@ -130,7 +130,7 @@ class _RefusingAsyncLLM:
     def __init__(self, error):
         self.error = error
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
         raise self.error
         yield  # an async generator, as vLLM's
 
