@@ -38,6 +38,7 @@ from megarl.metrics.logger import MetricsLogger
 from megarl.metrics.speed import SpeedMeter
 from megarl.metrics.step import rollout_metrics, trainer_idle_frac
 from megarl.metrics.wandb_sink import check_installed
+from megarl.models.builders import local_layers
 from megarl.models.loading import check_megatron_dir
 from megarl.models.sampling_cut import Cut
 from megarl.models.setup import build_all, check_model_dir
@@ -122,6 +123,7 @@ class Trainer:
 
     def _start_process(self) -> None:
         cfg = self.cfg
+        local_layers(cfg.model.lora.rank > 0)   # LoRA: megatron's local layers, on GPUs too (models/builders.py)
         self.env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
         self.stop = StopSignal(cfg.checkpoint.time_budget_min)   # a SIGTERM from here on is kept
         self.is_driver = self.env.rank == 0

@@ -19,10 +19,23 @@ from megarl.distributed import parallel
 from megarl.formats.mapping import padded_vocab_size
 from megarl.models.norms import sequence_parallel_spec
 
+# LoRA wraps megatron's local tensor-parallel linear layers (models/lora.py `LoRALinear`), not
+# Transformer Engine's fused layernorm + linear: a process whose models carry adapters builds the
+# local spec on GPUs too, and every reader of `use_te` (the mapping tables' names, the loaders,
+# the weight push, the exports) follows it, so the whole process agrees on one set of names.
+_LOCAL_LAYERS = False
+
+
+def local_layers(on: bool) -> None:
+    """Build megatron's local layer spec even where TE is installed (`on`: model.lora.rank > 0).
+    Set before any model is built: by the trainer at its start and by `setup.build_all`."""
+    global _LOCAL_LAYERS
+    _LOCAL_LAYERS = bool(on)
+
 
 def use_te() -> bool:
-    """TE specs need a GPU and the transformer_engine package."""
-    if not torch.cuda.is_available():
+    """TE specs need a GPU and the transformer_engine package (and no LoRA: `local_layers`)."""
+    if _LOCAL_LAYERS or not torch.cuda.is_available():
         return False
     try:
         import transformer_engine  # noqa: F401

@@ -16,7 +16,7 @@ from megarl.distributed import parallel
 from megarl.formats.mapping import mapping_for
 from megarl.models import loading, offload
 from megarl.models.arch import check_arch_matches
-from megarl.models.builders import Trainable, build_model, make_trainable, use_te
+from megarl.models.builders import Trainable, build_model, local_layers, make_trainable, use_te
 from megarl.models.loading import check_megatron_dir
 from megarl.models.lora import apply_lora
 from megarl.models.moe_layout import check_moe_layout
@@ -96,10 +96,11 @@ def build_all(cfg: RootConfig, with_tokenizer: bool = True) -> Models:
     check_arch_matches(cfg, hf_config.to_dict())   # recipe's model.arch (what `megarl plan` sized) = the checkpoint
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path) if with_tokenizer else None
     dtype = getattr(torch, cfg.model.dtype)
+    lora = cfg.model.lora
+    local_layers(lora.rank > 0)   # before weight_source: its mapping reads the layer names (use_te)
     on_gpu = torch.cuda.is_available()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     load, divisible_by = weight_source(cfg, hf_config)
-    lora = cfg.model.lora
 
     def make(role):
         # each model gets its own TransformerConfig: megatron hangs per-model hooks on it

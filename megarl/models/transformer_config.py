@@ -1,6 +1,8 @@
 """Translate a HuggingFace decoder config into megatron-core's TransformerConfig."""
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -12,6 +14,13 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen
 # architectures whose attention normalises each head's query and key (RMSNorm) before RoPE
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def softmax_kernels() -> bool:
+    """Whether the fused masked-softmax CUDA extensions megatron's FusedScaleMaskSoftmax imports
+    (Apex's / megatron's legacy fused kernels) are installed."""
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
 
 
 def architecture(hf_config) -> str:
@@ -120,7 +129,9 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype, on_gpu: 
         # fusions need Apex/TE kernels; on CPU the unfused paths are the only ones
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # the local spec's attention (no TE: a LoRA run's, models/builders.py) fuses its softmax
+        # with compiled kernels megatron-core's wheel does not ship: asked for only where present
+        masked_softmax_fusion=on_gpu and softmax_kernels(),
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,

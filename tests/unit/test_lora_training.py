@@ -214,3 +214,50 @@ def test_offload_idle_with_only_the_lora_reference_is_refused(tiny_model):
     with pytest.raises(ConfigError, match=r"^train\.offload_idle=True: .*model\.lora\.rank > 0"):
         config(tiny_model, "algo.name=grpo", "train.offload_idle=true")
     assert config(tiny_model, "algo.name=ppo", "train.offload_idle=true").train.offload_idle   # the critic is
+
+
+@pytest.fixture
+def gpu_with_te(monkeypatch):
+    """A GPU machine with Transformer Engine installed, as far as `use_te` can tell."""
+    import sys
+    import types
+
+    from megarl.models import builders
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    builders.local_layers(False)   # (this process's earlier LoRA builds set it)
+    yield builders
+    builders.local_layers(False)
+
+
+def test_a_lora_process_builds_megatron_local_layers_where_te_is_installed(gpu_with_te):
+    # LoRALinear wraps the local spec's Column/RowParallelLinear: with TE installed a LoRA run
+    # would otherwise build TE's fused layers and stop at apply_lora
+    builders = gpu_with_te
+    assert builders.use_te()
+    builders.local_layers(True)
+    assert not builders.use_te()
+    builders.local_layers(False)
+    assert builders.use_te()
+
+
+@pytest.mark.usefixtures("megatron_world")
+@pytest.mark.parametrize("rank", [0, 4])
+def test_build_all_chooses_the_layers_by_model_lora(tiny_model, rank):
+    from megarl.models import builders
+    from megarl.models.setup import build_all
+    try:
+        build_all(config(tiny_model, f"model.lora.rank={rank}", "algo.kl_coef=0"), with_tokenizer=False)
+        assert builders._LOCAL_LAYERS == (rank > 0)
+    finally:
+        builders.local_layers(False)
+
+
+def test_local_layers_on_a_gpu_fuse_the_softmax_only_with_its_kernels(tiny_model):
+    # megatron-core's wheel ships no fused-softmax extensions: the local spec's attention on a GPU
+    # must not ask for them (FusedScaleMaskSoftmax would import them at the first bf16 forward)
+    from transformers import AutoConfig
+
+    from megarl.models.transformer_config import softmax_kernels, transformer_config
+    tcfg = transformer_config(AutoConfig.from_pretrained(tiny_model), 1, 1, torch.bfloat16, on_gpu=True)
+    assert tcfg.masked_softmax_fusion == softmax_kernels() and not softmax_kernels()
