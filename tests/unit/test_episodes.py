@@ -245,11 +245,17 @@ def test_checkpoint_mid_episode_resumes_by_replay():
     with fresh environments: the resumed run replays each open episode's turns into its new
     environment, so the observations that follow are the right ones (a fresh environment
     would answer o1 again) and every trained episode is exact."""
-    ctl, first, _, _ = asyncio.run(drive(3))
-    state = ctl.state_dict()
-    open_turns = [s["turns"] for g in state["open"] for s in g["slots"] if not s["finish_reason"]]
-    assert any(t >= 1 for t in open_turns), "the checkpoint must hold an episode between turns"
-    ctl2, trained, metrics, _ = asyncio.run(drive(4, state=state, version=3))
+    # which episodes are open when a round ends depends on the threads' timing (the loaded CI
+    # once ended round 3 with none between turns): the precondition is sought over a few
+    # round counts, so the test checks the replay, not the timing
+    for rounds in (3, 2, 4, 5, 6):
+        ctl, first, _, _ = asyncio.run(drive(rounds))
+        state = ctl.state_dict()
+        open_turns = [s["turns"] for g in state["open"] for s in g["slots"] if not s["finish_reason"]]
+        if any(t >= 1 for t in open_turns):
+            break
+    assert any(t >= 1 for t in open_turns), "no checkpoint held an episode between turns"
+    ctl2, trained, metrics, _ = asyncio.run(drive(4, state=state, version=rounds))
     assert sum(m["env_replays"] for m in metrics) > 0
     assert sum(m["env_replay_mismatches"] for m in metrics) == 0
     for version, groups in trained:
