@@ -62,7 +62,7 @@ def peft_folder_gaps(actor, info, pool, prompts, logs: str) -> dict:
 
 
 def main(model_dir: str, out_path: str, modes: str, logs: str) -> None:
-    from pool_sync_probe import held_gaps, hold_at_the_swap
+    from pool_sync_probe import close_all, held_gaps, hold_at_the_swap
     from transformers import AutoConfig
 
     from megarl.config import load_config
@@ -135,11 +135,7 @@ def main(model_dir: str, out_path: str, modes: str, logs: str) -> None:
                 "sync_bytes": sync["sync_bytes"]}}
         result["peft_folder_gaps"] = peft_folder_gaps(actor, info, pools.get("inprocess"), prompts, logs)
     finally:
-        for t in transports.values():
-            t.close()
-        for pool in pools.values():
-            if pool is not None:
-                pool.close()
+        close_all(transports, pools)
     if env.rank == 0:
         Path(out_path).write_text(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()

@@ -161,6 +161,15 @@ def held_gaps(actor, info, held: dict | None, version: int) -> dict:
     return out
 
 
+def close_all(transports: dict, pools: dict) -> None:
+    """Close every transport, then every pool that started (None: a mode that did not)."""
+    for t in transports.values():
+        t.close()
+    for pool in pools.values():
+        if pool is not None:
+            pool.close()
+
+
 def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> None:
     from megarl.config import load_config
     from megarl.distributed import cpu, parallel
@@ -311,11 +320,7 @@ def main(model_dir: str, out_path: str, modes: str, staging: str, logs: str) -> 
         result["last_version"] = version
         source.buckets = real_buckets
     finally:
-        for t in transports.values():
-            t.close()
-        for pool in pools.values():
-            if pool is not None:
-                pool.close()
+        close_all(transports, pools)
         parallel.destroy()
     if env.rank == 0:
         with open(out_path, "w") as f:

@@ -64,24 +64,29 @@ def test_moe_model_attention_adapters_and_refused_mlps():
         plan_lora.adapter_params(arch, 2, ALL)
 
 
+def _base_linear(fan_in: int, fan_out: int, column: bool):
+    """A megatron column- (B split over TP) or row-parallel (A split) linear layer to wrap."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
+                            params_dtype=torch.float32, gradient_accumulation_fusion=False)
+    init = torch.nn.init.normal_
+    if column:
+        return ColumnParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False, gather_output=False)
+    return RowParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False, input_is_parallel=True,
+                             skip_bias_add=False)
+
+
 @pytest.mark.usefixtures("megatron_world")
 @pytest.mark.parametrize("kind,target", [("column", "qkv"), ("column", "fc1"), ("row", "proj"), ("row", "fc2")])
 def test_tp2_shapes_are_the_layers(monkeypatch, kind, target):
     """On one of 2 TP ranks LoRALinear splits B of a column-parallel layer and A of a row-parallel
     one: the shapes it builds (TP size read from megarl.distributed.parallel) are target_shapes'."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from megarl.models import lora as layers
     arch = arch_from_hf(llama_config().to_dict())
     (ar, ac), (br, bc) = plan_lora.target_shapes(arch, 4, target, tp=1)
     fan_in, fan_out = ac, br
-    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
-                            params_dtype=torch.float32, gradient_accumulation_fusion=False)
-    init = torch.nn.init.normal_
-    base = (ColumnParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False, gather_output=False)
-            if kind == "column" else RowParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False,
-                                                       input_is_parallel=True, skip_bias_add=False))
+    base = _base_linear(fan_in, fan_out, column=kind == "column")
     monkeypatch.setattr(layers.parallel, "tp_size", lambda: 2)
     monkeypatch.setattr(layers.parallel, "tp_rank", lambda: 1)
     layer = layers.LoRALinear(base, 4, 8.0, 0.0, seed=0)
@@ -338,18 +343,10 @@ def test_adapter_activations_are_what_autograd_saves(target, dropout):
     beyond those of its base layer trained in full (fp32 on the CPU, 4 bytes a value and a mask
     value): A x, and with dropout the mask (the dropped input takes the place of the input the
     trained base keeps; the frozen base keeps none)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from megarl.models.lora import LoRALinear
     arch = arch_from_hf(llama_config().to_dict())
     (_, fan_in), (fan_out, _) = plan_lora.target_shapes(arch, 4, target)
-    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
-                            params_dtype=torch.float32, gradient_accumulation_fusion=False)
-    init = torch.nn.init.normal_
-    base = (ColumnParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False, gather_output=False)
-            if target == "qkv" else RowParallelLinear(fan_in, fan_out, config=cfg, init_method=init, bias=False,
-                                                      input_is_parallel=True, skip_bias_add=False))
+    base = _base_linear(fan_in, fan_out, column=target == "qkv")
     x = torch.randn(10, 3, fan_in, requires_grad=True)
     trained = saved_activation_bytes(base, x, list(base.parameters()))   # the weight trained: x kept
     layer = LoRALinear(base, 4, 8.0, dropout, seed=0).train()

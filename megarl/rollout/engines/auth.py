@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
+
+from megarl.rollout.engines import asgi
 
 OPEN = {("GET", "/health")}
 KEY_ENV = "VLLM_API_KEY"
@@ -48,8 +49,4 @@ class RequireKey:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        body = json.dumps({"error": "Unauthorized: this megarl engine needs its API key"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await asgi.send_json(send, 401, {"error": "Unauthorized: this megarl engine needs its API key"})

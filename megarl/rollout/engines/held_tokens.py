@@ -22,9 +22,9 @@ This module stays light: vLLM loads it into every engine process.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Callable, Optional
 
+from megarl.rollout.engines import asgi
 from megarl.rollout.engines.engine import EngineError
 
 UTILITY = "megarl_held_tokens"
@@ -114,8 +114,4 @@ class HeldTokensRoute:
                 body = {"tokens": await held_by_external_id(llm)}
         except Exception as err:   # the answer names it; the server stays up
             status, body = 500, {"error": f"{type(err).__name__}: {err}"}
-        data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await asgi.send_json(send, status, body)

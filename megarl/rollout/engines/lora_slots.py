@@ -23,6 +23,7 @@ import json
 import torch
 
 from megarl.formats import lora_peft
+from megarl.rollout.engines import asgi
 from megarl.rollout.engines.engine import EngineError
 
 
@@ -121,21 +122,11 @@ class AdapterRoute:
             return await self.app(scope, receive, send)
         status, answer = 200, {}
         try:
-            body = b""
-            while True:
-                msg = await receive()
-                body += msg.get("body", b"")
-                if not msg.get("more_body"):
-                    break
-            ask = json.loads(body or b"{}")
+            ask = json.loads(await asgi.read_body(receive) or b"{}")
             models = scope["app"].state.openai_serving_models
             name, lora_id = str(ask["name"]), int(ask["id"])
             models.lora_requests[name] = lora_request(name, lora_id)
             answer = {"name": name, "id": lora_id}
         except Exception as err:   # the answer names it; the server stays up
             status, answer = 500, {"error": f"{type(err).__name__}: {err}"}
-        data = json.dumps(answer).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await asgi.send_json(send, status, answer)
