@@ -195,7 +195,7 @@ def parts(calls: list, swaps: list[dict], t_push: float) -> dict:
         if resets:
             out["before_end_s"] = end[0] - max(resets)
     if swaps:
-        for k in ("take_s", "init_s", "load_s", "finalize_s", "total_s"):
+        for k in ("take_s", "prepared_s", "swap_s", "init_s", "load_s", "finalize_s", "total_s"):
             out[f"worker_{k}"] = max(r.get(k, 0.0) for r in swaps)
         recv = [x for r in swaps for x in r.get("recv", [])]
         out["worker_finishes"] = len(swaps)

@@ -529,6 +529,8 @@ def report(rows: list[dict], probes: dict, sizes: list[str], runtime: float, whe
 STAGED_PARTS = (("begin_update_s", "begin_update (pause, hold)"),
                 ("finish_http_s", "/finish_weight_update (slowest engine)"),
                 ("worker_take_s", "  worker: wait for the last staged receive"),
+                ("worker_prepared_s", "  worker: wait for the version prepared beside the model"),
+                ("worker_swap_s", "  worker: swap the prepared tensors in"),
                 ("worker_init_s", "  worker: layerwise reload set-up"),
                 ("worker_load_s", "  worker: load_weights"),
                 ("worker_finalize_s", "  worker: layerwise reload finalisation"),

@@ -3,8 +3,9 @@ megarl itself): the probe puts this folder on the servers' PYTHONPATH and names 
 $MEGARL_BENCH_SWAP_LOG. When a server process imports megarl's gloo weight-transfer backend,
 its worker's `finish_weight_update` (the swap) is timed by parts and one JSON line per call is
 appended to the log: the wait for the staging area's last receive (`take_s`), vLLM's layerwise
-reload set-up / finalisation (`init_s` / `finalize_s`), the loads (`load_s`: the rest; unstaged:
-the last bucket's load), and the staging receives of the session (wall-clock spans). Nothing
+reload set-up / finalisation (`init_s` / `finalize_s`), the wait for the version prepared beside
+the model (`prepared_s`) and its swap (`swap_s`), the loads (`load_s`: the rest; unstaged: the
+last bucket's load), and the staging receives of the session (wall-clock spans). Nothing
 is changed in what the calls do."""
 from __future__ import annotations
 
@@ -37,10 +38,13 @@ def _timed(fn, key):
 def _patch(mod) -> None:
     from vllm.model_executor.model_loader import reload
 
-    from megarl.rollout.weights import group, staging
+    from megarl.rollout.weights import group, shadow, staging
     reload.initialize_layerwise_reload = _timed(reload.initialize_layerwise_reload, "init_s")
     reload.finalize_layerwise_reload = _timed(reload.finalize_layerwise_reload, "finalize_s")
     staging.StagingArea.take = _timed(staging.StagingArea.take, "take_s")
+    for area in (staging.StagingArea, staging.ShardedStaging):
+        area.wait_prepared = _timed(area.wait_prepared, "prepared_s")
+    shadow.Shadow.swap = _timed(shadow.Shadow.swap, "swap_s")
     real_pass = group.chain_pass
 
     def chain_pass(g, tensor, *args, **kwargs):   # every signature of group.chain_pass
@@ -68,7 +72,8 @@ def _patch(mod) -> None:
         finally:
             rec = dict(_now, total_s=time.perf_counter() - t, t1=time.time(), error=err)
             _now.clear()
-            rec["load_s"] = rec["total_s"] - sum(rec.get(k, 0.0) for k in ("take_s", "init_s", "finalize_s"))
+            rec["load_s"] = rec["total_s"] - sum(rec.get(k, 0.0) for k in ("take_s", "init_s", "finalize_s",
+                                                                             "prepared_s", "swap_s"))
             with _lock:
                 rec["recv"], _recv[:] = list(_recv), []
             if LOG:

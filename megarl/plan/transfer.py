@@ -115,13 +115,18 @@ def staging_bytes(cfg: RootConfig, arch: Arch) -> float:
     """Bytes of one engine worker's staging area: the new version of what the worker holds.
     On a GPU that is its slice (the bf16 weights / engine TP); on the gloo wire without
     weight_sync.sharded every worker receives and stages every tensor whole (the model's HF
-    tensors), with sharded sends only its slice. 0 when nothing is staged."""
+    tensors), with sharded sends only its slice. On the gloo wire the worker also prepares the
+    new version beside its model (rollout/weights/shadow.py: one more copy of its weights, from
+    the first bucket to the swap), counted here too. 0 when nothing is staged."""
     place = staging_place(cfg)
     if not place:
         return 0.0
-    if place == "host" and not cfg.weight_sync.sharded:
-        return mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
-    return mem.engine_weight_bytes(arch, cfg.rollout.engines.tp)
+    slice_bytes = mem.engine_weight_bytes(arch, cfg.rollout.engines.tp)
+    if place == "host":
+        received = (mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype] if not cfg.weight_sync.sharded
+                    else slice_bytes)
+        return received + slice_bytes
+    return slice_bytes
 
 
 def staging_line(cfg: RootConfig, arch: Arch) -> str:
@@ -132,8 +137,8 @@ def staging_line(cfg: RootConfig, arch: Arch) -> str:
     what = "the worker's slice" if cfg.weight_sync.sharded or staging_place(cfg) == "gpu" else \
         "every tensor whole (weight_sync.sharded=false)"
     if staging_place(cfg) == "host":
-        return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}) in host memory of every engine "
-                f"worker (gloo wire), not counted on a GPU")
+        return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}, and the version prepared beside "
+                f"the model until the swap) in host memory of every engine worker (gloo wire), not counted on a GPU")
     return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}) per engine GPU, checked in its "
             f"budget (it takes what would be KV cache); the GPU wires (nccl, ipc) do not stage yet: a push "
             f"pauses the engines for its whole length there")

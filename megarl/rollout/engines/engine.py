@@ -252,6 +252,11 @@ class Engine(abc.ABC):
         """End the session: the received weights are now `version`; prefix cache reset."""
         raise self._no_collective()
 
+    async def staged_ready(self) -> bool:
+        """Whether a staged session's version is ready to swap in (engines/staged_swap.py),
+        asked before the engines pause; True where nothing is prepared beside the model."""
+        return True
+
     def _no_collective(self) -> "EngineError":
         return EngineError(f"engine {self.name} ({type(self).__name__}) has no weight-transfer "
                            f"session: set weight_sync.transport=files")

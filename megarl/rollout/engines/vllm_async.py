@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from megarl.rollout import routes
-from megarl.rollout.engines import held_tokens, lora_slots, plugin, reaper, route_capture
+from megarl.rollout.engines import held_tokens, lora_slots, plugin, reaper, route_capture, staged_swap
 from megarl.rollout.engines.engine import (
     STALE_SESSION,
     Engine,
@@ -356,6 +356,9 @@ class AsyncVLLMEngine(Engine):
         if spec is not None:     # swapped in while paused: requests name it from here on
             lora_slots.check_swapped(await self._collective(lora_slots.SWAP), self.name)
             self._lora = lora_slots.lora_request(spec["name"], spec["id"])
+
+    async def staged_ready(self) -> bool:
+        return staged_swap.all_ready(await self._collective(staged_swap.READY))
 
     async def health(self) -> EngineHealth:
         alive = self.llm is not None and not getattr(self.llm, "errored", False)

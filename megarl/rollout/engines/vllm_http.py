@@ -27,7 +27,7 @@ from typing import Optional
 import aiohttp
 
 from megarl.rollout import routes
-from megarl.rollout.engines import held_tokens, lora_slots, route_capture
+from megarl.rollout.engines import held_tokens, lora_slots, route_capture, staged_swap
 from megarl.rollout.engines.engine import (
     STALE_SESSION,
     Engine,
@@ -350,6 +350,9 @@ class HTTPVLLMEngine(StreamedRequests, Engine):
                                   f"middleware {lora_slots.__name__}.AdapterRoute); else set weight_sync.lora=merged")
             self.lora_model = spec["name"]
         await self._loaded(version)
+
+    async def staged_ready(self) -> bool:
+        return staged_swap.all_ready(await self._collective(staged_swap.READY))
 
     async def health(self) -> EngineHealth:
         alive, paused = False, self._paused

@@ -27,7 +27,6 @@ Nothing is kept for the redo: at most `num_buffers` packed buckets exist at any 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import socket
@@ -43,6 +42,7 @@ from megarl.distributed import faults, parallel
 from megarl.distributed.env import free_port, from_rank0
 from megarl.rollout.engines.engine import Engine, EngineError
 from megarl.rollout.weights import adapters, packing, sharded, source
+from megarl.rollout.weights.swap import Pause, await_prepared, settled
 from megarl.rollout.weights.wires import MEMBER_GRACE_S, WIRES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -89,7 +89,7 @@ class CollectiveTransport:
         self._store = None                       # the group's TCPStore (hosted here while the group lives)
         self.members: tuple = ()                 # ids of the engines in self.group, in rank order
         self._staged_group = False               # whether self.group's engines stage (init info)
-        self._pause = _Pause(None)               # this push's pause of the engines
+        self._pause = Pause(None)               # this push's pause of the engines
         self._sharded = None                     # sharded.ShardedPush, made at the first sharded push
         self._senders: list[int] | None = None   # global ranks that send in a sharded push
         self._layout: tuple = ()                 # the trainer layout self._senders was learnt for
@@ -121,7 +121,7 @@ class CollectiveTransport:
         if self._adapter is not None:
             adapters.check_route(self.ws, self.wire_name)
             staged = False
-        self._pause = _Pause(sp)
+        self._pause = Pause(sp)
         if staged and self.shards:
             return self._push_sharded(model, info, version, t0)
         engines = self._pause.begin(admit=True) if sp and not staged else (list(sp.pool.engines) if sp else None)
@@ -260,6 +260,7 @@ class CollectiveTransport:
         if errors:
             raise errors[0]
         if staged:       # the swap: every bucket was staged while the engines generated
+            await_prepared(self.pool, engines)
             self._pause.begin(admit=False)
             engines = [e for e in engines if e in pool.engines]
         sp.call(pool.on_each(lambda e: e.finish_weight_update(version), engines),
@@ -293,7 +294,7 @@ class CollectiveTransport:
         update = self.wire.update_info(meta, buf)
         if self._adapter is not None:    # the engines swap these in as adapters (gloo_backend.py)
             update[adapters.ADAPTER_KEY] = self._adapter
-        receive = sp.loop.submit(_settled([e.update_weights(update) for e in engines]))
+        receive = sp.loop.submit(settled([e.update_weights(update) for e in engines]))
         t = time.perf_counter()
         on_wire.since = time.monotonic()
         try:
@@ -327,7 +328,7 @@ class CollectiveTransport:
         while True:
             if not engines:
                 raise EngineError("no rollout engine left to form the weight group with")
-            sizes = sp.call(_settled([e.transfer_world_size() for e in engines]), "asking engines their size")
+            sizes = sp.call(settled([e.transfer_world_size() for e in engines]), "asking engines their size")
             unable = [(e, r) for e, r in zip(engines, sizes) if isinstance(r, BaseException)]
             for e, err in unable:                # e.g. an engine started without the config
                 sp.call(pool.retire(e, err if isinstance(err, EngineError) else EngineError(
@@ -424,7 +425,7 @@ class CollectiveTransport:
         return "127.0.0.1"
 
     def _dead(self, engines: list[Engine]) -> list[Engine]:
-        healths = self.pool.call(_settled([e.health() for e in engines]), "engine health check")
+        healths = self.pool.call(settled([e.health() for e in engines]), "engine health check")
         return [e for e, h in zip(engines, healths) if isinstance(h, BaseException) or not h.alive]
 
     def _drop_group(self) -> None:
@@ -448,36 +449,6 @@ class CollectiveTransport:
 
     def close(self) -> None:
         self._drop_group()
-
-
-class _Pause:
-    """A push's pause of every engine (rank 0): `begin` at most once (pool.begin_update: held
-    or aborted requests, paused engines), `end` always (the engines resume, also after a
-    failure); `seconds` from the start of the one to the end of the other: sync_paused_s."""
-
-    def __init__(self, sp):
-        self.sp = sp
-        self.since: float | None = None
-        self.seconds = 0.0
-
-    def begin(self, admit: bool) -> list[Engine]:
-        if self.since is not None:       # a redone session's swap: paused already
-            return list(self.sp.pool.engines)
-        self.since = time.perf_counter()
-        return self.sp.call(self.sp.pool.begin_update(admit=admit), "pausing the engines for a weight update")
-
-    def end(self) -> None:
-        if self.since is None:
-            return
-        try:
-            self.sp.call(self.sp.pool.end_update(), "resuming the engines")
-        finally:
-            self.seconds, self.since = time.perf_counter() - self.since, None
-
-
-async def _settled(coros) -> list:
-    """Every coroutine's result, or the exception it raised (the caller names the engine)."""
-    return await asyncio.gather(*coros, return_exceptions=True)
 
 
 def _result(future, timeout_s: float):

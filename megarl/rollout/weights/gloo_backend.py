@@ -21,6 +21,12 @@ Staged (`GlooInitInfo.staged`, weight_sync.staged): `update_weights` only queues
 the worker's staging area (staging.py), whose thread receives it while the engine generates;
 `start_weight_update` opens the area and `finish_weight_update`, called with the engine paused,
 loads every staged bucket inside one layerwise reload: the pause is the local load only.
+
+Prepared staging (unquantized models: shadow.py): each staged bucket is loaded, as it arrives,
+into a shadow of the model's layers on the staging thread; the worker method
+`engines/staged_swap.READY`, which the sender polls before pausing the engines, asks for the
+shadow's last layers to be processed and answers whether that ended. `finish_weight_update`
+then only swaps the prepared tensors in: the pause no longer holds the load.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from megarl.rollout.weights import group, packing
+from megarl.rollout.weights import group, packing, shadow
 from megarl.rollout.weights.pieces import PieceMeta
 from megarl.rollout.weights.staging import ShardedStaging, StagingArea
 
@@ -76,6 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.staged = False
         self.timeout_s = 300.0
         self.staging: StagingArea | ShardedStaging | None = None   # the open staged session's area
+        self.shadow: shadow.Shadow | None = None   # its version, prepared beside the model (shadow.py)
         # a staged push keeps every bucket until the swap: all of them are reused next push
         self.staging_buffers = packing.ReceiveBuffers(keep=1 << 16)
         self.senders = 1
@@ -105,8 +112,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.adapter, self.adapter_tensors = None, {}
         if self.staged:                  # nothing touches the model until the swap
             self._abandon_staging()
-            self.staging = (ShardedStaging(self.group, self.senders, self.staged_tensors, self.sender_buffers)
-                            if self.senders > 1 else StagingArea(self.group, self.staging_buffers))
+            prepared = self.shadow = (shadow.Shadow(self.model) if shadow.supported(self.model_config) else None)
+            if self.senders > 1:
+                self.staging = ShardedStaging(self.group, self.senders, self.staged_tensors, self.sender_buffers)
+            else:                        # each bucket into the shadow as it arrives
+                load = (lambda meta, buf: prepared.load(packing.unpack(meta, buf))) if prepared else None
+                self.staging = StagingArea(self.group, self.staging_buffers, on_bucket=load)
             return
         # the layerwise reload opens at the first load (_load_pending): an adapters push loads none
         self.reloading = False
@@ -117,6 +128,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             staging, self.staging = self.staging, None
             if staging is None or staging.abandoned:
                 return                   # a session given up on (engine.py STALE_SESSION): load nothing
+            prepared, self.shadow = self.shadow, None
+            if prepared is not None:     # the swap only: prepared while the engine generated
+                staging.prepare(self._then(prepared))   # (asked for already where the sender polled)
+                staging.wait_prepared(self.timeout_s)   # raises, touching nothing, if it failed
+                staging.take(self.timeout_s)
+                prepared.swap()
+                return
             staged = staging.take(self.timeout_s)   # raises, loading nothing, if a receive failed
             initialize_layerwise_reload(self.model)
             if isinstance(staging, ShardedStaging):
@@ -134,6 +152,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.reloading:
             self.reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
+
+    def staged_ready(self) -> bool:
+        """Whether the open staged session's version is ready for the swap (a failed one too:
+        the swap raises it). Asks for its preparation, once, on the staging thread: the sender
+        calls this (engines/staged_swap.READY) after its last bucket is on the wire."""
+        staging, prepared = self.staging, self.shadow
+        if staging is None or staging.abandoned:
+            return True
+        staging.prepare(self._then(prepared))
+        return staging.prepared()
+
+    def _then(self, prepared):
+        """What ends a session's preparation: the shadow's last layers (sharded: its whole load,
+        from the assembled tensors); nothing without a shadow (the swap loads)."""
+        if prepared is None:
+            return None
+        if self.senders > 1:
+            def load_all(tensors):
+                prepared.load(list(tensors.items()))
+                prepared.finish()
+            return load_all
+        return lambda _buckets: prepared.finish()
 
     def take_adapter(self) -> tuple | None:
         """The last finished session's adapter (PEFT tensors, spec), once; None if it had none."""
@@ -193,6 +233,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def _abandon_staging(self) -> None:
         staging, self.staging = self.staging, None
+        self.shadow = None
         if staging is not None:
             staging.abandon()
 

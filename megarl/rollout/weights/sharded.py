@@ -42,7 +42,7 @@ from megarl.models.builders import ModelInfo, use_te
 from megarl.models.lora import merged_parameters
 from megarl.rollout.engines.engine import EngineError
 from megarl.rollout.weights import group as wgroup
-from megarl.rollout.weights import packing, pieces, source
+from megarl.rollout.weights import packing, pieces, source, swap
 from megarl.rollout.weights.staging import ShardedStaging
 
 log = logging.getLogger("megarl.engines")
@@ -241,6 +241,7 @@ class ShardedPush:
         sp, pool = t.pool, t.pool.pool
         failed = [r for r in results if r]
         if opened is None and not failed:
+            swap.await_prepared(sp, [e for e in engines if e in pool.engines])
             t._pause.begin(admit=False)
             sp.call(pool.on_each(lambda e: e.finish_weight_update(version),
                                  [e for e in engines if e in pool.engines]),

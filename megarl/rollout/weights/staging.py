@@ -16,6 +16,12 @@ was given up on (the sender formed a new group, `abandon`) is discarded by the s
 which is how vLLM's still-open session is closed before the next one starts (engine.py
 STALE_SESSION). Memory: one more copy of the model's HF tensors per worker until the next swap
 (its buffers are reused push after push once vLLM holds no view of them: packing.ReceiveBuffers).
+
+Prepared (the gloo backend with a shadow.Shadow, unquantized models): each bucket is loaded
+into the shadow as it arrives, and `prepare(then)`, asked for by the sender once every bucket
+is on the wire (the worker method engines/staged_swap.READY), runs `then` on the receiver thread
+after the last receive: the shadow's last layers are processed before the engine is paused, and
+the swap only exchanges tensors. `prepared()` answers whether that ended.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ class StagingArea:
         self.error: BaseException | None = None
         self.abandoned = False
         self._queue: queue.Queue = queue.Queue()
+        self._prepare_asked = False
+        self._prepared = threading.Event()   # every receive queued before prepare() ended, and its `then`
         self._thread = threading.Thread(target=self._run, name="megarl-weight-staging", daemon=True)
         self._thread.start()
 
@@ -57,11 +65,46 @@ class StagingArea:
             raise StagingError(f"the staged weight update already failed: {self.error}")
         self._queue.put(meta)
 
+    def prepare(self, then=None) -> None:
+        """Once: after every receive queued so far, run `then(buckets)` on the receiver thread
+        (a failure is this area's error); `prepared()` is true after it."""
+        if self._prepare_asked:
+            return
+        self._prepare_asked = True
+        self._queue.put(_Prepare(then))
+
+    def prepared(self) -> bool:
+        return self._prepared.is_set()
+
+    def wait_prepared(self, timeout_s: float) -> None:
+        """Wait for `prepare`'s step (asked for here if the sender did not); StagingError if it
+        failed, did not end in time, or a receive before it failed."""
+        self.prepare()
+        if not self._prepared.wait(timeout_s):
+            raise StagingError(f"the staged version was not prepared within {timeout_s:g} s")
+        if self.error is not None:
+            raise StagingError(f"the staged weight version failed: {type(self.error).__name__}: "
+                               f"{self.error}") from self.error
+
     def _run(self) -> None:
+        try:
+            self._receive_all()
+        finally:
+            self._prepared.set()         # the thread ended (a take, an abandon): nothing is pending
+
+    def _receive_all(self) -> None:
         while True:
             meta = self._queue.get()
             if meta is None:
                 return
+            if isinstance(meta, _Prepare):
+                if self.error is None and self.group is not None and meta.then is not None:
+                    try:
+                        meta.then(self.buckets)
+                    except BaseException as err:  # noqa: BLE001 - the swap raises it
+                        self.error = err
+                self._prepared.set()
+                continue
             group = self.group
             if self.error is not None or group is None:
                 continue                 # drain: nothing more is received after a failure
@@ -102,6 +145,13 @@ class StagingArea:
         self._queue.put(None)
 
 
+class _Prepare:
+    """The receiver queue's marker for `StagingArea.prepare`."""
+
+    def __init__(self, then):
+        self.then = then
+
+
 class ShardedStaging:
     """A sharded push's staging on one worker: one StagingArea per trainer sender (weight-group
     ranks 0 .. senders-1, each with its chain through every worker: order [s, senders, ...,
@@ -119,6 +169,44 @@ class ShardedStaging:
             self.assembler.add(pieces.unpack(meta, buf))
         self.areas = [StagingArea(group, buffers[s], [s] + workers, s * self.TAG_STRIDE, place)
                       for s in range(senders)]
+        self.error: BaseException | None = None
+        self._prepare: threading.Thread | None = None
+        self._prepared = threading.Event()
+
+    def prepare(self, then=None) -> None:
+        """Once: after every sender's receives queued so far, `then(full HF tensors)` on a thread
+        of its own; `prepared()` is true after it."""
+        if self._prepare is not None:
+            return
+        for area in self.areas:
+            area.prepare()
+
+        def run():
+            try:
+                for area in self.areas:
+                    area._prepared.wait()
+                errors = [a.error for a in self.areas if a.error is not None]
+                if errors:
+                    self.error = errors[0]
+                elif then is not None and not self.abandoned:
+                    then(self.assembler.tensors())
+            except BaseException as err:  # noqa: BLE001 - the swap raises it
+                self.error = err
+            finally:
+                self._prepared.set()
+        self._prepare = threading.Thread(target=run, name="megarl-weight-prepare", daemon=True)
+        self._prepare.start()
+
+    def prepared(self) -> bool:
+        return self._prepared.is_set()
+
+    def wait_prepared(self, timeout_s: float) -> None:
+        self.prepare()
+        if not self._prepared.wait(timeout_s):
+            raise StagingError(f"the staged weight version was not prepared within {timeout_s:g} s")
+        if self.error is not None:
+            raise StagingError(f"the staged weight version failed: {type(self.error).__name__}: "
+                               f"{self.error}") from self.error
 
     def receive(self, sender: int, metas: list) -> None:
         if not 0 <= sender < len(self.areas):
