@@ -21,6 +21,7 @@ LOG = os.environ.get("MEGARL_BENCH_SWAP_LOG", "")
 TARGET = "megarl.rollout.weights.gloo_backend"
 _now: dict = {}                  # the finish being timed (one per worker process at a time)
 _recv: list = []                 # staging receives since the last finish: (t0, t1, bytes)
+_prep: list = []                 # the shadow's loads / finish and the readiness asks: (what, t0, t1)
 _lock = threading.Lock()
 
 
@@ -45,6 +46,21 @@ def _patch(mod) -> None:
     for area in (staging.StagingArea, staging.ShardedStaging):
         area.wait_prepared = _timed(area.wait_prepared, "prepared_s")
     shadow.Shadow.swap = _timed(shadow.Shadow.swap, "swap_s")
+
+    def spanned(fn, what):
+        def wrapper(*a, **k):
+            t = time.time()
+            out = None
+            try:
+                out = fn(*a, **k)
+                return out
+            finally:
+                with _lock:
+                    _prep.append((what if out is None else f"{what}={out}", t, time.time()))
+        return wrapper
+    shadow.Shadow.load = spanned(shadow.Shadow.load, "load")
+    shadow.Shadow.finish = spanned(shadow.Shadow.finish, "finish")
+    mod.GlooWeightTransferEngine.staged_ready = spanned(mod.GlooWeightTransferEngine.staged_ready, "ready")
     real_pass = group.chain_pass
 
     def chain_pass(g, tensor, *args, **kwargs):   # every signature of group.chain_pass
@@ -76,6 +92,7 @@ def _patch(mod) -> None:
                                                                              "prepared_s", "swap_s"))
             with _lock:
                 rec["recv"], _recv[:] = list(_recv), []
+                rec["prep"], _prep[:] = list(_prep), []
             if LOG:
                 with open(LOG, "a") as f:
                     f.write(json.dumps(rec) + "\n")

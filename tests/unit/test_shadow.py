@@ -212,6 +212,37 @@ def test_a_failed_load_leaves_the_live_model_and_its_loaders_as_they_were():
     assert same(state(live), state(reference))
 
 
+def test_fed_weights_load_in_slices_and_a_failure_is_raised_by_the_swap_touching_nothing(monkeypatch):
+    """The engine's thread loads what the staging thread fed, a chunk or more per `advance`
+    (every call makes progress, even with no time left); the shadow is ready only once it was
+    told nothing more comes and everything is loaded. A load that fails makes it ready with
+    the error, which the swap raises, the live model untouched."""
+    monkeypatch.setattr(shadow, "CHUNK", 4)
+    live, reference = built(), built()
+    in_place(reference, hf(1))
+    before = state(live)
+    s = shadow.Shadow(live)
+    s.feed(hf(1))
+    left = []
+    while not s.advance(0.0):
+        left.append(len(s._pending))
+        if not s._pending:
+            s.complete()
+        assert len(left) < 50
+    assert left == [6, 2, 0]                 # a chunk per call; the call after `complete` finishes
+    assert same(state(live), before)
+    s.swap()
+    assert same(state(live), state(reference))
+
+    broken = shadow.Shadow(live)
+    broken.feed(hf(2)[:3] + [("no.such.weight", torch.zeros(1))])
+    broken.complete()
+    assert broken.advance() and isinstance(broken.error, KeyError)
+    with pytest.raises(shadow.ShadowError, match="could not be prepared"):
+        broken.swap()
+    assert same(state(live), state(reference))
+
+
 def test_a_quantized_model_is_refused_for_the_in_place_path():
     assert not shadow.supported(types.SimpleNamespace(quantization="fp8"))
     assert not shadow.supported(None)          # not a vLLM model: nothing is known of its layers

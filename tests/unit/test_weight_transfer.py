@@ -369,6 +369,52 @@ def test_an_engine_dying_at_the_swap_is_retired_and_the_others_take_the_version(
         loop.stop()
 
 
+class Preparing(WireEngine):
+    """A staged engine whose version is prepared only after `polls` asks of `staged_ready`
+    (what megarl's workers answer while they process the shadow: rollout/weights/shadow.py);
+    `broken`: its answer is an error (an engine that cannot tell)."""
+
+    def __init__(self, name, clock, polls, broken=False, **kw):
+        super().__init__(name, clock, **kw)
+        self.polls, self.broken, self.asked, self.paused_when_asked = polls, broken, 0, []
+
+    async def staged_ready(self):
+        self.asked += 1
+        self.paused_when_asked.append(self.paused)
+        if self.broken:
+            raise EngineError(f"engine {self.name}: /collective_rpc answered HTTP 500")
+        return self.asked > self.polls
+
+    async def finish_weight_update(self, version):
+        self.ready_at_finish = self.broken or self.asked > self.polls
+        await super().finish_weight_update(version)
+
+
+def test_a_staged_swap_pauses_only_once_every_engine_prepared_its_version(fake_source):
+    """Contract (swap.await_prepared): after the last bucket, rank 0 asks every engine whether
+    its staged version is prepared, while they generate, and pauses for the swap only once each
+    said yes; an engine whose answer fails is left to the swap. Unstaged, nobody is asked."""
+    clock = Clock()
+    engines = [Preparing("slow", clock, polls=3), Preparing("quick", clock, polls=0),
+               Preparing("mute", clock, polls=0, broken=True)]
+    sp, loop = open_sync_pool(engines)
+    t = transport(sp)
+    try:
+        t.push(None, None, 1)
+        assert all(same_weights(e) and e.version == 1 for e in engines)
+        assert [e.asked for e in engines] == [4, 1, 1]            # asked again only while not ready
+        assert all(e.ready_at_finish for e in engines)
+        assert not any(p for e in engines for p in e.paused_when_asked)   # asked while generating
+        t2 = transport(sp, staged=False)
+        before = [e.asked for e in engines]
+        t2.push(None, None, 2)
+        assert [e.asked for e in engines] == before and all(e.version == 2 for e in engines)
+        t2.close()
+    finally:
+        t.close()
+        loop.stop()
+
+
 def test_a_replacement_waiting_to_join_gets_an_unstaged_push_and_a_staged_swap_leaves_it_waiting(fake_source):
     """A replacement needs the whole version while paused: a push that finds one waiting is
     not staged (it admits it); one arriving during a staged push's wire waits for the next."""

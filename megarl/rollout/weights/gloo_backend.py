@@ -22,11 +22,11 @@ the worker's staging area (staging.py), whose thread receives it while the engin
 `start_weight_update` opens the area and `finish_weight_update`, called with the engine paused,
 loads every staged bucket inside one layerwise reload: the pause is the local load only.
 
-Prepared staging (unquantized models: shadow.py): each staged bucket is loaded, as it arrives,
-into a shadow of the model's layers on the staging thread; the worker method
-`engines/staged_swap.READY`, which the sender polls before pausing the engines, asks for the
-shadow's last layers to be processed and answers whether that ended. `finish_weight_update`
-then only swaps the prepared tensors in: the pause no longer holds the load.
+Prepared staging (unquantized models: shadow.py): each staged bucket is queued, as it arrives,
+for a shadow of the model's layers; the worker method `engines/staged_swap.READY`, which the
+sender polls before pausing the engines, loads into the shadow for a slice of time on the
+engine's thread and answers whether it is complete. `finish_weight_update` then only swaps the
+prepared tensors in: the pause no longer holds the load.
 """
 from __future__ import annotations
 
@@ -37,7 +37,12 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from megarl.rollout.weights import group, packing, shadow
 from megarl.rollout.weights.pieces import PieceMeta
-from megarl.rollout.weights.staging import ShardedStaging, StagingArea
+from megarl.rollout.weights.staging import ShardedStaging, StagingArea, StagingError
+
+
+# a staged version's load into the shadow, per readiness poll (on the engine's thread, between its
+# model steps): long enough that the poll's own cost is small beside it, short beside a step
+PREPARE_SLICE_S = 0.05
 
 
 @dataclass
@@ -115,8 +120,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             prepared = self.shadow = (shadow.Shadow(self.model) if shadow.supported(self.model_config) else None)
             if self.senders > 1:
                 self.staging = ShardedStaging(self.group, self.senders, self.staged_tensors, self.sender_buffers)
-            else:                        # each bucket into the shadow as it arrives
-                load = (lambda meta, buf: prepared.load(packing.unpack(meta, buf))) if prepared else None
+            else:                        # each bucket queued for the shadow as it arrives
+                load = (lambda meta, buf: prepared.feed(packing.unpack(meta, buf))) if prepared else None
                 self.staging = StagingArea(self.group, self.staging_buffers, on_bucket=load)
             return
         # the layerwise reload opens at the first load (_load_pending): an adapters push loads none
@@ -131,9 +136,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             prepared, self.shadow = self.shadow, None
             if prepared is not None:     # the swap only: prepared while the engine generated
                 staging.prepare(self._then(prepared))   # (asked for already where the sender polled)
-                staging.wait_prepared(self.timeout_s)   # raises, touching nothing, if it failed
+                staging.wait_prepared(self.timeout_s)   # raises, touching nothing, if a receive failed
                 staging.take(self.timeout_s)
-                prepared.swap()
+                try:
+                    prepared.swap()      # loads what the polls left, then swaps; raises, touching nothing
+                except shadow.ShadowError as err:
+                    raise StagingError(str(err)) from err
                 return
             staged = staging.take(self.timeout_s)   # raises, loading nothing, if a receive failed
             initialize_layerwise_reload(self.model)
@@ -155,25 +163,31 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def staged_ready(self) -> bool:
         """Whether the open staged session's version is ready for the swap (a failed one too:
-        the swap raises it). Asks for its preparation, once, on the staging thread: the sender
-        calls this (engines/staged_swap.READY) after its last bucket is on the wire."""
+        the swap raises it). The sender calls this (engines/staged_swap.READY) once its last
+        bucket is on the wire, again and again until true: each call, on the engine's thread
+        between model steps, loads into the shadow for up to PREPARE_SLICE_S."""
         staging, prepared = self.staging, self.shadow
         if staging is None or staging.abandoned:
             return True
         staging.prepare(self._then(prepared))
-        return staging.prepared()
+        if prepared is None:
+            return staging.prepared()
+        if staging.prepared() and staging.error is not None:
+            return True
+        ready = prepared.advance(PREPARE_SLICE_S)
+        return ready and staging.prepared()
 
     def _then(self, prepared):
-        """What ends a session's preparation: the shadow's last layers (sharded: its whole load,
-        from the assembled tensors); nothing without a shadow (the swap loads)."""
+        """What ends a session's receives, on the staging thread: the shadow told that nothing
+        more comes (sharded: fed the assembled tensors first); nothing without a shadow."""
         if prepared is None:
             return None
         if self.senders > 1:
-            def load_all(tensors):
-                prepared.load(list(tensors.items()))
-                prepared.finish()
-            return load_all
-        return lambda _buckets: prepared.finish()
+            def feed_all(tensors):
+                prepared.feed(list(tensors.items()))
+                prepared.complete()
+            return feed_all
+        return lambda _buckets: prepared.complete()
 
     def take_adapter(self) -> tuple | None:
         """The last finished session's adapter (PEFT tensors, spec), once; None if it had none."""

@@ -4,9 +4,14 @@ A staged update (staging.py) receives the new version while the engine generates
 it is most of the work: vLLM's loaders shard, fuse and cast every HF tensor, and the CPU backend
 then repacks each linear weight for oneDNN (its `process_weights_after_loading`). Done in the
 pause, that load was 0.30-0.35 s of a 0.37-0.42 s staged pause (bench/RESULTS.md). A `Shadow`
-does all of it off the engine's thread, into copies of the model's layers, and the swap
-(`swap`, the engine paused) only hands each live layer its prepared tensors and the state its
-processing made (the CPU linear's repacked handle, `cpu_linear`).
+does all of it before the pause, into copies of the model's layers, and the swap (`swap`, the
+engine paused) only hands each live layer its prepared tensors and the state its processing
+made (the CPU linear's repacked handle, `cpu_linear`).
+
+Who does the work: the staging thread `feed`s what it received; the engine's own thread
+`advance`s the load in slices between its model steps (the sender's readiness polls,
+engines/staged_swap.py), so generation goes on, slower, and no thread waits on the GIL behind
+the engine's kernels.
 
 How it stays vLLM's own load:
 - `load` runs the model's own `load_weights` on the live model, with every live tensor's
@@ -16,7 +21,7 @@ How it stays vLLM's own load:
   with tensors of its own, restored from the metadata vLLM records at model load for its
   layerwise reload (reload/meta.py), and vLLM's online processing (reload/layerwise.py) loads
   and processes it once its last element arrived, as a reload would process the live layer.
-  Layers that wait on padding are processed by `finish`, still off the engine's thread.
+  Layers that wait on padding are processed by `finish`, in the last slice before the pause.
 - `swap`: on CUDA each tensor is copied into the live one's storage (captured CUDA graphs
   read those addresses), elsewhere the live tensor takes the prepared storage (no copy); the
   attributes processing set (not tensors) are handed over too.
@@ -28,14 +33,18 @@ per worker, from the first staged bucket to the swap (the old tensors are freed 
 """
 from __future__ import annotations
 
+import collections
 import copy
 import threading
+import time
 from types import MethodType
 
 import torch
 
 # the module attributes that hold a layer's tensors and children: its shadow has its own
 _STATE = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+# HF tensors per load_weights call of `advance` (each call walks the model's parameters once)
+CHUNK = 16
 
 
 class ShadowError(RuntimeError):
@@ -72,9 +81,10 @@ def _like(tensor: torch.Tensor, layer, shadow, loader=None) -> torch.Tensor:
 
 
 class Shadow:
-    """One version's shadow of a vLLM model. `load(weights)` (any thread but the engine's;
-    one at a time) may be called for each bucket; `finish()` ends the preparation; `swap()`
-    (engine paused) puts it in. Raises ShadowError where the model cannot be shadowed."""
+    """One version's shadow of a vLLM model. `feed(weights)` queues what arrived, `complete()`
+    says nothing more comes, `advance(budget_s)` loads for a while (`load` loads at once);
+    `swap()` (engine paused) loads the rest and puts it in. Raises ShadowError where the model
+    cannot be shadowed."""
 
     def __init__(self, model, model_config=None):
         if model_config is not None and getattr(model_config, "quantization", None) is not None:
@@ -87,9 +97,52 @@ class Shadow:
         for layer in model.modules():
             for name, tensor in _tensors(layer).items():
                 self._owners.setdefault(id(tensor), []).append((layer, name))
-        self.finished = False
+        self._pending: collections.deque = collections.deque()   # fed (name, tensor), not yet loaded
+        self.completed = False           # nothing more will be fed
+        self.finished = False            # every layer processed
+        self.error: BaseException | None = None
 
     # -- preparing -------------------------------------------------------------------------
+    def feed(self, weights) -> None:
+        """Queue HF (name, tensor) pairs to load (any thread: the staging thread feeds what it
+        received); `advance` loads them."""
+        if self.completed:
+            raise ShadowError("weights fed after the shadow's last bucket")
+        self._pending.extend(weights)
+
+    def complete(self) -> None:
+        """Nothing more will be fed: `advance` finishes the shadow once the queue is empty."""
+        self.completed = True
+
+    @property
+    def ready(self) -> bool:
+        return self.finished or self.error is not None
+
+    def advance(self, budget_s: float = float("inf")) -> bool:
+        """Load queued weights for about `budget_s` (whole chunks of CHUNK tensors), then, once
+        everything was fed and loaded, process the waiting layers (`finish`). Runs on the
+        engine's own thread, between its model steps: a thread beside it waits for the GIL
+        behind the engine's kernels (measured: a 0.5 s load took up to 12 s beside generation),
+        where slices between steps take the load's own time. Returns `ready`; a failure is
+        kept in `error` (and the shadow is ready: the swap raises it)."""
+        if self.ready:
+            return True
+        deadline = time.perf_counter() + budget_s
+        loaded = False
+        try:
+            while self._pending:             # at least one step per call: every poll makes progress
+                chunk = [self._pending.popleft() for _ in range(min(CHUNK, len(self._pending)))]
+                self.load(chunk)
+                loaded = True
+                if time.perf_counter() >= deadline:
+                    break
+            if self.completed and not self._pending and (not loaded or time.perf_counter() < deadline):
+                self.finish()
+        except BaseException as err:  # noqa: BLE001 - the swap raises it
+            self.error = err
+            self._pending.clear()
+        return self.ready
+
     def load(self, weights) -> None:
         """The model's own load_weights, every load landing in the shadow."""
         with self._lock:
@@ -178,9 +231,14 @@ class Shadow:
 
     # -- the swap --------------------------------------------------------------------------
     def swap(self) -> int:
-        """Put every prepared layer in (engine paused). Returns how many layers changed."""
-        if not self.finished:
-            self.finish()
+        """Put every prepared layer in (engine paused): what is still queued is loaded first.
+        Returns how many layers changed; raises ShadowError, changing nothing, where the
+        preparation failed."""
+        self.complete()
+        self.advance()
+        if self.error is not None:
+            raise ShadowError(f"the next version could not be prepared: {type(self.error).__name__}: "
+                              f"{self.error}") from self.error
         for layer, shadow in self._shadows.values():
             live = _tensors(layer)
             for name, new in _tensors(shadow).items():

@@ -17,20 +17,33 @@ which is how vLLM's still-open session is closed before the next one starts (eng
 STALE_SESSION). Memory: one more copy of the model's HF tensors per worker until the next swap
 (its buffers are reused push after push once vLLM holds no view of them: packing.ReceiveBuffers).
 
-Prepared (the gloo backend with a shadow.Shadow, unquantized models): each bucket is loaded
-into the shadow as it arrives, and `prepare(then)`, asked for by the sender once every bucket
-is on the wire (the worker method engines/staged_swap.READY), runs `then` on the receiver thread
-after the last receive: the shadow's last layers are processed before the engine is paused, and
-the swap only exchanges tensors. `prepared()` answers whether that ended.
+Prepared (the gloo backend with a shadow.Shadow, unquantized models): each bucket is queued
+for the shadow as it arrives (the engine's thread loads it: shadow.py), and `prepare(then)`,
+asked for by the sender once every bucket is on the wire (the worker method
+engines/staged_swap.READY), runs `then` on the receiver thread after the last receive (the
+shadow learns that nothing more comes). `prepared()` answers whether that ended.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 
 from megarl.rollout.weights import group as wgroup
 from megarl.rollout.weights import packing
+
+
+def unpin_thread() -> None:
+    """Let the calling thread run on every CPU this process may use. vLLM's CPU backend pins
+    each worker's thread to its cores (VLLM_CPU_OMP_THREADS_BIND) and a thread it starts
+    inherits that: the staging thread's receive (and its forward down the chain) would share
+    one core with the engine's model steps. Where the OS refuses (or has no such call), the
+    thread keeps its CPUs."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 class StagingError(RuntimeError):
@@ -87,6 +100,7 @@ class StagingArea:
                                f"{self.error}") from self.error
 
     def _run(self) -> None:
+        unpin_thread()
         try:
             self._receive_all()
         finally:
@@ -182,6 +196,7 @@ class ShardedStaging:
             area.prepare()
 
         def run():
+            unpin_thread()
             try:
                 for area in self.areas:
                     area._prepared.wait()
