@@ -25,8 +25,10 @@ the pause, and the pause by parts from the trainer side (calls wrapped on rank 0
 begin_update (pause + hold: every engine's /pause and its wait for the held tokens), per engine
 /finish_weight_update, /reset_prefix_cache, /update_weight_version (the slowest engine's), and
 end_update (/resume); from the worker side (bench/staged_swap_hook, in the servers): the
-finish's wait for the last staged receive (take_s), the layerwise reload's set-up, loads and
-finalisation, and when each staged receive ran (wall clock, against the pause's start).
+finish's wait for the last staged receive (take_s) and for the prepared version (prepared_s),
+the shadow's swap (swap_s), the layerwise reload's set-up, loads and finalisation (unstaged),
+and when each staged receive ran (wall clock, against the pause's start); the raw log also
+holds the shadow's loads and the readiness polls (`prep`).
 """
 from __future__ import annotations
 

@@ -34,14 +34,15 @@
    load cost apart.
 
 --staged-compare: today's push (weight_sync.staged=false: the engines pause for the whole push)
-against the staged one (the version travels into each engine's staging area while it generates;
-the engines pause only for the swap), into the same 2 local vLLM servers
+against the staged one (the version travels into each engine's staging area and is loaded into
+a shadow of its model while it generates; the engines pause only for the swap), into the same 2 local vLLM servers
 (rollout.engines.mode=local_servers, rollout.update_mode=keep) with --in-flight requests per
 engine generating through the push, from a 1-rank trainer (TP=1), --repeats pushes per route,
 the order alternating (bench/staged_push_probe.py). Reports per route the median pause
 (sync_paused_s), total push (sync_time_s) and tokens generated during the push, the ratios
 (targets: paused staged / unstaged <= 0.25, total <= 1.2) and the pause by parts (begin_update,
-the worker's wait for its last staged receive, the load, the prefix reset, end_update).
+the worker's wait for its last staged receive and for the prepared version, the swap, the load
+(unstaged), the prefix reset, end_update).
 """
 from __future__ import annotations
 

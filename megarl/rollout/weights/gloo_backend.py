@@ -39,7 +39,6 @@ from megarl.rollout.weights import group, packing, shadow
 from megarl.rollout.weights.pieces import PieceMeta
 from megarl.rollout.weights.staging import ShardedStaging, StagingArea, StagingError
 
-
 # a staged version's load into the shadow, per readiness poll (on the engine's thread, between its
 # model steps): long enough that the poll's own cost is small beside it, short beside a step
 PREPARE_SLICE_S = 0.05
