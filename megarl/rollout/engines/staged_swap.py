@@ -1,12 +1,12 @@
 """The sender's wait for a staged version to be ready before it pauses the engines (the engine
 side of weight_sync.staged: rollout/weights/gloo_backend.py, shadow.py).
 
-A staged push's buckets are loaded into a shadow of the model while the engine generates, and
-the last layers are processed after the last bucket arrives. Pausing the engines at once would
-put that processing in the pause; so the sender asks every engine's workers (`READY`, a worker
-method called through collective_rpc: between model steps, returning at once) whether their
-staged version is ready, and pauses only when every one is, or when its wait runs out (the
-swap then waits for the rest, paused). The first call also starts the preparation.
+A staged push's buckets are queued beside each worker's model as they arrive, to be loaded into
+a shadow of it. Pausing the engines at once would put that load in the pause; so the sender
+asks every engine's workers (`READY`, a worker method called through collective_rpc: it runs on
+the engine's thread between model steps) until each says its version is ready. Each call loads
+a slice of the queue into the shadow (gloo_backend.PREPARE_SLICE_S) before it answers, so the
+engine generates between the slices; where the wait runs out, the swap loads the rest, paused.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The engines' side of a push's end, on trainer rank 0: the wait for staged versions to be
 ready, then the pause that holds the swap (collective.py and sharded.py share both).
 
-`await_prepared`: a staged push's buckets are loaded into a shadow of each engine's model while
-it generates (rollout/weights/shadow.py); the last layers are processed once the last bucket
-arrived. Pausing at once would hold that processing in the pause, so rank 0 polls every engine
-(`Engine.staged_ready`, a worker method that returns at once: engines/staged_swap.py) and pauses
-when each is ready. `Pause`: the pause itself, timed (`sync_paused_s`).
+`await_prepared`: a staged push's buckets are queued beside each engine's model, to be loaded
+into a shadow of it (rollout/weights/shadow.py). Pausing at once would hold that load in the
+pause, so rank 0 polls every engine (`Engine.staged_ready`, a worker method: engines/
+staged_swap.py), each poll loading a slice on the engine's thread between its model steps, and
+pauses when each is ready. `Pause`: the pause itself, timed (`sync_paused_s`).
 """
 from __future__ import annotations
 
