@@ -50,7 +50,24 @@ class StagingError(RuntimeError):
     """The staged version cannot be swapped in (a receive failed or did not end in time)."""
 
 
-class StagingArea:
+class _Prepared:
+    """`prepare`'s end, shared by both kinds of staging (`_prepared`: an Event; `error`)."""
+
+    def prepared(self) -> bool:
+        return self._prepared.is_set()
+
+    def wait_prepared(self, timeout_s: float) -> None:
+        """Wait for `prepare`'s step (asked for here if the sender did not); StagingError if it
+        failed, did not end in time, or a receive before it failed."""
+        self.prepare()
+        if not self._prepared.wait(timeout_s):
+            raise StagingError(f"the staged weight version was not prepared within {timeout_s:g} s")
+        if self.error is not None:
+            raise StagingError(f"the staged weight version failed: {type(self.error).__name__}: "
+                               f"{self.error}") from self.error
+
+
+class StagingArea(_Prepared):
     """One session's staged buckets on one worker. `receive(meta)` queues a bucket (the
     receiver thread takes its part of the chain broadcast); `take(timeout_s)` waits for every
     queued receive and returns the buckets in order, or raises StagingError."""
@@ -86,18 +103,6 @@ class StagingArea:
         self._prepare_asked = True
         self._queue.put(_Prepare(then))
 
-    def prepared(self) -> bool:
-        return self._prepared.is_set()
-
-    def wait_prepared(self, timeout_s: float) -> None:
-        """Wait for `prepare`'s step (asked for here if the sender did not); StagingError if it
-        failed, did not end in time, or a receive before it failed."""
-        self.prepare()
-        if not self._prepared.wait(timeout_s):
-            raise StagingError(f"the staged version was not prepared within {timeout_s:g} s")
-        if self.error is not None:
-            raise StagingError(f"the staged weight version failed: {type(self.error).__name__}: "
-                               f"{self.error}") from self.error
 
     def _run(self) -> None:
         unpin_thread()
@@ -166,7 +171,7 @@ class _Prepare:
         self.then = then
 
 
-class ShardedStaging:
+class ShardedStaging(_Prepared):
     """A sharded push's staging on one worker: one StagingArea per trainer sender (weight-group
     ranks 0 .. senders-1, each with its chain through every worker: order [s, senders, ...,
     world-1], its own tags), all placing their pieces into one Assembler of full HF tensors."""
@@ -212,16 +217,6 @@ class ShardedStaging:
         self._prepare = threading.Thread(target=run, name="megarl-weight-prepare", daemon=True)
         self._prepare.start()
 
-    def prepared(self) -> bool:
-        return self._prepared.is_set()
-
-    def wait_prepared(self, timeout_s: float) -> None:
-        self.prepare()
-        if not self._prepared.wait(timeout_s):
-            raise StagingError(f"the staged weight version was not prepared within {timeout_s:g} s")
-        if self.error is not None:
-            raise StagingError(f"the staged weight version failed: {type(self.error).__name__}: "
-                               f"{self.error}") from self.error
 
     def receive(self, sender: int, metas: list) -> None:
         if not 0 <= sender < len(self.areas):
