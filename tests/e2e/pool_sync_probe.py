@@ -115,22 +115,44 @@ def start_held(mode: str, pool):
 def hold_at_the_swap(mode: str, pool, held: dict) -> None:
     """Rank 0: the pool's next begin_update (the pause: with weight_sync.staged, the swap at the
     push's end, after the engines generated through the wire) first starts a long request on
-    the engine and waits until it streams, so the swap always finds it in flight; (request, its
-    future) in `held[mode]`. The wrapper removes itself."""
+    the engine and waits until it streams, so the swap finds it in flight; (request, its
+    future) in `held[mode]`. The wrapper removes itself.
+
+    The precondition is checked, not assumed: on a loaded machine a server's stream can reach
+    this client late, the whole request at once, after the server ended it (seen: 200 tokens,
+    all before the pause). So after the pause the request must still be held by the server
+    (its own count, engines/held_tokens.py; in-process: not ended); else the engine resumes and
+    another request is tried, up to 5."""
     import asyncio
 
     from megarl.rollout.engines.engine import GenRequest
     original = pool.pool.begin_update
+    engine = pool.engines[0]
+
+    async def held_by_the_server(req, fut) -> bool:
+        counts = await engine.held_counts() if hasattr(engine, "held_counts") else None
+        return req.key in counts if counts is not None else not fut.done()
 
     async def begin_update(*args, **kwargs):
         pool.pool.begin_update = original
-        req = GenRequest(f"held-{mode}", [1, 7, 9, 11, 13], 200, TEMPERATURE, seed=3, ignore_eos=True)
-        fut = asyncio.run_coroutine_threadsafe(pool.pool.generate(req, pool.engines[0]), asyncio.get_running_loop())
-        while (part := pool.pool.partial(req.key)) is None or len(part.token_ids) < 3:
-            assert not fut.done(), f"{mode}: the held request ended before it streamed"
-            await asyncio.sleep(0.002)
-        held[mode] = (req, fut)
-        return await original(*args, **kwargs)
+        engines = None
+        for attempt in range(5):
+            req = GenRequest(f"held-{mode}-{attempt}", [1, 7, 9, 11, 13], 200, TEMPERATURE, seed=3,
+                             ignore_eos=True)
+            fut = asyncio.run_coroutine_threadsafe(pool.pool.generate(req, engine), asyncio.get_running_loop())
+            while (part := pool.pool.partial(req.key)) is None or len(part.token_ids) < 3:
+                if fut.done():
+                    break
+                await asyncio.sleep(0.002)
+            if engines is None:
+                engines = await original(*args, **kwargs)
+            else:
+                await engine.pause()
+            if await held_by_the_server(req, fut):
+                held[mode] = (req, fut)
+                return engines
+            await engine.resume()       # it ended before the pause held it: try another
+        raise AssertionError(f"{mode}: no request was still generating when the engine paused, in 5 tries")
     pool.pool.begin_update = begin_update
 
 
