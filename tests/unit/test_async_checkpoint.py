@@ -54,6 +54,11 @@ def open_rollout(update_mode: str = "abort", step_multiple: int = 1):
 
 
 def close(rollout, clock):
+    # the engines first, the clock still running: closing aborts what still runs (a prefetched
+    # round), and an aborted request ends at its next tick (with the clock stopped first, the
+    # close waited for those requests until its 120 s bound: seen once in a loaded full run)
+    rollout.pool.call(rollout.pool.pool.close(), "closing the engines")
+
     async def stop():
         clock.stop()
     rollout.pool.call(stop(), "stopping the clock")
