@@ -34,12 +34,14 @@ per worker, from the first staged bucket to the swap (the old tensors are freed 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
-import threading
 import time
 from types import MethodType
 
 import torch
+from vllm.model_executor.model_loader.reload.layerwise import _get_weight_loader
+from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
 # the module attributes that hold a layer's tensors and children: its shadow has its own
 _STATE = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
@@ -87,16 +89,19 @@ class Shadow:
     cannot be shadowed."""
 
     def __init__(self, model, model_config=None):
-        if model_config is not None and getattr(model_config, "quantization", None) is not None:
+        if model_config is not None and not supported(model_config):
             raise ShadowError(f"a quantized model ({model_config.quantization}) is reloaded in place")
         self.model = model
-        self._lock = threading.Lock()
         self._shadows: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}   # id(live) -> (live, shadow)
-        self._owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
-        self._loaders: dict[int, object] = {}   # id(live tensor) -> its own loader, while `load` runs
+        self._owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}   # id(live tensor) -> its layers
+        live: dict[int, torch.Tensor] = {}   # every live tensor once (tied ones are shared)
         for layer in model.modules():
-            for name, tensor in _tensors(layer).items():
+            for name, tensor in get_layer_tensors(layer).items():
                 self._owners.setdefault(id(tensor), []).append((layer, name))
+                live[id(tensor)] = tensor
+        # each one's own loader and its redirect: made once, installed per slice (`_redirected`)
+        self._loaders = {i: getattr(t, "weight_loader", None) or _MISSING for i, t in live.items()}
+        self._redirects = [(t, self._redirect(t)) for t in live.values()]
         self._pending: collections.deque = collections.deque()   # fed (name, tensor), not yet loaded
         self.completed = False           # nothing more will be fed
         self.finished = False            # every layer processed
@@ -130,12 +135,14 @@ class Shadow:
         deadline = time.perf_counter() + budget_s
         loaded = False
         try:
-            while self._pending:             # at least one step per call: every poll makes progress
-                chunk = [self._pending.popleft() for _ in range(min(CHUNK, len(self._pending)))]
-                self.load(chunk)
-                loaded = True
-                if time.perf_counter() >= deadline:
-                    break
+            if self._pending:
+                with self._redirected():
+                    while self._pending:     # at least one chunk per call: every poll makes progress
+                        self.model.load_weights([self._pending.popleft()
+                                                 for _ in range(min(CHUNK, len(self._pending)))])
+                        loaded = True
+                        if time.perf_counter() >= deadline:
+                            break
             if self.completed and not self._pending and (not loaded or time.perf_counter() < deadline):
                 self.finish()
         except BaseException as err:  # noqa: BLE001 - the swap raises it
@@ -145,22 +152,22 @@ class Shadow:
 
     def load(self, weights) -> None:
         """The model's own load_weights, every load landing in the shadow."""
-        with self._lock:
-            if self.finished:
-                raise ShadowError("the shadow was already finished")
-            restore = []
-            for layer in self.model.modules():
-                for tensor in _tensors(layer).values():
-                    if id(tensor) in self._loaders:
-                        continue        # tied (embeddings and lm_head share one)
-                    self._loaders[id(tensor)] = getattr(tensor, "weight_loader", None) or _MISSING
-                    restore.append(tensor)
-                    tensor.weight_loader = self._redirect(tensor)
-            try:
-                self.model.load_weights(weights)
-            finally:
-                for tensor in restore:
-                    _set_loader(tensor, self._loaders.pop(id(tensor)))
+        if self.finished:
+            raise ShadowError("the shadow was already finished")
+        with self._redirected():
+            self.model.load_weights(weights)
+
+    @contextlib.contextmanager
+    def _redirected(self):
+        """Every live tensor's weight loader sends its loads to the shadow, for the block's length
+        (the engine reads the live tensors meanwhile; only these attributes change)."""
+        for tensor, redirect in self._redirects:
+            tensor.weight_loader = redirect
+        try:
+            yield
+        finally:
+            for tensor, _ in self._redirects:
+                _set_loader(tensor, self._loaders[id(tensor)])
 
     def _redirect(self, live: torch.Tensor):
         owners = self._owners.get(id(live), [])
@@ -171,10 +178,10 @@ class Shadow:
             ret = None
             for layer, name in owners:
                 shadow = self._shadow(layer)
-                target = _tensors(shadow).get(name)
+                target = get_layer_tensors(shadow).get(name)
                 if target is None:
                     raise ShadowError(f"{type(layer).__name__}.{name} has no recorded layout to load into")
-                ret = _loader(target)(target, *args, **kwargs)
+                ret = _get_weight_loader(target)(target, *args, **kwargs)
             return ret
         return shadow_loader
 
@@ -221,13 +228,12 @@ class Shadow:
         """Process the layers still waiting (those whose padding is never loaded), as vLLM's
         finalize does; the shadow is complete after it."""
         from vllm.model_executor.model_loader.reload import layerwise
-        with self._lock:
-            for _, shadow in self._shadows.values():
-                info = layerwise.get_layerwise_info(shadow)
-                if info.can_load() and info.load_numel > 0:
-                    layerwise._layerwise_process(shadow, info)
-                info.reset()
-            self.finished = True
+        for _, shadow in self._shadows.values():
+            info = layerwise.get_layerwise_info(shadow)
+            if info.can_load() and info.load_numel > 0:
+                layerwise._layerwise_process(shadow, info)
+            info.reset()
+        self.finished = True
 
     # -- the swap --------------------------------------------------------------------------
     def swap(self) -> int:
@@ -240,8 +246,8 @@ class Shadow:
             raise ShadowError(f"the next version could not be prepared: {type(self.error).__name__}: "
                               f"{self.error}") from self.error
         for layer, shadow in self._shadows.values():
-            live = _tensors(layer)
-            for name, new in _tensors(shadow).items():
+            live = get_layer_tensors(layer)
+            for name, new in get_layer_tensors(shadow).items():
                 old = live.get(name)
                 if old is new:
                     continue
@@ -263,12 +269,6 @@ class Shadow:
 _MISSING = object()
 
 
-def _tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: t for n, t in layer._parameters.items() if t is not None}
-    out.update((n, t) for n, t in layer._buffers.items() if t is not None)
-    return out
-
-
 def _set_loader(tensor: torch.Tensor, loader) -> None:
     """Give `tensor` this weight loader, or none (_MISSING): a plain attribute, or the property
     of vLLM's parameter classes."""
@@ -281,8 +281,3 @@ def _set_loader(tensor: torch.Tensor, loader) -> None:
             del tensor.weight_loader
         except AttributeError:
             pass
-
-
-def _loader(tensor: torch.Tensor):
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-    return getattr(tensor, "weight_loader", default_weight_loader)

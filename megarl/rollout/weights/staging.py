@@ -25,25 +25,12 @@ shadow learns that nothing more comes). `prepared()` answers whether that ended.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 
 from megarl.rollout.weights import group as wgroup
 from megarl.rollout.weights import packing
-
-
-def unpin_thread() -> None:
-    """Let the calling thread run on every CPU this process may use. vLLM's CPU backend pins
-    each worker's thread to its cores (VLLM_CPU_OMP_THREADS_BIND) and a thread it starts
-    inherits that: the staging thread's receive (and its forward down the chain) would share
-    one core with the engine's model steps. Where the OS refuses (or has no such call), the
-    thread keeps its CPUs."""
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError, ValueError):
-        pass
 
 
 class StagingError(RuntimeError):
@@ -105,7 +92,6 @@ class StagingArea(_Prepared):
 
 
     def _run(self) -> None:
-        unpin_thread()
         try:
             self._receive_all()
         finally:
@@ -201,7 +187,6 @@ class ShardedStaging(_Prepared):
             area.prepare()
 
         def run():
-            unpin_thread()
             try:
                 for area in self.areas:
                     area._prepared.wait()
