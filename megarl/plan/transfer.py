@@ -113,19 +113,17 @@ def staging_place(cfg: RootConfig) -> str:
 
 def staging_bytes(cfg: RootConfig, arch: Arch) -> float:
     """Bytes of one engine worker's staging area: the new version of what the worker holds.
-    On a GPU that is its slice (the bf16 weights / engine TP); on the gloo wire without
-    weight_sync.sharded every worker receives and stages every tensor whole (the model's HF
-    tensors), with sharded sends only its slice. On the gloo wire the worker also prepares the
-    new version beside its model (rollout/weights/shadow.py: one more copy of its weights, from
-    the first bucket to the swap), counted here too. 0 when nothing is staged."""
+    On a GPU that is its slice (the bf16 weights / engine TP). On the gloo wire every worker
+    stages the model's HF tensors whole (received whole, or assembled whole from every sender's
+    pieces with weight_sync.sharded: rollout/weights/pieces.py), and prepares the new version
+    beside its model (rollout/weights/shadow.py: one more copy of its own weights, from the
+    first bucket to the swap). 0 when nothing is staged."""
     place = staging_place(cfg)
     if not place:
         return 0.0
     slice_bytes = mem.engine_weight_bytes(arch, cfg.rollout.engines.tp)
     if place == "host":
-        received = (mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype] if not cfg.weight_sync.sharded
-                    else slice_bytes)
-        return received + slice_bytes
+        return mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype] + slice_bytes
     return slice_bytes
 
 
@@ -134,11 +132,10 @@ def staging_line(cfg: RootConfig, arch: Arch) -> str:
     size = staging_bytes(cfg, arch)
     if not size:
         return ""
-    what = "the worker's slice" if cfg.weight_sync.sharded or staging_place(cfg) == "gpu" else \
-        "every tensor whole (weight_sync.sharded=false)"
     if staging_place(cfg) == "host":
-        return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}, and the version prepared beside "
-                f"the model until the swap) in host memory of every engine worker (gloo wire), not counted on a GPU")
-    return (f"weight_sync.staged: a staging area of {gib(size)} GiB ({what}) per engine GPU, checked in its "
-            f"budget (it takes what would be KV cache); the GPU wires (nccl, ipc) do not stage yet: a push "
+        return (f"weight_sync.staged: a staging area of {gib(size)} GiB (every tensor whole, and the version "
+                f"prepared beside the model until the swap) in host memory of every engine worker (gloo wire), "
+                f"not counted on a GPU")
+    return (f"weight_sync.staged: a staging area of {gib(size)} GiB (the worker's slice) per engine GPU, checked in "
+            f"its budget (it takes what would be KV cache); the GPU wires (nccl, ipc) do not stage yet: a push "
             f"pauses the engines for its whole length there")

@@ -80,3 +80,19 @@ def test_plan_search_through_the_cli(capsys):
     assert any(line[4] == "*" and "6 x 4" in line and " 512 " in line for line in rows)
     tokens = [float(line.split()[-4 if line[4] != "*" else -4]) for line in rows]
     assert tokens == sorted(tokens, reverse=True)
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_host_staging_area_counts_every_tensor_whole_and_the_prepared_copy(sharded):
+    """On the gloo wire every engine worker stages the model's HF tensors whole: unsharded it
+    receives them whole, sharded it assembles the pieces of every sender into full tensors
+    (rollout/weights/pieces.py Assembler). Beside them, the version prepared for the swap
+    (rollout/weights/shadow.py) is one more copy of the worker's own weights."""
+    from megarl.models.arch import resolve_arch
+    from megarl.plan import memory as mem
+    from megarl.plan.transfer import staging_bytes, staging_place
+    cfg = load_config(R70, ["weight_sync.backend=gloo", f"weight_sync.sharded={str(sharded).lower()}"])
+    arch = resolve_arch(cfg)[0]
+    assert staging_place(cfg) == "host"
+    whole = mem.total_params(arch) * mem.DTYPE_BYTES[cfg.model.dtype]
+    assert staging_bytes(cfg, arch) == pytest.approx(whole + mem.engine_weight_bytes(arch, cfg.rollout.engines.tp))
